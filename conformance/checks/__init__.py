@@ -1,0 +1,1 @@
+"""One module per fixture concern; each declares FILES and run(fixture, rec)."""
