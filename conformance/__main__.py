@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                 for res in r.results:
                     if res.status == "superseded":
                         print(f"    superseded {res.case} ({res.section}): {res.detail}")
-        total = sum(len(r.results) for r in reports)
         passed = sum(r.count("passed") for r in reports)
         nfail = sum(r.count(FAILED) for r in reports)
-        print(f"{passed} passed, {nfail} failed")
+        skipped = sum(r.count(NOT_IMPLEMENTED) + r.count("superseded") for r in reports)
+        # Not-implemented and superseded cases are reported as skipped, never as passed.
+        print(f"conformance: {passed} passed, {nfail} failed, {skipped} skipped")
     if missing_required:
         print(f"required files with cases not implemented: {', '.join(missing_required)}",
               file=sys.stderr)

@@ -1,0 +1,64 @@
+"""A small timing harness: medians of repeated batches, ratios against a baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Measurement:
+    name: str
+    ops_per_s: float
+    us_per_op: float
+    runs: list[float] = field(default_factory=list)  # ops/s of each repetition
+
+
+def measure(name: str, fn: Callable[[], object], *, batch: int, repeats: int = 7) -> Measurement:
+    """Median throughput of ``fn`` over ``repeats`` batches of ``batch`` calls."""
+    for _ in range(min(batch, 200)):  # warm caches and lazy imports
+        fn()
+    rates: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        elapsed = time.perf_counter() - start
+        rates.append(batch / elapsed)
+    median = statistics.median(rates)
+    return Measurement(name, median, 1e6 / median, rates)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
+    print(f"\n== {title}")
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for i, row in enumerate(rows):
+        print("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o)))
+    return path

@@ -1,0 +1,43 @@
+"""The ``meshnode`` command line.
+
+Each command group lives in its own module and registers its subcommands on
+the shared parser; ``main`` dispatches. Exit codes are part of the contract
+(see :mod:`meshnode.cli.exitcodes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from meshnode import __version__
+
+from . import envelope
+from .exitcodes import EX_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshnode",
+        description="The AgentMesh node daemon and its tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    envelope.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return EX_USAGE
+    result: int = handler(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

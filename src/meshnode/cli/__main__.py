@@ -1,0 +1,3 @@
+from meshnode.cli import main
+
+raise SystemExit(main())
