@@ -1,0 +1,1151 @@
+"""The daemon's TOML configuration.
+
+One file, found in this order: the ``--config`` argument, ``$MESHNODE_CONFIG``,
+then the default location (``$CONFIGURATION_DIRECTORY/meshnode.toml`` when
+systemd provides one, ``/etc/meshnode/meshnode.toml`` for root or a systemd
+system service, else ``$XDG_CONFIG_HOME/meshnode/meshnode.toml``). A missing
+default file means "all defaults"; a missing file that was asked for by name is
+an error. Every key is optional; unknown keys are rejected, except inside an
+``[agents.<name>]`` table, whose extra keys belong to the agent's plugin and are
+kept in :attr:`AgentConfig.settings` for the plugin's own model to validate.
+
+Durations are written ``"500ms"``, ``"30s"``, ``"10m"``, ``"72h"``, ``"7d"``
+(units may be combined: ``"1h30m"``) or as a number of seconds, and load as
+:class:`datetime.timedelta`. Sizes are written ``"25MiB"``, ``"1GiB"``,
+``"1MB"`` or as a number of bytes, and load as ``int`` bytes.
+
+Every problem becomes one line of a :class:`ConfigError` naming the file, the
+dotted key and what was expected, so ``meshnode check-config`` can print it and
+exit :data:`EX_CONFIG` (systemd's ``RestartPreventExitStatus=78``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic.functional_validators import BeforeValidator
+from pydantic.json_schema import GenerateJsonSchema
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "CONFIG_ENV",
+    "DATA_DIR_ENV",
+    "EX_CONFIG",
+    "UDS_PATH_MAX",
+    "AdminConfig",
+    "AgentConfig",
+    "Config",
+    "ConfigError",
+    "ConfigProblem",
+    "EmbeddedMeshConfig",
+    "InboxConfig",
+    "KeystoreConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "NodeConfig",
+    "ProtectionsConfig",
+    "RegistryConfig",
+    "default_config_path",
+    "default_data_dir",
+    "default_admin_socket",
+    "describe_sources",
+    "format_duration",
+    "format_size",
+    "is_system_service",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+    "resolve_config_path",
+]
+
+#: sysexits.h EX_CONFIG: exit status for a configuration error. systemd units use
+#: ``RestartPreventExitStatus=78`` so a bad config does not become a restart loop.
+EX_CONFIG = 78
+
+#: Environment variable naming the config file (below ``--config``).
+CONFIG_ENV = "MESHNODE_CONFIG"
+#: Environment variable overriding ``node.data_dir``.
+DATA_DIR_ENV = "MESHNODE_DATA_DIR"
+
+#: Longest admin socket path accepted, in bytes. ``sun_path`` holds 108 bytes on
+#: Linux and 104 on macOS/BSD including the NUL; the margin leaves room for the
+#: admin server to bind a slightly longer temporary name and rename it into place.
+UDS_PATH_MAX = 100
+
+SYSTEM_CONFIG_PATH = Path("/etc/meshnode/meshnode.toml")
+SYSTEM_DATA_DIR = Path("/var/lib/meshnode")
+
+_AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+_PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_BARE_TOML_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem in a configuration: where it is and what was expected.
+
+    ``key`` is the dotted key (``protections.live_max_age``) or None for a
+    problem with the file as a whole (unreadable, TOML syntax).
+    """
+
+    file: str
+    key: str | None
+    message: str
+
+    def __str__(self) -> str:
+        if self.key is None:
+            return f"{self.file}: {self.message}"
+        return f"{self.file}: {self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; fix the file and start again.
+
+    Not retryable: the daemon exits with :data:`EX_CONFIG`. ``str()`` is one
+    line per problem, each naming the file, the key and what was expected.
+    """
+
+    def __init__(self, problems: list[ConfigProblem], path: Path | None = None) -> None:
+        self.problems = problems
+        self.path = path
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class _Problems(ValueError):
+    """Raised from validators to report problems at explicit dotted keys.
+
+    Pydantic places a model-level ValueError at the model's own location; this
+    carries the keys the user must edit so the message can name them.
+    """
+
+    def __init__(self, items: list[tuple[str, str]]) -> None:
+        self.items = items
+        super().__init__("; ".join(f"{k}: {m}" for k, m in items))
+
+
+# --------------------------------------------------------------------------- load context
+
+
+@dataclass(frozen=True, slots=True)
+class _LoadContext:
+    env: Mapping[str, str]
+    euid: int
+    base_dir: Path | None  # relative paths in the file resolve against this
+    toml_file: Path | None
+
+
+_CONTEXT: ContextVar[_LoadContext | None] = ContextVar("meshnode_config_context", default=None)
+
+
+def _context() -> _LoadContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return _LoadContext(os.environ, _geteuid(), None, None)
+    return ctx
+
+
+def _geteuid() -> int:
+    return os.geteuid() if hasattr(os, "geteuid") else 1
+
+
+@contextlib.contextmanager
+def _use_context(ctx: _LoadContext) -> Iterator[None]:
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+# --------------------------------------------------------------------------- durations and sizes
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_HINT = 'a duration like "500ms", "30s", "10m", "72h", "7d" or a number of seconds'
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
+_SIZE_HINT = 'a size like "25MiB", "1GiB", "1MB" or a number of bytes'
+
+
+def parse_duration(value: object) -> timedelta:
+    """Parse ``"500ms"``/``"30s"``/``"10m"``/``"72h"``/``"7d"`` (combinable) or seconds.
+
+    Raises ValueError (naming the accepted forms) for anything else, including
+    zero and negative durations: every duration in the config is a window or an
+    interval that may be tuned but never disabled.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool):
+        raise ValueError(f"expected {_DURATION_HINT}, got {value!r}")
+    elif isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        pos, seconds, seen = 0, 0.0, False
+        for m in _DURATION_PART.finditer(text):
+            if m.start() != pos:
+                break
+            seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos, seen = m.end(), True
+        if not seen or pos != len(text):
+            raise ValueError(f"expected {_DURATION_HINT}, got {value!r}")
+    else:
+        raise ValueError(f"expected {_DURATION_HINT}, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"expected a duration greater than zero, got {value!r}")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"duration {value!r} is too large") from None
+
+
+def format_duration(value: timedelta) -> str:
+    """The shortest config spelling of a duration (``"72h"`` -> ``"3d"``, ``"1h30m"``)."""
+    total_ms = round(value.total_seconds() * 1000)
+    if total_ms <= 0:
+        return "0s"
+    parts: list[str] = []
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        count, total_ms = divmod(total_ms, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts)
+
+
+def parse_size(value: object) -> int:
+    """Parse ``"25MiB"``/``"1GiB"``/``"1MB"``/``"512KiB"``/``"100B"`` or bytes to ``int`` bytes.
+
+    Unit letters are case-insensitive and always mean bytes (``"1mb"`` is a
+    megabyte, not a megabit). Zero and negative sizes are rejected.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected {_SIZE_HINT}, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected a whole number of bytes, got {value!r}")
+        size = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value.strip())
+        unit = m.group(2).lower() if m else ""
+        if m is None or (unit and unit not in _SIZE_UNITS):
+            raise ValueError(f"expected {_SIZE_HINT}, got {value!r}")
+        if not unit and "." in m.group(1):
+            raise ValueError(f"expected a whole number of bytes, got {value!r}")
+        size = round(float(m.group(1)) * _SIZE_UNITS[unit or "b"])
+    else:
+        raise ValueError(f"expected {_SIZE_HINT}, got {value!r}")
+    if size <= 0:
+        raise ValueError(f"expected a size greater than zero, got {value!r}")
+    return size
+
+
+def format_size(value: int) -> str:
+    """The config spelling of a byte count: the largest binary unit that divides it."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value % size == 0 and value >= size:
+            return f"{value // size}{unit}"
+    return f"{value}B"
+
+
+class _SizeMarker:
+    """Annotation metadata marking an ``int`` field as a byte size (for TOML export)."""
+
+
+_SIZE = _SizeMarker()
+
+_DURATION_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "pattern": r"^(\d+(\.\d+)?(ms|s|m|h|d))+$"},
+        {"type": "number", "exclusiveMinimum": 0},
+    ],
+    "description": _DURATION_HINT,
+}
+_SIZE_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "pattern": r"^\d+(\.\d+)?\s*(([KkMmGgTt][Ii]?)?[Bb])?$"},
+        {"type": "integer", "exclusiveMinimum": 0},
+    ],
+    "description": _SIZE_HINT,
+}
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration), WithJsonSchema(_DURATION_SCHEMA)]
+ByteSize = Annotated[int, BeforeValidator(parse_size), WithJsonSchema(_SIZE_SCHEMA), _SIZE]
+
+
+def _optional_duration(value: object) -> timedelta | None:
+    if value is None or value == "":
+        return None
+    return parse_duration(value)
+
+
+OptionalDuration = Annotated[
+    timedelta | None,
+    BeforeValidator(_optional_duration),
+    WithJsonSchema({"anyOf": [_DURATION_SCHEMA, {"type": "string", "const": ""}]}),
+]
+
+
+# --------------------------------------------------------------------------- value helpers
+
+
+def _choice(*options: str, optional: bool = False, fold_case: bool = False) -> BeforeValidator:
+    """Validate one of ``options`` with our own message; ``""`` means unset when optional."""
+    listed = ", ".join(options)
+
+    def check(value: object) -> object:
+        if optional and (value is None or value == ""):
+            return None
+        if isinstance(value, str):
+            text = value.lower() if fold_case else value
+            if text in options:
+                return text
+        raise ValueError(f"expected one of {listed}, got {value!r}")
+
+    return BeforeValidator(check)
+
+
+def _choice_schema(*options: str, optional: bool = False) -> WithJsonSchema:
+    values = list(options) + ([""] if optional else [])
+    return WithJsonSchema({"type": "string", "enum": values})
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    home = env.get("HOME")
+    if home and os.path.isabs(home):
+        return Path(home)
+    return Path(os.path.expanduser("~"))
+
+
+def _resolve_path(value: object, *, what: str) -> Path:
+    if isinstance(value, Path):
+        text = str(value)
+    elif isinstance(value, str):
+        text = value.strip()
+    else:
+        raise ValueError(f"expected a {what} path (a string), got {value!r}")
+    if not text:
+        raise ValueError(f"expected a {what} path, got an empty string")
+    if "\0" in text:
+        raise ValueError(f"{what} path contains a NUL byte")
+    ctx = _context()
+    if text == "~" or text.startswith("~/"):
+        text = str(_home(ctx.env)) + text[1:]
+    path = Path(text)
+    if not path.is_absolute():
+        # Relative to the config file, so the meaning does not depend on the cwd.
+        path = (ctx.base_dir or Path.cwd()) / path
+    return Path(os.path.normpath(path))
+
+
+def _dir_path(value: object) -> Path:
+    return _resolve_path(value, what="directory")
+
+
+def _optional_file_path(value: object) -> Path | None:
+    if value is None or value == "":
+        return None
+    return _resolve_path(value, what="file")
+
+
+_PATH_SCHEMA = WithJsonSchema({"type": "string"})
+
+DirPath = Annotated[Path, BeforeValidator(_dir_path), _PATH_SCHEMA]
+OptionalFilePath = Annotated[Path | None, BeforeValidator(_optional_file_path), _PATH_SCHEMA]
+
+
+def _url(schemes: tuple[str, ...], what: str) -> Callable[[object], str]:
+    pattern = re.compile(rf"(?:{'|'.join(schemes)})://[^\s/?#]+(?:[/?#]\S*)?", re.IGNORECASE)
+    listed = ", ".join(f"{s}://" for s in schemes)
+
+    def check(value: object) -> str:
+        if isinstance(value, str) and pattern.fullmatch(value.strip()):
+            return value.strip()
+        raise ValueError(f"expected a {what} URL starting with {listed}, got {value!r}")
+
+    return check
+
+
+def _optional_url(schemes: tuple[str, ...], what: str) -> Callable[[object], str | None]:
+    check = _url(schemes, what)
+
+    def optional(value: object) -> str | None:
+        if value is None or value == "":
+            return None
+        return check(value)
+
+    return optional
+
+
+NatsUrl = Annotated[str, BeforeValidator(_url(("nats", "tls", "ws", "wss"), "NATS server"))]
+OptionalHttpUrl = Annotated[
+    str | None,
+    BeforeValidator(_optional_url(("http", "https"), "control-plane")),
+    WithJsonSchema({"type": "string"}),
+]
+
+
+def _socket_mode(value: object) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f'expected an octal mode string like "0600" or "0660", got {value!r}')
+    if isinstance(value, int):  # TOML 0o660 arrives as an int
+        mode = value
+    elif isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value.strip()):
+        mode = int(value.strip(), 8)
+    else:
+        raise ValueError(f'expected an octal mode string like "0600" or "0660", got {value!r}')
+    if mode & ~0o777:
+        raise ValueError(f"expected permission bits only (0000-0777), got {oct(mode)}")
+    if mode & 0o007:
+        raise ValueError(
+            f"the admin socket must never be accessible to others; got {mode:04o}, "
+            'use "0600" or "0660"'
+        )
+    if mode & 0o600 != 0o600:
+        raise ValueError(f"the owner needs read and write on the admin socket; got {mode:04o}")
+    return mode
+
+
+SocketMode = Annotated[
+    int | None,
+    BeforeValidator(_socket_mode),
+    WithJsonSchema({"type": "string", "pattern": r"^0?[0-7][0-7]0$"}),
+]
+
+
+def _optional_socket_path(value: object) -> Path:
+    if value is None or value == "":
+        return Path()  # derived in Config once data_dir is known
+    return _resolve_path(value, what="socket")
+
+
+def _optional_group(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?", value.strip()):
+        return value.strip()
+    raise ValueError(f"expected a group name or numeric gid, got {value!r}")
+
+
+# --------------------------------------------------------------------------- platform defaults
+
+
+def is_system_service(env: Mapping[str, str] | None = None, euid: int | None = None) -> bool:
+    """True when running as root or as a systemd *system* service.
+
+    systemd sets ``INVOCATION_ID`` for every unit; a user-manager unit also has
+    the session's ``XDG_RUNTIME_DIR`` while a system unit (even with ``User=``)
+    does not. Root without systemd counts too: it owns the system-wide paths.
+    """
+    env = os.environ if env is None else env
+    euid = _geteuid() if euid is None else euid
+    if euid == 0:
+        return True
+    return "INVOCATION_ID" in env and not env.get("XDG_RUNTIME_DIR")
+
+
+def _first_dir(env: Mapping[str, str], name: str) -> Path | None:
+    # systemd joins several directories of one kind with ':'; ours is the first.
+    value = env.get(name, "")
+    first = value.split(":", 1)[0]
+    return Path(first) if first and os.path.isabs(first) else None
+
+
+def _xdg(env: Mapping[str, str], name: str, fallback: str) -> Path:
+    value = env.get(name, "")
+    # The XDG spec says relative values are invalid and must be ignored.
+    return Path(value) if value and os.path.isabs(value) else _home(env) / fallback
+
+
+def default_config_path(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """Where the config file lives when neither ``--config`` nor ``$MESHNODE_CONFIG`` says."""
+    env = os.environ if env is None else env
+    conf_dir = _first_dir(env, "CONFIGURATION_DIRECTORY")
+    if conf_dir is not None:
+        return conf_dir / "meshnode.toml"
+    if is_system_service(env, euid):
+        return SYSTEM_CONFIG_PATH
+    return _xdg(env, "XDG_CONFIG_HOME", ".config") / "meshnode" / "meshnode.toml"
+
+
+def default_data_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """``$STATE_DIRECTORY`` under systemd, ``/var/lib/meshnode`` for root, else XDG data home."""
+    env = os.environ if env is None else env
+    euid = _geteuid() if euid is None else euid
+    state = _first_dir(env, "STATE_DIRECTORY")
+    if state is not None:
+        return state
+    if euid == 0:
+        return SYSTEM_DATA_DIR
+    return _xdg(env, "XDG_DATA_HOME", ".local/share") / "meshnode"
+
+
+def default_admin_socket(data_dir: Path, env: Mapping[str, str] | None = None) -> Path:
+    """``$RUNTIME_DIRECTORY/admin.sock``, else ``$XDG_RUNTIME_DIR/meshnode/admin.sock``,
+    else ``<data_dir>/admin.sock``."""
+    env = os.environ if env is None else env
+    runtime = _first_dir(env, "RUNTIME_DIRECTORY")
+    if runtime is not None:
+        return runtime / "admin.sock"
+    xdg_runtime = env.get("XDG_RUNTIME_DIR", "")
+    if xdg_runtime and os.path.isabs(xdg_runtime):
+        return Path(xdg_runtime) / "meshnode" / "admin.sock"
+    return data_dir / "admin.sock"
+
+
+def _default_data_dir_factory() -> Path:
+    ctx = _context()
+    return Path(os.path.normpath(default_data_dir(ctx.env, ctx.euid)))
+
+
+def _hostname() -> str:
+    return socket.gethostname() or "meshnode"
+
+
+# --------------------------------------------------------------------------- the schema
+
+_FORBID = ConfigDict(extra="forbid")
+
+
+class NodeConfig(BaseModel):
+    """``[node]``: this host's identity and timing."""
+
+    model_config = _FORBID
+
+    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(default_factory=_hostname)
+    """Display name; defaults to the host name."""
+    data_dir: DirPath = Field(default_factory=_default_data_dir_factory)
+    """State directory (inbox, keys). ``$MESHNODE_DATA_DIR`` overrides the file."""
+    availability_class: Annotated[
+        Literal["always_on", "intermittent", "on_demand"] | None,
+        _choice("always_on", "intermittent", "on_demand", optional=True),
+        _choice_schema("always_on", "intermittent", "on_demand", optional=True),
+    ] = None
+    """Declared availability; None (absent) means undeclared."""
+    vouch_ttl: OptionalDuration = None
+    """Explicit vouch lifetime; None lets the runtime choose."""
+    heartbeat_interval: Duration = timedelta(seconds=30)
+    strict_plugins: bool = False
+    """Fail fast on a broken plugin instead of logging and skipping it (development)."""
+
+
+class EmbeddedMeshConfig(BaseModel):
+    """``[mesh.embedded]``: the local nats-server started when no servers are given."""
+
+    model_config = _FORBID
+
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 4222
+    """0 picks a free port."""
+    control_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    control_port: Annotated[int, Field(ge=0, le=65535)] = 7422
+    """HTTP control plane that issues node credentials; 0 picks a free port."""
+    max_payload: ByteSize = 1024**2
+    jetstream_max_store: ByteSize = 1024**3
+    credential_ttl: Duration = timedelta(hours=24)
+
+    @field_validator("max_payload")
+    @classmethod
+    def _nats_payload_limit(cls, value: int) -> int:
+        # nats-server refuses to start with max_payload above 64 MiB.
+        if value > 64 * 1024**2:
+            raise ValueError(f"nats-server allows at most 64MiB, got {format_size(value)}")
+        return value
+
+
+class MeshConfig(BaseModel):
+    """``[mesh]``: which NATS to use. No servers means the embedded mesh."""
+
+    model_config = _FORBID
+
+    servers: list[NatsUrl] = Field(default_factory=list)
+    credentials: OptionalFilePath = None
+    """NATS ``.creds`` file of a joining node; None when unset."""
+    control_plane: OptionalHttpUrl = None
+    """Control-plane URL for credential renewal (joining node); None when unset."""
+    embedded: EmbeddedMeshConfig = Field(default_factory=EmbeddedMeshConfig)
+
+    @property
+    def is_embedded(self) -> bool:
+        return not self.servers
+
+
+class RegistryConfig(BaseModel):
+    """``[registry]``."""
+
+    model_config = _FORBID
+
+    require_connection_bound: bool = True
+
+
+class AdminConfig(BaseModel):
+    """``[admin]``: the Unix-socket admin API."""
+
+    model_config = _FORBID
+
+    socket: Annotated[
+        Path, BeforeValidator(_optional_socket_path), WithJsonSchema({"type": "string"})
+    ] = Path()
+    """Socket path; always resolved to an absolute path after loading."""
+    group: Annotated[
+        str | None, BeforeValidator(_optional_group), WithJsonSchema({"type": "string"})
+    ] = None
+    """Group granted operator level; None when unset."""
+    mode: SocketMode = None
+    """Explicit socket mode; None means 0660 with a group, else 0600."""
+
+    @property
+    def effective_mode(self) -> int:
+        """The mode to give the socket."""
+        if self.mode is not None:
+            return self.mode
+        return 0o660 if self.group else 0o600
+
+
+class ProtectionsConfig(BaseModel):
+    """``[protections]``: the inbound limits of §22 (tunable, never disabled)."""
+
+    model_config = _FORBID
+
+    max_inbound_chars: Annotated[int, Field(ge=0)] = 65536
+    """0 means no cap; only ever by explicit choice."""
+    clock_skew_ahead: Duration = timedelta(minutes=5)
+    live_max_age: Duration = timedelta(minutes=10)
+    mailbox_max_age: Duration = timedelta(days=7)
+    """Must not exceed ``inbox.buffer_max_age``."""
+    dedup_entries: Annotated[int, Field(ge=1)] = 5000
+
+
+class InboxConfig(BaseModel):
+    """``[inbox]``: the node inbox and the broker's redelivery buffer."""
+
+    model_config = _FORBID
+
+    drain_interval: Duration = timedelta(seconds=60)
+    buffer_max_age: Duration = timedelta(days=7)
+    buffer_max_bytes: ByteSize = 25 * 1024**2
+
+
+class KeystoreConfig(BaseModel):
+    """``[keystore]``: where private keys are kept at rest (see :mod:`meshnode.keystore`)."""
+
+    model_config = _FORBID
+
+    backend: Annotated[
+        Literal["auto", "keyring", "systemd-credentials", "file"],
+        _choice("auto", "keyring", "systemd-credentials", "file"),
+        _choice_schema("auto", "keyring", "systemd-credentials", "file"),
+    ] = "auto"
+
+
+class LoggingConfig(BaseModel):
+    """``[logging]``."""
+
+    model_config = _FORBID
+
+    level: Annotated[
+        Literal["debug", "info", "warning", "error", "critical"],
+        _choice("debug", "info", "warning", "error", "critical", fold_case=True),
+        _choice_schema("debug", "info", "warning", "error", "critical"),
+    ] = "info"
+    format: Annotated[
+        Literal["auto", "json", "text", "journald"],
+        _choice("auto", "json", "text", "journald"),
+        _choice_schema("auto", "json", "text", "journald"),
+    ] = "auto"
+
+
+_AGENT_KEYS = ("plugin", "enabled", "interaction")
+
+
+def _plugin_name(value: object) -> str:
+    if isinstance(value, str) and _PLUGIN_NAME.fullmatch(value):
+        return value
+    raise ValueError(
+        f"expected an entry point name in group meshnode.agents "
+        f"(letters, digits, '_', '.', '-'), got {value!r}"
+    )
+
+
+class AgentConfig(BaseModel):
+    """``[agents.<name>]``: one hosted agent.
+
+    Keys other than ``plugin``, ``enabled`` and ``interaction`` belong to the
+    plugin: they are collected into :attr:`settings` unvalidated, for the
+    plugin's own model.
+    """
+
+    model_config = _FORBID
+
+    plugin: Annotated[str, BeforeValidator(_plugin_name), WithJsonSchema({"type": "string"})]
+    """Entry point name in group ``meshnode.agents``; defaults to the table name."""
+    enabled: bool = True
+    interaction: Annotated[
+        Literal["service", "interactive"] | None,
+        _choice("service", "interactive", optional=True),
+        _choice_schema("service", "interactive", optional=True),
+    ] = None
+    """None lets the plugin decide."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """The plugin's own keys from the table, unvalidated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_plugin_settings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        own = {k: v for k, v in data.items() if k in _AGENT_KEYS}
+        own["settings"] = {k: v for k, v in data.items() if k not in _AGENT_KEYS}
+        return own
+
+
+class _EnvSource(PydanticBaseSettingsSource):
+    """The environment overrides, read from the mapping given to :func:`load_config`.
+
+    The stock env source is not used: it would map variables such as ``NODE``
+    or ``LOGGING`` onto whole tables and cannot read an injected mapping.
+    """
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        ctx = _context()
+        value = ctx.env.get(DATA_DIR_ENV, "")
+        if not value:
+            return {}
+        if os.path.isabs(value) or value.startswith("~"):
+            return {"node": {"data_dir": value}}
+        # A relative value from the environment means the caller's cwd, not the file's dir.
+        return {"node": {"data_dir": os.path.abspath(value)}}
+
+
+class Config(BaseSettings):
+    """The whole daemon configuration. Load it with :func:`load_config`."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_default=False)
+
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    protections: ProtectionsConfig = Field(default_factory=ProtectionsConfig)
+    inbox: InboxConfig = Field(default_factory=InboxConfig)
+    keystore: KeystoreConfig = Field(default_factory=KeystoreConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    agents: dict[str, AgentConfig] = Field(default_factory=dict)
+    """Hosted agents by local name (``[a-z0-9][a-z0-9_-]{0,63}``)."""
+
+    _source_file: Path | None = PrivateAttr(default=None)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        ctx = _context()
+        return (
+            init_settings,
+            _EnvSource(settings_cls),
+            TomlConfigSettingsSource(settings_cls, toml_file=ctx.toml_file),
+        )
+
+    @property
+    def source_file(self) -> Path | None:
+        """The file this config was read from (None: defaults only)."""
+        return self._source_file
+
+    @field_validator("agents", mode="before")
+    @classmethod
+    def _agent_tables(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        problems: list[tuple[str, str]] = []
+        tables: dict[str, Any] = {}
+        for name, table in value.items():
+            if not isinstance(name, str) or not _AGENT_NAME.fullmatch(name):
+                problems.append(
+                    (
+                        f"agents.{_toml_key(str(name))}",
+                        "agent name must match [a-z0-9][a-z0-9_-]{0,63} "
+                        "(lower-case letters, digits, '_' and '-', up to 64 characters)",
+                    )
+                )
+                continue
+            if isinstance(table, dict) and "plugin" not in table:
+                table = {"plugin": name, **table}
+            tables[name] = table
+        if problems:
+            raise _Problems(problems)
+        return tables
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        problems: list[tuple[str, str]] = []
+        p, inbox = self.protections, self.inbox
+        if p.mailbox_max_age > inbox.buffer_max_age:
+            problems.append(
+                (
+                    "protections.mailbox_max_age",
+                    f"must not exceed inbox.buffer_max_age ({format_duration(inbox.buffer_max_age)}), "
+                    f"got {format_duration(p.mailbox_max_age)}",
+                )
+            )
+        emb = self.mesh.embedded
+        if emb.port and emb.port == emb.control_port:
+            problems.append(
+                ("mesh.embedded.control_port", f"must differ from mesh.embedded.port ({emb.port})")
+            )
+        admin = self.admin
+        if admin.group and admin.mode is not None and not admin.mode & 0o060:
+            problems.append(
+                (
+                    "admin.mode",
+                    f"{admin.mode:04o} gives admin.group {admin.group!r} no access; "
+                    'use "0660" or leave admin.group empty',
+                )
+            )
+        derived = admin.socket == Path()
+        if derived:
+            ctx = _context()
+            admin.socket = Path(os.path.normpath(default_admin_socket(self.node.data_dir, ctx.env)))
+        length = len(os.fsencode(admin.socket))
+        if length > UDS_PATH_MAX:
+            origin = "the default path" if derived else "the path"
+            problems.append(
+                (
+                    "admin.socket",
+                    f"{origin} {str(admin.socket)!r} is {length} bytes; Unix socket paths must "
+                    f"stay within {UDS_PATH_MAX} bytes: set [admin] socket to a shorter path",
+                )
+            )
+        if problems:
+            raise _Problems(problems)
+        return self
+
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """JSON Schema of the TOML file, for editors and ``meshnode config schema``.
+
+        Unlike :meth:`model_json_schema`, defaults are shown in config spelling
+        (``"30s"``, not ISO 8601) and unset optional keys carry no default.
+        """
+        schema: dict[str, Any] = _drop_null_defaults(
+            cls.model_json_schema(schema_generator=_TomlSchema)
+        )
+        return schema
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        """The configuration as TOML-ready data: durations and sizes in config spelling,
+        paths as strings, unset optional keys omitted, agent settings flattened."""
+        return _model_to_toml(self)
+
+
+class _TomlSchema(GenerateJsonSchema):
+    def encode_default(self, dft: Any) -> Any:
+        if isinstance(dft, timedelta):
+            return format_duration(dft)
+        if isinstance(dft, Path):
+            return "" if dft == Path() else str(dft)
+        return super().encode_default(dft)
+
+
+def _drop_null_defaults(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _drop_null_defaults(v) for k, v in node.items() if not (k == "default" and v is None)
+        }
+    if isinstance(node, list):
+        return [_drop_null_defaults(v) for v in node]
+    return node
+
+
+def _model_to_toml(model: BaseModel) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(model, AgentConfig) and name == "settings":
+            out.update(value)
+            continue
+        if isinstance(model, AdminConfig) and name == "mode" and value is not None:
+            out[name] = f"{value:04o}"
+            continue
+        converted = _value_to_toml(value, info)
+        if converted is not None:
+            out[name] = converted
+    return out
+
+
+def _value_to_toml(value: Any, info: FieldInfo | None) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, BaseModel):
+        return _model_to_toml(value)
+    if isinstance(value, dict):
+        return {k: _value_to_toml(v, None) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_value_to_toml(v, None) for v in value]
+    if isinstance(value, timedelta):
+        return format_duration(value)
+    if isinstance(value, Path):
+        return str(value)
+    if (
+        info is not None
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+        and any(isinstance(m, _SizeMarker) for m in info.metadata)
+    ):
+        return format_size(value)
+    return value
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    euid: int | None = None,
+) -> tuple[Path, str, bool]:
+    """Which config file to read: ``(path, origin, explicit)``.
+
+    ``origin`` is a short human phrase for messages; ``explicit`` is True when
+    the file was named (``--config`` or ``$MESHNODE_CONFIG``) and so must exist.
+    """
+    env = os.environ if env is None else env
+    if path is not None and str(path) != "":
+        return Path(os.path.abspath(os.fspath(path))), "--config", True
+    from_env = env.get(CONFIG_ENV, "")
+    if from_env:
+        return Path(os.path.abspath(from_env)), f"${CONFIG_ENV}", True
+    return default_config_path(env, euid), "default location", False
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    euid: int | None = None,
+) -> Config:
+    """Read, validate and resolve the configuration.
+
+    ``path`` is the ``--config`` argument; ``env`` defaults to ``os.environ``
+    (tests pass a plain dict); ``euid`` defaults to the process's effective uid
+    and only affects the default locations.
+
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    env = os.environ if env is None else env
+    euid = _geteuid() if euid is None else euid
+    file, origin, explicit = resolve_config_path(path, env=env, euid=euid)
+    shown = str(file)
+    if not file.exists():
+        if explicit:
+            raise ConfigError(
+                [ConfigProblem(shown, None, f"config file not found (named by {origin})")], file
+            )
+        toml_file: Path | None = None
+    elif not file.is_file():
+        raise ConfigError([ConfigProblem(shown, None, "is not a regular file")], file)
+    else:
+        toml_file = file
+
+    ctx = _LoadContext(env, euid, file.parent if toml_file else None, toml_file)
+    try:
+        with _use_context(ctx):
+            config = Config()
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([ConfigProblem(shown, None, f"TOML syntax error: {exc}")], file) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [ConfigProblem(shown, None, f"is not valid UTF-8 (byte {exc.start})")], file
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            [ConfigProblem(shown, None, f"cannot read: {exc.strerror or exc}")], file
+        ) from None
+    except ValidationError as exc:
+        raise ConfigError(_problems_from(exc, shown, env), file) from None
+    config._source_file = toml_file
+    return config
+
+
+def _toml_key(part: str) -> str:
+    if _BARE_TOML_KEY.fullmatch(part):
+        return part
+    escaped = part.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            continue
+        else:
+            out += ("." if out else "") + _toml_key(part)
+    return out
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        info = model.model_fields.get(str(part))
+        ann = info.annotation if info is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _problems_from(exc: ValidationError, file: str, env: Mapping[str, str]) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        ctx = err.get("ctx") or {}
+        cause = ctx.get("error")
+        if isinstance(cause, _Problems):
+            problems.extend(ConfigProblem(file, key, msg) for key, msg in cause.items)
+            continue
+        key = _dotted(loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            allowed = ", ".join(parent.model_fields) if parent is not None else ""
+            message = f"unknown key (expected one of: {allowed})" if allowed else "unknown key"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            message = f"expected a table, got {_short(err['input'])}"
+        elif kind == "value_error" and cause is not None:
+            message = str(cause)
+        else:
+            msg = err["msg"]
+            if msg.startswith("Input should be "):
+                msg = "expected " + msg[len("Input should be ") :]
+            elif msg.startswith("String should "):
+                msg = "expected to " + msg[len("String should ") :]
+            message = f"{msg}, got {_short(err['input'])}"
+        if key == "node.data_dir" and env.get(DATA_DIR_ENV):
+            message += f" (from ${DATA_DIR_ENV})"
+        problems.append(ConfigProblem(file, key or None, message))
+    return problems
+
+
+def describe_sources(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    euid: int | None = None,
+) -> list[str]:
+    """Where the configuration comes from, one line each, for ``check-config``/status.
+
+    Works without validating the file (so it helps when the file is broken):
+    names the config file and why it was chosen, and the origin of the values
+    that have environment-dependent defaults.
+    """
+    env = os.environ if env is None else env
+    euid = _geteuid() if euid is None else euid
+    file, origin, explicit = resolve_config_path(path, env=env, euid=euid)
+    raw: dict[str, Any] = {}
+    if file.is_file():
+        lines = [f"config file: {file} (from {origin})"]
+        with contextlib.suppress(OSError, ValueError), file.open("rb") as fh:
+            raw = tomllib.load(fh)
+    elif explicit:
+        lines = [f"config file: {file} (from {origin}; MISSING)"]
+    else:
+        lines = [f"config file: {file} ({origin}; not present, built-in defaults)"]
+
+    def in_file(table: str, key: str) -> Any:
+        section = raw.get(table)
+        return section.get(key) if isinstance(section, dict) else None
+
+    data_dir: Path
+    if env.get(DATA_DIR_ENV):
+        data_dir = Path(os.path.abspath(env[DATA_DIR_ENV]))
+        lines.append(f"node.data_dir: {data_dir} (from ${DATA_DIR_ENV})")
+    elif in_file("node", "data_dir"):
+        data_dir = Path(str(in_file("node", "data_dir")))
+        lines.append(f"node.data_dir: {data_dir} (from the config file)")
+    else:
+        data_dir = default_data_dir(env, euid)
+        why = (
+            "$STATE_DIRECTORY"
+            if _first_dir(env, "STATE_DIRECTORY")
+            else "root default"
+            if euid == 0
+            else "XDG data home"
+        )
+        lines.append(f"node.data_dir: {data_dir} (default: {why})")
+
+    if in_file("admin", "socket"):
+        lines.append(f"admin.socket: {in_file('admin', 'socket')} (from the config file)")
+    else:
+        sock = default_admin_socket(data_dir, env)
+        why = (
+            "$RUNTIME_DIRECTORY"
+            if _first_dir(env, "RUNTIME_DIRECTORY")
+            else "$XDG_RUNTIME_DIR"
+            if env.get("XDG_RUNTIME_DIR")
+            else "data directory"
+        )
+        lines.append(f"admin.socket: {sock} (default: {why})")
+    return lines
