@@ -1,0 +1,282 @@
+"""Subject permissions of a node credential, as a function of its roster (AgentMesh §14.3).
+
+A node's user JWT must grant exactly what its hosted agents need and nothing
+that lets it act for, or read the mail of, another node. The broker enforces
+these lists on every publish and subscribe, so each grant below is a security
+decision; the comment beside it says why it is there.
+
+Three narrowings go beyond the §14.3 example, each closing a hole the broker
+would otherwise leave open:
+
+* **Registration is connection-bound.** Only ``mesh.registry.register.{node_id}``
+  is granted; the untokenized subject would let the node fall back to a subject
+  that carries no identity (§14.3's last paragraph, §4.4 b).
+* **Private reply inboxes.** Every node gets its own inbox prefix
+  (``_INBOX_{node_id}``, passed to ``nats.connect(inbox_prefix=...)``) and may
+  subscribe under that prefix only. A shared ``_INBOX.>`` subscription would
+  let any node read every other node's request replies *and* its JetStream
+  pull deliveries — its drained mailbox. Replies to other parties' requests
+  go out under the ``resp`` permission of the JWT (one reply per request
+  received), not under a publish grant on anybody's inbox.
+* **Scoped JetStream API.** ``$JS.API.>`` would let a participant node create
+  a consumer on another agent's ``MESH_INBOX_*`` stream (reading its mail),
+  read messages by sequence, or delete streams. A participant gets the API
+  subjects for its own agents' mailbox streams and the shared task and event
+  streams; only a service-role node administers JetStream.
+
+The subject patterns live here as module constants so they can move to
+``meshnode.protocol.subjects`` once that module lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, NamedTuple
+
+from meshnode.protocol.nkeys import Prefix, is_valid_public
+
+__all__ = [
+    "LEGACY_INBOX_PREFIX",
+    "RESERVED_SUBJECTS",
+    "NodePermissions",
+    "Role",
+    "node_inbox_prefix",
+    "node_permissions",
+]
+
+Role = Literal["participant", "service"]
+
+# --- subject patterns (§14.1); {node}, {agent}, {stream} are filled per roster ---
+
+REGISTER_BOUND = "mesh.registry.register.{node}"
+REGISTER_UNBOUND = "mesh.registry.register"
+DEREGISTER = "mesh.registry.deregister"
+DISCOVER = "mesh.registry.discover"
+REGISTRY_GET = "mesh.registry.get.*"
+DESCRIPTOR_PUT = "mesh.registry.descriptor.put"
+DESCRIPTOR_LOOKUPS = "mesh.registry.descriptor.*.*"
+EVAL_PUT = "mesh.registry.eval.put"
+EVAL_LOOKUPS = "mesh.registry.eval.*.*"
+PRESENCE_GET = "mesh.presence.get"
+HEARTBEAT = "mesh.heartbeat.{node}"
+HEARTBEAT_AGENT = "mesh.heartbeat.{node}.*"
+ANY_AGENT_INBOX = "mesh.agent.*.inbox"
+AGENT_INBOX = "mesh.agent.{agent}.inbox"
+TASK_UPDATE = "mesh.task.*.update"
+TASK_STREAM = "mesh.task.*.stream"
+EVENTS = "mesh.event.>"
+REGISTRY_EVENTS = "mesh.event.registry.>"
+AGENT_FEED = "mesh.feed.{agent}.>"
+FEED_GET = "mesh.feed.get"
+ALL_FEEDS = "mesh.feed.>"
+AGENT_METRICS = "mesh.metrics.{agent}"
+AGENT_LOG = "mesh.log.{agent}.>"
+TRACES = "mesh.trace.>"
+ARTIFACTS = "mesh.artifacts.>"
+
+ALL_REGISTRY = "mesh.registry.>"
+ALL_PRESENCE = "mesh.presence.>"
+ALL_HEARTBEATS = "mesh.heartbeat.>"
+ALL_TASKS = "mesh.task.>"
+
+RESERVED_SUBJECTS = ("mesh.peer.>",)
+"""Reserved for federation (§14.1): granted to nobody, and denied explicitly."""
+
+LEGACY_INBOX_PREFIX = "_INBOX"
+"""The shared reply prefix of §14.3's example; see the module note before using it."""
+
+AGENT_MAILBOX_STREAM = "MESH_INBOX_{agent}"
+SHARED_STREAMS = ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED")
+
+JS_ACCOUNT_INFO = "$JS.API.INFO"
+JS_STREAM_INFO = "$JS.API.STREAM.INFO.{stream}"
+JS_CONSUMER_ANY_OP = "$JS.API.CONSUMER.*.{stream}.>"
+JS_CONSUMER_CREATE_NAMED = "$JS.API.CONSUMER.CREATE.{stream}.>"
+JS_CONSUMER_DURABLE_CREATE = "$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>"
+JS_CONSUMER_INFO = "$JS.API.CONSUMER.INFO.{stream}.>"
+JS_CONSUMER_NEXT = "$JS.API.CONSUMER.MSG.NEXT.{stream}.>"
+JS_ACK = "$JS.ACK.{stream}.>"
+
+JS_API_ALL = "$JS.API.>"
+JS_ACK_ALL = "$JS.ACK.>"
+JS_FLOW_CONTROL_ALL = "$JS.FC.>"
+KV_ALL = "$KV.>"
+OBJECT_STORE_ALL = "$O.>"
+
+
+class NodePermissions(NamedTuple):
+    """The publish and subscribe allow lists of one node credential."""
+
+    pub_allow: list[str]
+    sub_allow: list[str]
+
+
+def node_inbox_prefix(node_id: str) -> str:
+    """The private reply-inbox prefix of ``node_id``; pass it to ``nats.connect(inbox_prefix=...)``."""
+    _require_user_key(node_id, "node_id")
+    return f"_INBOX_{node_id}"
+
+
+def _require_user_key(key: str, what: str) -> None:
+    # Ids become subject tokens: anything but a well-formed user nkey could
+    # smuggle a wildcard or an extra token into a grant.
+    if not is_valid_public(key, Prefix.USER):
+        raise ValueError(f"{what} must be a user nkey, got {key!r}")
+
+
+def _own_stream_grants(stream: str) -> list[str]:
+    # Everything a node does with the consumers of a stream only its own agent
+    # reads (its mailbox): read the stream's last sequence (§18.6 drains up to
+    # it), create/look up/delete its consumer, pull and ack. The single-token
+    # wildcard sits before the stream token, so it cannot reach another stream:
+    # every two-token operation (DURABLE.CREATE, MSG.NEXT) is listed instead,
+    # because "CONSUMER.*.*.{stream}" would also match a consumer *named*
+    # {stream} on somebody else's stream.
+    return [
+        JS_STREAM_INFO.format(stream=stream),
+        JS_CONSUMER_ANY_OP.format(stream=stream),
+        JS_CONSUMER_DURABLE_CREATE.format(stream=stream),
+        JS_CONSUMER_NEXT.format(stream=stream),
+        JS_ACK.format(stream=stream),
+    ]
+
+
+def _shared_stream_grants(stream: str) -> list[str]:
+    # The same for a stream every node reads, minus deletion: there every
+    # other consumer belongs to another node.
+    return [
+        JS_STREAM_INFO.format(stream=stream),
+        JS_CONSUMER_CREATE_NAMED.format(stream=stream),
+        JS_CONSUMER_DURABLE_CREATE.format(stream=stream),
+        JS_CONSUMER_INFO.format(stream=stream),
+        JS_CONSUMER_NEXT.format(stream=stream),
+        JS_ACK.format(stream=stream),
+    ]
+
+
+def _unique(subjects: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(subjects))
+
+
+def node_permissions(
+    node_id: str,
+    agent_ids: Iterable[str],
+    *,
+    role: Role = "participant",
+    require_connection_bound: bool = True,
+    inbox_prefix: str | None = None,
+) -> NodePermissions:
+    """The §14.3 permission set for ``node_id`` hosting ``agent_ids``.
+
+    ``role="service"`` is for a node hosting the platform services (registry,
+    presence, task manager): it additionally listens on their request subjects
+    and administers JetStream. ``require_connection_bound=False`` also grants
+    the untokenized register subject, for a registry that still accepts it.
+    ``inbox_prefix`` defaults to :func:`node_inbox_prefix`; pass
+    ``LEGACY_INBOX_PREFIX`` only for a client that cannot set its own prefix.
+
+    Replies to received requests (queued acks, service answers) need the user
+    JWT's ``resp`` permission; mint the credential with one.
+    """
+    _require_user_key(node_id, "node_id")
+    agents = list(dict.fromkeys(agent_ids))
+    for agent in agents:
+        _require_user_key(agent, "agent id")
+    if role not in ("participant", "service"):
+        raise ValueError(f"unknown node role {role!r}")
+    inbox = node_inbox_prefix(node_id) if inbox_prefix is None else inbox_prefix
+    if not inbox or any(c in inbox for c in " \t*>") or inbox.endswith("."):
+        raise ValueError(f"invalid inbox prefix {inbox!r}")
+
+    pub: list[str] = [
+        # Register only under the node's own key, so it cannot register agents
+        # under another node's identity (§4.4 b).
+        REGISTER_BOUND.format(node=node_id),
+        # Deregistration, discovery and lookups are requests to the registry,
+        # which identifies the agent from the signed envelope, not the subject.
+        DEREGISTER,
+        DISCOVER,
+        REGISTRY_GET,
+        DESCRIPTOR_PUT,
+        DESCRIPTOR_LOOKUPS,
+        EVAL_PUT,
+        EVAL_LOOKUPS,
+        PRESENCE_GET,
+        # Presence reads the node from the subject token (§10.10): a node may
+        # beat only for itself, plus per-agent availability beneath it.
+        HEARTBEAT.format(node=node_id),
+        HEARTBEAT_AGENT.format(node=node_id),
+        # Requests go to any agent's inbox, and every respond goes to the
+        # requester's inbox (§6.5), so any inbox is a legitimate destination.
+        ANY_AGENT_INBOX,
+        # Task updates and stream chunks carry a runtime task id (§14.4); the
+        # envelope signature, not the subject, says who may speak for a task.
+        TASK_UPDATE,
+        TASK_STREAM,
+        # Domain events are a shared bus; emitters are identified in-envelope.
+        EVENTS,
+        # State-feed lookups are requests to the platform.
+        FEED_GET,
+    ]
+    if require_connection_bound is False:
+        pub.insert(1, REGISTER_UNBOUND)
+    for agent in agents:
+        pub += [
+            # Feeds are owner-rooted: only the owning agent's node publishes (§6.6a).
+            AGENT_FEED.format(agent=agent),
+            # Metrics and logs are per-agent subjects; no node writes another's.
+            AGENT_METRICS.format(agent=agent),
+            AGENT_LOG.format(agent=agent),
+        ]
+    pub += [
+        # Trace spans and artifact traffic are not owner-bound subjects.
+        TRACES,
+        ARTIFACTS,
+    ]
+
+    sub: list[str] = [
+        # A node reads its own agents' inboxes and nobody else's.
+        *(AGENT_INBOX.format(agent=agent) for agent in agents),
+        # Requesters follow the tasks they started (§7).
+        TASK_UPDATE,
+        TASK_STREAM,
+        # Agents subscribe to domain events; registry events are listed on
+        # their own so that narrowing the bus later keeps them.
+        EVENTS,
+        REGISTRY_EVENTS,
+        # Feeds are readable by anyone; only publishing is owner-bound.
+        ALL_FEEDS,
+        # Replies to this node's requests and its JetStream pull deliveries.
+        f"{inbox}.>",
+    ]
+
+    if role == "service":
+        pub += [
+            # The services own the JetStream objects (§18.3-18.5): streams,
+            # mailboxes, KV buckets, object stores, and their consumers.
+            JS_API_ALL,
+            JS_ACK_ALL,
+            JS_FLOW_CONTROL_ALL,
+            KV_ALL,
+            OBJECT_STORE_ALL,
+        ]
+        sub += [
+            # The request subjects the registry, presence service and task
+            # manager answer, and the heartbeats presence folds.
+            ALL_REGISTRY,
+            ALL_PRESENCE,
+            ALL_HEARTBEATS,
+            ALL_TASKS,
+            ARTIFACTS,
+        ]
+    else:
+        # A participant binds consumers on its own agents' mailboxes and on
+        # the shared task and event streams it can already read live; never on
+        # another agent's mailbox, and never stream administration.
+        pub.append(JS_ACCOUNT_INFO)
+        for agent in agents:
+            pub += _own_stream_grants(AGENT_MAILBOX_STREAM.format(agent=agent))
+        for stream in SHARED_STREAMS:
+            pub += _shared_stream_grants(stream)
+
+    return NodePermissions(_unique(pub), _unique(sub))

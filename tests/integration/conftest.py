@@ -1,0 +1,155 @@
+"""Fixtures for tests against a real nats-server: an embedded mesh and its clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.transport.embedded import EmbeddedNatsServer
+from meshnode.transport.jwt import nats_auth_callbacks
+from meshnode.transport.permissions import Role, node_inbox_prefix
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+@dataclass
+class ClientErrors:
+    """Errors nats-py reports asynchronously (permission violations arrive here)."""
+
+    seen: list[Exception] = field(default_factory=list)
+
+    async def callback(self, error: Exception) -> None:
+        self.seen.append(error)
+
+    def messages(self) -> list[str]:
+        return [str(error) for error in self.seen]
+
+    async def wait_for(self, fragment: str, timeout: float = 2.0) -> str:
+        """The first error message containing ``fragment``, waiting for it to arrive.
+
+        Case-insensitive: nats-py lowercases the server's -ERR text, subject included.
+        """
+        async with asyncio.timeout(timeout):
+            while True:
+                for message in self.messages():
+                    if fragment.lower() in message.lower():
+                        return message
+                await asyncio.sleep(0.01)
+
+
+@dataclass
+class Node:
+    """A node's identity and its live connection to the embedded mesh."""
+
+    key: KeyPair
+    agents: list[KeyPair]
+    client: Client
+    errors: ClientErrors
+
+    @property
+    def node_id(self) -> str:
+        return self.key.public_key
+
+    @property
+    def agent_ids(self) -> list[str]:
+        return [agent.public_key for agent in self.agents]
+
+
+async def connect_with_jwt(
+    url: str,
+    user: KeyPair,
+    jwt: str,
+    *,
+    inbox_prefix: str | None = None,
+    errors: ClientErrors | None = None,
+    allow_reconnect: bool = False,
+    **options: object,
+) -> Client:
+    """A nats-py client authenticated with ``jwt`` and the user key's nonce signature."""
+    user_jwt_cb, signature_cb = nats_auth_callbacks(lambda: jwt, user)
+    error_sink = errors or ClientErrors()
+    return await nats.connect(
+        url,
+        user_jwt_cb=user_jwt_cb,
+        signature_cb=signature_cb,
+        inbox_prefix=inbox_prefix or "_INBOX",
+        error_cb=error_sink.callback,
+        allow_reconnect=allow_reconnect,
+        connect_timeout=2,
+        **options,
+    )
+
+
+NodeFactory = Callable[..., Awaitable[Node]]
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[EmbeddedNatsServer]:
+    """A running embedded mesh with its data under a fresh directory."""
+    server = EmbeddedNatsServer(tmp_path / "data", ready_timeout_s=10.0, stop_timeout_s=5.0)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def node_factory(mesh: EmbeddedNatsServer) -> AsyncIterator[NodeFactory]:
+    """Connect nodes to ``mesh``, each with a credential for its own roster."""
+    nodes: list[Node] = []
+
+    async def make(
+        agent_count: int = 1, *, role: Role = "participant", expires_in_s: int = 300
+    ) -> Node:
+        key = KeyPair.generate(Prefix.USER)
+        agents = [KeyPair.generate(Prefix.USER) for _ in range(agent_count)]
+        jwt = mesh.mint_node_credential(
+            key.public_key, _public_keys(agents), expires_in_s, role=role
+        )
+        errors = ClientErrors()
+        client = await connect_with_jwt(
+            mesh.url, key, jwt, inbox_prefix=node_inbox_prefix(key.public_key), errors=errors
+        )
+        node = Node(key, agents, client, errors)
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        with contextlib.suppress(Exception):
+            await node.client.close()
+
+
+def _public_keys(keys: Iterable[KeyPair]) -> list[str]:
+    return [key.public_key for key in keys]
