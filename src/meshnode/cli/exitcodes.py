@@ -11,3 +11,13 @@ EX_DATAERR = 65
 EX_NOINPUT = 66
 #: The configuration is invalid (systemd: RestartPreventExitStatus=78).
 EX_CONFIG = 78
+#: The daemon is not running (no admin socket, or nothing listening on it).
+EX_NOT_RUNNING = 69
+#: The daemon failed the request (an admin API error not covered below).
+EX_ERROR = 70
+#: Try again later: the daemon is not ready, or did not answer in time.
+EX_TEMPFAIL = 75
+#: The daemon speaks another admin API version, or not our protocol at all.
+EX_API_MISMATCH = 76
+#: Not allowed: cannot open the admin socket, or the call needs a higher level.
+EX_NOPERM = 77

@@ -1,0 +1,337 @@
+"""The admin client: what the ``meshnode`` CLI uses to talk to the daemon.
+
+::
+
+    async with AdminClient("/run/meshnode/admin.sock") as client:
+        agents = await client.call("ListAgents")
+        async for line in client.stream("FollowLog", {"agent": "echo"}):
+            print(line)
+
+    result = call_sync(path, "GetInfo")          # from synchronous code
+
+Connecting calls ``GetInfo`` first and refuses a daemon that speaks another
+API version. Failures are typed so the CLI can tell them apart (and
+:func:`exit_code_for` turns each into its exit code):
+
+* :class:`DaemonNotRunning`: no socket, or nothing listening on it.
+* :class:`~.protocol.PermissionDenied`: cannot open the socket, or the daemon
+  refused this user or this call.
+* :class:`ApiMismatch`: the daemon speaks another API version (or is not
+  meshnode).
+* :class:`~.protocol.AdminError` (and its subclasses ``NotFound``, ``Conflict``,
+  ``Refused``, ...): the daemon answered the call with an error.
+* :class:`AdminConnectionError`, :class:`AdminTimeout`,
+  :class:`ProtocolViolation`: the connection broke, the daemon did not answer
+  in time, or it answered with something that is not the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+import orjson
+
+from meshnode.cli.exitcodes import (
+    EX_API_MISMATCH,
+    EX_ERROR,
+    EX_NOPERM,
+    EX_NOT_RUNNING,
+    EX_TEMPFAIL,
+)
+
+from .protocol import (
+    API_VERSION,
+    MAX_LINE_BYTES,
+    PRODUCT,
+    AdminError,
+    MethodNotFound,
+    NotReady,
+    PermissionDenied,
+    Reply,
+    encode,
+    parse_reply,
+    request_message,
+)
+
+__all__ = [
+    "AdminClient",
+    "AdminClientError",
+    "AdminConnectionError",
+    "AdminTimeout",
+    "ApiMismatch",
+    "DaemonNotRunning",
+    "ProtocolViolation",
+    "call_sync",
+    "exit_code_for",
+]
+
+
+class AdminClientError(Exception):
+    """A failure on the client side of the admin API (not an error reply)."""
+
+
+class AdminConnectionError(AdminClientError):
+    """Could not connect to the daemon, or it closed the connection mid-call."""
+
+
+class DaemonNotRunning(AdminConnectionError):
+    """No daemon: the socket does not exist, or nothing is listening on it."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        super().__init__(f"meshnode is not running (nothing serves {socket_path})")
+
+
+class ApiMismatch(AdminClientError):
+    """The daemon speaks another admin API version (``info`` is its ``GetInfo``)."""
+
+    def __init__(self, info: Mapping[str, Any]) -> None:
+        self.info = dict(info)
+        self.api_version = info.get("api_version")
+        super().__init__(
+            f"the daemon at the socket is {info.get('product')!s} {info.get('version')!s} "
+            f"with admin API {self.api_version!s}; this client speaks {PRODUCT} admin API "
+            f"{API_VERSION}"
+        )
+
+
+class ProtocolViolation(AdminClientError):
+    """The daemon sent something that is not a valid reply."""
+
+
+class AdminTimeout(AdminClientError, TimeoutError):
+    """The daemon did not answer in time."""
+
+
+class AdminClient:
+    """One connection to the daemon's admin socket.
+
+    Calls on one client are serialised (the server answers in order anyway);
+    use several clients for concurrent calls. ``timeout`` bounds connecting
+    and each non-streaming call; ``None`` waits forever. After a timeout,
+    a broken connection or an abandoned stream, the next call reconnects.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        timeout: float | None = 30.0,
+        max_line: int = MAX_LINE_BYTES,
+    ) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.timeout = timeout
+        #: The daemon's ``GetInfo`` result, once connected.
+        self.info: dict[str, Any] | None = None
+        self._max_line = max_line
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._next_id = 0
+        self._lock = asyncio.Lock()
+
+    # ----------------------------------------------------------------- connection
+
+    async def connect(self) -> dict[str, Any]:
+        """Connect (if not connected) and return the daemon's ``GetInfo``."""
+        async with self._lock:
+            return await self._ensure_connected()
+
+    async def close(self) -> None:
+        writer = self._writer
+        self._abort()
+        if writer is not None:
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def __aenter__(self) -> AdminClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _abort(self) -> None:
+        # The connection's state is unknown (a reply may still be in flight):
+        # drop it rather than risk reading another call's reply.
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+        self.info = None
+
+    async def _ensure_connected(self) -> dict[str, Any]:
+        if self._writer is not None and self.info is not None:
+            return self.info
+        try:
+            async with asyncio.timeout(self.timeout):
+                reader, writer = await self._open()
+                self._reader, self._writer = reader, writer
+                try:
+                    info = await self._roundtrip("GetInfo", {})
+                except MethodNotFound:
+                    raise ApiMismatch({"product": "unknown", "api_version": None}) from None
+        except TimeoutError:
+            self._abort()
+            raise AdminTimeout(f"the daemon at {self.socket_path} did not answer") from None
+        except BaseException:
+            self._abort()
+            raise
+        if not isinstance(info, dict):
+            self._abort()
+            raise ProtocolViolation("GetInfo did not return an object")
+        if info.get("product") != PRODUCT or info.get("api_version") != API_VERSION:
+            self._abort()
+            raise ApiMismatch(info)
+        self.info = info
+        return info
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await asyncio.open_unix_connection(self.socket_path, limit=self._max_line)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+            raise DaemonNotRunning(self.socket_path) from exc
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"no permission to open {self.socket_path} (is your user in the admin group?)",
+                {"socket": self.socket_path},
+            ) from exc
+        except OSError as exc:
+            raise AdminConnectionError(f"cannot connect to {self.socket_path}: {exc}") from exc
+
+    # ----------------------------------------------------------------- calls
+
+    async def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
+        """Call ``method`` and return its result; raise its error as :class:`AdminError`."""
+        async with self._lock:
+            await self._ensure_connected()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    return await self._roundtrip(method, params)
+            except AdminError:
+                raise  # a complete error reply: the connection is still in step
+            except TimeoutError:
+                self._abort()
+                raise AdminTimeout(f"{method}: the daemon did not answer in time") from None
+            except BaseException:
+                self._abort()
+                raise
+
+    async def stream(
+        self, method: str, params: Mapping[str, Any] | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """Call a streaming method; yield each result as it arrives.
+
+        The final ``null`` end-of-stream marker is not yielded. No timeout
+        applies between items (a follow call may be idle for long). Stopping
+        early (``break``) closes the connection, since the daemon would keep
+        streaming into it; the client reconnects on its next call.
+        """
+        async with self._lock:
+            await self._ensure_connected()
+            assert self._writer is not None
+            request_id = self._take_id()
+            finished = False
+            try:
+                await self._send(request_message(request_id, method, params, more=True))
+                while True:
+                    reply = await self._read_reply(request_id)
+                    if reply.error is not None:
+                        finished = True
+                        raise reply.error
+                    if reply.continues:
+                        yield reply.result
+                        continue
+                    finished = True
+                    if reply.result is not None:
+                        yield reply.result
+                    return
+            finally:
+                if not finished:
+                    self._abort()
+
+    # ----------------------------------------------------------------- wire
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def _roundtrip(self, method: str, params: Mapping[str, Any] | None) -> Any:
+        request_id = self._take_id()
+        await self._send(request_message(request_id, method, params))
+        reply = await self._read_reply(request_id)
+        if reply.error is not None:
+            raise reply.error
+        if reply.continues:
+            raise ProtocolViolation(
+                f"{method}: several replies to a call that did not ask for more"
+            )
+        return reply.result
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        assert self._writer is not None
+        data = encode(message)
+        if len(data) > self._max_line + 1:
+            raise ValueError(f"request larger than the protocol's {self._max_line}-byte line limit")
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise AdminConnectionError(f"lost the connection to the daemon: {exc}") from exc
+
+    async def _read_reply(self, request_id: int) -> Reply:
+        assert self._reader is not None
+        try:
+            line = await self._reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError:
+            raise AdminConnectionError("the daemon closed the connection") from None
+        except asyncio.LimitOverrunError:
+            raise ProtocolViolation(f"reply longer than {self._max_line} bytes") from None
+        except (ConnectionError, OSError) as exc:
+            raise AdminConnectionError(f"lost the connection to the daemon: {exc}") from exc
+        try:
+            reply = parse_reply(orjson.loads(line))
+        except ValueError as exc:
+            raise ProtocolViolation(f"not a valid admin reply: {exc}") from None
+        if reply.id is None and reply.error is not None:
+            # About the connection, not the call (refused peer, line too long);
+            # the daemon closes the connection after it.
+            self._abort()
+            raise reply.error
+        if reply.id != request_id:
+            raise ProtocolViolation(f"reply for id {reply.id!r} while waiting for {request_id}")
+        return reply
+
+
+def call_sync(
+    socket_path: str | os.PathLike[str],
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = 30.0,
+) -> Any:
+    """One call from synchronous code (the CLI): connect, check the API, call, close.
+
+    Must not be called from a running event loop.
+    """
+
+    async def run() -> Any:
+        async with AdminClient(socket_path, timeout=timeout) as client:
+            return await client.call(method, params)
+
+    return asyncio.run(run())
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The CLI exit code for an admin failure (see :mod:`meshnode.cli.exitcodes`)."""
+    if isinstance(exc, AdminConnectionError):
+        return EX_NOT_RUNNING
+    if isinstance(exc, PermissionDenied):
+        return EX_NOPERM
+    if isinstance(exc, ApiMismatch | ProtocolViolation):
+        return EX_API_MISMATCH
+    if isinstance(exc, AdminTimeout | NotReady | TimeoutError):
+        return EX_TEMPFAIL
+    return EX_ERROR

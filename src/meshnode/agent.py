@@ -1,0 +1,311 @@
+"""The agent API: what a plugin author writes against.
+
+An agent is a subclass of :class:`Agent` that declares its manifest facts as
+class attributes and its offerings as decorated async methods::
+
+    from meshnode.agent import Agent, Context, Refusal, offering
+
+    class Greeter(Agent):
+        description = "Says hello."
+        capabilities = ["greeting"]
+
+        @offering("hello", description="Greets whoever asks",
+                  input_schema={"type": "object", "properties": {"name": {"type": "string"}}})
+        async def hello(self, ctx: Context, input: dict) -> dict:
+            if input.get("name") == "":
+                raise Refusal("INPUT_INVALID", "name must not be empty")
+            return {"text": f"hello, {input.get('name', 'stranger')}"}
+
+The node does everything else: it keeps the agent's key, vouches for it,
+registers its manifest, verifies and checks every inbound envelope (§22)
+before a handler sees it, sends the accept signal, fences sender text, signs
+every reply, and routes requests between agents of the same node locally.
+
+Contract for handlers (stable):
+
+* An offering handler is ``async def handler(self, ctx, input) -> output``.
+  ``input`` is ``payload.input`` of the request (already validated against the
+  offering's ``input_schema`` when one is declared). The return value becomes
+  ``payload.output`` of a ``completed`` respond.
+* Raise :class:`Refusal` to answer with a §12 error (``failed``); any other
+  exception is reported to the caller as ``INTERNAL_ERROR`` without details and
+  logged locally.
+* ``ctx.text`` is the sender text of the request wrapped in the §22.6 frame
+  (or None when the payload carries no prose); ``ctx.envelope`` is the verified
+  envelope verbatim — reaching past the frame is deliberate.
+* Requests, emits and subscriptions made through ``ctx`` carry the trace of the
+  work that made them, with no application code (§13.1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from meshnode.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from meshnode.node.outbound import Reply
+
+__all__ = [
+    "Agent",
+    "AgentSettings",
+    "Context",
+    "Event",
+    "OfferingSpec",
+    "Refusal",
+    "offering",
+]
+
+
+class Refusal(ProtocolError):
+    """Raised by a handler to answer with a §12 error instead of an output.
+
+    ``Refusal("INPUT_INVALID", "name must not be empty", {"field": "name"})``.
+    The code must be one of §12.2; retryability follows the code.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str = "",
+        details: Mapping[str, Any] | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
+        super().__init__(code, message, dict(details or {}), retry_after_ms)
+
+
+class AgentSettings(BaseModel):
+    """Base for a plugin's own ``[agents.<name>]`` settings; unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class OfferingSpec:
+    """An offering as declared by a handler (§8.5)."""
+
+    id: str
+    handler_name: str
+    name: str | None = None
+    description: str | None = None
+    tags: tuple[str, ...] = ()
+    input_schema: Mapping[str, Any] | None = None
+    output_schema: Mapping[str, Any] | None = None
+    input_modes: tuple[str, ...] | None = None
+    output_modes: tuple[str, ...] | None = None
+    streaming: bool = False
+    estimated_duration_ms: int | None = None
+    needs: tuple[Mapping[str, Any], ...] = ()
+    delivers: Mapping[str, Any] | None = None
+    advertise: bool = True
+    framing: bool = True
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """The offering as it appears in the manifest (absent fields omitted)."""
+        entry: dict[str, Any] = {"id": self.id}
+        if self.name:
+            entry["name"] = self.name
+        if self.description:
+            entry["description"] = self.description
+        if self.tags:
+            entry["tags"] = list(self.tags)
+        if self.input_schema is not None:
+            entry["input_schema"] = dict(self.input_schema)
+        if self.output_schema is not None:
+            entry["output_schema"] = dict(self.output_schema)
+        if self.input_modes is not None:
+            entry["input_modes"] = list(self.input_modes)
+        if self.output_modes is not None:
+            entry["output_modes"] = list(self.output_modes)
+        if self.streaming:
+            entry["streaming"] = True
+        if self.estimated_duration_ms is not None:
+            entry["estimated_duration_ms"] = self.estimated_duration_ms
+        if self.needs:
+            entry["needs"] = [dict(n) for n in self.needs]
+        if self.delivers is not None:
+            entry["delivers"] = dict(self.delivers)
+        return entry
+
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def offering(
+    id: str,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    tags: Sequence[str] = (),
+    input_schema: Mapping[str, Any] | None = None,
+    output_schema: Mapping[str, Any] | None = None,
+    input_modes: Sequence[str] | None = None,
+    output_modes: Sequence[str] | None = None,
+    streaming: bool = False,
+    estimated_duration_ms: int | None = None,
+    needs: Sequence[Mapping[str, Any]] = (),
+    delivers: Mapping[str, Any] | None = None,
+    advertise: bool = True,
+    framing: bool = True,
+) -> Callable[[F], F]:
+    """Declare an async method as the handler of offering ``id``.
+
+    ``advertise=False`` keeps the offering out of the public block (§8.7):
+    callers who know it can still use it.
+
+    ``framing=True`` (the default, §22.6) hands the handler a copy of its input
+    whose sender text is wrapped in the provenance frame. Turn it off only for
+    an offering that never shows the text to a model, or that frames it itself.
+    """
+
+    def decorate(fn: F) -> F:
+        fn.__meshnode_offering__ = OfferingSpec(  # type: ignore[attr-defined]
+            id=id,
+            handler_name=fn.__name__,
+            name=name,
+            description=description,
+            tags=tuple(tags),
+            input_schema=input_schema,
+            output_schema=output_schema,
+            input_modes=tuple(input_modes) if input_modes is not None else None,
+            output_modes=tuple(output_modes) if output_modes is not None else None,
+            streaming=streaming,
+            estimated_duration_ms=estimated_duration_ms,
+            needs=tuple(needs),
+            delivers=delivers,
+            advertise=advertise,
+            framing=framing,
+        )
+        return fn
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class Event:
+    """An event delivered to :meth:`Agent.on_event` (already verified and checked)."""
+
+    subject: str
+    sender: str
+    domain: str | None
+    event_type: str | None
+    data: Any
+    envelope: Mapping[str, Any]
+
+
+class Context(Protocol):
+    """What a handler can see and do. Provided by the node; do not implement."""
+
+    @property
+    def agent_id(self) -> str:
+        """This agent's id (its public key)."""
+
+    @property
+    def sender(self) -> str:
+        """The verified ``from`` of the envelope being handled."""
+
+    @property
+    def envelope(self) -> Mapping[str, Any]:
+        """The verified envelope, verbatim (signed bytes; never mutated)."""
+
+    @property
+    def text(self) -> str | None:
+        """The sender text inside the §22.6 provenance frame, or None."""
+
+    @property
+    def trace(self) -> Mapping[str, Any]:
+        """The trace context of the work being done (§13.1)."""
+
+    @property
+    def log(self) -> logging.Logger:
+        """A logger named for this agent."""
+
+    async def request(
+        self,
+        target: str,
+        offering: str,
+        input: Any = None,
+        *,
+        timeout: float = 30.0,
+        config: Mapping[str, Any] | None = None,
+        budget: Mapping[str, Any] | None = None,
+    ) -> Reply:
+        """Send a request to agent ``target`` and await its substantive reply.
+
+        The target's inbox is resolved through the registry (or is local);
+        the recipient's declared limits are pre-flighted first (§6.4b), so a
+        refusal arrives with the recipient's own code. An accept resets the
+        wait; silence past ``timeout`` raises ``RequestTimeout``, which says
+        the request may be queued rather than lost (§6.4).
+        """
+
+    async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
+        """Publish an event on ``mesh.event.{domain}.{event_type}`` (§6.6)."""
+
+
+class Agent:
+    """Base class for hosted agents. Subclass it and declare offerings.
+
+    Class attributes are manifest facts (§8.1); the node fills in id, node,
+    endpoint(s), protocol_version and the vouch. ``Settings`` is the pydantic
+    model of this agent's ``[agents.<name>]`` table.
+    """
+
+    #: Human-readable display name (defaults to the configured agent name).
+    display_name: ClassVar[str | None] = None
+    description: ClassVar[str] = ""
+    version: ClassVar[str] = "0.1.0"
+    capabilities: ClassVar[Sequence[str]] = ()
+    #: "service" (no person in the loop) or "interactive" (§8.3a).
+    interaction: ClassVar[str] = "service"
+    #: The storefront (§8.7): description/admission/access/links/...; the node
+    #: materializes offerings from the advertised handlers.
+    public: ClassVar[Mapping[str, Any] | None] = None
+    provider: ClassVar[Mapping[str, Any] | None] = None
+    limits: ClassVar[Mapping[str, Any] | None] = None
+    rate_limits: ClassVar[Mapping[str, Any] | None] = None
+    accepts: ClassVar[Sequence[str]] = ()
+    emits: ClassVar[Sequence[str]] = ()
+    visibility: ClassVar[str | None] = None
+    default_input_modes: ClassVar[Sequence[str] | None] = None
+    default_output_modes: ClassVar[Sequence[str] | None] = None
+    Settings: ClassVar[type[AgentSettings]] = AgentSettings
+
+    def __init__(self, name: str, settings: AgentSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.log = logging.getLogger(f"meshnode.agent.{name}")
+
+    @classmethod
+    def offerings(cls) -> dict[str, OfferingSpec]:
+        """Every declared offering, by id (subclass declarations win)."""
+        found: dict[str, OfferingSpec] = {}
+        for klass in reversed(cls.__mro__):
+            for attr in vars(klass).values():
+                spec = getattr(attr, "__meshnode_offering__", None)
+                if isinstance(spec, OfferingSpec):
+                    found[spec.id] = spec
+        return found
+
+    async def on_start(self, ctx: Context) -> None:
+        """Called once the agent is hosted (before registration completes)."""
+
+    async def on_stop(self) -> None:
+        """Called when the agent is being stopped; release resources here."""
+
+    async def on_event(self, ctx: Context, event: Event) -> None:
+        """Called for each event on a subscription this agent made."""
+
+
+@dataclass
+class AgentFactory:
+    """How a plugin provides an agent: a class (and the name it was registered under)."""
+
+    plugin: str
+    agent_class: type[Agent]
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,204 @@
+"""The node's one NATS connection.
+
+Wraps nats-py with what the node needs and nothing else: the credential is
+read through a callback at *every* (re)connect, so a renewed JWT is what a
+reconnect presents (never the one from the first connect); the node key signs
+the server nonce; reconnects are announced to listeners (the inbox drain
+re-runs on them, §16.4) from the client's own connection events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from meshnode.protocol.nkeys import KeyPair
+
+__all__ = ["ConnectionListener", "MeshConnection", "Msg", "Subscription"]
+
+log = logging.getLogger("meshnode.transport")
+
+ConnectionListener = Callable[[], Awaitable[None]]
+MessageHandler = Callable[[Msg], Awaitable[None]]
+
+
+class MeshConnection:
+    """One authenticated connection to the mesh, shared by every hosted agent.
+
+    ``jwt_source`` returns the node's current user JWT; it is consulted on every
+    connect and reconnect. ``node_key`` signs the server's nonce. Either may be
+    None for an unauthenticated server (tests against a plain nats-server).
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        *,
+        node_key: KeyPair | None,
+        jwt_source: Callable[[], str] | None,
+        name: str = "meshnode",
+        inbox_prefix: str | None = None,
+        connect_timeout: float = 5.0,
+        reconnect_wait: float = 1.0,
+    ) -> None:
+        self.servers = list(servers)
+        self._node_key = node_key
+        self._jwt_source = jwt_source
+        self._name = name
+        # Each node reads replies only under its own prefix (the JWT grants no
+        # other inbox), so nobody else's replies or drained mail reach it.
+        self._inbox_prefix = inbox_prefix
+        self._connect_timeout = connect_timeout
+        self._reconnect_wait = reconnect_wait
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._reconnect_listeners: list[ConnectionListener] = []
+        self._disconnect_listeners: list[ConnectionListener] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.last_error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def connect(self) -> None:
+        options: dict[str, Any] = {
+            "servers": self.servers,
+            "name": self._name,
+            "connect_timeout": self._connect_timeout,
+            "reconnect_time_wait": self._reconnect_wait,
+            "max_reconnect_attempts": -1,
+            "allow_reconnect": True,
+            "error_cb": self._on_error,
+            "disconnected_cb": self._on_disconnected,
+            "reconnected_cb": self._on_reconnected,
+            "closed_cb": self._on_closed,
+            "pending_size": 8 * 1024 * 1024,
+        }
+        if self._inbox_prefix:
+            options["inbox_prefix"] = self._inbox_prefix
+        if self._jwt_source is not None and self._node_key is not None:
+            key = self._node_key
+            source = self._jwt_source
+            options["user_jwt_cb"] = lambda: source().encode("ascii")
+            options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
+        self._nc = await nats.connect(**options)
+        self._js = self._nc.jetstream()
+
+    async def close(self, drain_timeout: float = 5.0) -> None:
+        nc, self._nc = self._nc, None
+        if nc is None:
+            return
+        try:
+            if nc.is_connected:
+                await asyncio.wait_for(nc.drain(), timeout=drain_timeout)
+        except Exception as exc:  # a failed drain must not block shutdown
+            log.warning("drain on close failed: %s", exc)
+        if not nc.is_closed:
+            await nc.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def nc(self) -> Client:
+        if self._nc is None:
+            raise RuntimeError("not connected")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            raise RuntimeError("not connected")
+        return self._js
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    @property
+    def connected_url(self) -> str | None:
+        if self._nc is None or self._nc.connected_url is None:
+            return None
+        url = self._nc.connected_url
+        return f"{url.scheme}://{url.hostname}:{url.port}"
+
+    @property
+    def max_payload(self) -> int:
+        """The server's advertised maximum message size (§18.9)."""
+        return int(self.nc.max_payload)
+
+    def on_reconnect(self, listener: ConnectionListener) -> None:
+        self._reconnect_listeners.append(listener)
+
+    def on_disconnect(self, listener: ConnectionListener) -> None:
+        self._disconnect_listeners.append(listener)
+
+    # -- messaging -----------------------------------------------------------
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await self.nc.publish(subject, payload, reply=reply, headers=headers)
+
+    async def subscribe(
+        self, subject: str, handler: MessageHandler, *, queue: str = ""
+    ) -> Subscription:
+        return await self.nc.subscribe(subject, queue=queue, cb=handler)
+
+    async def request(
+        self, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str] | None = None
+    ) -> Msg:
+        return await self.nc.request(subject, payload, timeout=timeout, headers=headers)
+
+    def new_inbox(self) -> str:
+        return str(self.nc.new_inbox())
+
+    async def flush(self, timeout: int = 5) -> None:
+        await self.nc.flush(timeout=timeout)
+
+    # -- connection events -------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_error(self, exc: Exception) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.warning("mesh connection error: %s", self.last_error)
+
+    async def _on_disconnected(self) -> None:
+        log.warning("disconnected from the mesh")
+        for listener in self._disconnect_listeners:
+            self._spawn(listener())
+
+    async def _on_reconnected(self) -> None:
+        log.info("reconnected to the mesh at %s", self.connected_url)
+        for listener in self._reconnect_listeners:
+            self._spawn(listener())
+
+    async def _on_closed(self) -> None:
+        log.info("mesh connection closed")
+
+
+def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:
+    import base64
+
+    raw = nonce.encode() if isinstance(nonce, str) else nonce
+    return base64.b64encode(key.sign(raw))
