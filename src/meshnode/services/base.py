@@ -1,0 +1,317 @@
+"""What every platform service shares: its context, intake and reply (§16.1, §18.7, §22).
+
+Platform services (registry, presence, task manager) are service-role agents
+hosted on a node's one connection. Each request they serve goes through the
+same short pipeline, in order:
+
+1. decode and verify the envelope (§5.3); garbage or a forged signature is
+   dropped silently and logged, never answered (§22.7);
+2. remember ``(from, id)`` and drop a duplicate (§22.2), then drop anything
+   outside the live freshness window (§22.3): together these make a captured
+   request (a deregistration, say) useless to replay;
+3. refuse types that are never requests (``respond``, ``emit``, ``subscribe``);
+4. count the request against the sender's sliding-window budget, shared by
+   every service that holds the same :class:`ServiceContext` (§16.1: one
+   counter across all service subjects), answering ``RATE_LIMITED`` with
+   ``retry_after_ms`` when it is spent;
+5. run the operation and answer with :meth:`ServiceBase.reply`.
+
+Answers use ordinary NATS request-reply (§18.7: platform service operations
+keep it): a signed ``respond`` from the service key, ``to`` the requester,
+``in_reply_to`` the request id, published on the request's reply subject.
+A failure carries payload ``{"status": "failed"}`` and a §12.1 ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshnode.protocol.envelope import (
+    IdGenerator,
+    build_envelope,
+    child_trace,
+    decode_envelope,
+    encode_envelope,
+    sign_envelope,
+)
+from meshnode.protocol.errors import ProtocolError, error_object
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.protections import (
+    DEFAULT_FRESHNESS_WINDOW,
+    DedupMemory,
+    DeliverySource,
+    FreshnessWindow,
+    check_freshness,
+)
+from meshnode.protocol.ratelimit import SlidingWindowLimiter
+from meshnode.protocol.subjects import event_subject
+from meshnode.transport.connection import MeshConnection, Msg, Subscription
+
+__all__ = [
+    "NON_REQUEST_TYPES",
+    "Operation",
+    "ServiceBase",
+    "ServiceContext",
+    "wall_clock_ms",
+]
+
+#: Envelope types that are statements, never requests to a service.
+NON_REQUEST_TYPES = frozenset({"respond", "emit", "subscribe"})
+
+Envelope = dict[str, Any]
+#: A service operation: the raw message and its verified envelope in, the
+#: reply payload out. A ProtocolError it raises is answered as that error.
+Operation = Callable[[Msg, Envelope], Awaitable[Mapping[str, Any]]]
+
+
+def wall_clock_ms() -> int:
+    """Epoch milliseconds from the system clock."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class ServiceContext:
+    """What the hosting node hands each platform service.
+
+    ``key`` is the service's own identity: every reply and event it emits is
+    signed by it, and callers pin it on first use. ``replicas`` is the
+    JetStream replica count for the objects services create: ``min(3,
+    cluster size)``, 1 on the embedded mesh. ``limiter`` is the §16.1
+    per-sender budget; services built from one context share it.
+    """
+
+    connection: MeshConnection
+    key: KeyPair
+    node_id: str
+    now_ms: Callable[[], int] = wall_clock_ms
+    ids: IdGenerator = field(default_factory=IdGenerator)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("meshnode.services"))
+    replicas: int = 1
+    limiter: SlidingWindowLimiter = field(default_factory=SlidingWindowLimiter)
+    freshness: FreshnessWindow = DEFAULT_FRESHNESS_WINDOW
+
+    @property
+    def service_id(self) -> str:
+        """The service's public key: the ``from`` of everything it signs."""
+        return self.key.public_key
+
+
+class ServiceBase:
+    """Subscriptions, intake and replies for one platform service.
+
+    ``queue`` is the NATS queue group every request subscription joins, so
+    several service nodes can serve the same subjects concurrently (each
+    request reaches exactly one of them).
+    """
+
+    def __init__(self, ctx: ServiceContext, *, name: str, queue: str, dedup_entries: int = 5000) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.queue = queue
+        self.log = ctx.log.getChild(name)
+        self._dedup = DedupMemory(dedup_entries)
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    async def stop(self) -> None:
+        """Unsubscribe everything and cancel background work. Idempotent."""
+        self._running = False
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # a closed connection has nothing left to unsubscribe
+                self.log.debug("unsubscribe failed: %s", exc)
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def spawn(self, job: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:
+        """Run ``job()`` in the background until :meth:`stop`; an error is logged."""
+
+        async def run() -> None:
+            try:
+                await job()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("%s stopped on an error", name)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"{self.name}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- subscriptions -------------------------------------------------------
+
+    async def subscribe(
+        self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, queue: bool = True
+    ) -> Subscription:
+        """Subscribe ``handler`` to ``subject`` (on the service's queue group unless
+        ``queue=False``). A handler that raises is logged, never fatal."""
+
+        async def guarded(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except Exception:
+                self.log.exception("handler for %s failed", msg.subject)
+
+        sub = await self.ctx.connection.subscribe(
+            subject, guarded, queue=self.queue if queue else ""
+        )
+        self._subs.append(sub)
+        return sub
+
+    async def serve(self, subject: str, operation: Operation) -> Subscription:
+        """Serve ``operation`` on ``subject``: intake (module docstring), then a
+        reply with its payload, or with the error it raised."""
+
+        async def handle(msg: Msg) -> None:
+            env = self.accept(msg)
+            if env is None:
+                return
+            if not await self.admit(msg, env):
+                return
+            try:
+                payload = await operation(msg, env)
+            except ProtocolError as exc:
+                await self.reply(msg, env, error=exc.to_object())
+                return
+            except Exception as exc:
+                self.log.exception("%s failed on %s", self.name, msg.subject)
+                await self.reply(
+                    msg,
+                    env,
+                    error=error_object(
+                        "INTERNAL_ERROR", f"{self.name} failed: {type(exc).__name__}"
+                    ),
+                )
+                return
+            await self.reply(msg, env, payload)
+
+        return await self.subscribe(subject, handle)
+
+    # -- intake --------------------------------------------------------------
+
+    def decode(self, data: bytes, subject: str) -> Envelope | None:
+        """The verified envelope in ``data``, or None (logged) for garbage or a forgery."""
+        try:
+            return decode_envelope(data)
+        except ProtocolError as exc:
+            self.log.info("dropped %s on %s: %s", exc.code, subject, exc.message)
+            return None
+
+    def accept(self, msg: Msg, *, request: bool = True) -> Envelope | None:
+        """Decode, verify, dedup and freshness-check a live message (steps 1-3).
+
+        Returns None for anything to drop silently. ``request=False`` admits
+        statement types (a heartbeat is an ``emit``).
+        """
+        env = self.decode(msg.data, msg.subject)
+        if env is None:
+            return None
+        if self._dedup.check_and_remember(env["from"], env["id"]):
+            self.log.info("dropped a duplicate %s from %s on %s", env["id"], env["from"], msg.subject)
+            return None
+        if not check_freshness(env["ts"], self.ctx.now_ms(), DeliverySource.LIVE, self.ctx.freshness):
+            self.log.info("dropped a stale envelope %s from %s on %s", env["id"], env["from"], msg.subject)
+            return None
+        if request and env["type"] in NON_REQUEST_TYPES:
+            self.log.info("dropped a %s envelope sent as a request on %s", env["type"], msg.subject)
+            return None
+        return env
+
+    async def admit(self, msg: Msg, env: Envelope) -> bool:
+        """Count the request against the sender's budget; answer RATE_LIMITED when spent."""
+        decision = self.ctx.limiter.check(env["from"], self.ctx.now_ms())
+        if decision.allowed:
+            return True
+        await self.reply(
+            msg,
+            env,
+            error=error_object(
+                "RATE_LIMITED",
+                "too many requests to the platform services",
+                {"limit": self.ctx.limiter.limit, "window_ms": self.ctx.limiter.window_ms},
+                retry_after_ms=decision.retry_after_ms,
+            ),
+        )
+        return False
+
+    # -- output --------------------------------------------------------------
+
+    def sign(self, env: Envelope) -> Envelope:
+        return sign_envelope(env, self.ctx.key)
+
+    async def reply(
+        self,
+        msg: Msg,
+        request: Envelope,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        error: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Answer ``request`` on the message's reply subject: a ``respond`` signed
+        by the service key, ``to`` = the requester, ``in_reply_to`` = its id.
+
+        With ``error`` the payload is ``{"status": "failed"}`` and ``error`` is
+        the §12.1 object. A request without a reply subject gets no answer.
+        """
+        if not msg.reply:
+            self.log.debug("no reply subject on %s; nothing to answer", msg.subject)
+            return
+        if error is not None:
+            payload = {"status": "failed"}
+        env = build_envelope(
+            "respond",
+            self.ctx.service_id,
+            now_ms=self.ctx.now_ms(),
+            to=request["from"],
+            in_reply_to=request["id"],
+            payload=dict(payload) if payload is not None else {},
+            error=error,
+            trace=child_trace(request.get("trace")),
+            ids=self.ctx.ids,
+        )
+        try:
+            await self.ctx.connection.publish(msg.reply, encode_envelope(self.sign(env)))
+        except Exception as exc:  # the requester may be gone; nothing else to do
+            self.log.warning("reply on %s failed: %s", msg.subject, exc)
+
+    async def emit(self, domain: str, event_type: str, data: Mapping[str, Any]) -> None:
+        """Publish a signed ``emit`` on ``mesh.event.{domain}.{event_type}`` with payload
+        ``{domain, event_type, data}`` and ``Nats-Msg-Id`` = the envelope id (§18.8).
+
+        Best effort: a failed publish is logged, never raised, because the
+        event reports a change that has already happened.
+        """
+        env = build_envelope(
+            "emit",
+            self.ctx.service_id,
+            now_ms=self.ctx.now_ms(),
+            payload={"domain": domain, "event_type": event_type, "data": dict(data)},
+            ids=self.ctx.ids,
+        )
+        self.sign(env)
+        try:
+            await self.ctx.connection.publish(
+                event_subject(domain, event_type),
+                encode_envelope(env),
+                headers={"Nats-Msg-Id": env["id"]},
+            )
+        except Exception as exc:
+            self.log.warning("emitting %s.%s failed: %s", domain, event_type, exc)

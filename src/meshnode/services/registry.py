@@ -1,0 +1,446 @@
+"""The registry service (§6.2, §6.3, §9): manifests in KV, discovery from a watched cache.
+
+Every operation is request-reply on a queue group (``mesh_registry``), so any
+number of registry instances can serve at once. Manifests live in the KV
+bucket ``mesh_registry`` keyed by agent id; each instance keeps an in-memory
+copy fed by a KV watch (a write by any instance is seen by all; a reconnect
+rebuilds the copy from a fresh watch), and answers discover and get from it.
+
+Every answer is a ``respond`` signed by the registry key with ``to`` = the
+caller and ``in_reply_to`` = the request id (see :mod:`.base`), payload as
+below, or ``{status: "failed"}`` with an ``error`` object.
+
+Subjects and payloads (the contract):
+
+``mesh.registry.register.{node_id}`` (connection-bound, §4.4 b) and ``mesh.registry.register``
+    Request payload: the manifest (§8.1; legacy ``skills`` read as
+    ``offerings``). The trailing token must be the manifest's ``node.id``;
+    the vouch must verify for that node and this agent, and be unexpired.
+    The untokenized subject is refused ``UNAUTHORIZED`` (``details.reason:
+    "untokenized_registration"``) unless ``require_connection_bound=False``,
+    in which case the node binding is stored as self-asserted.
+    Reply: ``{status: "registered", agent_id, node_binding:
+    "connection_bound"|"self_asserted", dropped?: [member paths dropped as
+    unreadable]}``. Errors: ``INVALID_MANIFEST`` (``details.field``),
+    ``IDENTITY_MISMATCH`` (``from`` ≠ ``id``), ``UNAUTHORIZED``
+    (``details.reason``), ``RATE_LIMITED``.
+    The stored manifest is the validated, normalized one: ``owner`` and
+    ``visibility`` defaulted, ``endpoints`` stamped, the public block
+    materialized (§8.7), plus registry-owned ``meta.registry =
+    {node_binding, registered_at}`` (any registrant value is replaced).
+    Unless the agent is sandboxed, its redelivery buffer ``MESH_INBOX_{id}``
+    is created (or updated) before the manifest is stored. Emits
+    ``mesh.event.registry.agent_registered`` with data ``{agent_id, node}``.
+    The legacy TS/Python deregistration (payload ``{deregister: true}``) is
+    accepted on these subjects too.
+
+``mesh.registry.deregister``
+    Payload ``{deregister: true}`` (TS/Python), ``{agent_id}`` (Rust) or none.
+    The agent is the verified ``from``; an ``agent_id`` naming anybody else
+    is ``UNAUTHORIZED``. Removes the manifest and the agent's
+    ``MESH_INBOX`` stream. Idempotent: reply ``{status: "deregistered",
+    agent_id, existed}``. Emits ``mesh.event.registry.agent_deregistered``
+    when a manifest was removed.
+
+``mesh.registry.discover``
+    Payload: a query (:mod:`.query`). Reply ``{agents: [manifest + joined
+    availability], total, cursor?}``: matches sorted by agent id, ``total``
+    counting every match, ``cursor`` present when more remain. Listing
+    tiers (§8.6): public listed, unlisted never listed, private listed only
+    to its owner (the caller's key or the caller's own manifest owner).
+    ``INVALID_QUERY`` for a malformed query.
+
+``mesh.registry.get.{agent_id}``
+    Payload ``{agent_id}`` (must match the token) or none. Reply: the stored
+    manifest plus joined ``availability``. Unlisted agents are returned (get
+    is by id); a private agent is ``NOT_FOUND`` to anybody but its owner,
+    and so is an unknown id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from meshnode.protocol import subjects
+from meshnode.protocol.envelope import encode_envelope
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.manifest import check_registration
+from meshnode.protocol.nkeys import is_valid_public
+from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
+from meshnode.transport.connection import Msg
+
+from .base import Envelope, ServiceBase, ServiceContext
+from .presence import PresenceService
+from .query import DiscoverQuery, encode_cursor, listed_for, parse_discover_query
+from .streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
+
+__all__ = ["RegistryService"]
+
+_KV_DELETE_OPS = ("DEL", "PURGE")
+#: Room left in a discover reply for the envelope around the agents.
+_ENVELOPE_SLACK = 4096
+
+
+def _dumps(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+class RegistryService(ServiceBase):
+    """Registration, deregistration, discovery and lookup (module docstring)."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        *,
+        require_connection_bound: bool = True,
+        inbox_max_age_s: float = 7 * 86400,
+        inbox_max_bytes: int = 25 * 1024 * 1024,
+        presence: PresenceService | None = None,
+        is_sandbox_node: Callable[[str], bool] | None = None,
+        sync_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__(ctx, name="registry", queue="mesh_registry")
+        self.require_connection_bound = require_connection_bound
+        self.inbox_max_age_s = inbox_max_age_s
+        self.inbox_max_bytes = inbox_max_bytes
+        self.presence = presence
+        if presence is not None and presence.vouched_by is None:
+            presence.vouched_by = self.vouched_by
+        # The node's attested sandbox tier (§9.7); nothing is sandboxed without it.
+        self._is_sandbox_node = is_sandbox_node
+        self._sync_timeout_s = sync_timeout_s
+        self._kv: KeyValue | None = None
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._revisions: dict[str, int] = {}
+        self._synced = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+        self._reconnect_hooked = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open (or create) the bucket, load it through a watch, then serve."""
+        if self.running:
+            return
+        js = self.ctx.connection.js
+        await ensure_key_value(js, registry_bucket_config(self.ctx.replicas))
+        self._kv = await js.key_value(subjects.KV_REGISTRY)
+        self._running = True
+        self._synced = asyncio.Event()
+        self._restart_watch()
+        try:
+            async with asyncio.timeout(self._sync_timeout_s):
+                await self._synced.wait()
+        except BaseException:
+            await self.stop()
+            raise
+        if not self._reconnect_hooked:
+            self.ctx.connection.on_reconnect(self._on_reconnect)
+            self._reconnect_hooked = True
+        await self.serve("mesh.registry.register.*", self._register)
+        await self.serve(subjects.REGISTRY_REGISTER, self._register)
+        await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister)
+        await self.serve(subjects.REGISTRY_DISCOVER, self._discover)
+        await self.serve("mesh.registry.get.*", self._get)
+        await self.ctx.connection.flush()
+
+    async def stop(self) -> None:
+        await super().stop()
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _on_reconnect(self) -> None:
+        # An ordered consumer can miss changes across a reconnect; a fresh
+        # watch replays the latest value of every key, deletions included.
+        if self.running:
+            self._restart_watch()
+
+    # -- the cache -----------------------------------------------------------
+
+    def _restart_watch(self) -> None:
+        old, self._watch_task = self._watch_task, None
+        if old is not None:
+            old.cancel()
+        self._watch_task = self.spawn(self._watch, "kv-watch")
+
+    async def _watch(self) -> None:
+        assert self._kv is not None
+        watcher = await self._kv.watchall()
+        snapshot: dict[str, dict[str, Any]] = {}
+        revisions: dict[str, int] = {}
+        syncing = True
+        try:
+            async for entry in watcher:
+                if entry is None:  # the end of the initial replay
+                    if syncing:
+                        self._cache, self._revisions = snapshot, revisions
+                        syncing = False
+                        self._synced.set()
+                    continue
+                target_cache = snapshot if syncing else self._cache
+                target_revs = revisions if syncing else self._revisions
+                self._apply(target_cache, target_revs, entry.key, entry.revision, entry.operation, entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _apply(
+        self,
+        cache: dict[str, dict[str, Any]],
+        revisions: dict[str, int],
+        key: str,
+        revision: int | None,
+        operation: str | None,
+        value: bytes | None,
+    ) -> None:
+        rev = revision or 0
+        if rev and revisions.get(key, 0) > rev:
+            return  # already holds a newer write (our own, applied on the way out)
+        revisions[key] = rev
+        if operation in _KV_DELETE_OPS or not value:
+            cache.pop(key, None)
+            return
+        try:
+            manifest = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            self.log.warning("ignoring an unreadable registry entry %s", key)
+            return
+        if isinstance(manifest, dict):
+            cache[key] = manifest
+
+    def manifest(self, agent_id: str) -> dict[str, Any] | None:
+        """The stored manifest of ``agent_id`` (from the cache), or None."""
+        return self._cache.get(agent_id)
+
+    def agent_ids(self) -> list[str]:
+        """Every registered agent id, sorted."""
+        return sorted(self._cache)
+
+    def node_of(self, agent_id: str) -> str | None:
+        """The node a stored manifest names for ``agent_id`` (vouch not checked)."""
+        manifest = self._cache.get(agent_id)
+        node = manifest.get("node") if manifest else None
+        node_id = node.get("id") if isinstance(node, Mapping) else None
+        return node_id if isinstance(node_id, str) else None
+
+    def vouched_by(self, agent_id: str) -> str | None:
+        """The node whose *current* (unexpired) vouch the registry holds for
+        ``agent_id``, or None. Presence asks this of every non-node beat."""
+        manifest = self._cache.get(agent_id)
+        if manifest is None:
+            return None
+        node = manifest.get("node")
+        if not isinstance(node, Mapping):
+            return None
+        attestation = node.get("attestation")
+        expires_us = (
+            try_parse_rfc3339(attestation.get("expires_at"))
+            if isinstance(attestation, Mapping)
+            else None
+        )
+        if expires_us is None or expires_us <= self.ctx.now_ms() * 1000:
+            return None
+        node_id = node.get("id")
+        return node_id if isinstance(node_id, str) else None
+
+    def _with_availability(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(manifest)
+        if self.presence is not None:
+            out["availability"] = self.presence.availability_of(
+                str(manifest.get("id")), self.node_of(str(manifest.get("id")))
+            )
+        return out
+
+    def _caller_owners(self, caller: str) -> set[str]:
+        owners = {caller}
+        own = self._cache.get(caller)
+        if own is not None and isinstance(own.get("owner"), str):
+            owners.add(own["owner"])
+        return owners
+
+    # -- register / deregister -------------------------------------------------
+
+    def _sandboxed(self, node_id: str) -> bool:
+        return bool(self._is_sandbox_node and self._is_sandbox_node(node_id))
+
+    async def _register(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+        parsed = subjects.parse_register_subject(msg.subject)
+        if parsed is None:
+            raise ProtocolError(
+                "UNAUTHORIZED",
+                "the registration subject's node token is not a node key",
+                {"reason": "invalid_subject_node"},
+            )
+        bound, subject_node = parsed
+        payload = env.get("payload")
+        if isinstance(payload, Mapping) and payload.get("deregister") is True:
+            return await self._remove(env["from"])
+        if not bound and self.require_connection_bound:
+            # Refused before any schema work: on this path nothing the
+            # manifest says about its node can be believed (§4.4 b).
+            raise ProtocolError(
+                "UNAUTHORIZED",
+                "registration must arrive on mesh.registry.register.<node_id>",
+                {"field": "node.id", "reason": "untokenized_registration"},
+            )
+        now = self.ctx.now_ms()
+        sandbox = False
+        manifest_node = _manifest_node_id(payload)
+        if manifest_node is not None:
+            sandbox = self._sandboxed(manifest_node)
+        result = check_registration(
+            payload,
+            sender=env["from"],
+            now_ms=now,
+            subject_node=subject_node,
+            require_connection_bound=self.require_connection_bound,
+            sandbox=sandbox,
+        )
+        stored = result.manifest
+        agent_id: str = stored["id"]
+        node_id: str = stored["node"]["id"]
+        binding = "connection_bound" if bound else "self_asserted"
+        meta = dict(stored.get("meta") or {})
+        meta["registry"] = {"node_binding": binding, "registered_at": format_ts(now)}
+        stored["meta"] = meta
+        if result.dropped:
+            self.log.info("registration of %s dropped %s", agent_id, ", ".join(result.dropped))
+        js = self.ctx.connection.js
+        if stored.get("sandbox"):
+            # §16.4: a sandbox agent gets no buffer, including one left from
+            # an earlier, unsandboxed registration.
+            with contextlib.suppress(NotFoundError):
+                await js.delete_stream(subjects.inbox_stream_name(agent_id))
+        else:
+            # The buffer exists before the manifest says the agent is reachable.
+            await ensure_inbox_stream(
+                js,
+                agent_id,
+                max_age_s=self.inbox_max_age_s,
+                max_bytes=self.inbox_max_bytes,
+                replicas=self.ctx.replicas,
+            )
+        assert self._kv is not None
+        revision = await self._kv.put(agent_id, _dumps(stored))
+        # Read-your-writes on this instance; the watch confirms it (and tells the others).
+        self._apply(self._cache, self._revisions, agent_id, revision, None, _dumps(stored))
+        self.log.info("registered %s on node %s (%s)", agent_id, node_id, binding)
+        await self.emit("registry", "agent_registered", {"agent_id": agent_id, "node": node_id})
+        reply: dict[str, Any] = {"status": "registered", "agent_id": agent_id, "node_binding": binding}
+        if result.dropped:
+            reply["dropped"] = result.dropped
+        return reply
+
+    async def _deregister(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+        payload = env.get("payload")
+        if payload is not None and not isinstance(payload, Mapping):
+            raise ProtocolError("INVALID_ENVELOPE", "a deregistration payload is an object")
+        claimed = payload.get("agent_id") if isinstance(payload, Mapping) else None
+        if claimed is not None and claimed != env["from"]:
+            raise ProtocolError(
+                "UNAUTHORIZED",
+                "an agent deregisters only itself",
+                {"reason": "not_the_sender", "agent_id": claimed if isinstance(claimed, str) else None},
+            )
+        return await self._remove(env["from"])
+
+    async def _remove(self, agent_id: str) -> Mapping[str, Any]:
+        assert self._kv is not None
+        existing = self._cache.get(agent_id)
+        node_id = self.node_of(agent_id)
+        # Deleted even when this instance's copy lags another's fresh write.
+        await self._kv.delete(agent_id)
+        self._cache.pop(agent_id, None)
+        with contextlib.suppress(NotFoundError):
+            await self.ctx.connection.js.delete_stream(subjects.inbox_stream_name(agent_id))
+        if existing is not None:
+            self.log.info("deregistered %s", agent_id)
+            await self.emit(
+                "registry", "agent_deregistered", {"agent_id": agent_id, "node": node_id}
+            )
+        return {"status": "deregistered", "agent_id": agent_id, "existed": existing is not None}
+
+    # -- discover / get --------------------------------------------------------
+
+    def search(self, query: DiscoverQuery, caller: str) -> tuple[list[dict[str, Any]], int, str | None]:
+        """One page of matches for ``caller``: (manifests with availability, total, next cursor)."""
+        owners = self._caller_owners(caller)
+        matches: list[dict[str, Any]] = []
+        for agent_id in sorted(self._cache):
+            manifest = self._cache[agent_id]
+            if not listed_for(manifest, owners) or not query.matches(manifest):
+                continue
+            joined = self._with_availability(manifest)
+            if query.availability is not None and joined.get("availability") != query.availability:
+                continue
+            matches.append(joined)
+        start = 0
+        if query.after is not None:
+            start = next(
+                (i for i, m in enumerate(matches) if m["id"] > query.after), len(matches)
+            )
+        page = matches[start : start + query.limit]
+        more = start + len(page) < len(matches)
+        cursor = encode_cursor(page[-1]["id"]) if more and page else None
+        return page, len(matches), cursor
+
+    async def _discover(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+        query = parse_discover_query(env.get("payload"))
+        if query.availability is not None and self.presence is None:
+            raise ProtocolError(
+                "INVALID_QUERY",
+                "availability: this registry has no presence service to join",
+                {"field": "availability", "reason": "presence_unavailable"},
+            )
+        page, total, cursor = self.search(query, env["from"])
+        return self._fit(page, total, cursor)
+
+    def _fit(
+        self, page: list[dict[str, Any]], total: int, cursor: str | None
+    ) -> dict[str, Any]:
+        """Shorten the page until the reply fits the broker's max payload (§18.9)."""
+        budget = self.ctx.connection.max_payload - _ENVELOPE_SLACK
+        while True:
+            reply: dict[str, Any] = {"agents": page, "total": total}
+            if cursor is not None:
+                reply["cursor"] = cursor
+            if len(page) <= 1 or len(encode_envelope({"payload": reply})) <= budget:
+                return reply
+            page = page[: len(page) // 2]
+            cursor = encode_cursor(page[-1]["id"])
+
+    async def _get(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+        token = msg.subject.rsplit(".", 1)[-1]
+        payload = env.get("payload")
+        if payload is not None and not isinstance(payload, Mapping):
+            raise ProtocolError("INVALID_QUERY", "query: must be an object", {"field": "query"})
+        claimed = payload.get("agent_id") if isinstance(payload, Mapping) else None
+        if claimed is not None and claimed != token:
+            raise ProtocolError(
+                "INVALID_QUERY", "agent_id: does not match the subject", {"field": "agent_id"}
+            )
+        manifest = self._cache.get(token) if is_valid_public(token) else None
+        if manifest is None or (
+            manifest.get("visibility") == "private"
+            and manifest.get("owner") not in self._caller_owners(env["from"])
+        ):
+            raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})
+        return self._with_availability(manifest)
+
+
+def _manifest_node_id(payload: object) -> str | None:
+    if not isinstance(payload, Mapping):
+        return None
+    node = payload.get("node")
+    node_id = node.get("id") if isinstance(node, Mapping) else None
+    return node_id if isinstance(node_id, str) else None

@@ -1,0 +1,300 @@
+"""The mesh's JetStream objects (§18.3, §18.4, §16.4), created or updated idempotently.
+
+Every ``ensure_*`` here can run at every start of every service node: an
+absent object is created, one that differs in a field we own is updated in
+place (other server-side settings are kept), and one that already matches is
+left alone. A difference the server refuses to update in place (retention,
+storage) is reported as ``"mismatch: ..."`` and logged rather than raised,
+because deleting a stream to recreate it would throw away what it holds.
+
+Two stream settings are deliberate rather than defaults:
+
+* ``no_ack`` on every stream bound to subjects that carry request-reply
+  traffic (``MESH_REGISTRY``, each ``MESH_INBOX_*``, ``MESH_HEARTBEAT``):
+  a capturing stream otherwise answers a request's reply subject with its
+  PubAck, racing the real answer and defeating the no-responders liveness
+  signal (§18.7).
+* a duplicate window of at least two minutes on ``MESH_TASKS`` and
+  ``MESH_EVENTS`` (§18.3, §18.8), so a republished ``Nats-Msg-Id`` dedups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, NotFoundError
+
+from meshnode.protocol import subjects
+
+__all__ = [
+    "DAY_S",
+    "DUPLICATE_WINDOW_S",
+    "EnsureOutcome",
+    "ensure_inbox_stream",
+    "ensure_key_value",
+    "ensure_mesh_streams",
+    "ensure_stream",
+    "inbox_stream_config",
+    "mesh_stream_configs",
+    "registry_bucket_config",
+    "tasks_bucket_config",
+]
+
+log = logging.getLogger("meshnode.services.streams")
+
+DAY_S = 24 * 3600
+DUPLICATE_WINDOW_S = 120.0
+EnsureOutcome = Literal["created", "updated", "unchanged"] | str
+
+# The fields a mesh stream definition owns; anything else on an existing
+# stream (placement, metadata, server defaults) is left as the server has it.
+_OWNED_FIELDS = (
+    "subjects",
+    "retention",
+    "max_age",
+    "max_bytes",
+    "discard",
+    "no_ack",
+    "duplicate_window",
+    "num_replicas",
+    "storage",
+)
+
+
+def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
+    """The core streams of §18.3 (``replicas`` per the table: R3 where it says 3,
+    capped by the cluster; ``MESH_HEARTBEAT`` is always R1)."""
+    return [
+        StreamConfig(
+            name=subjects.MESH_REGISTRY,
+            description="Registration events (AgentMesh §18.3)",
+            subjects=["mesh.registry.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=DAY_S,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            no_ack=True,
+        ),
+        StreamConfig(
+            name=subjects.MESH_TASKS,
+            description="Task update delivery and redelivery buffer (AgentMesh §18.3)",
+            subjects=["mesh.task.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=7 * DAY_S,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
+        StreamConfig(
+            name=subjects.MESH_EVENTS,
+            description="Domain events (AgentMesh §18.3)",
+            subjects=["mesh.event.>"],
+            retention=RetentionPolicy.INTEREST,
+            max_age=DAY_S,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
+        StreamConfig(
+            name=subjects.MESH_HEARTBEAT,
+            description="Node heartbeats for presence (AgentMesh §18.3)",
+            subjects=["mesh.heartbeat.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=300,
+            storage=StorageType.FILE,
+            num_replicas=1,
+            no_ack=True,
+        ),
+    ]
+
+
+def registry_bucket_config(replicas: int) -> KeyValueConfig:
+    """KV ``mesh_registry``: manifests keyed by agent id, no TTL, latest only (§18.4)."""
+    return KeyValueConfig(
+        bucket=subjects.KV_REGISTRY,
+        description="Agent manifests (AgentMesh §9.1, §18.4)",
+        history=1,
+        ttl=None,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+
+
+def tasks_bucket_config(replicas: int) -> KeyValueConfig:
+    """KV ``mesh_tasks``: authoritative task state keyed by task id, 7-day TTL (§18.4)."""
+    return KeyValueConfig(
+        bucket=subjects.KV_TASKS,
+        description="Task state (AgentMesh §7.4, §18.4)",
+        history=1,
+        ttl=7 * DAY_S,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+
+
+def inbox_stream_config(
+    agent_id: str,
+    *,
+    max_age_s: float = 7 * DAY_S,
+    max_bytes: int = 25 * 1024 * 1024,
+    replicas: int = 1,
+) -> StreamConfig:
+    """``MESH_INBOX_{agent_id}``: the agent's redelivery buffer (§16.4, §18.3).
+
+    Limits retention, bounded by age and size, oldest discarded first, and
+    ``no_ack`` so capturing a request never answers its reply subject.
+    """
+    return StreamConfig(
+        name=subjects.inbox_stream_name(agent_id),
+        description="Per-agent offline redelivery buffer (AgentMesh §16.4)",
+        subjects=[subjects.agent_inbox(agent_id)],
+        retention=RetentionPolicy.LIMITS,
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+        discard=DiscardPolicy.OLD,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        no_ack=True,
+    )
+
+
+def _normalized(field: str, value: Any) -> Any:
+    if field == "subjects":
+        return sorted(value or [])
+    if field in ("max_age", "duplicate_window"):
+        return float(value or 0)
+    if field == "max_bytes":
+        return -1 if value in (None, 0) else int(value)
+    if field in ("retention", "discard", "storage"):
+        return getattr(value, "value", value)
+    return value
+
+
+def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
+    diffs = []
+    for name in _OWNED_FIELDS:
+        wanted = getattr(want, name)
+        if wanted is None:
+            continue
+        if name == "duplicate_window" and not wanted:
+            continue  # 0 means "server default"; nothing to enforce
+        if _normalized(name, wanted) != _normalized(name, getattr(have, name)):
+            diffs.append(name)
+    return diffs
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> EnsureOutcome:
+    """Create ``config``'s stream, or bring the fields it owns up to date.
+
+    Returns ``"created"``, ``"updated"``, ``"unchanged"``, or ``"mismatch:
+    <fields>"`` when the server refused the update (logged).
+    """
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(config)
+            return "created"
+        except APIError as exc:
+            if exc.err_code != 10058:  # "already in use": a concurrent creator won the race
+                raise
+            info = await js.stream_info(config.name)
+    diffs = _differences(config, info.config)
+    if not diffs:
+        return "unchanged"
+    merged = dataclasses.replace(
+        info.config, **{name: getattr(config, name) for name in diffs}
+    )
+    try:
+        await js.update_stream(merged)
+    except APIError as exc:
+        log.warning(
+            "stream %s differs in %s and the server refused the update: %s",
+            config.name,
+            ", ".join(diffs),
+            exc.description,
+        )
+        return f"mismatch: {', '.join(diffs)}"
+    return "updated"
+
+
+async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> EnsureOutcome:
+    """Create the KV bucket, or bring its TTL, history and replicas up to date."""
+    stream = f"KV_{config.bucket}"
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        try:
+            await js.create_key_value(config)
+            return "created"
+        except APIError as exc:
+            if exc.err_code != 10058:
+                raise
+            info = await js.stream_info(stream)
+    want = StreamConfig(
+        max_age=config.ttl or 0.0,
+        max_msgs_per_subject=config.history,
+        num_replicas=config.replicas,
+    )
+    have = info.config
+    diffs = [
+        name
+        for name, wanted, current in (
+            ("max_age", float(want.max_age or 0), float(have.max_age or 0)),
+            ("max_msgs_per_subject", want.max_msgs_per_subject, have.max_msgs_per_subject),
+            ("num_replicas", want.num_replicas, have.num_replicas),
+        )
+        if wanted != current
+    ]
+    if not diffs:
+        return "unchanged"
+    merged = dataclasses.replace(have, **{name: getattr(want, name) for name in diffs})
+    try:
+        await js.update_stream(merged)
+    except APIError as exc:
+        log.warning("bucket %s differs in %s: %s", config.bucket, ", ".join(diffs), exc.description)
+        return f"mismatch: {', '.join(diffs)}"
+    return "updated"
+
+
+async def ensure_inbox_stream(
+    js: JetStreamContext,
+    agent_id: str,
+    *,
+    max_age_s: float = 7 * DAY_S,
+    max_bytes: int = 25 * 1024 * 1024,
+    replicas: int = 1,
+) -> EnsureOutcome:
+    """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`)."""
+    return await ensure_stream(
+        js,
+        inbox_stream_config(agent_id, max_age_s=max_age_s, max_bytes=max_bytes, replicas=replicas),
+    )
+
+
+async def ensure_mesh_streams(js: JetStreamContext, replicas: int) -> dict[str, EnsureOutcome]:
+    """Create or update every core stream and KV bucket of §18.3/§18.4.
+
+    Returns each object's name with what happened to it. ``replicas`` is
+    ``min(3, cluster size)``; 1 on the embedded mesh.
+    """
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    outcomes: dict[str, EnsureOutcome] = {}
+    for config in mesh_stream_configs(replicas):
+        assert config.name is not None
+        outcomes[config.name] = await ensure_stream(js, config)
+    for bucket in (registry_bucket_config(replicas), tasks_bucket_config(replicas)):
+        outcomes[bucket.bucket] = await ensure_key_value(js, bucket)
+    return outcomes
