@@ -288,6 +288,25 @@ class FileKeyStore:
                 ) from None
             return _check_role(name, stored, role, where)
 
+    def import_key(self, name: str, pair: KeyPair) -> KeyPair:
+        """Store a key made elsewhere (e.g. the node key of an invite).
+
+        Idempotent for the same key; refuses to replace a different one.
+        """
+        validate_key_name(name)
+        with self._lock:
+            self._ensure_directory()
+            existing = self._read(name)
+            if existing is None:
+                existing = self._write_new(name, pair)
+            if existing.public_key != pair.public_key:
+                raise KeyStoreError(
+                    f"a different key named {name!r} already exists in {self.directory}",
+                    name=name,
+                    path=self.path_for(name),
+                )
+            return existing
+
     def _write_new(self, name: str, pair: KeyPair) -> KeyPair:
         """Store ``pair`` unless a key appeared meanwhile; returns the key now stored."""
         final = self.path_for(name)

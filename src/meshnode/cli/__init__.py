@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from meshnode import __version__
 
-from . import envelope
+from . import daemon, envelope, mesh
 from .exitcodes import EX_USAGE
 
 
@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    daemon.register(commands)
     envelope.register(commands)
+    mesh.register(commands)
     return parser
 
 

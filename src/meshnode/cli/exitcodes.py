@@ -21,3 +21,5 @@ EX_TEMPFAIL = 75
 EX_API_MISMATCH = 76
 #: Not allowed: cannot open the admin socket, or the call needs a higher level.
 EX_NOPERM = 77
+EX_CANTCREAT = 73
+"""An output file could not be created."""

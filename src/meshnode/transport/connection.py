@@ -135,6 +135,11 @@ class MeshConnection:
         """The server's advertised maximum message size (§18.9)."""
         return int(self.nc.max_payload)
 
+    async def reconnect(self) -> None:
+        """Reconnect now, presenting the credential the JWT source returns now
+        (used after a re-minted credential, e.g. when an agent is added)."""
+        await self.nc.force_reconnect()
+
     def on_reconnect(self, listener: ConnectionListener) -> None:
         self._reconnect_listeners.append(listener)
 

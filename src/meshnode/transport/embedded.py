@@ -598,7 +598,7 @@ class EmbeddedNatsServer:
                 stdout=log_fd,
                 stderr=log_fd,
                 cwd=self.mesh_dir,
-                process_group=0,
+                start_new_session=True,  # own session and process group; uvloop has no process_group
                 preexec_fn=_die_with_parent_hook(),
             )
         except (OSError, subprocess.SubprocessError) as exc:

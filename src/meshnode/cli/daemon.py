@@ -1,0 +1,170 @@
+"""``meshnode run``, ``check-config``, ``status`` and ``call``: running the daemon and
+talking to it over its admin socket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from meshnode.admin.client import AdminClientError, call_sync, exit_code_for
+from meshnode.admin.protocol import AdminError
+from meshnode.config import Config, ConfigError, describe_sources, load_config
+
+from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_OK
+
+
+def register(commands: Any) -> None:
+    run = commands.add_parser("run", help="run the daemon (embedded mesh when none is configured)")
+    _config_arg(run)
+    run.set_defaults(handler=cmd_run)
+
+    check = commands.add_parser("check-config", help="validate the configuration (exit 78 when bad)")
+    _config_arg(check)
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(handler=cmd_check_config)
+
+    status = commands.add_parser("status", help="node, mesh and agent status from a running daemon")
+    _client_args(status)
+    status.set_defaults(handler=cmd_status)
+
+    call = commands.add_parser("call", help="call an agent's offering as this node's CLI identity")
+    call.add_argument("agent", help="a local agent name or any agent id (U...)")
+    call.add_argument("offering", help="the offering id, e.g. echo or chat")
+    call.add_argument("input", nargs="?", help="the input as JSON (default: none)")
+    call.add_argument("--text", help="shorthand for the input {\"text\": TEXT}")
+    call.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    _client_args(call)
+    call.set_defaults(handler=cmd_call)
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="TOML configuration file (env MESHNODE_CONFIG)")
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    _config_arg(parser)
+    parser.add_argument("--socket", help="admin socket path (default: from the configuration)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _load(args: argparse.Namespace) -> Config | None:
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        print(f"meshnode: configuration error:\n{exc}", file=sys.stderr)
+        return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return EX_CONFIG
+    from meshnode.daemon.logs import setup_logging
+    from meshnode.daemon.main import run_daemon
+
+    setup_logging(config.logging.level, config.logging.format)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(run_daemon(config))
+    result: int = uvloop.run(run_daemon(config))
+    return result
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "problems": [p.__dict__ for p in exc.problems]}, default=str))
+        else:
+            print(f"configuration error:\n{exc}", file=sys.stderr)
+        return EX_CONFIG
+    if args.json:
+        print(json.dumps({"ok": True, "config": config.to_toml_dict()}, default=str))
+    else:
+        for line in describe_sources(args.config):
+            print(line)
+        mode = "embedded mesh" if not config.mesh.servers else f"joins {', '.join(config.mesh.servers)}"
+        print(f"ok: node {config.node.name!r}, {mode}, {len(config.agents)} agent table(s)")
+    return EX_OK
+
+
+def _socket(args: argparse.Namespace) -> str | None:
+    if args.socket:
+        return str(args.socket)
+    config = _load(args)
+    return str(config.admin.socket) if config is not None else None
+
+
+def _admin(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> tuple[int, Any]:
+    socket = _socket(args)
+    if socket is None:
+        return EX_CONFIG, None
+    try:
+        return EX_OK, call_sync(socket, method, params)
+    except (AdminClientError, AdminError) as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return exit_code_for(exc), None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    code, status = _admin(args, "Status")
+    if code != EX_OK:
+        return code
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EX_OK
+    node, mesh = status["node"], status["mesh"]
+    print(f"node      {node['name']}  {node['id']}")
+    state = "connected" if mesh["connected"] else "DISCONNECTED"
+    print(f"mesh      {mesh['mode']}, {state} to {mesh.get('connected_url') or ', '.join(mesh['urls'])}")
+    if mesh.get("control_plane"):
+        print(f"control   {mesh['control_plane']}")
+    if status.get("credential"):
+        print(f"credential expires {status['credential']['expires_at']} (renews at {status['credential']['renew_at']})")
+    print(f"keys      {status['keystore']}")
+    print("agents")
+    for agent in status["agents"]:
+        if agent.get("state") == "failed" and "id" not in agent:
+            print(f"  {agent['name']:<16} FAILED: {agent.get('failure')}")
+            continue
+        reg = "registered" if agent.get("registered") else f"NOT registered ({agent.get('registration_error')})"
+        print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {agent.get('vouch_expires_at')}")
+    return EX_OK
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    if args.text is not None and args.input is not None:
+        print("meshnode: give either INPUT or --text, not both", file=sys.stderr)
+        return EX_DATAERR
+    payload_input: Any = None
+    if args.text is not None:
+        payload_input = {"text": args.text}
+    elif args.input is not None:
+        try:
+            payload_input = json.loads(args.input)
+        except json.JSONDecodeError as exc:
+            print(f"meshnode: INPUT is not JSON ({exc}); use --text for plain text", file=sys.stderr)
+            return EX_DATAERR
+    params = {"agent": args.agent, "offering": args.offering, "timeout": args.timeout}
+    if payload_input is not None:
+        params["input"] = payload_input
+    code, result = _admin(args, "Call", params)
+    if code != EX_OK:
+        return code
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    elif result.get("status") == "failed":
+        error = result.get("error") or {}
+        print(f"failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
+    else:
+        output = result.get("output")
+        if isinstance(output, dict) and set(output) <= {"text", "truncated"} and isinstance(output.get("text"), str):
+            print(output["text"], end="" if output["text"].endswith("\n") else "\n")
+        else:
+            print(json.dumps(output, indent=2, ensure_ascii=False))
+    return EX_CHECK_FAILED if result.get("status") == "failed" else EX_OK

@@ -1,0 +1,151 @@
+"""``meshnode mesh info|invite`` on the embedded-mesh node, and ``meshnode join``
+to set up a second node from an invite file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshnode.config import ConfigError, load_config
+from meshnode.keystore import FileKeyStore, KeyStoreError
+from meshnode.transport.control_plane import InviteBundle, InviteError, read_invite, write_invite
+
+from .daemon import _admin, _client_args
+from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK
+
+
+def register(commands: Any) -> None:
+    mesh = commands.add_parser("mesh", help="the mesh this node runs or joined")
+    sub = mesh.add_subparsers(dest="mesh_command", metavar="ACTION", required=True)
+
+    info = sub.add_parser("info", help="NATS URL(s) and control-plane URL")
+    _client_args(info)
+    info.set_defaults(handler=cmd_info)
+
+    invite = sub.add_parser("invite", help="enrol a new node and write its invite (a NATS creds file)")
+    invite.add_argument("name", help="a name for the new node")
+    invite.add_argument("--out", required=True, help="where to write the invite file (created 0600)")
+    _client_args(invite)
+    invite.set_defaults(handler=cmd_invite)
+
+    join = commands.add_parser("join", help="set up this machine as a node of the mesh in an invite file")
+    join.add_argument("invite", help="the invite file from `meshnode mesh invite`")
+    join.add_argument("--data-dir", required=True, help="data directory for the new node (created 0700)")
+    join.add_argument("--config-out", help="where to write its configuration (default DATA_DIR/meshnode.toml)")
+    join.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME[=PLUGIN]",
+        help="host an agent (repeatable); PLUGIN defaults to NAME",
+    )
+    join.add_argument("--json", action="store_true")
+    join.set_defaults(handler=cmd_join)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    code, info = _admin(args, "Mesh.Info")
+    if code != EX_OK:
+        return code
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"mesh           {info['name']} ({info['mode']})")
+        print(f"nats           {', '.join(info['nats_urls'])}")
+        print(f"control plane  {info.get('control_plane') or '-'}")
+    return EX_OK
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Mesh.Invite", {"name": args.name})
+    if code != EX_OK:
+        return code
+    bundle = InviteBundle(result["name"], result["node_seed"], result["jwt"])
+    try:
+        write_invite(args.out, bundle, result["nats_urls"], result.get("control_plane"))
+    except FileExistsError:
+        print(f"meshnode: {args.out} exists; not overwriting an invite", file=sys.stderr)
+        return EX_CANTCREAT
+    except OSError as exc:
+        print(f"meshnode: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        return EX_CANTCREAT
+    if args.json:
+        print(json.dumps({"name": result["name"], "node_id": result["node_id"], "file": args.out}))
+    else:
+        print(f"invited node {result['name']} ({result['node_id']})")
+        print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
+        print(f"on the new node: meshnode join {args.out} --data-dir DIR")
+    return EX_OK
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    try:
+        invite = read_invite(args.invite)
+    except FileNotFoundError:
+        print(f"meshnode: no invite file at {args.invite}", file=sys.stderr)
+        return EX_NOINPUT
+    except (InviteError, OSError) as exc:
+        print(f"meshnode: {args.invite} is not a usable invite: {exc}", file=sys.stderr)
+        return EX_DATAERR
+    if not invite.nats_urls:
+        print("meshnode: the invite names no NATS URL (a plain creds file); set [mesh] servers by hand", file=sys.stderr)
+        return EX_DATAERR
+    data_dir = Path(args.data_dir).expanduser().absolute()
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(data_dir, 0o700)
+    try:
+        FileKeyStore(data_dir).import_key("node", invite.node_key)
+    except KeyStoreError as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return EX_CANTCREAT
+    from meshnode.daemon.credentials import store_credential
+
+    store_credential(data_dir, invite.jwt, [])
+    agents: list[tuple[str, str]] = []
+    for spec in args.agent:
+        name, _, plugin = spec.partition("=")
+        agents.append((name, plugin or name))
+    name = invite.name or data_dir.name
+    lines = [
+        "# Written by `meshnode join`: this node joins the mesh named in its invite.",
+        "[node]",
+        f"name = {_toml_str(name)}",
+        f"data_dir = {_toml_str(str(data_dir))}",
+        "",
+        "[mesh]",
+        f"servers = [{', '.join(_toml_str(u) for u in invite.nats_urls)}]",
+    ]
+    if invite.control_plane_url:
+        lines.append(f"control_plane = {_toml_str(invite.control_plane_url)}")
+    lines += [
+        "",
+        "[admin]",
+        f"socket = {_toml_str(str(data_dir / 'admin.sock'))}",
+        "",
+        "[keystore]",
+        'backend = "file"  # the invite\'s node key was imported into DATA_DIR/keys',
+    ]
+    for agent_name, plugin in agents:
+        lines += ["", f"[agents.{agent_name}]", f"plugin = {_toml_str(plugin)}"]
+    config_path = Path(args.config_out) if args.config_out else data_dir / "meshnode.toml"
+    config_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    try:
+        load_config(config_path)
+    except ConfigError as exc:
+        print(f"meshnode: the written configuration does not validate:\n{exc}", file=sys.stderr)
+        return EX_CONFIG
+    if args.json:
+        print(json.dumps({"node_id": invite.node_id, "config": str(config_path), "data_dir": str(data_dir)}))
+    else:
+        print(f"joined as node {name} ({invite.node_id})")
+        print(f"configuration: {config_path}")
+        print(f"start it with: meshnode run --config {config_path}")
+    return EX_OK

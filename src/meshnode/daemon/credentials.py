@@ -1,0 +1,108 @@
+"""The node credential of a node that joined someone else's mesh (§4.8).
+
+Renewal needs no NATS connection and no valid credential: the authority is
+the node key and the agents' keys. So the node renews *before* connecting
+whenever the stored credential is due (two thirds of its own life) or already
+lapsed — a laptop asleep for a month heals itself on start — and whenever its
+roster changed. The stored credential is kept in the data dir (0600) together
+with the roster it was minted for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from meshnode.config import Config
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.transport.control_plane import (
+    ControlPlaneClient,
+    ControlPlaneUnreachable,
+    CredentialRefused,
+)
+from meshnode.transport.jwt import decode_jwt, renew_at
+
+__all__ = ["CREDENTIAL_FILE", "CredentialUnavailable", "obtain_credential", "store_credential"]
+
+log = logging.getLogger("meshnode.credentials")
+
+CREDENTIAL_FILE = "credential.json"
+
+
+class CredentialUnavailable(RuntimeError):
+    """No usable credential: nothing stored that is still valid, and no renewal."""
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("jwt"), str) else None
+
+
+def store_credential(data_dir: Path, jwt: str, roster: list[str]) -> None:
+    """Write the credential atomically with mode 0600 (no window of wider permissions)."""
+    path = data_dir / CREDENTIAL_FILE
+    tmp = data_dir / f".{CREDENTIAL_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, json.dumps({"jwt": jwt, "roster": sorted(roster)}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _claims(jwt: str) -> dict[str, Any] | None:
+    try:
+        return decode_jwt(jwt)[1]
+    except Exception:
+        return None
+
+
+async def obtain_credential(
+    config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair]
+) -> str:
+    """The JWT to connect with: the stored one while it is fresh and covers the
+    roster, else a renewed one from the control plane, else (when the control
+    plane cannot be reached) the stored one as long as it has not expired."""
+    roster = sorted(k.public_key for k in agent_keys)
+    stored = _load(data_dir / CREDENTIAL_FILE)
+    now = time.time()
+    stored_claims = _claims(stored["jwt"]) if stored else None
+    fresh = (
+        stored is not None
+        and stored_claims is not None
+        and stored_claims.get("sub") == node_key.public_key
+        and sorted(stored.get("roster") or []) == roster
+        and now < renew_at(stored_claims)
+    )
+    if fresh and stored is not None:
+        return str(stored["jwt"])
+    if config.mesh.control_plane:
+        client = ControlPlaneClient(str(config.mesh.control_plane))
+        try:
+            grant = await client.request_credential(node_key, agent_keys)
+        except CredentialRefused as exc:
+            # Refusal is how revocation reaches a node: say so plainly.
+            raise CredentialUnavailable(
+                f"the control plane refused a credential ({exc.status} {exc.code or exc.error})"
+            ) from exc
+        except ControlPlaneUnreachable as exc:
+            log.warning("control plane unreachable (%s); trying the stored credential", exc)
+        else:
+            store_credential(data_dir, grant.jwt, roster)
+            log.info("node credential renewed; expires %s", time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(grant.expires_at)))
+            return grant.jwt
+    if stored is not None and stored_claims is not None and now < float(stored_claims.get("exp", 0)):
+        log.warning("using the stored credential (expires %s)", stored_claims.get("exp"))
+        return str(stored["jwt"])
+    raise CredentialUnavailable(
+        "no usable node credential: the stored one is missing or expired and the control "
+        "plane could not renew it (check [mesh] control_plane)"
+    )

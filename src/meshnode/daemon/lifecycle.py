@@ -1,0 +1,75 @@
+"""Named lifecycle stages with time budgets.
+
+Start-up and shutdown are sequences of named stages. A stage that overruns its
+budget is logged with what it was doing and abandoned; shutdown goes on to the
+next stage regardless, so one stuck component cannot keep the process alive
+past systemd's ``TimeoutStopSec``. The shutdown budgets are declared here so a
+test can check that they add up to less than the unit's stop timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+__all__ = ["SHUTDOWN_BUDGETS", "Stage", "StageFailed", "run_stage", "shutdown_budget_total"]
+
+log = logging.getLogger("meshnode.lifecycle")
+
+#: Shutdown stages in order, with their budgets in seconds (see systemd/meshnode.service).
+SHUTDOWN_BUDGETS: dict[str, float] = {
+    "stop-intake": 3.0,  # close the admin socket, unsubscribe inboxes
+    "stop-agents": 10.0,  # let handlers finish, call on_stop, while the connection is up
+    "final-write": 5.0,  # inbox commit and WAL checkpoint
+    "close-connection": 5.0,  # drain and close NATS
+    "stop-services": 3.0,  # control plane, platform services
+    "stop-mesh-server": 6.0,  # embedded nats-server: SIGTERM, then SIGKILL
+}
+
+
+def shutdown_budget_total() -> float:
+    return sum(SHUTDOWN_BUDGETS.values())
+
+
+class StageFailed(Exception):
+    """A start-up stage failed; the daemon cannot serve."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"start-up stage {stage!r} failed: {cause}")
+        self.stage = stage
+        self.cause = cause
+
+
+@dataclass
+class Stage:
+    name: str
+    budget: float
+    action: Callable[[], Awaitable[None]]
+
+
+async def run_stage(stage: Stage, *, critical: bool) -> bool:
+    """Run one stage within its budget.
+
+    ``critical`` stages (start-up) raise StageFailed on error or timeout;
+    non-critical ones (shutdown) log and return False so the next stage runs.
+    """
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(stage.action(), timeout=stage.budget)
+    except TimeoutError as exc:
+        log.error("stage %s exceeded its %.1fs budget; moving on", stage.name, stage.budget)
+        if critical:
+            raise StageFailed(stage.name, exc) from exc
+        return False
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if critical:
+            raise StageFailed(stage.name, exc) from exc
+        log.exception("stage %s failed", stage.name)
+        return False
+    log.debug("stage %s done in %.2fs", stage.name, time.monotonic() - started)
+    return True

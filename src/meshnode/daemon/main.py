@@ -1,0 +1,544 @@
+"""The daemon: configuration in, a running node out, and a clean way back down.
+
+Start-up runs in named stages (keys → plugins → mesh → connect → services →
+agents → heartbeat → admin); any failure before ``agents`` is fatal and
+reported with its stage. Agents are hosted one by one and a failing one is
+stopped alone. Shutdown runs the budgeted stages of
+:mod:`meshnode.daemon.lifecycle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import meshnode
+from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.server import AdminServer, CallContext, MethodRegistry
+from meshnode.config import Config
+from meshnode.daemon.lifecycle import SHUTDOWN_BUDGETS, Stage, StageFailed, run_stage
+from meshnode.daemon.sdnotify import Notifier
+from meshnode.keystore import KeyStore, open_keystore
+from meshnode.node.builtin import CLI_AGENT_NAME, BuiltinAgents
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.outbound import RemoteError
+from meshnode.node.periodic import PeriodicJob
+from meshnode.node.runtime import Node, NodeSettings
+from meshnode.plugins import AgentCatalog, load_plugins
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import KeyPair, is_valid_public
+from meshnode.protocol.protections import FreshnessWindow
+from meshnode.transport.connection import MeshConnection
+from meshnode.transport.jwt import decode_jwt, renew_at
+from meshnode.transport.permissions import node_inbox_prefix
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("meshnode.daemon")
+
+
+def _ms(td: Any) -> int:
+    return int(td.total_seconds() * 1000)
+
+
+class Daemon:
+    """One meshnode process: embedded or joined mesh, services, agents, admin socket."""
+
+    def __init__(self, config: Config, *, notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or Notifier()
+        self.data_dir = Path(config.node.data_dir)
+        self.keystore: KeyStore | None = None
+        self.node_key: KeyPair | None = None
+        self.agent_keys: dict[str, KeyPair] = {}
+        self.catalog = AgentCatalog()
+        self.embedded: Any = None  # EmbeddedNatsServer when the mesh is embedded
+        self.control_plane: Any = None
+        self.connection: MeshConnection | None = None
+        self.node: Node | None = None
+        self.services: list[Any] = []
+        self.admin: AdminServer | None = None
+        self.failed_agents: dict[str, str] = {}
+        self._jwt = ""
+        self._jwt_job: PeriodicJob | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._force = 0
+        self.started = False
+
+    # -- start ---------------------------------------------------------------
+
+    @property
+    def embedded_mode(self) -> bool:
+        return not self.config.mesh.servers
+
+    async def start(self) -> None:
+        stages = [
+            Stage("keys", 30.0, self._stage_keys),
+            Stage("plugins", 30.0, self._stage_plugins),
+            Stage("mesh", 60.0, self._stage_mesh),
+            Stage("connect", 30.0, self._stage_connect),
+            Stage("services", 30.0, self._stage_services),
+            Stage("agents", 120.0, self._stage_agents),
+            Stage("admin", 10.0, self._stage_admin),
+        ]
+        for stage in stages:
+            self.notifier.status(f"starting: {stage.name}")
+            await run_stage(stage, critical=True)
+        self.started = True
+        self.notifier.ready(f"serving {len(self.node.agents) if self.node else 0} agents")
+        if self.notifier.watchdog_interval:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watchdog_loop())
+        log.info(
+            "meshnode %s ready: node %s, %d agents, mesh %s",
+            meshnode.__version__,
+            self.node_key.public_key if self.node_key else "?",
+            len(self.node.agents) if self.node else 0,
+            ", ".join(self.mesh_urls()),
+        )
+
+    async def _stage_keys(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.keystore = await asyncio.to_thread(
+            open_keystore, self.config.keystore.backend, self.data_dir
+        )
+        store = self.keystore
+        self.node_key = await asyncio.to_thread(store.get_or_create, "node")
+        names = [CLI_AGENT_NAME, *(n for n, a in self.config.agents.items() if a.enabled)]
+        for name in names:
+            self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
+        if self.embedded_mode:
+            for name in ("registry", "presence"):
+                self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
+                    store.get_or_create, f"service.{name}"
+                )
+        log.info("keys held by %s", store.describe())
+
+    async def _stage_plugins(self) -> None:
+        _, self.catalog = load_plugins(
+            strict=self.config.node.strict_plugins, builtins=[("meshnode.builtin", BuiltinAgents())]
+        )
+        for name, agent_cfg in self.config.agents.items():
+            if agent_cfg.enabled and agent_cfg.plugin not in self.catalog.kinds:
+                message = f"no installed plugin provides agent kind {agent_cfg.plugin!r}"
+                if self.config.node.strict_plugins:
+                    raise RuntimeError(f"[agents.{name}]: {message}")
+                self.failed_agents[name] = message
+                log.error("agent %s not hosted: %s", name, message)
+
+    def _roster(self) -> list[str]:
+        return [k.public_key for n, k in self.agent_keys.items() if not n.startswith("service.")]
+
+    async def _stage_mesh(self) -> None:
+        assert self.node_key is not None
+        if self.embedded_mode:
+            from meshnode.transport.embedded import EmbeddedNatsServer
+
+            cfg = self.config.mesh.embedded
+            self.embedded = EmbeddedNatsServer(
+                self.data_dir,
+                host=cfg.host,
+                port=cfg.port or None,
+                max_payload=cfg.max_payload,
+            )
+            await self.embedded.start()
+            self._jwt = self._mint_own_jwt()
+            await self._start_control_plane()
+        else:
+            self._jwt = await self._obtain_joined_jwt()
+
+    def _mint_own_jwt(self) -> str:
+        assert self.node_key is not None
+        ttl = int(self.config.mesh.embedded.credential_ttl.total_seconds())
+        jwt: str = self.embedded.mint_node_credential(
+            self.node_key.public_key, self._roster(), ttl, role="service"
+        )
+        return jwt
+
+    async def _start_control_plane(self) -> None:
+        try:
+            from meshnode.transport.control_plane import ControlPlaneServer
+        except ImportError:  # pragma: no cover - shipped together
+            return
+        cfg = self.config.mesh.embedded
+        self.control_plane = ControlPlaneServer(
+            self.embedded,
+            self.data_dir / "mesh",
+            host=cfg.control_host,
+            port=cfg.control_port,
+            credential_ttl_s=int(cfg.credential_ttl.total_seconds()),
+            mesh_name=self.config.node.name,
+        )
+        await self.control_plane.start()
+
+    async def _obtain_joined_jwt(self) -> str:
+        """Renew before connecting when due or lapsed (§4.8); fall back to the stored one."""
+        from meshnode.daemon.credentials import obtain_credential
+
+        assert self.node_key is not None
+        return await obtain_credential(
+            self.config, self.data_dir, self.node_key, [self.agent_keys[n] for n in self.agent_keys if not n.startswith("service.")]
+        )
+
+    def mesh_urls(self) -> list[str]:
+        if self.embedded is not None:
+            return list(self.embedded.urls)
+        return list(self.config.mesh.servers)
+
+    async def _stage_connect(self) -> None:
+        assert self.node_key is not None
+        self.connection = MeshConnection(
+            self.mesh_urls(),
+            node_key=self.node_key,
+            jwt_source=lambda: self._jwt,
+            name=f"meshnode {self.config.node.name}",
+            inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+        )
+        await self.connection.connect()
+        self._jwt_job = PeriodicJob("credential-renewal", self._renew_jwt, self._next_jwt_check, jitter=0.02)
+        self._jwt_job.start()
+
+    def _next_jwt_check(self) -> float:
+        try:
+            _, claims = decode_jwt(self._jwt)
+            due = renew_at(claims) - time.time()
+        except Exception:
+            due = 60.0
+        return max(5.0, min(due, 3600.0))
+
+    async def _renew_jwt(self) -> None:
+        _, claims = decode_jwt(self._jwt)
+        if time.time() < renew_at(claims):
+            return
+        if self.embedded is not None:
+            self._jwt = self._mint_own_jwt()
+        else:
+            self._jwt = await self._obtain_joined_jwt()
+        log.info("node credential renewed")
+
+    async def _stage_services(self) -> None:
+        if not self.embedded_mode:
+            return
+        from meshnode.services.base import ServiceContext
+        from meshnode.services.presence import PresenceService
+        from meshnode.services.registry import RegistryService
+        from meshnode.services.streams import ensure_mesh_streams
+
+        from meshnode.protocol.ratelimit import SlidingWindowLimiter
+
+        assert self.connection is not None and self.node_key is not None
+        await ensure_mesh_streams(self.connection.js, 1)
+        node_id = self.node_key.public_key
+        # §16.1: one per-sender counter across every service subject.
+        limiter = SlidingWindowLimiter()
+
+        def context(name: str) -> ServiceContext:
+            assert self.connection is not None
+            return ServiceContext(
+                connection=self.connection,
+                key=self.agent_keys[f"service.{name}"],
+                node_id=node_id,
+                now_ms=lambda: time.time_ns() // 1_000_000,
+                ids=self._ids(),
+                log=logging.getLogger(f"meshnode.service.{name}"),
+                replicas=1,
+                limiter=limiter,
+            )
+
+        presence = PresenceService(
+            context("presence"),
+            heartbeat_interval_s=self.config.node.heartbeat_interval.total_seconds(),
+        )
+        registry = RegistryService(
+            context("registry"),
+            require_connection_bound=self.config.registry.require_connection_bound,
+            inbox_max_age_s=int(self.config.inbox.buffer_max_age.total_seconds()),
+            inbox_max_bytes=self.config.inbox.buffer_max_bytes,
+            presence=presence,
+        )
+        presence.vouched_by = registry.vouched_by
+        await registry.start()
+        await presence.start()
+        self.services = [registry, presence]
+
+    def _ids(self) -> Any:
+        from meshnode.protocol.envelope import IdGenerator
+
+        return IdGenerator()
+
+    async def _stage_agents(self) -> None:
+        assert self.connection is not None and self.node_key is not None
+        p = self.config.protections
+        settings = NodeSettings(
+            name=self.config.node.name,
+            heartbeat_interval_s=self.config.node.heartbeat_interval.total_seconds(),
+            availability_class=self.config.node.availability_class,
+            vouch_ttl_ms=_ms(self.config.node.vouch_ttl) if self.config.node.vouch_ttl else None,
+            freshness=FreshnessWindow(
+                max_clock_skew_ahead_ms=_ms(p.clock_skew_ahead),
+                max_age_live_ms=_ms(p.live_max_age),
+                max_age_mailbox_ms=_ms(p.mailbox_max_age),
+            ),
+            max_inbound_chars=p.max_inbound_chars,
+            dedup_entries=p.dedup_entries,
+        )
+        self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
+        for name, agent_cfg in self.config.agents.items():
+            if not agent_cfg.enabled or name in self.failed_agents:
+                continue
+            await self._host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction)
+        self.node.start_heartbeat()
+
+    async def _host(self, name: str, kind: str, settings: dict[str, Any], interaction: str | None) -> None:
+        assert self.node is not None
+        agent_class = self.catalog.kinds.get(kind)
+        if agent_class is None:
+            self.failed_agents[name] = f"unknown agent kind {kind!r}"
+            return
+        try:
+            await self.node.host(
+                name=name,
+                kind=kind,
+                agent_class=agent_class,
+                settings=settings,
+                key=self.agent_keys[name],
+                interaction=interaction,
+            )
+        except Exception as exc:  # one agent failing never takes the node down
+            self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
+            log.error("agent %s (%s) failed to start: %s", name, kind, exc)
+            if self.config.node.strict_plugins:
+                raise
+
+    async def _stage_admin(self) -> None:
+        methods = MethodRegistry()
+        methods.add("Status", self._admin_status, level="operator", doc="node and agent status")
+        methods.add("Call", self._admin_call, level="operator", doc="call an agent's offering as the node's CLI identity")
+        methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
+        methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
+        self.admin = AdminServer(
+            self.config.admin.socket,
+            group=self.config.admin.group,
+            mode=self.config.admin.effective_mode,
+            methods=methods,
+            info=lambda: {"node_id": self.node_key.public_key if self.node_key else None},
+        )
+        await self.admin.start()
+
+    # -- admin methods -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        node = self.node
+        agents: list[dict[str, Any]] = []
+        if node is not None:
+            agents = [node.agent_status(h) for h in node.agents.values()]
+        for name, why in self.failed_agents.items():
+            agents.append({"name": name, "state": "failed", "failure": why})
+        return {
+            "product": "meshnode",
+            "version": meshnode.__version__,
+            "node": {
+                "id": self.node_key.public_key if self.node_key else None,
+                "name": self.config.node.name,
+                "data_dir": str(self.data_dir),
+            },
+            "mesh": {
+                "mode": "embedded" if self.embedded_mode else "joined",
+                "urls": self.mesh_urls(),
+                "control_plane": self.control_plane_url(),
+                "connected": bool(self.connection and self.connection.is_connected),
+                "connected_url": self.connection.connected_url if self.connection else None,
+                "last_error": self.connection.last_error if self.connection else None,
+            },
+            "credential": self._credential_status(),
+            "keystore": self.keystore.describe() if self.keystore else None,
+            "agents": agents,
+            "services": [type(s).__name__ for s in self.services],
+        }
+
+    def control_plane_url(self) -> str | None:
+        if self.control_plane is not None:
+            return str(getattr(self.control_plane, "url", None))
+        return str(self.config.mesh.control_plane) if self.config.mesh.control_plane else None
+
+    def _credential_status(self) -> dict[str, Any] | None:
+        if not self._jwt:
+            return None
+        try:
+            _, claims = decode_jwt(self._jwt)
+        except Exception:
+            return None
+        return {"expires_at": claims.get("exp"), "renew_at": int(renew_at(claims))}
+
+    async def _admin_status(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return self.status()
+
+    async def _admin_call(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.node is None:
+            raise NotFound("the node is not running")
+        target = params.get("agent")
+        offering = params.get("offering")
+        if not isinstance(target, str) or not isinstance(offering, str):
+            raise InvalidParameter("agent and offering are required strings")
+        timeout = params.get("timeout", 30)
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise InvalidParameter("timeout must be a number of seconds in (0, 3600]")
+        local = self.node.agents.get(target)
+        target_id = local.agent_id if local is not None else target
+        if local is None and not is_valid_public(target):
+            raise InvalidParameter(f"{target!r} is neither a local agent name nor an agent id (U...)")
+        cli: HostedAgent = self.node.agents[CLI_AGENT_NAME]
+        from meshnode.node.context import AgentContext
+        from meshnode.protocol.envelope import new_root_trace
+
+        ctx = AgentContext(cli, trace=new_root_trace())
+        try:
+            reply = await ctx.request(target_id, offering, params.get("input"), timeout=float(timeout))
+        except RemoteError as exc:
+            return {"status": "failed", "error": exc.to_object(), "from": exc.envelope.get("from")}
+        except ProtocolError as exc:
+            return {"status": "failed", "error": exc.to_object(), "local": True}
+        return {
+            "status": reply.status,
+            "output": reply.output,
+            "from": reply.envelope.get("from"),
+            "accepted": reply.accepted,
+            "task_id": reply.task_id,
+        }
+
+    async def _admin_mesh_info(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return {
+            "mode": "embedded" if self.embedded_mode else "joined",
+            "name": self.config.node.name,
+            "nats_urls": self.mesh_urls(),
+            "control_plane": self.control_plane_url(),
+            "node_id": self.node_key.public_key if self.node_key else None,
+        }
+
+    async def _admin_mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.control_plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node invites)")
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter("name is required")
+        try:
+            bundle = await asyncio.to_thread(self.control_plane.invite, name)
+        except ValueError as exc:
+            raise InvalidParameter(str(exc)) from None
+        log.info("invited node %s as %s", name, bundle.node_id)
+        return {
+            "name": bundle.node_name,
+            "node_id": bundle.node_id,
+            "node_seed": bundle.node_seed,
+            "jwt": bundle.jwt,
+            "nats_urls": self.mesh_urls(),
+            "control_plane": self.control_plane_url(),
+        }
+
+    # -- run and stop ----------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self) -> None:
+        self._force += 1
+        if self._force > 1:
+            log.error("second interrupt: exiting now")
+            os._exit(130)
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    async def _watchdog_loop(self) -> None:
+        interval = (self.notifier.watchdog_interval or 60.0) / 2
+        while True:
+            await asyncio.sleep(interval)
+            # Ping only while the core is alive: a wedged connection must not look healthy.
+            if self.connection is not None and (self.connection.is_connected or self.embedded is None):
+                self.notifier.watchdog()
+
+    async def stop(self) -> None:
+        self.notifier.stopping()
+        stages = [
+            Stage("stop-intake", SHUTDOWN_BUDGETS["stop-intake"], self._shutdown_intake),
+            Stage("stop-agents", SHUTDOWN_BUDGETS["stop-agents"], self._shutdown_agents),
+            Stage("final-write", SHUTDOWN_BUDGETS["final-write"], self._shutdown_final_write),
+            Stage("close-connection", SHUTDOWN_BUDGETS["close-connection"], self._shutdown_connection),
+            Stage("stop-services", SHUTDOWN_BUDGETS["stop-services"], self._shutdown_services),
+            Stage("stop-mesh-server", SHUTDOWN_BUDGETS["stop-mesh-server"], self._shutdown_mesh),
+        ]
+        for stage in stages:
+            await run_stage(stage, critical=False)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    async def _shutdown_intake(self) -> None:
+        if self.admin is not None:
+            await self.admin.close(timeout=2.0)
+        if self.node is not None:
+            for hosted in self.node.agents.values():
+                for sub in list(hosted.subscriptions):
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+                hosted.subscriptions.clear()
+
+    async def _shutdown_agents(self) -> None:
+        if self.node is None:
+            return
+        await self.node.stop_jobs()
+        for name in list(self.node.agents):
+            await self.node.unhost(name, grace=3.0)
+
+    async def _shutdown_final_write(self) -> None:
+        """Reserved for the node inbox commit and WAL checkpoint."""
+
+    async def _shutdown_connection(self) -> None:
+        if self._jwt_job is not None:
+            await self._jwt_job.stop()
+        for service in reversed(self.services):
+            try:
+                await service.stop()
+            except Exception as exc:
+                log.warning("stopping %s failed: %s", type(service).__name__, exc)
+        if self.connection is not None:
+            await self.connection.close(drain_timeout=3.0)
+
+    async def _shutdown_services(self) -> None:
+        if self.control_plane is not None:
+            await self.control_plane.stop()
+
+    async def _shutdown_mesh(self) -> None:
+        if self.embedded is not None:
+            await self.embedded.stop()
+
+
+async def run_daemon(config: Config) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    daemon = Daemon(config)
+    daemon.install_signal_handlers()
+    try:
+        await daemon.start()
+    except StageFailed as exc:
+        log.error("%s", exc)
+        await daemon.stop()
+        return 1
+    try:
+        await daemon.wait()
+    finally:
+        log.info("stopping")
+        await daemon.stop()
+    return 0

@@ -1,0 +1,299 @@
+"""A hosted agent and the one inbound pipeline every delivery path enters.
+
+Live inbox deliveries, mailbox drains and local deliveries all call
+:meth:`HostedAgent.receive` with the raw bytes; the order is fixed:
+
+    decode ─► verify signature ─► §22 guard (remember, fresh, addressed, hops,
+    size) ─► admission (offering, content type, input schema, budget) ─►
+    accept (live only) ─► fence ─► handler ─► signed respond to the sender's inbox
+
+Only the freshness window and the accept differ by path, as the spec says.
+Refusals follow §22.7: silent where it says silent, CONTEXT_TOO_LARGE where it
+must answer; every refusal raises a local signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+
+from meshnode.agent import Agent, OfferingSpec
+from meshnode.node.context import AgentContext
+from meshnode.protocol.budget import check_admission, parse_budget
+from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
+from meshnode.protocol.errors import ProtocolError, error_object
+from meshnode.protocol.fencing import FrameProvenance, frame_payload
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.offerings import normalize_request_payload
+from meshnode.protocol.preflight import check_content_type
+from meshnode.protocol.protections import DeliverySource, InboundGuard
+from meshnode.protocol.ratelimit import SlidingWindowLimiter
+
+if TYPE_CHECKING:
+    from meshnode.node.runtime import Node
+
+__all__ = ["DESCRIBE_OFFERING", "HostedAgent", "Source"]
+
+log = logging.getLogger("meshnode.pipeline")
+
+DESCRIBE_OFFERING = "describe"
+REGISTRY_PROBE_OFFERING = "__registry_probe__"
+
+#: Delivery paths. "local" is judged with the live window (it is a live delivery
+#: that did not transit the broker) so that local and remote are equivalent.
+Source = str  # "live" | "mailbox" | "local"
+
+
+class HostedAgent:
+    """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
+
+    def __init__(
+        self,
+        node: Node,
+        *,
+        name: str,
+        kind: str,
+        agent: Agent,
+        key: KeyPair,
+        guard: InboundGuard,
+        interaction: str,
+    ) -> None:
+        self.node = node
+        self.name = name
+        self.kind = kind
+        self.agent = agent
+        self.key = key
+        self.agent_id = key.public_key
+        self.guard = guard
+        self.interaction = interaction
+        self.offerings: dict[str, OfferingSpec] = type(agent).offerings()
+        self._validators: dict[str, jsonschema.protocols.Validator] = {}
+        for spec in self.offerings.values():
+            if spec.input_schema is not None:
+                schema = dict(spec.input_schema)
+                cls = jsonschema.validators.validator_for(schema)
+                cls.check_schema(schema)
+                self._validators[spec.id] = cls(schema)
+        self.manifest: dict[str, Any] = {}
+        self.vouch: dict[str, Any] = {}
+        self.registered = False
+        self.registration_error: str | None = None
+        self.state = "starting"
+        self.failure: str | None = None
+        self.counters: Counter[str] = Counter()
+        self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.subscriptions: list[Any] = []
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        """Run work owned by this agent; cancelled when the agent stops."""
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def active_tasks(self) -> int:
+        return len(self._tasks)
+
+    async def cancel_tasks(self, grace: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(list(self._tasks), timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def signal(self, name: str, envelope: Mapping[str, Any] | None = None, detail: str = "") -> None:
+        """A local signal (§22.7): counted, and logged at warning level."""
+        self.counters[f"refused.{name}"] += 1
+        sender = envelope.get("from") if isinstance(envelope, Mapping) else None
+        msg_id = envelope.get("id") if isinstance(envelope, Mapping) else None
+        self.agent.log.warning(
+            "inbound refused (%s)%s%s%s",
+            name,
+            f" from {sender}" if sender else "",
+            f" id {msg_id}" if msg_id else "",
+            f": {detail}" if detail else "",
+        )
+
+    # -- the pipeline ----------------------------------------------------------
+
+    async def receive(self, data: bytes, *, source: Source, reply: str | None = None) -> None:
+        """The single entry point for every inbound delivery path."""
+        now_ms = self.node.now_ms()
+        self.counters["received"] += 1
+        self.counters[f"received.{source}"] += 1
+        try:
+            env = decode_envelope(data)
+        except ProtocolError as exc:
+            self.signal(exc.code.lower(), None, exc.message)
+            return
+        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
+        verdict = self.guard.check(env, source=window, now_ms=now_ms)
+        if not verdict.accepted:
+            self.signal(verdict.local_signal or "refused", env, verdict.reason or "")
+            if verdict.answer is not None and env["type"] == "request":
+                await self._answer(env, status="failed", error=verdict.answer.error, path=source)
+            return
+        self.node.audit(self, env, direction="in", path=source)
+        kind = env["type"]
+        if kind == "request":
+            await self._on_request(env, source, reply, now_ms)
+        elif kind == "respond":
+            self.node.on_respond(self, env)
+        else:
+            self.counters["ignored"] += 1
+
+    async def _on_request(
+        self, env: dict[str, Any], source: Source, reply: str | None, now_ms: int
+    ) -> None:
+        payload = normalize_request_payload(env.get("payload"))
+        offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
+        if offering_id == DESCRIBE_OFFERING:
+            await self._describe(env, now_ms, source)
+            return
+        if offering_id == REGISTRY_PROBE_OFFERING and reply:
+            # §18.7 plumbing: any answer proves liveness; it rides the reply subject.
+            await self.node.reply_plain(reply, {"alive": True})
+            return
+        try:
+            spec, handler_input = self._admit(env, payload, offering_id, now_ms)
+        except ProtocolError as exc:
+            self.counters[f"refused.{exc.code}"] += 1
+            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+            return
+        if source != "mailbox":
+            # Admission passed and a live handler is about to run (§6.4a).
+            await self._answer(env, status="accepted", path=source, accept=True)
+        text: str | None = None
+        if spec.framing:
+            framed = frame_payload(handler_input, FrameProvenance.from_envelope(env, now_ms))
+            handler_input = framed.payload
+            if framed.field is not None and isinstance(framed.payload, Mapping):
+                text = framed.payload.get(framed.field)
+            elif framed.field is not None and isinstance(framed.payload, str):
+                text = framed.payload
+        self.counters["dispatched"] += 1
+        self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
+
+    def _admit(
+        self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
+    ) -> tuple[OfferingSpec, Any]:
+        """Admission checks that answer instead of an accept (§6.4, §6.4a, §7.7)."""
+        if not isinstance(payload, Mapping) or not isinstance(offering_id, str):
+            raise ProtocolError("INVALID_ENVELOPE", "a request payload names an offering", {"member": "payload.offering"})
+        spec = self.offerings.get(offering_id)
+        if spec is None:
+            advertised = sorted(s.id for s in self.offerings.values() if s.advertise)
+            raise ProtocolError(
+                "OFFERING_NOT_FOUND",
+                f"offering {offering_id!r} is not offered by this agent",
+                {"requested_offering": offering_id, "available_offerings": advertised},
+            )
+        config = payload.get("config")
+        if config is not None and not isinstance(config, Mapping):
+            raise ProtocolError("INVALID_ENVELOPE", "payload.config must be an object", {"member": "payload.config"})
+        accepted = config.get("accepted_output") if isinstance(config, Mapping) else None
+        if accepted is not None:
+            if not isinstance(accepted, list) or not all(isinstance(a, str) for a in accepted):
+                raise ProtocolError("INVALID_ENVELOPE", "config.accepted_output must be a list of media types")
+            check_content_type(self.manifest, offering_id, accepted)
+        handler_input = payload.get("input")
+        validator = self._validators.get(offering_id)
+        if validator is not None:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(handler_input))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "(input)"
+                raise ProtocolError(
+                    "INPUT_INVALID",
+                    f"input does not match the offering's schema at {where}: {error.message}",
+                    {"path": where, "validator": str(error.validator)},
+                )
+        if env.get("budget") is not None:
+            check_admission(parse_budget(env["budget"]), now_ms)
+        return spec, handler_input
+
+    async def _run_handler(
+        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Source
+    ) -> None:
+        ctx = AgentContext(self, envelope=env, text=text)
+        handler = getattr(self.agent, spec.handler_name)
+        try:
+            output = await handler(ctx, handler_input)
+        except ProtocolError as exc:
+            self.counters["failed"] += 1
+            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.counters["failed"] += 1
+            self.agent.log.exception("handler for %s raised", spec.id)
+            await self._answer(
+                env,
+                status="failed",
+                error=error_object("INTERNAL_ERROR", "the agent failed while handling the request"),
+                path=source,
+            )
+        else:
+            self.counters["completed"] += 1
+            await self._answer(env, status="completed", output=output, path=source)
+
+    async def _describe(self, env: Mapping[str, Any], now_ms: int, source: Source) -> None:
+        """§10.14: a document, not a conversation — never the agent's code."""
+        decision = self.describe_limiter.check(env["from"], now_ms)
+        if not decision.allowed:
+            await self._answer(
+                env,
+                status="failed",
+                error=error_object("RATE_LIMITED", "describe is rate-limited per requester", retry_after_ms=decision.retry_after_ms),
+                path=source,
+            )
+            return
+        self.counters["describe"] += 1
+        await self._answer(env, status="completed", output=self.node.describe_document(self), path=source)
+
+    async def _answer(
+        self,
+        request: Mapping[str, Any],
+        *,
+        status: str,
+        output: Any = None,
+        error: Mapping[str, Any] | None = None,
+        path: Source,
+        accept: bool = False,
+    ) -> None:
+        """Sign a respond and deliver it to the requester's inbox (§6.5)."""
+        payload: dict[str, Any] = {"status": status}
+        if output is not None:
+            payload["output"] = output
+        env = build_envelope(
+            "respond",
+            self.agent_id,
+            now_ms=self.node.now_ms(),
+            to=request["from"],
+            in_reply_to=request["id"],
+            trace=child_trace(request.get("trace")),
+            context_id=request.get("context_id"),
+            payload=payload,
+            error=error,
+            ids=self.node.ids,
+        )
+        sign_envelope(env, self.key)
+        try:
+            await self.node.deliver(self, env, request["from"])
+        except ProtocolError as exc:
+            if accept or status == "failed":
+                self.agent.log.warning("could not deliver a respond to %s: %s", request["from"], exc)
+                return
+            # The answer itself cannot travel (e.g. larger than the transport
+            # carries): tell the requester so instead of leaving it waiting.
+            await self._answer(request, status="failed", error=exc.to_object(), path=path)

@@ -1,0 +1,169 @@
+"""The caller's side of a request (§6.4, §6.4a, §6.5, D.2).
+
+A request's answers arrive where every answer arrives: at the requester's own
+inbox, through the same inbound pipeline as everything else, correlated by
+``(in_reply_to, sender)``. This module keeps the table of requests in flight
+and the rules for waiting on them: an accept resets the wait but is not the
+answer; the first respond whose status is not ``accepted`` is; silence past
+the wait means *possibly queued*, not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshnode.protocol.errors import ProtocolError
+
+__all__ = ["PendingRequests", "RemoteError", "Reply", "RequestTimeout"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The substantive answer to a request (never the accept signal)."""
+
+    envelope: Mapping[str, Any]
+    accepted: bool  # whether an accept preceded it (a live handler ran)
+
+    @property
+    def status(self) -> str:
+        payload = self.envelope.get("payload")
+        status = payload.get("status") if isinstance(payload, Mapping) else None
+        return str(status) if isinstance(status, str) else "completed"
+
+    @property
+    def output(self) -> Any:
+        payload = self.envelope.get("payload")
+        return payload.get("output") if isinstance(payload, Mapping) else None
+
+    @property
+    def task_id(self) -> str | None:
+        task_id = self.envelope.get("task_id")
+        return task_id if isinstance(task_id, str) else None
+
+    @property
+    def error(self) -> Mapping[str, Any] | None:
+        error = self.envelope.get("error")
+        return error if isinstance(error, Mapping) else None
+
+
+class RemoteError(ProtocolError):
+    """The recipient answered with a §12 error; ``envelope`` is its signed respond."""
+
+    def __init__(self, envelope: Mapping[str, Any]) -> None:
+        error = envelope.get("error")
+        error = error if isinstance(error, Mapping) else {}
+        super().__init__(
+            str(error.get("code") or "INTERNAL_ERROR"),
+            str(error.get("message") or ""),
+            dict(error.get("details") or {}),
+            error.get("retry_after_ms") if isinstance(error.get("retry_after_ms"), int) else None,
+        )
+        self.envelope = envelope
+
+
+class RequestTimeout(ProtocolError):
+    """No substantive answer within the wait. The request may still be queued
+    (the recipient's buffer holds it) and its answer may arrive later (§6.4)."""
+
+    def __init__(self, request_id: str, *, accepted: bool, possibly_queued: bool) -> None:
+        if accepted:
+            message = "accepted, but no answer arrived before the wait ended"
+        elif possibly_queued:
+            message = "no answer yet; the request may be queued for the recipient"
+        else:
+            message = "no answer arrived before the wait ended"
+        super().__init__("TRANSPORT_TIMEOUT", message, {"request_id": request_id})
+        self.request_id = request_id
+        self.accepted = accepted
+        self.possibly_queued = possibly_queued
+
+
+@dataclass
+class _Pending:
+    target: str
+    future: asyncio.Future[Reply]
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    queued: bool = False
+    unavailable: bool = False
+
+
+class PendingRequests:
+    """Requests in flight, keyed by (requester, request id)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, str], _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def open(self, requester: str, request_id: str, target: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._pending[(requester, request_id)] = _Pending(target, loop.create_future())
+
+    def close(self, requester: str, request_id: str) -> None:
+        self._pending.pop((requester, request_id), None)
+
+    def deliver(self, requester: str, envelope: Mapping[str, Any]) -> bool:
+        """Offer a verified, checked respond to the table. True when it matched.
+
+        A respond matches only if it answers a request this agent sent *to its
+        sender*: correlation is the pair (in_reply_to, sender), never the id
+        alone, so a third party cannot answer someone else's request.
+        """
+        in_reply_to = envelope.get("in_reply_to")
+        if not isinstance(in_reply_to, str):
+            return False
+        pending = self._pending.get((requester, in_reply_to))
+        if pending is None or pending.target != envelope.get("from"):
+            return False
+        payload = envelope.get("payload")
+        status = payload.get("status") if isinstance(payload, Mapping) else None
+        if status == "accepted" and envelope.get("error") is None:
+            pending.accepted.set()
+            return True
+        if not pending.future.done():
+            pending.future.set_result(Reply(envelope, pending.accepted.is_set()))
+        return True
+
+    def mark_queued(self, requester: str, request_id: str) -> None:
+        """The recipient's node answered with a queued ack, or its buffer holds it."""
+        pending = self._pending.get((requester, request_id))
+        if pending is not None:
+            pending.queued = True
+
+    def mark_unavailable(self, requester: str, request_id: str) -> None:
+        """No responders and no buffer: the request cannot be delivered (§6.4)."""
+        pending = self._pending.get((requester, request_id))
+        if pending is not None:
+            pending.unavailable = True
+            if not pending.future.done():
+                pending.future.set_exception(
+                    ProtocolError("AGENT_UNAVAILABLE", "the agent is not connected and has no buffer")
+                )
+
+    async def wait(self, requester: str, request_id: str, timeout: float) -> Reply:
+        """Wait for the substantive reply; each accept restarts the wait."""
+        pending = self._pending[(requester, request_id)]
+        accepted_seen = False
+        try:
+            while True:
+                waiter = asyncio.ensure_future(pending.accepted.wait()) if not accepted_seen else None
+                wait_for: set[asyncio.Future[Any]] = {pending.future}
+                if waiter is not None:
+                    wait_for.add(waiter)
+                done, _ = await asyncio.wait(wait_for, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if waiter is not None and not waiter.done():
+                    waiter.cancel()
+                if pending.future in done:
+                    return pending.future.result()
+                if waiter is not None and waiter in done:
+                    accepted_seen = True  # reset the wait once: the handler is running
+                    continue
+                raise RequestTimeout(
+                    request_id, accepted=accepted_seen, possibly_queued=pending.queued or not accepted_seen
+                )
+        finally:
+            self.close(requester, request_id)

@@ -1,0 +1,110 @@
+"""One primitive for every periodic job: heartbeats, renewals, drains.
+
+A job is rescheduled only after its run finishes (runs never overlap), its
+first run is jittered so N jobs started together do not fire together, and a
+failing job logs once when it starts failing and once when it recovers rather
+than once per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+__all__ = ["PeriodicJob"]
+
+
+class PeriodicJob:
+    """Run ``action`` every ``interval`` seconds until stopped.
+
+    ``interval`` may be a callable, re-read after every run (renewals compute
+    their next deadline from the credential they just obtained).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        action: Callable[[], Awaitable[None]],
+        interval: float | Callable[[], float],
+        *,
+        jitter: float = 0.1,
+        first_delay: float | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.name = name
+        self._action = action
+        self._interval = interval
+        self._jitter = jitter
+        self._first_delay = first_delay
+        self._log = logger or logging.getLogger("meshnode.periodic")
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.failing = False
+        self.runs = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def _next_interval(self) -> float:
+        base = self._interval() if callable(self._interval) else self._interval
+        return max(0.0, base)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"job:{self.name}")
+
+    def trigger(self) -> None:
+        """Run as soon as the current wait ends (e.g. on reconnect); never overlaps."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def run_once(self) -> None:
+        """Run the action now, with the job's failure accounting."""
+        self.runs += 1
+        try:
+            await self._action()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if not self.failing:
+                self._log.warning("%s failing: %s", self.name, self.last_error)
+            self.failing = True
+        else:
+            if self.failing:
+                self._log.info("%s recovered", self.name)
+            self.failing = False
+            self.last_error = None
+
+    async def _sleep(self, seconds: float) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def _run(self) -> None:
+        first = self._first_delay
+        if first is None:
+            first = self._next_interval() * random.uniform(0.0, self._jitter) if self._jitter else 0.0
+        await self._sleep(first)
+        while True:
+            await self.run_once()
+            interval = self._next_interval()
+            if self._jitter:
+                interval *= random.uniform(1.0 - self._jitter / 2, 1.0 + self._jitter / 2)
+            await self._sleep(interval)

@@ -1,0 +1,546 @@
+"""The node runtime: hosts agents on one connection (AgentMesh §3.2, §4, D.3).
+
+The node holds every hosted agent's key, vouches for each (§4.4), registers
+it on the connection-bound subject, subscribes its inbox, heartbeats for all
+of them (§10.10), delivers locally between its own agents (§4.7) and sends
+their requests, emits and answers. Each agent is isolated: one that fails to
+start or whose handler crashes is reported and stopped alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import orjson
+
+from meshnode.agent import Agent, AgentSettings
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.outbound import PendingRequests, RemoteError, Reply
+from meshnode.node.periodic import PeriodicJob
+from meshnode.protocol import subjects
+from meshnode.protocol.accept import is_queued_ack
+from meshnode.protocol.attestations import default_vouch_ttl_ms, make_vouch, renew_at_ms
+from meshnode.protocol.envelope import (
+    PROTOCOL_VERSION,
+    IdGenerator,
+    build_envelope,
+    decode_envelope,
+    encode_envelope,
+    new_root_trace,
+    sign_envelope,
+)
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.manifest import describe_document, materialize_public_block
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.preflight import check_envelope_size, preflight_request
+from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
+from meshnode.transport.connection import MeshConnection, Msg
+
+__all__ = ["Node", "NodeSettings", "wall_clock_ms"]
+
+log = logging.getLogger("meshnode.node")
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """What the runtime needs from the configuration, already typed."""
+
+    name: str
+    heartbeat_interval_s: float = 30.0
+    availability_class: str | None = None
+    vouch_ttl_ms: int | None = None
+    freshness: FreshnessWindow = field(default_factory=FreshnessWindow)
+    max_inbound_chars: int = 65536
+    dedup_entries: int = 5000
+    registry_timeout_s: float = 5.0
+    resolve_ttl_s: float = 30.0
+
+
+class Node:
+    """One node: its key, its connection, and the agents it hosts."""
+
+    def __init__(
+        self,
+        *,
+        settings: NodeSettings,
+        node_key: KeyPair,
+        connection: MeshConnection,
+        clock: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        self.settings = settings
+        self.key = node_key
+        self.node_id = node_key.public_key
+        self.connection = connection
+        self._clock = clock
+        self.ids = IdGenerator()
+        self.pending = PendingRequests()
+        self.agents: dict[str, HostedAgent] = {}
+        self.by_id: dict[str, HostedAgent] = {}
+        self.started_ms = clock()
+        self.counters: Counter[str] = Counter()
+        self.registry_key: str | None = None  # pinned on first use
+        self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
+        self._jobs: dict[str, PeriodicJob] = {}
+        self._liveness_tasks: set[asyncio.Task[None]] = set()
+
+    # -- basics --------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        return self._clock()
+
+    def audit(self, hosted: HostedAgent, env: Mapping[str, Any], *, direction: str, path: str) -> None:
+        """Every envelope in or out, local or remote, passes here (§4.7: one audit path)."""
+        self.counters[f"{direction}.{env.get('type')}.{path}"] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s %s %s id=%s from=%s to=%s path=%s trace=%s",
+                hosted.name,
+                direction,
+                env.get("type"),
+                env.get("id"),
+                env.get("from"),
+                env.get("to"),
+                path,
+                (env.get("trace") or {}).get("trace_id"),
+            )
+
+    # -- hosting -------------------------------------------------------------
+
+    def new_guard(self, agent_id: str, memory: DedupMemory | None = None) -> InboundGuard:
+        return InboundGuard(
+            agent_id,
+            window=self.settings.freshness,
+            max_inbound_chars=self.settings.max_inbound_chars,
+            memory=memory or DedupMemory(self.settings.dedup_entries),
+        )
+
+    async def host(
+        self,
+        *,
+        name: str,
+        kind: str,
+        agent_class: type[Agent],
+        settings: Mapping[str, Any],
+        key: KeyPair,
+        interaction: str | None = None,
+    ) -> HostedAgent:
+        """Instantiate, subscribe, start and register one agent.
+
+        Raises on a failure to instantiate or subscribe; a registration refusal
+        is recorded on the agent (``registration_error``) and logged, and the
+        agent keeps serving local traffic.
+        """
+        if name in self.agents:
+            raise ValueError(f"an agent named {name!r} is already hosted")
+        parsed: AgentSettings = agent_class.Settings.model_validate(dict(settings))
+        agent = agent_class(name, parsed)
+        hosted = HostedAgent(
+            self,
+            name=name,
+            kind=kind,
+            agent=agent,
+            key=key,
+            guard=self.new_guard(key.public_key),
+            interaction=interaction or agent_class.interaction,
+        )
+        self.agents[name] = hosted
+        self.by_id[hosted.agent_id] = hosted
+        try:
+            hosted.vouch = self._vouch(hosted.agent_id)
+            hosted.manifest = self.build_manifest(hosted)
+            await self._subscribe_inbox(hosted)
+            from meshnode.node.context import AgentContext
+
+            await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+            hosted.state = "running"
+        except Exception as exc:
+            hosted.state = "failed"
+            hosted.failure = f"{type(exc).__name__}: {exc}"
+            await self._unsubscribe(hosted)
+            raise
+        await self.register(hosted)
+        self._schedule_vouch_renewal(hosted)
+        return hosted
+
+    async def unhost(self, name: str, *, deregister: bool = False, grace: float = 5.0) -> None:
+        """Stop one agent: unsubscribe, let handlers finish, call on_stop.
+
+        Registration (and with it the broker's offline buffer) is kept unless
+        ``deregister``: a node that stops for a while must still get its mail.
+        """
+        hosted = self.agents.get(name)
+        if hosted is None:
+            return
+        job = self._jobs.pop(f"vouch:{name}", None)
+        if job is not None:
+            await job.stop()
+        await self._unsubscribe(hosted)
+        await hosted.cancel_tasks(grace)
+        try:
+            await asyncio.wait_for(hosted.agent.on_stop(), timeout=grace)
+        except Exception as exc:
+            log.warning("agent %s on_stop failed: %s", name, exc)
+        if deregister and hosted.registered:
+            try:
+                await self.deregister(hosted)
+            except Exception as exc:
+                log.warning("deregistering %s failed: %s", name, exc)
+        hosted.state = "stopped"
+        del self.agents[name]
+        self.by_id.pop(hosted.agent_id, None)
+
+    async def _subscribe_inbox(self, hosted: HostedAgent) -> None:
+        async def on_message(msg: Msg) -> None:
+            try:
+                await hosted.receive(msg.data, source="live", reply=msg.reply or None)
+            except Exception:  # the pipeline must never kill the subscription
+                hosted.agent.log.exception("inbound pipeline failed")
+
+        sub = await self.connection.subscribe(subjects.agent_inbox(hosted.agent_id), on_message)
+        hosted.subscriptions.append(sub)
+
+    async def _unsubscribe(self, hosted: HostedAgent) -> None:
+        subs, hosted.subscriptions = hosted.subscriptions, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # already gone with the connection
+                pass
+
+    # -- vouch, manifest, registration ----------------------------------------
+
+    def _vouch(self, agent_id: str) -> dict[str, Any]:
+        now = self.now_ms()
+        ttl = default_vouch_ttl_ms(
+            self.settings.availability_class, configured_ttl_ms=self.settings.vouch_ttl_ms
+        )
+        return make_vouch(self.key, agent_id, now, now + ttl)
+
+    def _schedule_vouch_renewal(self, hosted: HostedAgent) -> None:
+        async def renew() -> None:
+            if self.now_ms() < renew_at_ms(hosted.vouch):
+                return
+            hosted.vouch = self._vouch(hosted.agent_id)
+            hosted.manifest = self.build_manifest(hosted)
+            await self.register(hosted)
+
+        def next_check() -> float:
+            # Wake at the renewal point (two thirds of the vouch's own life),
+            # and also every 10 minutes so a missed registration is retried.
+            due = (renew_at_ms(hosted.vouch) - self.now_ms()) / 1000
+            if not hosted.registered:
+                due = min(due, 60.0)
+            return max(5.0, min(due, 600.0))
+
+        job = PeriodicJob(f"vouch:{hosted.name}", renew, next_check, jitter=0.05, first_delay=next_check())
+        self._jobs[job.name] = job
+        job.start()
+
+    def build_manifest(self, hosted: HostedAgent) -> dict[str, Any]:
+        """The manifest this node registers for ``hosted`` (§8.1, §8.2)."""
+        cls = type(hosted.agent)
+        inbox = subjects.agent_inbox(hosted.agent_id)
+        manifest: dict[str, Any] = {
+            "id": hosted.agent_id,
+            "name": cls.display_name or hosted.name,
+            "description": cls.description or f"{hosted.kind} agent",
+            "version": cls.version,
+            "protocol_version": PROTOCOL_VERSION,
+            "endpoint": inbox,
+            "endpoints": {"inbox": inbox},
+            "node": {"id": self.node_id, "attestation": hosted.vouch},
+            "capabilities": list(cls.capabilities),
+            "offerings": [spec.manifest_entry() for spec in hosted.offerings.values()],
+            "interaction": hosted.interaction,
+            "limits": {"max_inbound_chars": self.settings.max_inbound_chars},
+        }
+        public: dict[str, Any] = dict(cls.public or {})
+        public.setdefault("description", manifest["description"])
+        public["offerings"] = [s.id for s in hosted.offerings.values() if s.advertise]
+        manifest["public"] = public
+        for attr in ("provider", "rate_limits"):
+            value = getattr(cls, attr)
+            if value:
+                manifest[attr] = dict(value)
+        if cls.limits:
+            manifest["limits"] = {**manifest["limits"], **dict(cls.limits)}
+        if cls.accepts:
+            manifest["accepts"] = list(cls.accepts)
+        if cls.emits:
+            manifest["emits"] = list(cls.emits)
+        if cls.visibility:
+            manifest["visibility"] = cls.visibility
+        if cls.default_input_modes is not None:
+            manifest["default_input_modes"] = list(cls.default_input_modes)
+        if cls.default_output_modes is not None:
+            manifest["default_output_modes"] = list(cls.default_output_modes)
+        return manifest
+
+    def describe_document(self, hosted: HostedAgent) -> dict[str, Any]:
+        """The §10.14 document: served from declared bytes, never the agent."""
+        manifest = dict(hosted.manifest)
+        manifest["public"] = materialize_public_block(manifest)
+        return describe_document(manifest)
+
+    async def _service_call(
+        self, hosted: HostedAgent, subject: str, kind: str, payload: Any
+    ) -> dict[str, Any]:
+        """A signed request to a platform service; returns the verified reply's payload."""
+        env = build_envelope(
+            kind, hosted.agent_id, now_ms=self.now_ms(), payload=payload, ids=self.ids
+        )
+        sign_envelope(env, hosted.key)
+        try:
+            msg = await self.connection.request(
+                subject, encode_envelope(env), timeout=self.settings.registry_timeout_s
+            )
+        except nats.errors.NoRespondersError:
+            raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
+        reply = decode_envelope(msg.data)
+        if reply.get("in_reply_to") != env["id"] or reply.get("to") != hosted.agent_id:
+            raise ProtocolError("IDENTITY_MISMATCH", "service reply is not bound to the request")
+        if self.registry_key is None:
+            self.registry_key = reply["from"]
+        elif reply["from"] != self.registry_key and subject.startswith("mesh.registry."):
+            raise ProtocolError("IDENTITY_MISMATCH", "registry reply signed by an unpinned key")
+        if reply.get("error"):
+            raise RemoteError(reply)
+        payload_out = reply.get("payload")
+        return payload_out if isinstance(payload_out, dict) else {}
+
+    async def register(self, hosted: HostedAgent) -> None:
+        """Register on the connection-bound subject (§4.4 b); refusals are surfaced."""
+        try:
+            await self._service_call(
+                hosted, subjects.registry_register(self.node_id), "register", hosted.manifest
+            )
+        except ProtocolError as exc:
+            hosted.registered = False
+            hosted.registration_error = f"{exc.code}: {exc.message}"
+            log.error("registration of %s (%s) refused: %s", hosted.name, hosted.agent_id, hosted.registration_error)
+            return
+        hosted.registered = True
+        hosted.registration_error = None
+        log.info("registered %s as %s", hosted.name, hosted.agent_id)
+
+    async def deregister(self, hosted: HostedAgent) -> None:
+        await self._service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})
+        hosted.registered = False
+
+    async def resolve(self, requester: HostedAgent, target: str) -> dict[str, Any]:
+        """The target's manifest: hosted here, cached, or from the registry (§14.4)."""
+        local = self.by_id.get(target)
+        if local is not None:
+            return local.manifest
+        cached = self._manifests.get(target)
+        if cached is not None and time.monotonic() - cached[1] < self.settings.resolve_ttl_s:
+            return cached[0]
+        manifest = await self._service_call(
+            requester, subjects.registry_get(target), "discover", {"agent_id": target}
+        )
+        if manifest.get("id") != target:
+            raise ProtocolError("IDENTITY_MISMATCH", "registry answered for another agent")
+        self._manifests[target] = (manifest, time.monotonic())
+        return manifest
+
+    # -- delivery --------------------------------------------------------------
+
+    async def deliver(self, sender: HostedAgent, env: dict[str, Any], to_agent: str) -> None:
+        """Send a signed envelope to an agent's inbox: locally when hosted here (§4.7)."""
+        data = encode_envelope(env)
+        target = self.by_id.get(to_agent)
+        self.audit(sender, env, direction="out", path="local" if target else "live")
+        if target is not None:
+            await target.receive(data, source="local")
+            return
+        check_envelope_size(len(data), self.connection.max_payload)
+        await self.connection.publish(subjects.agent_inbox(to_agent), data)
+
+    async def reply_plain(self, reply_subject: str, obj: Any) -> None:
+        """Node-level delivery-status signal on a transport reply subject (§18.7)."""
+        await self.connection.publish(reply_subject, orjson.dumps(obj))
+
+    def on_respond(self, hosted: HostedAgent, env: Mapping[str, Any]) -> None:
+        if self.pending.deliver(hosted.agent_id, env):
+            return
+        # A late answer (the caller stopped waiting) or one for a task flow
+        # handled elsewhere: it was checked like everything else; count it.
+        hosted.counters["unmatched_respond"] += 1
+        hosted.agent.log.info(
+            "respond %s from %s matches no request in flight", env.get("in_reply_to"), env.get("from")
+        )
+
+    async def send_request(
+        self,
+        hosted: HostedAgent,
+        target: str,
+        offering: str,
+        input: Any,
+        *,
+        trace: Mapping[str, Any],
+        timeout: float,
+        config: Mapping[str, Any] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        context_id: Any = None,
+    ) -> Reply:
+        """Pre-flight, sign and send a request; await the substantive reply."""
+        manifest = await self.resolve(hosted, target)
+        payload: dict[str, Any] = {"offering": offering}
+        if input is not None:
+            payload["input"] = input
+        if config:
+            payload["config"] = dict(config)
+        preflight_request(payload, manifest)
+        env = build_envelope(
+            "request",
+            hosted.agent_id,
+            now_ms=self.now_ms(),
+            to=target,
+            payload=payload,
+            trace=trace,
+            budget=budget,
+            context_id=context_id if isinstance(context_id, str) else None,
+            ids=self.ids,
+        )
+        sign_envelope(env, hosted.key)
+        data = encode_envelope(env)
+        self.pending.open(hosted.agent_id, env["id"], target)
+        local = self.by_id.get(target)
+        self.audit(hosted, env, direction="out", path="local" if local else "live")
+        try:
+            if local is not None:
+                await local.receive(data, source="local")
+            else:
+                check_envelope_size(len(data), self.connection.max_payload)
+                endpoints = manifest.get("endpoints")
+                inbox = endpoints.get("inbox") if isinstance(endpoints, Mapping) else None
+                inbox = inbox if isinstance(inbox, str) else manifest.get("endpoint")
+                if not isinstance(inbox, str):
+                    raise ProtocolError("AGENT_UNAVAILABLE", "the target's manifest names no inbox")
+                self._watch_liveness(hosted, env["id"], inbox, data, manifest, timeout)
+        except BaseException:
+            self.pending.close(hosted.agent_id, env["id"])
+            raise
+        reply = await self.pending.wait(hosted.agent_id, env["id"], timeout)
+        if reply.error is not None or reply.status == "failed":
+            raise RemoteError(reply.envelope)
+        return reply
+
+    def _watch_liveness(
+        self,
+        hosted: HostedAgent,
+        request_id: str,
+        inbox: str,
+        data: bytes,
+        manifest: Mapping[str, Any],
+        timeout: float,
+    ) -> None:
+        """Publish with a reply subject used only as a delivery-status signal (§18.7)."""
+        buffered = not manifest.get("sandbox", False)
+
+        async def watch() -> None:
+            try:
+                msg = await self.connection.request(inbox, data, timeout=timeout)
+            except nats.errors.NoRespondersError:
+                if buffered:
+                    self.pending.mark_queued(hosted.agent_id, request_id)
+                else:
+                    self.pending.mark_unavailable(hosted.agent_id, request_id)
+                return
+            except (nats.errors.TimeoutError, asyncio.CancelledError):
+                return
+            except Exception as exc:
+                log.debug("liveness watch for %s ended: %s", request_id, exc)
+                return
+            try:
+                ack = orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                return
+            if is_queued_ack(ack):
+                self.pending.mark_queued(hosted.agent_id, request_id)
+
+        task = asyncio.get_running_loop().create_task(watch())
+        self._liveness_tasks.add(task)
+        task.add_done_callback(self._liveness_tasks.discard)
+
+    async def emit(
+        self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
+    ) -> None:
+        payload: dict[str, Any] = {"domain": domain, "event_type": event_type}
+        if data is not None:
+            payload["data"] = data
+        env = build_envelope(
+            "emit", hosted.agent_id, now_ms=self.now_ms(), payload=payload, trace=trace, ids=self.ids
+        )
+        sign_envelope(env, hosted.key)
+        raw = encode_envelope(env)
+        check_envelope_size(len(raw), self.connection.max_payload)
+        self.audit(hosted, env, direction="out", path="live")
+        await self.connection.publish(
+            subjects.event_subject(domain, event_type), raw, headers={"Nats-Msg-Id": env["id"]}
+        )
+
+    # -- heartbeat -------------------------------------------------------------
+
+    def heartbeat_payload(self) -> dict[str, Any]:
+        active = sum(h.active_tasks for h in self.agents.values())
+        load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
+        return {
+            "availability": "online",
+            "active_tasks": active,
+            "capacity": max(1, len(self.agents)) * 16,
+            "uptime_seconds": max(0, (self.now_ms() - self.started_ms) // 1000),
+            "load": round(min(load, 1.0), 3),
+        }
+
+    async def heartbeat(self) -> None:
+        """One signed beat from the node key on mesh.heartbeat.{node_id} (§10.10)."""
+        env = build_envelope(
+            "emit", self.node_id, now_ms=self.now_ms(), payload=self.heartbeat_payload(), ids=self.ids
+        )
+        sign_envelope(env, self.key)
+        await self.connection.publish(subjects.heartbeat(self.node_id), encode_envelope(env))
+        self.counters["heartbeats"] += 1
+
+    def start_heartbeat(self) -> None:
+        job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
+        self._jobs[job.name] = job
+        job.start()
+
+    async def stop_jobs(self) -> None:
+        for job in list(self._jobs.values()):
+            await job.stop()
+        self._jobs.clear()
+        for task in list(self._liveness_tasks):
+            task.cancel()
+
+    # -- status ----------------------------------------------------------------
+
+    def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
+        return {
+            "name": hosted.name,
+            "id": hosted.agent_id,
+            "plugin": hosted.kind,
+            "state": hosted.state,
+            "registered": hosted.registered,
+            "registration_error": hosted.registration_error,
+            "vouch_expires_at": hosted.vouch.get("expires_at"),
+            "interaction": hosted.interaction,
+            "offerings": sorted(hosted.offerings),
+            "active_tasks": hosted.active_tasks,
+            "counters": dict(hosted.counters),
+        }

@@ -1,0 +1,186 @@
+"""The plugin contract: hook specifications and the loader.
+
+A distribution provides agents through the entry-point group
+``meshnode.agents``. An entry point may name either
+
+* an :class:`meshnode.agent.Agent` subclass — registered under the entry
+  point's name (the simple case), or
+* a module or object implementing the hooks below (for plugins that provide
+  several agents, CLI commands or admin methods).
+
+``pyproject.toml`` of a plugin::
+
+    [project.entry-points."meshnode.agents"]
+    echo = "meshnode_echo:EchoAgent"
+
+Each entry point is loaded on its own: a broken plugin is logged and skipped
+(``strict`` mode re-raises, for development). Hooks are synchronous; pluggy
+calls them in registration order.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from meshnode.agent import Agent
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AgentCatalog",
+    "PluginLoadError",
+    "PluginManager",
+    "hookimpl",
+    "hookspec",
+    "load_plugins",
+]
+
+ENTRY_POINT_GROUP = "meshnode.agents"
+PROJECT = "meshnode"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+log = logging.getLogger("meshnode.plugins")
+
+
+class PluginLoadError(Exception):
+    """A plugin could not be loaded (raised only in strict mode)."""
+
+
+class MeshnodeHookSpec:
+    """The hooks a plugin may implement. This class is documentation with code
+    attached: every hook here is a stable contract."""
+
+    @hookspec
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        """Register the agent classes this plugin provides.
+
+        Call ``register(name, AgentSubclass)`` once per agent kind. ``name`` is
+        what a node's configuration selects with ``plugin = "<name>"``.
+
+        .. versionadded:: 0.1
+        """
+
+    @hookspec
+    def meshnode_add_cli_commands(self, commands: Any) -> None:
+        """Add subcommands to the ``meshnode`` CLI.
+
+        ``commands`` is the argparse subparsers object of the top-level parser;
+        set ``handler=callable(args) -> int`` on each parser you add.
+
+        .. versionadded:: 0.1
+        """
+
+
+@dataclass
+class AgentCatalog:
+    """What the loaded plugins provide: agent kinds by name, and what failed."""
+
+    kinds: dict[str, type[Agent]] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def register(self, name: str, agent_class: type[Agent], origin: str) -> None:
+        if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
+            raise TypeError(f"{origin}: {name!r} is not an Agent subclass")
+        if name in self.kinds and self.kinds[name] is not agent_class:
+            raise ValueError(
+                f"agent kind {name!r} from {origin} clashes with the one from {self.origins[name]}"
+            )
+        self.kinds[name] = agent_class
+        self.origins[name] = origin
+
+
+class PluginManager:
+    """A typed facade over pluggy so every hook call is checked by mypy."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(MeshnodeHookSpec)
+
+    def register(self, plugin: object, name: str) -> None:
+        self._pm.register(plugin, name=name)
+
+    def check_pending(self) -> None:
+        self._pm.check_pending()
+
+    def register_agents(self, catalog: AgentCatalog, *, strict: bool = False) -> None:
+        """Ask every plugin for its agent kinds, one plugin at a time so that one
+        bad registration is isolated (logged, recorded in ``catalog.failures``)."""
+        for impl in self._pm.hook.meshnode_register_agents.get_hookimpls():
+            origin = impl.plugin_name
+
+            def register(name: str, cls: type[Agent], _origin: str = origin) -> None:
+                catalog.register(name, cls, _origin)
+
+            try:
+                impl.function(register=register)
+            except Exception as exc:
+                catalog.failures[origin] = f"{type(exc).__name__}: {exc}"
+                log.error("plugin %s failed to register its agents: %s", origin, exc)
+                if strict:
+                    raise PluginLoadError(f"plugin {origin}: {exc}") from exc
+
+    def add_cli_commands(self, commands: Any) -> None:
+        self._pm.hook.meshnode_add_cli_commands(commands=commands)
+
+
+class _SingleAgentPlugin:
+    """Adapts an entry point that names an Agent subclass directly."""
+
+    def __init__(self, name: str, agent_class: type[Agent]) -> None:
+        self._name = name
+        self._agent_class = agent_class
+
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register(self._name, self._agent_class)
+
+
+def load_plugins(
+    *,
+    strict: bool = False,
+    entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
+    builtins: Iterable[tuple[str, object]] = (),
+) -> tuple[PluginManager, AgentCatalog]:
+    """Load every installed plugin and collect the agent kinds they provide.
+
+    ``builtins`` are (name, plugin) pairs registered first — built-in features
+    take the same path as third-party plugins.
+    """
+    pm = PluginManager()
+    catalog = AgentCatalog()
+    for name, plugin in builtins:
+        pm.register(plugin, name=name)
+    eps = (
+        list(entry_points)
+        if entry_points is not None
+        else list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    )
+    for ep in eps:
+        origin = f"{ep.name} ({ep.value})"
+        try:
+            obj = ep.load()
+            if isinstance(obj, type) and issubclass(obj, Agent):
+                pm.register(_SingleAgentPlugin(ep.name, obj), name=f"ep:{ep.name}")
+            else:
+                pm.register(obj, name=f"ep:{ep.name}")
+        except Exception as exc:  # one broken plugin must not stop the others
+            catalog.failures[ep.name] = f"{type(exc).__name__}: {exc}"
+            log.error("plugin %s failed to load: %s", origin, exc)
+            if strict:
+                raise PluginLoadError(f"plugin {origin} failed to load: {exc}") from exc
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        if strict:
+            raise PluginLoadError(str(exc)) from exc
+        log.error("plugin hook validation failed: %s", exc)
+    pm.register_agents(catalog, strict=strict)
+    return pm, catalog
