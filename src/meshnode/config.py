@@ -574,6 +574,11 @@ class NodeConfig(BaseModel):
     heartbeat_interval: Duration = timedelta(seconds=30)
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
+    plugin_modules: list[
+        Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")]
+    ] = Field(default_factory=list)
+    """Extra plugins to load as if installed (``"package.module"`` or
+    ``"package.module:AgentClass"``): for developing a plugin without packaging it."""
 
 
 class EmbeddedMeshConfig(BaseModel):

@@ -143,16 +143,27 @@ class _SingleAgentPlugin:
         register(self._name, self._agent_class)
 
 
+def module_entry_points(specs: Iterable[str]) -> list[importlib.metadata.EntryPoint]:
+    """Entry points for ``[node] plugin_modules`` ("pkg.mod" or "pkg.mod:Attr")."""
+    eps = []
+    for spec in specs:
+        name = spec.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower() if ":" in spec else spec.rsplit(".", 1)[-1]
+        eps.append(importlib.metadata.EntryPoint(name=name, value=spec, group=ENTRY_POINT_GROUP))
+    return eps
+
+
 def load_plugins(
     *,
     strict: bool = False,
     entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
     builtins: Iterable[tuple[str, object]] = (),
+    extra_modules: Iterable[str] = (),
 ) -> tuple[PluginManager, AgentCatalog]:
     """Load every installed plugin and collect the agent kinds they provide.
 
     ``builtins`` are (name, plugin) pairs registered first — built-in features
-    take the same path as third-party plugins.
+    take the same path as third-party plugins. ``extra_modules`` are loaded
+    like entry points (see :func:`module_entry_points`).
     """
     pm = PluginManager()
     catalog = AgentCatalog()
@@ -163,6 +174,7 @@ def load_plugins(
         if entry_points is not None
         else list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
     )
+    eps.extend(module_entry_points(extra_modules))
     for ep in eps:
         origin = f"{ep.name} ({ep.value})"
         try:

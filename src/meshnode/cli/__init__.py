@@ -13,11 +13,14 @@ from collections.abc import Sequence
 
 from meshnode import __version__
 
-from . import daemon, envelope, mesh
 from .exitcodes import EX_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
+    # (the admin client uses it) without pulling in every command module.
+    from . import daemon, envelope, mesh
+
     parser = argparse.ArgumentParser(
         prog="meshnode",
         description="The AgentMesh node daemon and its tools.",

@@ -121,7 +121,9 @@ class Daemon:
 
     async def _stage_plugins(self) -> None:
         _, self.catalog = load_plugins(
-            strict=self.config.node.strict_plugins, builtins=[("meshnode.builtin", BuiltinAgents())]
+            strict=self.config.node.strict_plugins,
+            builtins=[("meshnode.builtin", BuiltinAgents())],
+            extra_modules=self.config.node.plugin_modules,
         )
         for name, agent_cfg in self.config.agents.items():
             if agent_cfg.enabled and agent_cfg.plugin not in self.catalog.kinds:
@@ -224,12 +226,11 @@ class Daemon:
     async def _stage_services(self) -> None:
         if not self.embedded_mode:
             return
+        from meshnode.protocol.ratelimit import SlidingWindowLimiter
         from meshnode.services.base import ServiceContext
         from meshnode.services.presence import PresenceService
         from meshnode.services.registry import RegistryService
         from meshnode.services.streams import ensure_mesh_streams
-
-        from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
         assert self.connection is not None and self.node_key is not None
         await ensure_mesh_streams(self.connection.js, 1)
@@ -320,6 +321,8 @@ class Daemon:
         methods = MethodRegistry()
         methods.add("Status", self._admin_status, level="operator", doc="node and agent status")
         methods.add("Call", self._admin_call, level="operator", doc="call an agent's offering as the node's CLI identity")
+        methods.add("Presence", self._admin_presence, level="operator", doc="presence of a node or agent (or all nodes)")
+        methods.add("Discover", self._admin_discover, level="operator", doc="query the registry (§9.3 filters)")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
         self.admin = AdminServer(
@@ -411,6 +414,21 @@ class Daemon:
             "accepted": reply.accepted,
             "task_id": reply.task_id,
         }
+
+    async def _admin_presence(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.node is None:
+            raise NotFound("the node is not running")
+        query = {k: v for k, v in params.items() if k in ("node", "agent") and isinstance(v, str)}
+        return await self._service(call, "mesh.presence.get", "request", query)
+
+    async def _admin_discover(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return await self._service(call, "mesh.registry.discover", "discover", dict(params))
+
+    async def _service(self, call: CallContext, subject: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.node is None:
+            raise NotFound("the node is not running")
+        cli = self.node.agents[CLI_AGENT_NAME]
+        return await self.node.service_call(cli, subject, kind, payload)
 
     async def _admin_mesh_info(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         return {

@@ -90,7 +90,7 @@ class Node:
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
-        self.registry_key: str | None = None  # pinned on first use
+        self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
         self._jobs: dict[str, PeriodicJob] = {}
         self._liveness_tasks: set[asyncio.Task[None]] = set()
@@ -294,7 +294,7 @@ class Node:
         manifest["public"] = materialize_public_block(manifest)
         return describe_document(manifest)
 
-    async def _service_call(
+    async def service_call(
         self, hosted: HostedAgent, subject: str, kind: str, payload: Any
     ) -> dict[str, Any]:
         """A signed request to a platform service; returns the verified reply's payload."""
@@ -313,10 +313,12 @@ class Node:
         reply = decode_envelope(msg.data)
         if reply.get("in_reply_to") != env["id"] or reply.get("to") != hosted.agent_id:
             raise ProtocolError("IDENTITY_MISMATCH", "service reply is not bound to the request")
-        if self.registry_key is None:
-            self.registry_key = reply["from"]
-        elif reply["from"] != self.registry_key and subject.startswith("mesh.registry."):
-            raise ProtocolError("IDENTITY_MISMATCH", "registry reply signed by an unpinned key")
+        # Pin each service's key on first use (WIRE-NOTES): a later reply signed
+        # by another key is refused rather than trusted.
+        service = subject.split(".")[1] if subject.startswith("mesh.") else subject
+        pinned = self.service_keys.setdefault(service, reply["from"])
+        if reply["from"] != pinned:
+            raise ProtocolError("IDENTITY_MISMATCH", f"{service} reply signed by an unpinned key")
         if reply.get("error"):
             raise RemoteError(reply)
         payload_out = reply.get("payload")
@@ -325,7 +327,7 @@ class Node:
     async def register(self, hosted: HostedAgent) -> None:
         """Register on the connection-bound subject (§4.4 b); refusals are surfaced."""
         try:
-            await self._service_call(
+            await self.service_call(
                 hosted, subjects.registry_register(self.node_id), "register", hosted.manifest
             )
         except ProtocolError as exc:
@@ -338,7 +340,7 @@ class Node:
         log.info("registered %s as %s", hosted.name, hosted.agent_id)
 
     async def deregister(self, hosted: HostedAgent) -> None:
-        await self._service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})
+        await self.service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})
         hosted.registered = False
 
     async def resolve(self, requester: HostedAgent, target: str) -> dict[str, Any]:
@@ -349,7 +351,7 @@ class Node:
         cached = self._manifests.get(target)
         if cached is not None and time.monotonic() - cached[1] < self.settings.resolve_ttl_s:
             return cached[0]
-        manifest = await self._service_call(
+        manifest = await self.service_call(
             requester, subjects.registry_get(target), "discover", {"agent_id": target}
         )
         if manifest.get("id") != target:

@@ -1,0 +1,62 @@
+"""Agent kinds used only by the integration tests (loaded via [node] plugin_modules)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from meshnode.agent import Agent, Context, Refusal, offering
+from meshnode.plugins import hookimpl
+
+
+class CrashOnStart(Agent):
+    """Fails in on_start: the node must host the others and report this one."""
+
+    description = "always fails to start"
+
+    async def on_start(self, ctx: Context) -> None:
+        raise RuntimeError("this agent cannot start")
+
+
+class Faulty(Agent):
+    """Handlers that crash, refuse, answer big, or call another agent."""
+
+    description = "test agent with misbehaving handlers"
+
+    @offering("crash")
+    async def crash(self, ctx: Context, input: Any) -> Any:
+        raise ZeroDivisionError("handler bug with a secret detail")
+
+    @offering("refuse")
+    async def refuse(self, ctx: Context, input: Any) -> Any:
+        raise Refusal("UNAUTHORIZED", "not for you", {"why": "test"})
+
+    @offering("text", framing=True)
+    async def text(self, ctx: Context, input: Any) -> Any:
+        return {"framed": ctx.text, "input": input}
+
+    @offering("relay")
+    async def relay(self, ctx: Context, input: Any) -> Any:
+        reply = await ctx.request(input["target"], input.get("offering", "echo"), input.get("input"))
+        return {"relayed": reply.output, "from": reply.envelope["from"], "trace_id": ctx.trace.get("trace_id"),
+                "reply_trace_id": reply.envelope["trace"]["trace_id"]}
+
+    @offering("sleep")
+    async def sleep(self, ctx: Context, input: Any) -> Any:
+        await asyncio.sleep(float(input or 1))
+        return {"slept": input}
+
+    @offering("schema", input_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    async def schema(self, ctx: Context, input: Any) -> Any:
+        return {"n": input["n"]}
+
+
+class TestAgents:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-crash-on-start", CrashOnStart)
+        register("test-faulty", Faulty)
+
+
+plugin = TestAgents()

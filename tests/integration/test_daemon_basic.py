@@ -1,0 +1,54 @@
+"""The daemon end to end with real processes: start, serve, call, stop, no orphans."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshnode.testing import DaemonSet
+
+pytestmark = pytest.mark.integration
+
+TEST_PLUGINS = {"plugin_modules": ["tests.agents:plugin"]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_embedded_node_serves_and_stops_cleanly(meshnode_daemons: DaemonSet) -> None:
+    node = meshnode_daemons.embedded(
+        "one",
+        agents={"echo": {"plugin": "echo"}, "bad": {"plugin": "test-crash-on-start"}, "faulty": {"plugin": "test-faulty"}},
+        node=TEST_PLUGINS,
+    )
+    status = node.status()
+    by_name = {a["name"]: a for a in status["agents"]}
+    assert by_name["echo"]["registered"] and by_name["echo"]["state"] == "running"
+    assert by_name["bad"]["state"] == "failed" and "cannot start" in by_name["bad"]["failure"]
+    assert status["mesh"]["connected"] and status["mesh"]["mode"] == "embedded"
+
+    result = node.call("echo", "echo", {"x": [1, 2]})
+    assert result == {"status": "completed", "output": {"ok": {"x": [1, 2]}}, "from": by_name["echo"]["id"],
+                      "accepted": True, "task_id": None}
+
+    crashed = node.call("faulty", "crash")
+    assert crashed["status"] == "failed" and crashed["error"]["code"] == "INTERNAL_ERROR"
+    assert "secret detail" not in str(crashed)
+    assert node.call("echo", "echo", "still alive")["output"] == {"ok": "still alive"}
+
+    mesh_pid = int((node.data_dir / "mesh").joinpath("nats-server.pid").read_text()) if (node.data_dir / "mesh" / "nats-server.pid").exists() else None
+    children = [int(p) for p in os.popen(f"pgrep -P {node.pid}").read().split()]
+    assert children, "the embedded nats-server runs as a child"
+    assert node.stop() == 0
+    for pid in children + ([mesh_pid] if mesh_pid else []):
+        assert not _alive(pid), f"process {pid} outlived the daemon"
