@@ -245,7 +245,22 @@ class Context(Protocol):
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
-        """Publish an event on ``mesh.event.{domain}.{event_type}`` (§6.6)."""
+        """Publish an event on ``mesh.event.{domain}.{event_type}`` (§6.6).
+
+        Fire-and-forget; the ``Nats-Msg-Id`` header is the envelope id, so a
+        retried publish is stored once (§18.8).
+        """
+
+    async def subscribe(self, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
+        """Receive events on ``mesh.event.{pattern}`` (``scraping.*``, ``billing.>``)
+        in :meth:`Agent.on_event`.
+
+        Durable (default): a JetStream consumer that survives restarts;
+        events are acked after ``on_event`` returns. ``replay=True`` starts
+        from the oldest retained event. Every event passes the same checks as
+        a request (§22). Patterns in the class's ``accepts`` are subscribed
+        automatically when the agent starts.
+        """
 
 
 class Agent:
@@ -269,6 +284,8 @@ class Agent:
     provider: ClassVar[Mapping[str, Any] | None] = None
     limits: ClassVar[Mapping[str, Any] | None] = None
     rate_limits: ClassVar[Mapping[str, Any] | None] = None
+    #: Event patterns subscribed durably at start (``"scraping.*"``; a leading
+    #: ``mesh.event.`` is accepted); also published in the manifest.
     accepts: ClassVar[Sequence[str]] = ()
     emits: ClassVar[Sequence[str]] = ()
     visibility: ClassVar[str | None] = None

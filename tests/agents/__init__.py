@@ -60,3 +60,36 @@ class TestAgents:
 
 
 plugin = TestAgents()
+
+
+class Listener(Agent):
+    """Records every event it receives on demo.* (subscribed through accepts)."""
+
+    description = "records demo.* events"
+    accepts = ("demo.*",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen: list[dict[str, Any]] = []
+
+    async def on_event(self, ctx: Context, event: Any) -> None:
+        self.seen.append({"subject": event.subject, "sender": event.sender, "data": event.data,
+                          "trace_id": event.envelope["trace"]["trace_id"]})
+
+    @offering("seen")
+    async def seen_events(self, ctx: Context, input: Any) -> Any:
+        return self.seen
+
+    @offering("emit")
+    async def emit(self, ctx: Context, input: Any) -> Any:
+        await ctx.emit(input.get("domain", "demo"), input.get("event_type", "tick"), input.get("data"))
+        return {"emitted": True, "trace_id": ctx.trace.get("trace_id")}
+
+
+class ListenerPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-listener", Listener)
+
+
+listener_plugin = ListenerPlugin()

@@ -86,5 +86,10 @@ class AgentContext:
             context_id=self._envelope.get("context_id") if self._envelope else None,
         )
 
+    async def subscribe(self, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
+        return await self._hosted.node.subscribe_events(
+            self._hosted, pattern, durable=durable, replay=replay
+        )
+
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
         await self._hosted.node.emit(self._hosted, domain, event_type, data, trace=self._child_trace())

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
-from meshnode.agent import Agent, OfferingSpec
+from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.node.context import AgentContext
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
@@ -87,6 +87,9 @@ class HostedAgent:
         self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
+        # Events get their own duplicate memory (§22.2): a flood of events must
+        # not evict the entries that keep requests from running twice.
+        self.event_guard: InboundGuard = node.new_guard(key.public_key)
         self._tasks: set[asyncio.Task[None]] = set()
         self.subscriptions: list[Any] = []
 
@@ -152,6 +155,53 @@ class HostedAgent:
             self.node.on_respond(self, env)
         else:
             self.counters["ignored"] += 1
+
+    async def receive_event(self, data: bytes, *, subject: str, source: Source) -> bool:
+        """The event path (§6.7, §22.1): same verification and protections as the
+        inbox, its own duplicate memory, then :meth:`Agent.on_event`.
+
+        Returns True when the event reached the handler (callers ack either way:
+        a refused event must not be redelivered).
+        """
+        now_ms = self.node.now_ms()
+        self.counters["events.received"] += 1
+        try:
+            env = decode_envelope(data)
+        except ProtocolError as exc:
+            self.signal(f"event.{exc.code.lower()}", None, exc.message)
+            return False
+        if env["type"] != "emit":
+            self.signal("event.not_an_emit", env)
+            return False
+        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
+        verdict = self.event_guard.check(env, source=window, now_ms=now_ms)
+        if not verdict.accepted:
+            # No reply path exists for an event: every refusal is local only (§22.7).
+            self.signal(f"event.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
+            return False
+        self.node.audit(self, env, direction="in", path=f"event-{source}")
+        payload = env.get("payload")
+        payload = payload if isinstance(payload, Mapping) else {}
+        domain, event_type = payload.get("domain"), payload.get("event_type")
+        event = Event(
+            subject=subject,
+            sender=env["from"],
+            domain=domain if isinstance(domain, str) else None,
+            event_type=event_type if isinstance(event_type, str) else None,
+            data=payload.get("data"),
+            envelope=env,
+        )
+        ctx = AgentContext(self, envelope=env)
+        try:
+            await self.agent.on_event(ctx, event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.counters["events.failed"] += 1
+            self.agent.log.exception("on_event failed for %s", subject)
+            return True
+        self.counters["events.handled"] += 1
+        return True
 
     async def _on_request(
         self, env: dict[str, Any], source: Source, reply: str | None, now_ms: int

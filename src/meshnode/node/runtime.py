@@ -164,6 +164,10 @@ class Node:
             from meshnode.node.context import AgentContext
 
             await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+            for pattern in agent_class.accepts:
+                # The manifest's accepts are the patterns the agent subscribes to.
+                tail = pattern.removeprefix("mesh.event.")
+                await self.subscribe_events(hosted, tail, durable=True)
             hosted.state = "running"
         except Exception as exc:
             hosted.state = "failed"
@@ -277,7 +281,9 @@ class Node:
         if cls.limits:
             manifest["limits"] = {**manifest["limits"], **dict(cls.limits)}
         if cls.accepts:
-            manifest["accepts"] = list(cls.accepts)
+            manifest["accepts"] = [
+                p if p.startswith("mesh.event.") else f"mesh.event.{p}" for p in cls.accepts
+            ]
         if cls.emits:
             manifest["emits"] = list(cls.emits)
         if cls.visibility:
@@ -495,6 +501,56 @@ class Node:
         await self.connection.publish(
             subjects.event_subject(domain, event_type), raw, headers={"Nats-Msg-Id": env["id"]}
         )
+
+    # -- events ----------------------------------------------------------------
+
+    async def subscribe_events(
+        self, hosted: HostedAgent, pattern: str, *, durable: bool = True, replay: bool = False
+    ) -> str:
+        """Subscribe ``hosted`` to ``mesh.event.{pattern}`` (§6.7, §18.6).
+
+        A durable subscription is a JetStream consumer on MESH_EVENTS named
+        ``mesh_event_{agent}_{hash}``: events published while the node is away
+        are delivered when it returns (at-least-once, acked after the handler;
+        judged with the mailbox window because they come out of a buffer). An
+        ephemeral one is a core subscription judged with the live window.
+        Returns the consumer name (durable) or the subject (ephemeral).
+        """
+        subject = subjects.event_filter(pattern)
+        if not durable:
+            async def on_live(msg: Msg) -> None:
+                try:
+                    await hosted.receive_event(msg.data, subject=msg.subject, source="live")
+                except Exception:
+                    hosted.agent.log.exception("event pipeline failed")
+
+            hosted.subscriptions.append(await self.connection.subscribe(subject, on_live))
+            return subject
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        name = subjects.event_consumer_name(hosted.agent_id, pattern)
+
+        async def on_durable(msg: Msg) -> None:
+            try:
+                await hosted.receive_event(msg.data, subject=msg.subject, source="mailbox")
+            except Exception:
+                hosted.agent.log.exception("event pipeline failed")
+            # Ack only once the handler has run: a crash before this redelivers.
+            await msg.ack()
+
+        config = ConsumerConfig(
+            durable_name=name,
+            deliver_policy=DeliverPolicy.ALL if replay else DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            max_deliver=5,
+            filter_subject=subject,
+        )
+        sub = await self.connection.js.subscribe(
+            subject, durable=name, stream="MESH_EVENTS", config=config, cb=on_durable, manual_ack=True
+        )
+        hosted.subscriptions.append(sub)
+        return name
 
     # -- heartbeat -------------------------------------------------------------
 
