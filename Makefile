@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/meshnode run $(ARGS)
+	$(BIN)/meshnode run --config $(or $(CONFIG),config/meshnode.toml) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests conformance benchmarks plugins

@@ -296,9 +296,9 @@ class Node:
 
     def describe_document(self, hosted: HostedAgent) -> dict[str, Any]:
         """The §10.14 document: served from declared bytes, never the agent."""
-        manifest = dict(hosted.manifest)
-        manifest["public"] = materialize_public_block(manifest)
-        return describe_document(manifest)
+        # materialize_public_block returns the whole manifest with its public
+        # block rebuilt (§8.7); the document carries only that block.
+        return describe_document(materialize_public_block(hosted.manifest))
 
     async def service_call(
         self, hosted: HostedAgent, subject: str, kind: str, payload: Any

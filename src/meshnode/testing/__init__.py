@@ -79,12 +79,13 @@ class DaemonProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def start(self, timeout: float = 60.0) -> DaemonProcess:
+    def start(self, timeout: float = 60.0, *, env_extra: dict[str, str] | None = None) -> DaemonProcess:
         env = dict(os.environ)
         # Make the repository (test plugin modules) importable in the daemon.
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         env.pop("NOTIFY_SOCKET", None)
+        env.update(env_extra or {})
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         try:
             self.process = subprocess.Popen(
