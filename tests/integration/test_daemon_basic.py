@@ -52,3 +52,17 @@ def test_embedded_node_serves_and_stops_cleanly(meshnode_daemons: DaemonSet) -> 
     assert node.stop() == 0
     for pid in children + ([mesh_pid] if mesh_pid else []):
         assert not _alive(pid), f"process {pid} outlived the daemon"
+
+
+def test_agent_added_at_runtime_gets_a_reminted_credential(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    added = b.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    assert added["registered"] and added["state"] == "running"
+    # The broker lets node B receive on the new agent's inbox only with the new credential.
+    result = a.call(added["id"], "echo", "hello late agent")
+    assert result["status"] == "completed" and result["output"] == {"ok": "hello late agent"}
+    assert b.status()["mesh"]["connected"]
+    b.admin("Agents.Remove", {"name": "late"})
+    gone = a.admin("Discover", {"agent_ids": [added["id"]]})
+    assert gone["agents"] == []

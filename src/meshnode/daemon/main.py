@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -323,6 +324,8 @@ class Daemon:
         methods.add("Call", self._admin_call, level="operator", doc="call an agent's offering as the node's CLI identity")
         methods.add("Presence", self._admin_presence, level="operator", doc="presence of a node or agent (or all nodes)")
         methods.add("Discover", self._admin_discover, level="operator", doc="query the registry (§9.3 filters)")
+        methods.add("Agents.Add", self._admin_agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
+        methods.add("Agents.Remove", self._admin_agents_remove, level="admin", doc="stop and deregister an agent")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
         self.admin = AdminServer(
@@ -414,6 +417,67 @@ class Daemon:
             "accepted": reply.accepted,
             "task_id": reply.task_id,
         }
+
+    async def _refresh_credential(self) -> None:
+        """A credential for the current roster, presented by a reconnect (§14.3)."""
+        assert self.connection is not None
+        if self.embedded is not None:
+            self._jwt = self._mint_own_jwt()
+        else:
+            self._jwt = await self._obtain_joined_jwt()
+        await self.connection.reconnect()
+        for _ in range(200):
+            if self.connection.is_connected:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the mesh connection did not come back after presenting the new credential")
+
+    async def add_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
+        """Host a new agent at runtime: key, re-minted credential, reconnect, register."""
+        from meshnode.config import AgentConfig
+
+        if self.node is None or self.keystore is None:
+            raise NotFound("the node is not running")
+        if name in self.node.agents or name == CLI_AGENT_NAME:
+            raise InvalidParameter(f"an agent named {name!r} is already hosted")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", name):
+            raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
+        try:
+            agent_cfg = AgentConfig.model_validate({"plugin": name, **table})
+        except ValueError as exc:
+            raise InvalidParameter(f"[agents.{name}]: {exc}") from None
+        if agent_cfg.plugin not in self.catalog.kinds:
+            raise InvalidParameter(f"no installed plugin provides agent kind {agent_cfg.plugin!r}")
+        store = self.keystore
+        self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
+        self.failed_agents.pop(name, None)
+        await self._refresh_credential()
+        await self._host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction)
+        if name in self.failed_agents:
+            raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
+        return self.node.agent_status(self.node.agents[name])
+
+    async def remove_agent(self, name: str, *, deregister: bool = True) -> None:
+        if self.node is None:
+            raise NotFound("the node is not running")
+        if name == CLI_AGENT_NAME or name not in self.node.agents:
+            raise NotFound(f"no hosted agent named {name!r}")
+        await self.node.unhost(name, deregister=deregister)
+        self.agent_keys.pop(name, None)
+        await self._refresh_credential()
+
+    async def _admin_agents_add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        name, table = params.get("name"), params.get("config", {})
+        if not isinstance(name, str) or not isinstance(table, dict):
+            raise InvalidParameter("name (string) and config (object) are required")
+        return await self.add_agent(name, table)
+
+    async def _admin_agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise InvalidParameter("name is required")
+        await self.remove_agent(name, deregister=bool(params.get("deregister", True)))
+        return {"removed": name}
 
     async def _admin_presence(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.node is None:

@@ -1,0 +1,153 @@
+"""Small runtime parts: rate limiter, periodic jobs, lifecycle stages, sd_notify, plugin loading."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from meshnode.agent import Agent, Context, offering
+from meshnode.daemon.lifecycle import (
+    SHUTDOWN_BUDGETS,
+    Stage,
+    StageFailed,
+    run_stage,
+    shutdown_budget_total,
+)
+from meshnode.daemon.sdnotify import Notifier
+from meshnode.node.periodic import PeriodicJob
+from meshnode.plugins import PluginLoadError, load_plugins
+from meshnode.protocol.ratelimit import SlidingWindowLimiter
+
+# -- rate limiter (§16.1) ---------------------------------------------------------
+
+
+def test_sliding_window_allows_limit_then_refuses_with_retry_after() -> None:
+    limiter = SlidingWindowLimiter(limit=3, window_ms=1000)
+    assert all(limiter.check("a", t).allowed for t in (0, 100, 200))
+    refused = limiter.check("a", 300)
+    assert not refused.allowed and refused.retry_after_ms == 700
+    assert limiter.check("b", 300).allowed  # per sender
+    assert limiter.check("a", 1001).allowed  # the oldest event slid out
+
+
+def test_limiter_key_table_is_bounded() -> None:
+    limiter = SlidingWindowLimiter(limit=1, window_ms=1000, max_keys=10)
+    for i in range(100):
+        limiter.check(f"k{i}", i)
+    assert len(limiter) == 10
+    limiter.sweep(10_000)
+    assert len(limiter) == 0
+
+
+def test_limiter_refuses_nonsense() -> None:
+    with pytest.raises(ValueError):
+        SlidingWindowLimiter(limit=0)
+
+
+# -- periodic jobs ------------------------------------------------------------------
+
+
+async def test_periodic_job_never_overlaps_and_logs_failure_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="meshnode.periodic")
+    running = 0
+    max_running = 0
+    calls = 0
+
+    async def action() -> None:
+        nonlocal running, max_running, calls
+        running += 1
+        max_running = max(max_running, running)
+        calls += 1
+        await asyncio.sleep(0.02)
+        running -= 1
+        if calls <= 3:
+            raise RuntimeError("boom")
+
+    job = PeriodicJob("t", action, 0.001, jitter=0.0, first_delay=0.0)
+    job.start()
+    for _ in range(200):
+        job.trigger()
+        await asyncio.sleep(0.005)
+        if calls >= 5:
+            break
+    await job.stop()
+    assert max_running == 1
+    assert calls >= 5 and job.failures == 3 and not job.failing
+    assert sum("t failing" in r.message for r in caplog.records) == 1
+    assert sum("t recovered" in r.message for r in caplog.records) == 1
+
+
+# -- lifecycle stages -----------------------------------------------------------------
+
+
+async def test_stage_budget_and_criticality() -> None:
+    async def slow() -> None:
+        await asyncio.sleep(5)
+
+    async def broken() -> None:
+        raise OSError("disk gone")
+
+    assert await run_stage(Stage("slow", 0.05, slow), critical=False) is False
+    assert await run_stage(Stage("broken", 1, broken), critical=False) is False
+    with pytest.raises(StageFailed, match="broken"):
+        await run_stage(Stage("broken", 1, broken), critical=True)
+
+
+def test_shutdown_budgets_are_positive_and_ordered() -> None:
+    assert list(SHUTDOWN_BUDGETS)[0] == "stop-intake"
+    assert list(SHUTDOWN_BUDGETS)[-1] == "stop-mesh-server"
+    assert all(b > 0 for b in SHUTDOWN_BUDGETS.values())
+    assert shutdown_budget_total() == sum(SHUTDOWN_BUDGETS.values())
+
+
+# -- sd_notify ----------------------------------------------------------------------
+
+
+def test_notifier_sends_datagrams_and_is_silent_without_systemd() -> None:
+    assert Notifier(env={}).notify("READY=1") is False
+    directory = tempfile.mkdtemp(dir="/tmp")
+    path = str(Path(directory) / "n.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        notifier = Notifier(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})
+        assert notifier.watchdog_interval == 2.0
+        assert notifier.ready("serving")
+        assert sock.recv(100) == b"READY=1\nSTATUS=serving"
+        assert notifier.stopping()
+        assert sock.recv(100) == b"STOPPING=1"
+
+
+# -- plugin loading -----------------------------------------------------------------
+
+
+class Good(Agent):
+    @offering("ping")
+    async def ping(self, ctx: Context, input: object) -> object:
+        return "pong"
+
+
+def _ep(name: str, value: str) -> importlib.metadata.EntryPoint:
+    return importlib.metadata.EntryPoint(name=name, value=value, group="meshnode.agents")
+
+
+def test_broken_plugin_is_skipped_and_reported() -> None:
+    eps = [_ep("good", f"{__name__}:Good"), _ep("broken", "no_such_module_xyz:Thing")]
+    _, catalog = load_plugins(entry_points=eps)
+    assert catalog.kinds == {"good": Good}
+    assert "broken" in catalog.failures and "ModuleNotFoundError" in catalog.failures["broken"]
+
+
+def test_strict_mode_fails_fast() -> None:
+    with pytest.raises(PluginLoadError, match="broken"):
+        load_plugins(entry_points=[_ep("broken", "no_such_module_xyz:Thing")], strict=True)
+
+
+def test_offerings_are_collected_with_their_specs() -> None:
+    specs = Good.offerings()
+    assert list(specs) == ["ping"] and specs["ping"].manifest_entry() == {"id": "ping"}
