@@ -93,3 +93,23 @@ class ListenerPlugin:
 
 
 listener_plugin = ListenerPlugin()
+
+
+class Attended(Agent):
+    """A person's session: requests are held in the inbox (§8.3a)."""
+
+    description = "a person reads and answers these"
+    interaction = "interactive"
+
+    @offering("chat")
+    async def chat(self, ctx: Context, input: Any) -> Any:  # pragma: no cover - never runs live
+        raise AssertionError("an interactive agent's handler is not run by the node")
+
+
+class AttendedPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-attended", Attended)
+
+
+attended_plugin = AttendedPlugin()

@@ -19,7 +19,7 @@ from .exitcodes import EX_USAGE
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
     # (the admin client uses it) without pulling in every command module.
-    from . import daemon, envelope, mesh
+    from . import daemon, envelope, inbox, mesh
 
     parser = argparse.ArgumentParser(
         prog="meshnode",
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.register(commands)
     envelope.register(commands)
     mesh.register(commands)
+    inbox.register(commands)
     return parser
 
 

@@ -158,6 +158,9 @@ def cmd_call(args: argparse.Namespace) -> int:
         return code
     if args.json:
         print(json.dumps(result, indent=2, ensure_ascii=False))
+    elif result.get("status") == "queued":
+        print(f"queued: the agent's node holds it for a person (inbox {result.get('inbox_id')}); "
+              "the answer will arrive in this node's inbox (meshnode inbox list)")
     elif result.get("status") == "failed":
         error = result.get("error") or {}
         print(f"failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)

@@ -27,7 +27,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.keystore import KeyStore, open_keystore
 from meshnode.node.builtin import CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.hosted import HostedAgent
-from meshnode.node.outbound import RemoteError
+from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.plugins import AgentCatalog, load_plugins
@@ -65,6 +65,7 @@ class Daemon:
         self.services: list[Any] = []
         self.admin: AdminServer | None = None
         self.failed_agents: dict[str, str] = {}
+        self.inbox: Any = None
         self._jwt = ""
         self._jwt_job: PeriodicJob | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -290,6 +291,18 @@ class Daemon:
             dedup_entries=p.dedup_entries,
         )
         self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        from meshnode.node.inbox import InboxStore
+
+        self.inbox = InboxStore(
+            self.data_dir / "inbox.sqlite3",
+            seen_max_age_ms=_ms(p.mailbox_max_age),
+        )
+        await self.inbox.open()
+        recovered = await self.inbox.recover_interrupted(self.node.now_ms())
+        if recovered:
+            log.warning("%d inbox message(s) were being handled when the node last stopped; kept as interrupted", recovered)
+        self.node.inbox = self.inbox
+        self.node.drain_interval_s = self.config.inbox.drain_interval.total_seconds()
         await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
         for name, agent_cfg in self.config.agents.items():
             if not agent_cfg.enabled or name in self.failed_agents:
@@ -326,6 +339,10 @@ class Daemon:
         methods.add("Discover", self._admin_discover, level="operator", doc="query the registry (§9.3 filters)")
         methods.add("Agents.Add", self._admin_agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
         methods.add("Agents.Remove", self._admin_agents_remove, level="admin", doc="stop and deregister an agent")
+        methods.add("Inbox.List", self._admin_inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
+        methods.add("Inbox.Show", self._admin_inbox_show, level="operator", doc="one inbox message in full")
+        methods.add("Inbox.Reply", self._admin_inbox_reply, level="operator", doc="answer a held request as its agent")
+        methods.add("Inbox.Ack", self._admin_inbox_ack, level="operator", doc="dismiss a held message")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
         self.admin = AdminServer(
@@ -408,6 +425,8 @@ class Daemon:
             reply = await ctx.request(target_id, offering, params.get("input"), timeout=float(timeout))
         except RemoteError as exc:
             return {"status": "failed", "error": exc.to_object(), "from": exc.envelope.get("from")}
+        except RequestQueued as exc:
+            return {"status": "queued", "inbox_id": exc.inbox_id, "to": target_id}
         except ProtocolError as exc:
             return {"status": "failed", "error": exc.to_object(), "local": True}
         return {
@@ -478,6 +497,123 @@ class Daemon:
             raise InvalidParameter("name is required")
         await self.remove_agent(name, deregister=bool(params.get("deregister", True)))
         return {"removed": name}
+
+    # -- inbox (§8.3a, §16.4) --------------------------------------------------
+
+    def _agent_name(self, agent_id: str) -> str:
+        if self.node is not None:
+            hosted = self.node.by_id.get(agent_id)
+            if hosted is not None:
+                return hosted.name
+        return agent_id
+
+    def _inbox_summary(self, row: Any, *, full: bool = False) -> dict[str, Any]:
+        from meshnode.protocol.canonical import parse_json
+        from meshnode.protocol.fencing import FrameProvenance, frame_payload
+        from meshnode.protocol.protections import sender_body
+
+        now = time.time_ns() // 1_000_000
+        summary: dict[str, Any] = {
+            "id": row.inbox_id,
+            "agent": self._agent_name(row.agent),
+            "agent_id": row.agent,
+            "sender": row.sender,
+            "kind": row.kind,
+            "state": row.state,
+            "age_s": max(0, (now - row.received_ms) // 1000),
+            "msg_id": row.msg_id,
+        }
+        if row.note:
+            summary["note"] = row.note
+        try:
+            env = parse_json(row.envelope)
+        except ValueError:
+            return summary
+        if not isinstance(env, dict):
+            return summary
+        raw_payload = env.get("payload")
+        payload: dict[str, Any] = raw_payload if isinstance(raw_payload, dict) else {}
+        if row.kind == "request":
+            summary["offering"] = payload.get("offering")
+            # Sender text is shown only inside its provenance frame (§22.6).
+            framed = frame_payload(sender_body(env), FrameProvenance.from_envelope(env, row.received_ms))
+            if framed.field is not None:
+                body = framed.payload
+                summary["text"] = body.get(framed.field) if isinstance(body, dict) else body
+        else:
+            summary["in_reply_to"] = env.get("in_reply_to")
+            summary["status"] = payload.get("status")
+            summary["output"] = payload.get("output")
+            if env.get("error"):
+                summary["error"] = env.get("error")
+        if full:
+            summary["envelope"] = env
+        return summary
+
+    def _require_inbox(self) -> Any:
+        if self.inbox is None or self.node is None:
+            raise NotFound("the node inbox is not open")
+        return self.inbox
+
+    async def _admin_inbox_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        inbox = self._require_inbox()
+        agent = params.get("agent")
+        agent_id = None
+        if isinstance(agent, str):
+            hosted = self.node.agents.get(agent) if self.node else None
+            agent_id = hosted.agent_id if hosted else agent
+        states = params.get("states") or ["held", "interrupted"]
+        if params.get("all"):
+            states = None
+        limit = params.get("limit", 100)
+        if not isinstance(limit, int) or not 0 < limit <= 1000:
+            raise InvalidParameter("limit must be an integer in 1..1000")
+        rows = await inbox.rows(agent=agent_id, states=states, limit=limit)
+        return {"messages": [self._inbox_summary(r) for r in rows], "counts": await inbox.counts()}
+
+    async def _inbox_row(self, params: dict[str, Any]) -> Any:
+        inbox = self._require_inbox()
+        inbox_id = params.get("id")
+        if not isinstance(inbox_id, int):
+            raise InvalidParameter("id (an integer) is required")
+        row = await inbox.get(inbox_id)
+        if row is None:
+            raise NotFound(f"no inbox message {inbox_id}")
+        return row
+
+    async def _admin_inbox_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return self._inbox_summary(await self._inbox_row(params), full=True)
+
+    async def _admin_inbox_reply(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        from meshnode.protocol.canonical import parse_json
+
+        row = await self._inbox_row(params)
+        if row.kind != "request" or row.state not in ("held", "interrupted"):
+            raise InvalidParameter(f"message {row.inbox_id} is a {row.state} {row.kind}; only held requests take a reply")
+        assert self.node is not None
+        hosted = self.node.by_id.get(row.agent)
+        if hosted is None:
+            raise NotFound("the agent this message was for is not hosted any more")
+        output = params.get("output")
+        if output is None and isinstance(params.get("text"), str):
+            output = {"text": params["text"]}
+        status = params.get("status", "completed")
+        if status not in ("completed", "failed"):
+            raise InvalidParameter("status is completed or failed")
+        request = parse_json(row.envelope)
+        error = None
+        if status == "failed":
+            from meshnode.protocol.errors import error_object
+
+            error = error_object(str(params.get("code", "UNAUTHORIZED")), str(params.get("message", "declined")))
+        await hosted.answer(request, status=status, output=output, error=error)
+        await self.inbox.set_state(row.inbox_id, "replied", time.time_ns() // 1_000_000)
+        return {"replied": row.inbox_id, "to": row.sender}
+
+    async def _admin_inbox_ack(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        row = await self._inbox_row(params)
+        await self.inbox.set_state(row.inbox_id, "dismissed", time.time_ns() // 1_000_000)
+        return {"dismissed": row.inbox_id}
 
     async def _admin_presence(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.node is None:
@@ -586,7 +722,9 @@ class Daemon:
             await self.node.unhost(name, grace=3.0)
 
     async def _shutdown_final_write(self) -> None:
-        """Reserved for the node inbox commit and WAL checkpoint."""
+        """Flush the inbox's write-behind and checkpoint its WAL."""
+        if self.inbox is not None:
+            await self.inbox.close()
 
     async def _shutdown_connection(self) -> None:
         if self._jwt_job is not None:

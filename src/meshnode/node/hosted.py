@@ -24,6 +24,7 @@ import jsonschema
 
 from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.node.context import AgentContext
+from meshnode.protocol.accept import build_queued_ack
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError, error_object
@@ -31,7 +32,7 @@ from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.offerings import normalize_request_payload
 from meshnode.protocol.preflight import check_content_type
-from meshnode.protocol.protections import DeliverySource, InboundGuard
+from meshnode.protocol.protections import DeliverySource, InboundGuard, Protection
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
 if TYPE_CHECKING:
@@ -130,8 +131,22 @@ class HostedAgent:
 
     # -- the pipeline ----------------------------------------------------------
 
-    async def receive(self, data: bytes, *, source: Source, reply: str | None = None) -> None:
-        """The single entry point for every inbound delivery path."""
+    async def receive(
+        self,
+        data: bytes,
+        *,
+        source: Source,
+        reply: str | None = None,
+        inbox_id: int | None = None,
+        wait: bool = False,
+    ) -> str:
+        """The single entry point for every inbound delivery path.
+
+        ``source`` is ``live``, ``local`` or ``mailbox`` (a drained inbox row,
+        ``inbox_id``). ``wait`` awaits the handler instead of running it in the
+        background (the drain does, to record each row's outcome). Returns the
+        outcome for the node inbox: ``refused``, ``answered`` or ``held``.
+        """
         now_ms = self.node.now_ms()
         self.counters["received"] += 1
         self.counters[f"received.{source}"] += 1
@@ -139,22 +154,33 @@ class HostedAgent:
             env = decode_envelope(data)
         except ProtocolError as exc:
             self.signal(exc.code.lower(), None, exc.message)
-            return
+            return "refused"
         window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
         verdict = self.guard.check(env, source=window, now_ms=now_ms)
+        inbox = self.node.inbox
+        if inbox is not None and source != "mailbox" and verdict.protection is not Protection.DUPLICATE:
+            # Persist what the live path has seen, so a drain after a restart
+            # acks the buffered copy instead of running it again (§16.4).
+            inbox.remember(self.agent_id, env["from"], env["id"], now_ms)
         if not verdict.accepted:
             self.signal(verdict.local_signal or "refused", env, verdict.reason or "")
             if verdict.answer is not None and env["type"] == "request":
                 await self._answer(env, status="failed", error=verdict.answer.error, path=source)
-            return
+            return "refused"
         self.node.audit(self, env, direction="in", path=source)
         kind = env["type"]
         if kind == "request":
-            await self._on_request(env, source, reply, now_ms)
-        elif kind == "respond":
-            self.node.on_respond(self, env)
-        else:
-            self.counters["ignored"] += 1
+            return await self._on_request(env, source, reply, now_ms, data, inbox_id, wait)
+        if kind == "respond":
+            if self.node.on_respond(self, env):
+                return "answered"
+            # A late answer (its caller stopped waiting, or the node was away):
+            # keep it in the inbox where a person or the agent can read it.
+            if inbox is not None and inbox_id is None:
+                await inbox.hold(self.agent_id, env["from"], env["id"], "respond", data, now_ms)
+            return "held" if inbox is not None else "answered"
+        self.counters["ignored"] += 1
+        return "refused"
 
     async def receive_event(self, data: bytes, *, subject: str, source: Source) -> bool:
         """The event path (§6.7, §22.1): same verification and protections as the
@@ -204,23 +230,38 @@ class HostedAgent:
         return True
 
     async def _on_request(
-        self, env: dict[str, Any], source: Source, reply: str | None, now_ms: int
-    ) -> None:
+        self,
+        env: dict[str, Any],
+        source: Source,
+        reply: str | None,
+        now_ms: int,
+        data: bytes,
+        inbox_id: int | None,
+        wait: bool,
+    ) -> str:
         payload = normalize_request_payload(env.get("payload"))
         offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
         if offering_id == DESCRIBE_OFFERING:
             await self._describe(env, now_ms, source)
-            return
+            return "answered"
         if offering_id == REGISTRY_PROBE_OFFERING and reply:
             # §18.7 plumbing: any answer proves liveness; it rides the reply subject.
             await self.node.reply_plain(reply, {"alive": True})
-            return
+            return "answered"
+        if self.interaction == "interactive" and self.node.inbox is not None:
+            # §8.3a: a person's session answers; nothing runs now, so no accept.
+            if inbox_id is None:
+                inbox_id = await self.node.inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
+            if reply:
+                await self.node.reply_plain(reply, build_queued_ack(str(inbox_id)))
+            self.counters["held"] += 1
+            return "held"
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
         except ProtocolError as exc:
             self.counters[f"refused.{exc.code}"] += 1
             await self._answer(env, status="failed", error=exc.to_object(), path=source)
-            return
+            return "answered"
         if source != "mailbox":
             # Admission passed and a live handler is about to run (§6.4a).
             await self._answer(env, status="accepted", path=source, accept=True)
@@ -233,7 +274,12 @@ class HostedAgent:
             elif framed.field is not None and isinstance(framed.payload, str):
                 text = framed.payload
         self.counters["dispatched"] += 1
-        self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
+        work = self._run_handler(env, spec, handler_input, text, source)
+        if wait:
+            await work
+        else:
+            self.spawn(work, f"{self.name}:{env['id']}")
+        return "answered"
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -310,6 +356,17 @@ class HostedAgent:
             return
         self.counters["describe"] += 1
         await self._answer(env, status="completed", output=self.node.describe_document(self), path=source)
+
+    async def answer(
+        self,
+        request: Mapping[str, Any],
+        *,
+        status: str,
+        output: Any = None,
+        error: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Answer a request later, as this agent (a person replying from the inbox)."""
+        await self._answer(request, status=status, output=output, error=error, path="live")
 
     async def _answer(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 
 from meshnode.protocol.errors import ProtocolError
 
-__all__ = ["PendingRequests", "RemoteError", "Reply", "RequestTimeout"]
+__all__ = ["PendingRequests", "RemoteError", "Reply", "RequestQueued", "RequestTimeout"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,16 @@ class RequestTimeout(ProtocolError):
         self.possibly_queued = possibly_queued
 
 
+class RequestQueued(Exception):
+    """The recipient's node holds the request for a person's session (§6.4a queued
+    ack): its answer will arrive later at the requester's own inbox."""
+
+    def __init__(self, request_id: str, inbox_id: str | None) -> None:
+        super().__init__(f"request {request_id} is queued for a person (inbox {inbox_id})")
+        self.request_id = request_id
+        self.inbox_id = inbox_id
+
+
 @dataclass
 class _Pending:
     target: str
@@ -128,11 +138,14 @@ class PendingRequests:
             pending.future.set_result(Reply(envelope, pending.accepted.is_set()))
         return True
 
-    def mark_queued(self, requester: str, request_id: str) -> None:
-        """The recipient's node answered with a queued ack, or its buffer holds it."""
+    def mark_queued(self, requester: str, request_id: str, inbox_id: str | None = None, *, acked: bool = False) -> None:
+        """The recipient's buffer may hold the request (no responders), or its node
+        answered with a queued ack (``acked``): then the wait ends now."""
         pending = self._pending.get((requester, request_id))
         if pending is not None:
             pending.queued = True
+            if acked and not pending.future.done():
+                pending.future.set_exception(RequestQueued(request_id, inbox_id))
 
     def mark_unavailable(self, requester: str, request_id: str) -> None:
         """No responders and no buffer: the request cannot be delivered (§6.4)."""

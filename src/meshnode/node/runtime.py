@@ -22,7 +22,9 @@ import nats.errors
 import orjson
 
 from meshnode.agent import Agent, AgentSettings
+from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
+from meshnode.node.inbox import InboxStore
 from meshnode.node.outbound import PendingRequests, RemoteError, Reply
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol import subjects
@@ -94,6 +96,16 @@ class Node:
         self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
         self._jobs: dict[str, PeriodicJob] = {}
         self._liveness_tasks: set[asyncio.Task[None]] = set()
+        self.inbox: InboxStore | None = None
+        self.drains: dict[str, InboxDrain] = {}
+        self.drain_interval_s = 60.0
+        connection.on_reconnect(self._on_reconnect)
+
+    async def _on_reconnect(self) -> None:
+        # A gap in the live subscription is exactly when the buffer holds mail
+        # nothing dispatched: drain now (§16.4), each agent's pass as it can.
+        for drain in self.drains.values():
+            drain.trigger()
 
     # -- basics --------------------------------------------------------------
 
@@ -146,13 +158,18 @@ class Node:
             raise ValueError(f"an agent named {name!r} is already hosted")
         parsed: AgentSettings = agent_class.Settings.model_validate(dict(settings))
         agent = agent_class(name, parsed)
+        memory = None
+        if self.inbox is not None:
+            # The duplicate memory survives restarts: reload what was remembered.
+            remembered = await self.inbox.load_seen(key.public_key, self.settings.dedup_entries)
+            memory = DedupMemory.from_entries(remembered, self.settings.dedup_entries)
         hosted = HostedAgent(
             self,
             name=name,
             kind=kind,
             agent=agent,
             key=key,
-            guard=self.new_guard(key.public_key),
+            guard=self.new_guard(key.public_key, memory),
             interaction=interaction or agent_class.interaction,
         )
         self.agents[name] = hosted
@@ -176,6 +193,10 @@ class Node:
             raise
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
+        if self.inbox is not None:
+            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.drain_interval_s)
+            self.drains[name] = drain
+            drain.start()
         return hosted
 
     async def unhost(self, name: str, *, deregister: bool = False, grace: float = 5.0) -> None:
@@ -190,6 +211,9 @@ class Node:
         job = self._jobs.pop(f"vouch:{name}", None)
         if job is not None:
             await job.stop()
+        drain = self.drains.pop(name, None)
+        if drain is not None:
+            await drain.stop()
         await self._unsubscribe(hosted)
         await hosted.cancel_tasks(grace)
         try:
@@ -382,15 +406,15 @@ class Node:
         """Node-level delivery-status signal on a transport reply subject (§18.7)."""
         await self.connection.publish(reply_subject, orjson.dumps(obj))
 
-    def on_respond(self, hosted: HostedAgent, env: Mapping[str, Any]) -> None:
+    def on_respond(self, hosted: HostedAgent, env: Mapping[str, Any]) -> bool:
+        """Route a checked respond to the request waiting for it; False when none is."""
         if self.pending.deliver(hosted.agent_id, env):
-            return
-        # A late answer (the caller stopped waiting) or one for a task flow
-        # handled elsewhere: it was checked like everything else; count it.
+            return True
         hosted.counters["unmatched_respond"] += 1
         hosted.agent.log.info(
             "respond %s from %s matches no request in flight", env.get("in_reply_to"), env.get("from")
         )
+        return False
 
     async def send_request(
         self,
@@ -479,7 +503,10 @@ class Node:
             except orjson.JSONDecodeError:
                 return
             if is_queued_ack(ack):
-                self.pending.mark_queued(hosted.agent_id, request_id)
+                inbox_id = ack.get("inbox_id")
+                self.pending.mark_queued(
+                    hosted.agent_id, request_id, str(inbox_id) if inbox_id is not None else None, acked=True
+                )
 
         task = asyncio.get_running_loop().create_task(watch())
         self._liveness_tasks.add(task)
@@ -583,6 +610,8 @@ class Node:
         for job in list(self._jobs.values()):
             await job.stop()
         self._jobs.clear()
+        for drain in self.drains.values():
+            await drain.stop()
         for task in list(self._liveness_tasks):
             task.cancel()
 
@@ -601,4 +630,23 @@ class Node:
             "offerings": sorted(hosted.offerings),
             "active_tasks": hosted.active_tasks,
             "counters": dict(hosted.counters),
+            "drain": self._drain_status(hosted.name),
+        }
+
+    def _drain_status(self, name: str) -> dict[str, Any] | None:
+        drain = self.drains.get(name)
+        if drain is None:
+            return None
+        st = drain.stats
+        return {
+            "passes": st.passes,
+            "fetched": st.fetched,
+            "committed": st.committed,
+            "duplicates": st.duplicates,
+            "beyond_bound": st.beyond_bound,
+            "dispatched": st.dispatched,
+            "last_bound": st.last_bound,
+            "running": st.running,
+            "failing": drain.job.failing,
+            "last_error": drain.job.last_error,
         }

@@ -1,0 +1,200 @@
+"""The bounded drain of an agent's broker buffer into the node inbox (§16.4, §18.6).
+
+One pass: read the stream's last sequence (the bound), fetch from the durable
+pull consumer ``inbox_{agent}`` up to that sequence, commit the batch to the
+inbox (one transaction), ack it, then dispatch what is new through the same
+pipeline as live traffic, judged with the mailbox window and without an
+accept. Anything past the bound is the live subscription's and is left alone.
+
+Passes run on every reconnect (from the client's connection events) and
+periodically (jittered per agent); they never overlap (one job per agent),
+and a failed pass is logged once and never stops the next one or the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from meshnode.node.periodic import PeriodicJob
+from meshnode.protocol import subjects
+
+if TYPE_CHECKING:
+    from meshnode.node.hosted import HostedAgent
+    from meshnode.node.inbox import InboxStore
+    from meshnode.node.runtime import Node
+
+__all__ = ["DrainStats", "InboxDrain"]
+
+log = logging.getLogger("meshnode.drain")
+
+
+@dataclass
+class DrainStats:
+    passes: int = 0
+    fetched: int = 0
+    committed: int = 0
+    duplicates: int = 0
+    beyond_bound: int = 0
+    dispatched: int = 0
+    last_bound: int = 0
+    last_error: str | None = None
+    running: bool = False
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class InboxDrain:
+    """Drains one agent's ``MESH_INBOX_{agent}`` into the node inbox."""
+
+    def __init__(
+        self,
+        node: Node,
+        hosted: HostedAgent,
+        store: InboxStore,
+        *,
+        interval_s: float = 60.0,
+        batch: int = 128,
+        fetch_timeout_s: float = 0.5,
+        dispatch_concurrency: int = 16,
+    ) -> None:
+        self.node = node
+        self.hosted = hosted
+        self.store = store
+        self.batch = batch
+        self.fetch_timeout_s = fetch_timeout_s
+        self.dispatch_concurrency = dispatch_concurrency
+        self.stats = DrainStats()
+        self._pass_lock = asyncio.Lock()
+        self.job = PeriodicJob(
+            f"drain:{hosted.name}",
+            self.run_pass,
+            interval_s,
+            jitter=0.5,  # spread N agents' passes over the interval
+            first_delay=0.0,
+            logger=log,
+        )
+
+    def start(self) -> None:
+        self.job.start()
+
+    def trigger(self) -> None:
+        """Run a pass soon (reconnect); never two at once."""
+        self.job.trigger()
+
+    async def stop(self) -> None:
+        await self.job.stop()
+
+    async def run_pass(self) -> None:
+        # The job never overlaps itself; the lock also covers run_pass called directly.
+        async with self._pass_lock:
+            self.stats.running = True
+            self.stats.passes += 1
+            try:
+                await self._drain()
+                await self.dispatch_pending()
+            except Exception as exc:
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                self.stats.running = False
+
+    async def _drain(self) -> None:
+        js = self.node.connection.js
+        agent = self.hosted.agent_id
+        stream = subjects.inbox_stream_name(agent)
+        try:
+            info = await js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return  # no buffer (sandbox, or not registered yet)
+        bound = int(info.state.last_seq)
+        self.stats.last_bound = bound
+        if bound == 0 or info.state.messages == 0:
+            return
+        consumer = subjects.inbox_consumer_name(agent)
+        psub = await js.pull_subscribe(
+            subjects.agent_inbox(agent),
+            durable=consumer,
+            stream=stream,
+            config=ConsumerConfig(
+                durable_name=consumer,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30,
+                max_deliver=5,
+            ),
+        )
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                except nats.errors.TimeoutError:
+                    break
+                if not msgs:
+                    break
+                within = [m for m in msgs if m.metadata.sequence.stream <= bound]
+                beyond = [m for m in msgs if m.metadata.sequence.stream > bound]
+                await self._commit_and_ack(within)
+                if beyond:
+                    # Past the bound belongs to the live path: hand it back untouched.
+                    self.stats.beyond_bound += len(beyond)
+                    for m in beyond:
+                        await m.nak(delay=30)
+                    break
+                if msgs[-1].metadata.sequence.stream >= bound:
+                    break
+        finally:
+            try:
+                await psub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _commit_and_ack(self, msgs: list[Any]) -> None:
+        if not msgs:
+            return
+        self.stats.fetched += len(msgs)
+        items: list[tuple[str, str, str, bytes, int | None]] = []
+        unreadable = []
+        for m in msgs:
+            try:
+                obj = orjson.loads(m.data)
+                sender, msg_id, kind = obj["from"], obj["id"], obj["type"]
+                if not (isinstance(sender, str) and isinstance(msg_id, str) and isinstance(kind, str)):
+                    raise TypeError("not an envelope")
+            except Exception:
+                unreadable.append(m)
+                continue
+            items.append((sender, msg_id, kind, bytes(m.data), int(m.metadata.sequence.stream)))
+        if unreadable:
+            self.hosted.signal("mailbox.unreadable", None, f"{len(unreadable)} buffered message(s) are not envelopes")
+        fresh = await self.store.accept_batch(self.hosted.agent_id, items, self.node.now_ms())
+        # Durable now: only after the commit may the broker forget (§16.4, D.3 #3).
+        for m in msgs:
+            await m.ack()
+        new = sum(1 for f in fresh if f)
+        self.stats.committed += new
+        self.stats.duplicates += len(fresh) - new
+
+    async def dispatch_pending(self) -> None:
+        """Hand committed rows to the pipeline, at most once each."""
+        semaphore = asyncio.Semaphore(self.dispatch_concurrency)
+        while True:
+            rows = await self.store.claim_pending(self.hosted.agent_id, 256, self.node.now_ms())
+            if not rows:
+                return
+
+            async def one(row: Any) -> None:
+                async with semaphore:
+                    outcome = await self.hosted.receive(
+                        row.envelope, source="mailbox", inbox_id=row.inbox_id, wait=True
+                    )
+                    await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
+
+            await asyncio.gather(*(one(r) for r in rows))
+            self.stats.dispatched += len(rows)

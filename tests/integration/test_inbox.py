@@ -1,0 +1,103 @@
+"""The node-held inbox with real daemons: offline both ways, interactive agents."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet
+
+pytestmark = pytest.mark.integration
+
+PLUGINS = {"plugin_modules": ["tests.agents:plugin", "tests.agents:attended_plugin"]}
+
+
+def wait_for(predicate: Any, timeout: float = 15.0, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def held(node: DaemonProcess, agent: str | None = None) -> list[dict[str, Any]]:
+    params: dict[str, Any] = {"states": ["held"]}
+    if agent:
+        params["agent"] = agent
+    messages: list[dict[str, Any]] = node.admin("Inbox.List", params)["messages"]
+    return messages
+
+
+def test_requests_to_a_stopped_node_are_answered_exactly_once_when_it_returns(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}}, node={"heartbeat_interval": "1s"})
+    target = b.agent_id("echo_b")
+    assert a.call(target, "echo", "warm-up")["status"] == "completed"
+    assert b.stop() == 0
+
+    sent = []
+    for i in range(12):
+        result = a.call(target, "echo", {"n": i}, timeout=0.5)
+        assert result["status"] == "failed" and result["error"]["code"] == "TRANSPORT_TIMEOUT"
+        assert "queued" in result["error"]["message"]  # silence from a registered agent: possibly queued
+        sent.append(i)
+
+    b.start()
+    # B drains its buffer on start; the late answers land in A's CLI inbox (the caller stopped waiting).
+    answers = wait_for(lambda: len(held(a, "cli")) >= 12 and held(a, "cli"))
+    assert answers, f"late answers did not arrive: {held(a, 'cli')}\n{b.log_tail()}"
+    outputs = sorted(m["output"]["ok"]["n"] for m in answers)
+    assert outputs == sent  # every request answered, none twice
+    assert len({m["msg_id"] for m in answers}) == 12
+    drain = next(x for x in b.status()["agents"] if x["name"] == "echo_b")["drain"]
+    assert drain["committed"] >= 12 and drain["passes"] >= 1
+    time.sleep(1.0)
+    assert len(held(a, "cli")) == 12  # and nothing more arrives
+
+
+def test_late_answer_to_a_stopped_requester_is_delivered_when_it_returns(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"faulty": {"plugin": "test-faulty"}}, node=PLUGINS)
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    # B's CLI asks A's slow offering, then B goes away before the answer is sent.
+    faulty = a.agent_id("faulty")
+    result = b.call(faulty, "sleep", 2, timeout=0.5)
+    assert result["status"] == "failed" and result["error"]["code"] == "TRANSPORT_TIMEOUT"
+    assert b.stop() == 0
+    time.sleep(2.5)  # A answers into B's buffer meanwhile
+    b.start()
+    late = wait_for(lambda: held(b, "cli"))
+    assert late and late[0]["output"] == {"slept": 2} and late[0]["sender"] == faulty
+
+
+def test_interactive_agent_queued_ack_and_cli_reply(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"desk": {"plugin": "test-attended"}}, node=PLUGINS)
+    desk = b.agent_id("desk")
+    status = next(x for x in b.status()["agents"] if x["name"] == "desk")
+    assert status["interaction"] == "interactive"
+
+    result = a.call(desk, "chat", {"text": "please call me back"}, timeout=5)
+    assert result["status"] == "queued" and result["inbox_id"]  # never "accepted"
+
+    waiting = held(b, "desk")
+    assert len(waiting) == 1
+    message = waiting[0]
+    assert message["sender"] == a.agent_id("cli") and message["offering"] == "chat"
+    assert "--- BEGIN SENDER MESSAGE ---" in message["text"] and "please call me back" in message["text"]
+    assert str(message["id"]) == str(result["inbox_id"])
+
+    from meshnode.testing import run_cli
+
+    run_cli("inbox", "reply", str(message["id"]), "--text", "calling you now", "--socket", b.socket_path)
+    assert held(b, "desk") == []
+    answer = wait_for(lambda: held(a, "cli"))
+    assert answer and answer[0]["output"] == {"text": "calling you now"} and answer[0]["sender"] == desk
+
+    # A second request, dismissed without an answer.
+    a.call(desk, "chat", {"text": "never mind"}, timeout=5)
+    second = wait_for(lambda: held(b, "desk"))
+    run_cli("inbox", "ack", str(second[0]["id"]), "--socket", b.socket_path)
+    assert held(b, "desk") == []
