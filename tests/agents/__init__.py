@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from meshnode.agent import Agent, Context, Refusal, offering
+from meshnode.agent import Agent, AgentSettings, Context, Refusal, offering
 from meshnode.plugins import hookimpl
 
 
@@ -113,3 +113,38 @@ class AttendedPlugin:
 
 
 attended_plugin = AttendedPlugin()
+
+
+class JournalSettings(AgentSettings):
+    path: str
+
+
+class Journal(Agent):
+    """Appends the id of every request it handles to a file, fsynced, then answers."""
+
+    description = "records each dispatch durably"
+    Settings = JournalSettings
+
+    @offering("work", framing=False)
+    async def work(self, ctx: Context, input: Any) -> Any:
+        import os
+
+        settings = self.settings
+        assert isinstance(settings, JournalSettings)
+        fd = os.open(settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (ctx.envelope["id"] + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        await asyncio.sleep(0.01)
+        return {"done": input}
+
+
+class JournalPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-journal", Journal)
+
+
+journal_plugin = JournalPlugin()

@@ -131,9 +131,16 @@ class InboxDrain:
             ),
         )
         try:
+            # Ask only for what can lie inside the bound, so the live path's mail
+            # is not even fetched; redeliveries of an interrupted pass come first.
+            consumer_state = await psub.consumer_info()
+            if not consumer_state.num_pending and not consumer_state.num_ack_pending:
+                return  # an idle pass: nothing buffered that we have not acked
+            floor = int(consumer_state.delivered.stream_seq)
             while True:
+                want = min(self.batch, max(1, bound - floor))
                 try:
-                    msgs = await psub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                    msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)
                 except nats.errors.TimeoutError:
                     break
                 if not msgs:
@@ -141,13 +148,12 @@ class InboxDrain:
                 within = [m for m in msgs if m.metadata.sequence.stream <= bound]
                 beyond = [m for m in msgs if m.metadata.sequence.stream > bound]
                 await self._commit_and_ack(within)
+                floor = max([floor, *(int(m.metadata.sequence.stream) for m in msgs)])
                 if beyond:
                     # Past the bound belongs to the live path: hand it back untouched.
                     self.stats.beyond_bound += len(beyond)
                     for m in beyond:
-                        await m.nak(delay=30)
-                    break
-                if msgs[-1].metadata.sequence.stream >= bound:
+                        await m.nak()
                     break
         finally:
             try:
