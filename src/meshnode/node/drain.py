@@ -136,7 +136,8 @@ class InboxDrain:
             consumer_state = await psub.consumer_info()
             if not consumer_state.num_pending and not consumer_state.num_ack_pending:
                 return  # an idle pass: nothing buffered that we have not acked
-            floor = int(consumer_state.delivered.stream_seq)
+            delivered = consumer_state.delivered
+            floor = int(delivered.stream_seq or 0) if delivered is not None else 0
             while True:
                 want = min(self.batch, max(1, bound - floor))
                 try:
