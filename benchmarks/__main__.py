@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_canonical
+from . import bench_canonical, bench_drain
 
-BENCHMARKS = {"canonical": bench_canonical.run}
+BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run}
 
 
 def main() -> int:

@@ -66,6 +66,7 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.failed_agents: dict[str, str] = {}
         self.inbox: Any = None
+        self._sweep_job: PeriodicJob | None = None
         self._jwt = ""
         self._jwt_job: PeriodicJob | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -303,6 +304,11 @@ class Daemon:
             log.warning("%d inbox message(s) were being handled when the node last stopped; kept as interrupted", recovered)
         self.node.inbox = self.inbox
         self.node.drain_interval_s = self.config.inbox.drain_interval.total_seconds()
+        inbox = self.inbox
+        self._sweep_job = PeriodicJob(
+            "inbox-sweep", lambda: self._sweep(inbox), 3600.0, jitter=0.1, first_delay=60.0
+        )
+        self._sweep_job.start()
         await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
         for name, agent_cfg in self.config.agents.items():
             if not agent_cfg.enabled or name in self.failed_agents:
@@ -721,8 +727,15 @@ class Daemon:
         for name in list(self.node.agents):
             await self.node.unhost(name, grace=3.0)
 
+    async def _sweep(self, inbox: Any) -> None:
+        result = await inbox.sweep(time.time_ns() // 1_000_000)
+        if result.get("trimmed_seen"):
+            log.info("inbox sweep trimmed %d remembered pairs", result["trimmed_seen"])
+
     async def _shutdown_final_write(self) -> None:
         """Flush the inbox's write-behind and checkpoint its WAL."""
+        if self._sweep_job is not None:
+            await self._sweep_job.stop()
         if self.inbox is not None:
             await self.inbox.close()
 
