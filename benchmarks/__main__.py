@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_canonical, bench_drain
+from . import bench_canonical, bench_drain, bench_residual
 
-BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run}
+BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run, "residual": bench_residual.run}
 
 
 def main() -> int:
