@@ -113,6 +113,10 @@ class InboxDrain:
             info = await js.stream_info(stream)
         except nats.js.errors.NotFoundError:
             return  # no buffer (sandbox, or not registered yet)
+        max_age_s = getattr(info.config, "max_age", None)
+        if max_age_s:
+            # §22.3: the mailbox window never exceeds the retention actually configured.
+            self.hosted.clamp_mailbox_window(int(max_age_s * 1000))
         bound = int(info.state.last_seq)
         self.stats.last_bound = bound
         if bound == 0 or info.state.messages == 0:

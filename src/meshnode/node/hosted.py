@@ -32,7 +32,7 @@ from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.offerings import normalize_request_payload
 from meshnode.protocol.preflight import check_content_type
-from meshnode.protocol.protections import DeliverySource, InboundGuard, Protection
+from meshnode.protocol.protections import DeliverySource, FreshnessWindow, InboundGuard, Protection
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
 if TYPE_CHECKING:
@@ -127,6 +127,25 @@ class HostedAgent:
             f" from {sender}" if sender else "",
             f" id {msg_id}" if msg_id else "",
             f": {detail}" if detail else "",
+        )
+
+    def clamp_mailbox_window(self, retention_ms: int) -> None:
+        """Never judge drained mail by a window longer than the buffer's real retention."""
+        window = self.guard.window
+        if retention_ms <= 0 or window.max_age_mailbox_ms <= retention_ms:
+            return
+        clamped = FreshnessWindow(
+            max_clock_skew_ahead_ms=window.max_clock_skew_ahead_ms,
+            max_age_live_ms=min(window.max_age_live_ms, retention_ms),
+            max_age_mailbox_ms=retention_ms,
+        )
+        self.agent.log.info("mailbox window clamped to the buffer's retention (%d s)", retention_ms // 1000)
+        self.guard = InboundGuard(
+            self.agent_id,
+            window=clamped,
+            max_inbound_chars=self.guard.max_inbound_chars,
+            max_hops=self.guard.max_hops,
+            memory=self.guard.memory,
         )
 
     # -- the pipeline ----------------------------------------------------------
