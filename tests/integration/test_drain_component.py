@@ -34,6 +34,9 @@ class Recorder:
     def signal(self, *args: Any) -> None:
         pass
 
+    def clamp_mailbox_window(self, retention_ms: int) -> None:
+        self.retention_ms = retention_ms
+
     async def receive(self, data: bytes, *, source: str, inbox_id: int | None = None, wait: bool = False, reply: str | None = None) -> str:
         import orjson
 
