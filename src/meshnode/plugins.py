@@ -78,6 +78,19 @@ class MeshnodeHookSpec:
         """
 
 
+    @hookspec
+    def meshnode_admin_methods(self, register: Callable[..., Any], daemon: Any) -> None:
+        """Add methods to the admin API.
+
+        Call ``register(name, async_fn, level="operator", streaming=False, doc="...")``
+        with a CamelCase dotted name (``MyPlugin.DoThing``); ``async_fn(params,
+        call)`` returns the result. ``daemon`` is the running
+        :class:`meshnode.daemon.main.Daemon`.
+
+        .. versionadded:: 0.1
+        """
+
+
 @dataclass
 class AgentCatalog:
     """What the loaded plugins provide: agent kinds by name, and what failed."""
@@ -129,6 +142,14 @@ class PluginManager:
 
     def add_cli_commands(self, commands: Any) -> None:
         self._pm.hook.meshnode_add_cli_commands(commands=commands)
+
+    def add_admin_methods(self, methods: Any, daemon: Any) -> None:
+        """Let plugins add admin methods; one plugin failing is logged, not fatal."""
+        for impl in self._pm.hook.meshnode_admin_methods.get_hookimpls():
+            try:
+                impl.function(register=methods.add, daemon=daemon)
+            except Exception as exc:
+                log.error("plugin %s failed to add admin methods: %s", impl.plugin_name, exc)
 
 
 class _SingleAgentPlugin:

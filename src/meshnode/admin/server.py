@@ -97,6 +97,8 @@ class PeerCredentials:
     pid: int
     uid: int
     gid: int
+    #: Supplementary groups of the peer process at connect time (SO_PEERGROUPS), if known.
+    groups: tuple[int, ...] = ()
 
 
 #: Looks up a connected socket's peer; the default is :func:`so_peercred`.
@@ -105,11 +107,32 @@ PeerCredentialsFn = Callable[[socket.socket], PeerCredentials]
 _UCRED = struct.Struct("3i")
 
 
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
+def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer process's supplementary groups as the kernel recorded them at
+    ``connect()`` — what ``newgrp``/``sg``/``setgroups`` actually granted it,
+    not what the user database says. Empty when the kernel cannot say."""
+    size = 64 * 4
+    for _ in range(4):
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == 34 and size < 65536 * 4:  # ERANGE: more groups than the buffer holds
+                size *= 8
+                continue
+            return ()
+        count = len(raw) // 4
+        return struct.unpack(f"{count}I", raw[: count * 4])
+    return ()
+
+
 def so_peercred(sock: socket.socket) -> PeerCredentials:
     """The peer's credentials via ``SO_PEERCRED`` (Linux), captured at ``connect()``."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
-    return PeerCredentials(pid=pid, uid=uid, gid=gid)
+    return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
 
 
 def peer_in_group(uid: int, gid: int, group_gid: int) -> bool:
@@ -715,6 +738,8 @@ class AdminServer:
             return Level.ADMIN
         if self._group_gid is None:
             return None
+        if self._group_gid in peer.groups:
+            return Level.OPERATOR
         member = await asyncio.to_thread(peer_in_group, peer.uid, peer.gid, self._group_gid)
         return Level.OPERATOR if member else None
 

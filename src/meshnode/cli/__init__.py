@@ -19,7 +19,7 @@ from .exitcodes import EX_USAGE
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
     # (the admin client uses it) without pulling in every command module.
-    from . import daemon, envelope, inbox, mesh
+    from . import daemon, envelope, inbox, mesh, ops
 
     parser = argparse.ArgumentParser(
         prog="meshnode",
@@ -31,7 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
     envelope.register(commands)
     mesh.register(commands)
     inbox.register(commands)
+    ops.register(commands)
+    _plugin_commands(commands)
     return parser
+
+
+def _plugin_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Let installed plugins add subcommands (hook ``meshnode_add_cli_commands``)."""
+    import logging
+
+    from meshnode.plugins import load_plugins
+
+    try:
+        pm, _ = load_plugins()
+        pm.add_cli_commands(commands)
+    except Exception as exc:  # a broken plugin must not break the CLI
+        logging.getLogger("meshnode.cli").warning("plugin CLI commands unavailable: %s", exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -63,7 +63,57 @@ def setup_logging(level: str = "info", fmt: str = "auto") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, BUFFER]
     root.setLevel(level.upper() if level.lower() != "warn" else "WARNING")
     # nats-py logs every reconnect attempt at error level; our own messages say it once.
     logging.getLogger("nats").setLevel(logging.CRITICAL)
+
+
+class LogBuffer(logging.Handler):
+    """Keeps the last records in memory and fans new ones out to followers
+    (``meshnode logs --follow``). Bounded: a slow follower loses records
+    (counted) rather than growing memory."""
+
+    def __init__(self, capacity: int = 2000, follower_queue: int = 1000) -> None:
+        super().__init__(level=logging.DEBUG)
+        import collections
+
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._followers: set[Any] = set()
+        self._follower_queue = follower_queue
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        self.records.append(entry)
+        for queue in list(self._followers):
+            try:
+                queue.put_nowait(entry)
+            except Exception:
+                self.dropped += 1
+
+    def follow(self) -> Any:
+        import asyncio
+
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=self._follower_queue)
+        self._followers.add(queue)
+        return queue
+
+    def unfollow(self, queue: Any) -> None:
+        self._followers.discard(queue)
+
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
+
+
+def level_number(name: str) -> int:
+    return _LEVELS.get(name.lower(), 20)
+
+
+#: The process-wide buffer the admin API's Logs methods read.
+BUFFER = LogBuffer()

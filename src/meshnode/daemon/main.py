@@ -30,7 +30,7 @@ from meshnode.node.hosted import HostedAgent
 from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.runtime import Node, NodeSettings
-from meshnode.plugins import AgentCatalog, load_plugins
+from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, is_valid_public
 from meshnode.protocol.protections import FreshnessWindow
@@ -58,6 +58,7 @@ class Daemon:
         self.node_key: KeyPair | None = None
         self.agent_keys: dict[str, KeyPair] = {}
         self.catalog = AgentCatalog()
+        self.plugin_manager = PluginManager()
         self.embedded: Any = None  # EmbeddedNatsServer when the mesh is embedded
         self.control_plane: Any = None
         self.connection: MeshConnection | None = None
@@ -71,6 +72,7 @@ class Daemon:
         self._jwt_job: PeriodicJob | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self._signal_tasks: set[asyncio.Task[None]] = set()
         self._force = 0
         self.started = False
 
@@ -123,7 +125,7 @@ class Daemon:
         log.info("keys held by %s", store.describe())
 
     async def _stage_plugins(self) -> None:
-        _, self.catalog = load_plugins(
+        self.plugin_manager, self.catalog = load_plugins(
             strict=self.config.node.strict_plugins,
             builtins=[("meshnode.builtin", BuiltinAgents())],
             extra_modules=self.config.node.plugin_modules,
@@ -351,6 +353,10 @@ class Daemon:
         methods.add("Inbox.Ack", self._admin_inbox_ack, level="operator", doc="dismiss a held message")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
+        from meshnode.daemon.operations import register_operations
+
+        register_operations(self, methods)
+        self.plugin_manager.add_admin_methods(methods, self)
         self.admin = AdminServer(
             self.config.admin.socket,
             group=self.config.admin.group,
@@ -482,14 +488,54 @@ class Daemon:
             raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
         return self.node.agent_status(self.node.agents[name])
 
-    async def remove_agent(self, name: str, *, deregister: bool = True) -> None:
+    async def remove_agent(self, name: str, *, deregister: bool = True, reconnect: bool = True) -> None:
+        """Stop an agent (deregistering it by default: its broker buffer goes too).
+
+        ``reconnect=False`` keeps the connection: the credential still covers the
+        removed agent's subjects until the next renewal, which narrows it.
+        """
         if self.node is None:
             raise NotFound("the node is not running")
         if name == CLI_AGENT_NAME or name not in self.node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
         await self.node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
+        if reconnect:
+            await self._refresh_credential()
+
+    async def restart_agent(self, name: str, agent_cfg: Any = None) -> dict[str, Any]:
+        """Stop and start one agent with its key kept (and its registration, inbox)."""
+        if self.node is None:
+            raise NotFound("the node is not running")
+        hosted = self.node.agents.get(name)
+        if hosted is None:
+            raise NotFound(f"no hosted agent named {name!r}")
+        cfg = agent_cfg or self.config.agents.get(name)
+        kind = cfg.plugin if cfg is not None else hosted.kind
+        settings = cfg.settings if cfg is not None else {}
+        interaction = cfg.interaction if cfg is not None else hosted.interaction
+        await self.node.unhost(name, deregister=False)
+        self.failed_agents.pop(name, None)
+        await self._host(name, kind, settings, interaction)
+        if name in self.failed_agents:
+            raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents[name]}")
+        return self.node.agent_status(self.node.agents[name])
+
+    async def renew_now(self) -> dict[str, Any]:
+        """Re-vouch and re-register every agent and renew the node credential now."""
+        if self.node is None:
+            raise NotFound("the node is not running")
+        vouches = {}
+        for hosted in list(self.node.agents.values()):
+            await self.node.revouch(hosted)
+            vouches[hosted.name] = hosted.vouch.get("expires_at")
         await self._refresh_credential()
+        return {"credential": self._credential_status(), "vouches": vouches}
+
+    async def reload(self) -> dict[str, Any]:
+        from meshnode.daemon.operations import reload_config
+
+        return await reload_config(self)
 
     async def _admin_agents_add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         name, table = params.get("name"), params.get("config", {})
@@ -671,6 +717,21 @@ class Daemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self) -> None:
+        # Signal handlers only set things in motion; the reload runs as a task.
+        if not self.started:
+            return
+        task = asyncio.get_running_loop().create_task(self._reload_from_signal())
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
+
+    async def _reload_from_signal(self) -> None:
+        try:
+            await self.reload()
+        except Exception as exc:
+            log.error("reload failed; the previous configuration stays in force: %s", exc)
 
     def _on_sigint(self) -> None:
         self._force += 1

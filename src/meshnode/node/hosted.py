@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ import jsonschema
 
 from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.node.context import AgentContext
+from meshnode.node.metrics import LatencyHistogram
 from meshnode.protocol.accept import build_queued_ack
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
@@ -87,6 +89,7 @@ class HostedAgent:
         self.state = "starting"
         self.failure: str | None = None
         self.counters: Counter[str] = Counter()
+        self.latency = LatencyHistogram()
         self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
         # Events get their own duplicate memory (§22.2): a flood of events must
         # not evict the entries that keep requests from running twice.
@@ -342,8 +345,12 @@ class HostedAgent:
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
+        started = time.perf_counter()
         try:
-            output = await handler(ctx, handler_input)
+            try:
+                output = await handler(ctx, handler_input)
+            finally:
+                self.latency.observe((time.perf_counter() - started) * 1000)
         except ProtocolError as exc:
             self.counters["failed"] += 1
             await self._answer(env, status="failed", error=exc.to_object(), path=source)

@@ -256,13 +256,17 @@ class Node:
         )
         return make_vouch(self.key, agent_id, now, now + ttl)
 
+    async def revouch(self, hosted: HostedAgent) -> None:
+        """A fresh vouch and a re-registration now (renew-now, or at two thirds)."""
+        hosted.vouch = self._vouch(hosted.agent_id)
+        hosted.manifest = self.build_manifest(hosted)
+        await self.register(hosted)
+
     def _schedule_vouch_renewal(self, hosted: HostedAgent) -> None:
         async def renew() -> None:
-            if self.now_ms() < renew_at_ms(hosted.vouch):
+            if self.now_ms() < renew_at_ms(hosted.vouch) and hosted.registered:
                 return
-            hosted.vouch = self._vouch(hosted.agent_id)
-            hosted.manifest = self.build_manifest(hosted)
-            await self.register(hosted)
+            await self.revouch(hosted)
 
         def next_check() -> float:
             # Wake at the renewal point (two thirds of the vouch's own life),

@@ -1,0 +1,216 @@
+"""Operating commands: agents, presence, discover, drain, renew, reload, logs, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from meshnode.admin.client import AdminClientError, exit_code_for
+from meshnode.admin.protocol import AdminError
+
+from .daemon import _admin, _client_args, _socket
+from .exitcodes import EX_CONFIG, EX_DATAERR, EX_OK
+
+
+def register(commands: Any) -> None:
+    agents = commands.add_parser("agents", help="hosted agents: list, show, add, remove, restart")
+    sub = agents.add_subparsers(dest="agents_command", metavar="ACTION", required=True)
+    p = sub.add_parser("list", help="every hosted agent with its state")
+    _client_args(p)
+    p.set_defaults(handler=cmd_agents_list)
+    p = sub.add_parser("show", help="one agent: manifest as registered, presence, counters, latency")
+    p.add_argument("name")
+    _client_args(p)
+    p.set_defaults(handler=cmd_agents_show)
+    p = sub.add_parser("add", help="host a new agent now (not written to the config file)")
+    p.add_argument("name")
+    p.add_argument("--plugin", help="agent kind (default: NAME)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a plugin setting (repeatable)")
+    _client_args(p)
+    p.set_defaults(handler=cmd_agents_add)
+    p = sub.add_parser("remove", help="stop an agent and deregister it")
+    p.add_argument("name")
+    p.add_argument("--keep-registration", action="store_true", help="keep its registration and broker buffer")
+    _client_args(p)
+    p.set_defaults(handler=cmd_agents_remove)
+    p = sub.add_parser("restart", help="stop and start an agent (same key)")
+    p.add_argument("name")
+    _client_args(p)
+    p.set_defaults(handler=cmd_agents_restart)
+
+    p = commands.add_parser("presence", help="presence of a node or agent (default: all nodes)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--node")
+    target.add_argument("--agent")
+    _client_args(p)
+    p.set_defaults(handler=cmd_presence)
+
+    p = commands.add_parser("discover", help="query the registry (§9.3 filters, AND)")
+    p.add_argument("--capability", action="append", dest="capabilities", default=[])
+    p.add_argument("--offering", dest="offering_id")
+    p.add_argument("--tag", action="append", dest="tags", default=[])
+    p.add_argument("--availability", choices=["online", "busy", "degraded", "offline"])
+    p.add_argument("--node")
+    p.add_argument("--limit", type=int)
+    _client_args(p)
+    p.set_defaults(handler=cmd_discover)
+
+    p = commands.add_parser("drain", help="run an inbox drain pass now")
+    p.add_argument("--agent", help="only this agent")
+    _client_args(p)
+    p.set_defaults(handler=cmd_drain)
+
+    p = commands.add_parser("renew", help="re-vouch and re-register agents, renew the node credential now")
+    _client_args(p)
+    p.set_defaults(handler=cmd_renew)
+
+    p = commands.add_parser("reload", help="reload the configuration file (like SIGHUP)")
+    _client_args(p)
+    p.set_defaults(handler=cmd_reload)
+
+    p = commands.add_parser("logs", help="recent daemon logs; --follow streams new ones")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--lines", "-n", type=int, default=100)
+    _client_args(p)
+    p.set_defaults(handler=cmd_logs)
+
+    p = commands.add_parser("metrics", help="counters and latencies per agent")
+    p.add_argument("--prometheus", action="store_true", help="Prometheus text format")
+    _client_args(p)
+    p.set_defaults(handler=cmd_metrics)
+
+
+def _print(args: argparse.Namespace, result: Any) -> None:
+    print(json.dumps(result, indent=2, ensure_ascii=False))
+
+
+def _simple(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> int:
+    code, result = _admin(args, method, params)
+    if code == EX_OK:
+        _print(args, result)
+    return code
+
+
+def cmd_agents_list(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Agents.List")
+    if code != EX_OK:
+        return code
+    if args.json:
+        _print(args, result)
+        return EX_OK
+    for a in result["agents"]:
+        if "id" not in a:
+            print(f"{a['name']:<16} FAILED  {a.get('failure')}")
+            continue
+        reg = "registered" if a["registered"] else "unregistered"
+        print(f"{a['name']:<16} {a['state']:<8} {reg:<12} {a['plugin']:<14} {a['id']}")
+    return EX_OK
+
+
+def cmd_agents_show(args: argparse.Namespace) -> int:
+    return _simple(args, "Agents.Show", {"name": args.name})
+
+
+def cmd_agents_add(args: argparse.Namespace) -> int:
+    config: dict[str, Any] = {"plugin": args.plugin or args.name}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            print(f"meshnode: --set wants KEY=JSON, got {item!r}", file=sys.stderr)
+            return EX_DATAERR
+        try:
+            config[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            config[key] = raw  # a bare string is fine
+    return _simple(args, "Agents.Add", {"name": args.name, "config": config})
+
+
+def cmd_agents_remove(args: argparse.Namespace) -> int:
+    return _simple(args, "Agents.Remove", {"name": args.name, "deregister": not args.keep_registration})
+
+
+def cmd_agents_restart(args: argparse.Namespace) -> int:
+    return _simple(args, "Agents.Restart", {"name": args.name})
+
+
+def cmd_presence(args: argparse.Namespace) -> int:
+    params = {k: v for k, v in (("node", args.node), ("agent", args.agent)) if v}
+    return _simple(args, "Presence", params)
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    query: dict[str, Any] = {}
+    for key in ("capabilities", "tags"):
+        if getattr(args, key):
+            query[key] = getattr(args, key)
+    for key in ("offering_id", "availability", "node", "limit"):
+        if getattr(args, key) is not None:
+            query[key] = getattr(args, key)
+    code, result = _admin(args, "Discover", query)
+    if code != EX_OK:
+        return code
+    if args.json:
+        _print(args, result)
+        return EX_OK
+    for m in result.get("agents", []):
+        offerings = ",".join(o.get("id", "?") for o in m.get("offerings", []))
+        print(f"{m.get('name', '?'):<20} {m.get('availability', '-'):<8} {m['id']}  [{offerings}]")
+    print(f"{result.get('total', 0)} agent(s)")
+    return EX_OK
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return _simple(args, "Drain.Now", {"agent": args.agent} if args.agent else {})
+
+
+def cmd_renew(args: argparse.Namespace) -> int:
+    return _simple(args, "Renew.Now")
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    return _simple(args, "Reload")
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    if not args.follow:
+        code, result = _admin(args, "Logs.Tail", {"lines": args.lines, "level": args.level})
+        if code != EX_OK:
+            return code
+        for record in result["records"]:
+            print(json.dumps(record) if args.json else f"{record['ts']} {record['level']:<7} {record['logger']}: {record['message']}")
+        return EX_OK
+    socket = _socket(args)
+    if socket is None:
+        return EX_CONFIG
+    import asyncio
+
+    from meshnode.admin.client import AdminClient
+
+    async def follow() -> None:
+        async with AdminClient(socket, timeout=None) as client:
+            async for record in client.stream("Logs.Follow", {"level": args.level}):
+                line = json.dumps(record) if args.json else f"{record['ts']} {record['level']:<7} {record['logger']}: {record['message']}"
+                print(line, flush=True)
+
+    try:
+        asyncio.run(follow())
+    except KeyboardInterrupt:
+        return EX_OK
+    except (AdminClientError, AdminError) as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return exit_code_for(exc)
+    return EX_OK
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Metrics", {"format": "prometheus" if args.prometheus else "json"})
+    if code != EX_OK:
+        return code
+    if args.prometheus:
+        sys.stdout.write(result["text"])
+    else:
+        _print(args, result)
+    return EX_OK

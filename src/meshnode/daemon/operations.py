@@ -1,0 +1,202 @@
+"""Day-to-day operations over the admin API: agents, drains, renewals, reload,
+logs and metrics (registered by the daemon next to its core methods).
+
+Every method here is part of the admin contract; params and results are
+documented on each. Method names are CamelCase, dotted by area.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
+from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.config import ConfigError, load_config
+from meshnode.daemon.logs import BUFFER, level_number
+from meshnode.node.builtin import CLI_AGENT_NAME
+from meshnode.node.metrics import prometheus_text
+from meshnode.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from meshnode.daemon.main import Daemon
+
+__all__ = ["register_operations"]
+
+log = logging.getLogger("meshnode.operations")
+
+
+def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
+    ops = _Operations(daemon)
+    methods.add("Agents.List", ops.agents_list, level="operator",
+                doc="params {} -> {agents: [status...]} (the same records as Status)")
+    methods.add("Agents.Show", ops.agents_show, level="operator",
+                doc="params {name} -> {status, manifest (as registered), presence, latency}")
+    methods.add("Agents.Restart", ops.agents_restart, level="admin",
+                doc="params {name} -> status after the agent was stopped and started again (same key)")
+    methods.add("Drain.Now", ops.drain_now, level="operator",
+                doc="params {agent?} -> {drained: [names]} after one drain pass per agent")
+    methods.add("Renew.Now", ops.renew_now, level="admin",
+                doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
+    methods.add("Reload", ops.reload, level="admin",
+                doc="params {} -> {added, removed, restarted, requires_restart}; a bad file is refused (Refused) and nothing changes")
+    methods.add("Logs.Tail", ops.logs_tail, level="operator",
+                doc="params {lines?=100, level?} -> {records: [{ts, level, logger, message}]}")
+    methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
+                doc="params {level?} -> a stream of {ts, level, logger, message} (send more: true)")
+    methods.add("Metrics", ops.metrics, level="operator",
+                doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
+
+
+class _Operations:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def _node(self) -> Any:
+        if self.daemon.node is None:
+            raise NotFound("the node is not running")
+        return self.daemon.node
+
+    def _hosted(self, params: dict[str, Any]) -> Any:
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise InvalidParameter("name is required")
+        node = self._node()
+        hosted = node.agents.get(name) or node.by_id.get(name)
+        if hosted is None:
+            raise NotFound(f"no hosted agent named {name!r}")
+        return hosted
+
+    async def agents_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return {"agents": self.daemon.status()["agents"]}
+
+    async def agents_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        hosted = self._hosted(params)
+        node = self._node()
+        result: dict[str, Any] = {
+            "status": node.agent_status(hosted),
+            "latency": hosted.latency.as_dict(),
+            "manifest": hosted.manifest,
+        }
+        cli = node.agents.get(CLI_AGENT_NAME)
+        if cli is not None:
+            try:
+                result["manifest"] = await node.service_call(
+                    cli, f"mesh.registry.get.{hosted.agent_id}", "discover", {"agent_id": hosted.agent_id}
+                )
+                result["registered_manifest"] = True
+            except ProtocolError as exc:
+                result["registered_manifest"] = False
+                result["registry_error"] = exc.code
+            try:
+                result["presence"] = await node.service_call(cli, "mesh.presence.get", "request", {"agent": hosted.agent_id})
+            except ProtocolError as exc:
+                result["presence"] = {"error": exc.code}
+        return result
+
+    async def agents_restart(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        hosted = self._hosted(params)
+        if hosted.name == CLI_AGENT_NAME:
+            raise InvalidParameter("the CLI identity is not restartable")
+        return await self.daemon.restart_agent(hosted.name)
+
+    async def drain_now(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        names = [params["agent"]] if isinstance(params.get("agent"), str) else list(node.drains)
+        drained = []
+        for name in names:
+            drain = node.drains.get(name)
+            if drain is None:
+                raise NotFound(f"agent {name!r} has no drain (not hosted, or no inbox)")
+            await drain.job.run_once()
+            drained.append({"agent": name, **(node._drain_status(name) or {})})
+        return {"drained": drained}
+
+    async def renew_now(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return await self.daemon.renew_now()
+
+    async def reload(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return await self.daemon.reload()
+
+    async def logs_tail(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        lines = params.get("lines", 100)
+        if not isinstance(lines, int) or not 0 < lines <= 2000:
+            raise InvalidParameter("lines must be an integer in 1..2000")
+        floor = level_number(str(params.get("level", "debug")))
+        records = [r for r in BUFFER.records if level_number(r["level"]) >= floor]
+        return {"records": records[-lines:]}
+
+    async def logs_follow(self, params: dict[str, Any], call: CallContext) -> AsyncIterator[dict[str, Any]]:
+        floor = level_number(str(params.get("level", "debug")))
+        queue = BUFFER.follow()
+        try:
+            while True:
+                record = await queue.get()
+                if level_number(record["level"]) >= floor:
+                    yield record
+        finally:
+            BUFFER.unfollow(queue)
+
+    async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        fmt = params.get("format", "json")
+        if fmt == "prometheus":
+            agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
+            return {"content_type": "text/plain; version=0.0.4", "text": prometheus_text(agents, node.counters)}
+        if fmt != "json":
+            raise InvalidParameter("format is json or prometheus")
+        return {
+            "node": dict(node.counters),
+            "agents": {
+                h.name: {"id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict()}
+                for h in node.agents.values()
+            },
+            "log_records_dropped": BUFFER.dropped,
+            "ts": int(time.time()),
+        }
+
+
+async def reload_config(daemon: Daemon) -> dict[str, Any]:
+    """Parse and validate the new file off the event loop, then apply the difference.
+
+    Agents added, removed or reconfigured are applied without dropping the
+    connection (an added agent needs a re-minted credential, presented by a
+    reconnect); everything else that changed is reported as needing a restart.
+    A bad file raises Refused and the running configuration stays in force.
+    """
+    old = daemon.config
+    try:
+        new = await asyncio.to_thread(load_config, old.source_file)
+    except ConfigError as exc:
+        log.error("reload refused: the configuration does not validate:\n%s", exc)
+        raise Refused("the new configuration does not validate; nothing changed", {"problems": str(exc)}) from None
+    daemon.notifier.reloading()
+    report: dict[str, Any] = {"added": [], "removed": [], "restarted": [], "requires_restart": []}
+    try:
+        old_agents = {n: a for n, a in old.agents.items() if a.enabled}
+        new_agents = {n: a for n, a in new.agents.items() if a.enabled}
+        for name in sorted(set(old_agents) - set(new_agents)):
+            await daemon.remove_agent(name, deregister=True, reconnect=False)
+            report["removed"].append(name)
+        for name in sorted(set(new_agents) - set(old_agents)):
+            cfg = new_agents[name]
+            await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
+            report["added"].append(name)
+        for name in sorted(set(old_agents) & set(new_agents)):
+            if old_agents[name] != new_agents[name]:
+                daemon.config.agents[name] = new_agents[name]
+                await daemon.restart_agent(name, new_agents[name])
+                report["restarted"].append(name)
+        for section in ("node", "mesh", "registry", "admin", "protections", "inbox", "keystore"):
+            if getattr(old, section) != getattr(new, section):
+                report["requires_restart"].append(section)
+        if old.logging != new.logging:
+            logging.getLogger().setLevel(new.logging.level.upper())
+        daemon.config = new
+    finally:
+        daemon.notifier.ready("reloaded")
+    log.info("configuration reloaded: %s", report)
+    return report

@@ -1,0 +1,86 @@
+"""Counters and latency histograms a node keeps per agent, and their Prometheus text form."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["LatencyHistogram", "prometheus_text"]
+
+#: Histogram bucket upper bounds, in milliseconds.
+BUCKETS_MS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
+
+
+@dataclass
+class LatencyHistogram:
+    """Cumulative histogram of handler durations (cheap to update on the hot path)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_MS) + 1))
+    total: int = 0
+    sum_ms: float = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_MS, ms)] += 1
+        self.total += 1
+        self.sum_ms += ms
+
+    @property
+    def average_ms(self) -> float:
+        return self.sum_ms / self.total if self.total else 0.0
+
+    def quantile_ms(self, q: float) -> float:
+        """An upper-bound estimate of the q-quantile (the bucket it falls in)."""
+        if not self.total:
+            return 0.0
+        rank = q * self.total
+        seen = 0
+        for i, n in enumerate(self.counts):
+            seen += n
+            if seen >= rank:
+                return float(BUCKETS_MS[i]) if i < len(BUCKETS_MS) else float("inf")
+        return float("inf")
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "count": self.total,
+            "avg_ms": round(self.average_ms, 3),
+            "p50_ms": self.quantile_ms(0.5),
+            "p99_ms": self.quantile_ms(0.99),
+        }
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(
+    agents: Iterable[tuple[str, str, Mapping[str, int], LatencyHistogram]],
+    node: Mapping[str, int],
+) -> str:
+    """The Prometheus text exposition format (version 0.0.4) of the node's metrics."""
+    lines = [
+        "# HELP meshnode_node_events_total Node-level counters (heartbeats, envelopes by type and path).",
+        "# TYPE meshnode_node_events_total counter",
+    ]
+    for key, value in sorted(node.items()):
+        lines.append(f'meshnode_node_events_total{{event="{_escape(key)}"}} {value}')
+    lines += [
+        "# HELP meshnode_agent_events_total Per-agent counters (received, dispatched, completed, refused.*).",
+        "# TYPE meshnode_agent_events_total counter",
+    ]
+    histograms: list[str] = [
+        "# HELP meshnode_handler_duration_ms Offering handler durations.",
+        "# TYPE meshnode_handler_duration_ms histogram",
+    ]
+    for name, agent_id, counters, hist in agents:
+        labels = f'agent="{_escape(name)}",agent_id="{agent_id}"'
+        for key, value in sorted(counters.items()):
+            lines.append(f'meshnode_agent_events_total{{{labels},event="{_escape(key)}"}} {value}')
+        cumulative = 0
+        for bound, n in zip((*BUCKETS_MS, "+Inf"), hist.counts, strict=True):
+            cumulative += n
+            histograms.append(f'meshnode_handler_duration_ms_bucket{{{labels},le="{bound}"}} {cumulative}')
+        histograms.append(f"meshnode_handler_duration_ms_sum{{{labels}}} {hist.sum_ms:.3f}")
+        histograms.append(f"meshnode_handler_duration_ms_count{{{labels}}} {hist.total}")
+    return "\n".join(lines + histograms) + "\n"

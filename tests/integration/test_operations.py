@@ -1,0 +1,182 @@
+"""Operating a real daemon through its CLI: every command, socket permissions, reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet
+
+pytestmark = pytest.mark.integration
+
+
+def cli(node: DaemonProcess, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", *args, "--socket", node.socket_path],
+        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def ok_json(node: DaemonProcess, *args: str) -> Any:
+    proc = cli(node, *args, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
+    node = meshnode_daemons.embedded("ops", agents={"echo": {"plugin": "echo"}})
+    names = [a["name"] for a in ok_json(node, "agents", "list")["agents"]]
+    assert names == ["cli", "echo"]
+    shown = ok_json(node, "agents", "show", "echo")
+    assert shown["registered_manifest"] and shown["manifest"]["id"] == shown["status"]["id"]
+    assert shown["presence"]["availability"] == "online"
+
+    added = ok_json(node, "agents", "add", "echo2", "--plugin", "echo")
+    assert added["registered"] and added["state"] == "running"
+    assert node.call("echo2", "echo", 1)["output"] == {"ok": 1}
+    restarted = ok_json(node, "agents", "restart", "echo2")
+    assert restarted["id"] == added["id"] and restarted["state"] == "running"
+    assert ok_json(node, "agents", "remove", "echo2") == {"removed": "echo2"}
+    gone = cli(node, "agents", "show", "echo2")
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+
+    presence = ok_json(node, "presence")
+    assert any(n["availability"] == "online" for n in presence["nodes"])
+    assert ok_json(node, "presence", "--agent", shown["status"]["id"])["availability"] == "online"
+    found = ok_json(node, "discover", "--capability", "echo")
+    assert [a["name"] for a in found["agents"]] == ["echo"]
+    assert ok_json(node, "discover", "--capability", "nope")["agents"] == []
+
+    drained = ok_json(node, "drain", "--agent", "echo")["drained"]
+    assert drained[0]["agent"] == "echo" and drained[0]["passes"] >= 1
+    before = node.status()["agents"][1]["vouch_expires_at"]
+    time.sleep(1.1)
+    renewed = ok_json(node, "renew")
+    assert renewed["vouches"]["echo"] > before and renewed["credential"]["expires_at"]
+
+    logs = cli(node, "logs", "--lines", "50")
+    assert logs.returncode == 0 and "registered echo" in logs.stdout
+    follow = subprocess.Popen([sys.executable, "-m", "meshnode.cli", "logs", "--follow", "--socket", node.socket_path],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        node.call("echo", "nope")  # produces a log line (admin call) — and a renew logs too
+        ok_json(node, "renew")
+        time.sleep(1.0)
+    finally:
+        follow.terminate()
+        out, _ = follow.communicate(timeout=10)
+    assert "registered echo" in out
+
+    assert node.call("echo", "echo", "count me")["status"] == "completed"
+    metrics = ok_json(node, "metrics")
+    assert metrics["agents"]["echo"]["counters"]["completed"] >= 1
+    assert metrics["agents"]["echo"]["latency"]["count"] >= 1
+    prom = cli(node, "metrics", "--prometheus")
+    assert prom.returncode == 0
+    assert 'meshnode_agent_events_total{agent="echo"' in prom.stdout
+    assert "# TYPE meshnode_handler_duration_ms histogram" in prom.stdout
+
+
+def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
+    node = meshnode_daemons.embedded("reload", agents={"echo": {"plugin": "echo"}, "old": {"plugin": "echo"}})
+    connected_url = node.status()["mesh"]["connected_url"]
+    text = node.config_path.read_text()
+    # Good: add one agent, remove one, via the file and SIGHUP-equivalent `meshnode reload`.
+    node.config_path.write_text(text.replace("[agents.old]", "[agents.new]"))
+    report = ok_json(node, "reload")
+    assert report["added"] == ["new"] and report["removed"] == ["old"]
+    names = {a["name"] for a in node.status()["agents"]}
+    assert names == {"cli", "echo", "new"}
+    assert node.call("new", "echo", "hi")["output"] == {"ok": "hi"}
+    assert node.status()["mesh"]["connected_url"] == connected_url
+    # Bad: refused, and the running configuration stays in force.
+    node.config_path.write_text(node.config_path.read_text() + "\n[protections]\nlive_max_age = \"ten minutes\"\n")
+    bad = cli(node, "reload")
+    assert bad.returncode != 0 and "does not validate" in bad.stderr
+    assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "new"}
+    # SIGHUP with a good file again.
+    node.config_path.write_text(text)
+    assert node.process is not None
+    node.process.send_signal(1)  # SIGHUP
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and {a["name"] for a in node.status()["agents"]} != {"cli", "echo", "old"}:
+        time.sleep(0.2)
+    assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"}
+
+
+def _as_user(uid: int, gid: int, groups: list[int], path: str, request: dict[str, Any]) -> str:
+    """Connect to the admin socket from a child running as another user; return what happened."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        try:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(5)
+                sock.connect(path)
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+            result = data.decode() or "closed"
+        except PermissionError:
+            result = "EACCES"
+        except Exception as exc:
+            result = f"error {exc!r}"
+        os.write(write_fd, result.encode())
+        os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while True:
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_socket_permissions_by_peer_credentials(meshnode_daemons: DaemonSet) -> None:
+    node = meshnode_daemons.embedded("perm", agents={"echo": {"plugin": "echo"}}, extra={"admin": {"group": "daemon"}})
+    for path in (meshnode_daemons.root, node.workdir):
+        os.chmod(path, 0o755)
+    sock_path = node.socket_path
+    mode = os.stat(sock_path).st_mode & 0o777
+    assert mode == 0o660 and os.stat(sock_path).st_gid == 1
+    getinfo = {"id": 1, "method": "GetInfo"}
+    # A stranger cannot even open the socket file.
+    assert _as_user(65534, 65534, [], sock_path, getinfo) == "EACCES"
+    # A member of the admin group is an operator: reads, but no admin methods.
+    as_operator = json.loads(_as_user(65534, 65534, [1], sock_path, getinfo))
+    assert as_operator["result"]["level"] == "operator"
+    denied = json.loads(_as_user(65534, 65534, [1], sock_path, {"id": 2, "method": "Mesh.Invite", "params": {"name": "x"}}))
+    assert denied["error"]["name"] == "PermissionDenied"
+    status = json.loads(_as_user(65534, 65534, [1], sock_path, {"id": 3, "method": "Status"}))
+    assert status["result"]["node"]["name"] == "perm"
+    # Even if the file mode were widened by mistake, SO_PEERCRED still refuses a stranger.
+    os.chmod(sock_path, 0o666)
+    try:
+        refused = json.loads(_as_user(65534, 65534, [], sock_path, getinfo))
+        assert refused["error"]["name"] == "PermissionDenied"
+    finally:
+        os.chmod(sock_path, 0o660)
+    # And root (the daemon's own uid) is admin.
+    assert node.admin("GetInfo")["level"] == "admin"
+    assert Path(sock_path).exists()
