@@ -180,3 +180,28 @@ def test_socket_permissions_by_peer_credentials(meshnode_daemons: DaemonSet) -> 
     # And root (the daemon's own uid) is admin.
     assert node.admin("GetInfo")["level"] == "admin"
     assert Path(sock_path).exists()
+
+
+def test_secrets_are_never_logged(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, node={"plugin_modules": []},
+                                  extra={"logging": {"level": "debug"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    a.admin("Renew.Now")
+    b.admin("Renew.Now")
+    assert a.call(b.agent_id("echo_b"), "echo", "x")["status"] == "completed"
+    secrets: list[str] = []
+    for node in (a, b):
+        for key_file in (node.data_dir / "keys").glob("*.seed"):
+            secrets.append(key_file.read_text().strip())
+        for key_file in (node.data_dir / "mesh").glob("*.nk"):
+            secrets.append(key_file.read_text().strip())
+    credential = json.loads((b.data_dir / "credential.json").read_text())["jwt"]
+    secrets.append(credential)
+    invite = (b.workdir / "invite.creds").read_text()
+    secrets.extend(line.strip() for line in invite.splitlines() if line.strip().startswith(("SU", "eyJ")))
+    assert len(secrets) > 8
+    logs = a.log_text() + b.log_text()
+    logs += json.dumps(a.admin("Logs.Tail", {"lines": 2000, "level": "debug"}))
+    logs += json.dumps(a.status()) + json.dumps(b.status())
+    leaked = [s[:12] + "..." for s in secrets if s and s in logs]
+    assert not leaked, f"secrets in logs or status: {leaked}"
