@@ -148,3 +148,46 @@ class JournalPlugin:
 
 
 journal_plugin = JournalPlugin()
+
+
+class Tasks(Agent):
+    """Deferred, streamed and delegating work (§7, §10.5, §10.8)."""
+
+    description = "exercises tasks"
+
+    @offering("slow")
+    async def slow(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working", "starting")  # type: ignore[attr-defined]
+        steps = int((input or {}).get("steps", 3))
+        for i in range(steps):
+            await asyncio.sleep(float((input or {}).get("pause", 0.05)))
+            await task.progress(f"step {i + 1} of {steps}")
+        return {"done": steps}
+
+    @offering("words", streaming=True, framing=False)
+    async def words(self, ctx: Context, input: Any) -> Any:
+        for word in str((input or {}).get("text", "")).split():
+            await asyncio.sleep(0)
+            yield word + " "
+
+    @offering("delegate")
+    async def delegate(self, ctx: Context, input: Any) -> Any:
+        await ctx.defer("working")  # type: ignore[attr-defined]
+        reply = await ctx.request(input["target"], "slow", {"steps": 100, "pause": 0.1})
+        await asyncio.sleep(30)
+        return {"child": reply.task.task_id if reply.task else None}
+
+    @offering("reject")
+    async def reject(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("submitted")  # type: ignore[attr-defined]
+        await task.reject("not today")
+        return None
+
+
+class TasksPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-tasks", Tasks)
+
+
+tasks_plugin = TasksPlugin()

@@ -36,6 +36,8 @@ def register(commands: Any) -> None:
     call.add_argument("input", nargs="?", help="the input as JSON (default: none)")
     call.add_argument("--text", help="shorthand for the input {\"text\": TEXT}")
     call.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    call.add_argument("--stream", action="store_true", help="ask for a streamed answer (config.stream)")
+    call.add_argument("--no-wait", action="store_true", help="return as soon as a task is opened (prints its id)")
     _client_args(call)
     call.set_defaults(handler=cmd_call)
 
@@ -150,7 +152,11 @@ def cmd_call(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as exc:
             print(f"meshnode: INPUT is not JSON ({exc}); use --text for plain text", file=sys.stderr)
             return EX_DATAERR
-    params = {"agent": args.agent, "offering": args.offering, "timeout": args.timeout}
+    params: dict[str, Any] = {"agent": args.agent, "offering": args.offering, "timeout": args.timeout}
+    if args.stream:
+        params["config"] = {"stream": True}
+    if args.no_wait:
+        params["wait_task"] = False
     if payload_input is not None:
         params["input"] = payload_input
     code, result = _admin(args, "Call", params)

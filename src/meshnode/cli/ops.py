@@ -77,6 +77,25 @@ def register(commands: Any) -> None:
     _client_args(p)
     p.set_defaults(handler=cmd_logs)
 
+    tasks = commands.add_parser("tasks", help="tasks performed here; the task manager's records; cancel")
+    tsub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)
+    p = tsub.add_parser("list", help="tasks this node's agents are performing now")
+    _client_args(p)
+    p.set_defaults(handler=cmd_tasks_list)
+    p = tsub.add_parser("show", help="a task's record from the task manager")
+    p.add_argument("task_id")
+    _client_args(p)
+    p.set_defaults(handler=cmd_tasks_show)
+    p = tsub.add_parser("cancel", help="cancel a task (sent as this node's CLI identity)")
+    p.add_argument("task_id")
+    p.add_argument("--agent", required=True, help="the agent performing it (name or id)")
+    p.add_argument("--reason", default="user_requested",
+                   choices=["user_requested", "superseded", "deadline_exceeded", "budget_exhausted",
+                            "upstream_cancelled", "policy", "needs_not_furnished", "dependency_failed"])
+    p.add_argument("--note")
+    _client_args(p)
+    p.set_defaults(handler=cmd_tasks_cancel)
+
     p = commands.add_parser("metrics", help="counters and latencies per agent")
     p.add_argument("--prometheus", action="store_true", help="Prometheus text format")
     _client_args(p)
@@ -203,6 +222,31 @@ def cmd_logs(args: argparse.Namespace) -> int:
         print(f"meshnode: {exc}", file=sys.stderr)
         return exit_code_for(exc)
     return EX_OK
+
+
+def cmd_tasks_list(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Tasks.List")
+    if code != EX_OK:
+        return code
+    if args.json:
+        _print(args, result)
+    elif not result["tasks"]:
+        print("no tasks in progress")
+    else:
+        for t in result["tasks"]:
+            print(f"{t['task_id']}  {t['agent']:<14} {t['state']:<14} {t.get('offering') or '':<12} for {t['requester']}")
+    return EX_OK
+
+
+def cmd_tasks_show(args: argparse.Namespace) -> int:
+    return _simple(args, "Tasks.Show", {"task_id": args.task_id})
+
+
+def cmd_tasks_cancel(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"task_id": args.task_id, "agent": args.agent, "reason": args.reason}
+    if args.note:
+        params["note"] = args.note
+    return _simple(args, "Tasks.Cancel", params)
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:

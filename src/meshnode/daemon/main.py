@@ -433,8 +433,20 @@ class Daemon:
         from meshnode.protocol.envelope import new_root_trace
 
         ctx = AgentContext(cli, trace=new_root_trace())
+        config = params.get("config") if isinstance(params.get("config"), dict) else None
         try:
-            reply = await ctx.request(target_id, offering, params.get("input"), timeout=float(timeout))
+            reply = await ctx.request(target_id, offering, params.get("input"), timeout=float(timeout), config=config)
+            if reply.task is not None and params.get("wait_task", True):
+                final = await reply.task.result(timeout=float(timeout))
+                payload = final.get("payload") if isinstance(final.get("payload"), dict) else {}
+                return {
+                    "status": payload.get("status"),
+                    "output": payload.get("output"),
+                    "error": final.get("error"),
+                    "from": final.get("from"),
+                    "accepted": reply.accepted,
+                    "task_id": reply.task.task_id,
+                }
         except RemoteError as exc:
             return {"status": "failed", "error": exc.to_object(), "from": exc.envelope.get("from")}
         except RequestQueued as exc:

@@ -47,6 +47,12 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
                 doc="params {lines?=100, level?} -> {records: [{ts, level, logger, message}]}")
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
                 doc="params {level?} -> a stream of {ts, level, logger, message} (send more: true)")
+    methods.add("Tasks.List", ops.tasks_list, level="operator",
+                doc="params {} -> {tasks: [{task_id, agent, requester, state, offering}]} performed here now")
+    methods.add("Tasks.Show", ops.tasks_show, level="operator",
+                doc="params {task_id} -> the task manager's record (requester or responder must be hosted here)")
+    methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
+                doc="params {task_id, agent (the performer), reason, note?} -> the performer's answer; sent as the CLI identity")
     methods.add("Metrics", ops.metrics, level="operator",
                 doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
 
@@ -139,6 +145,49 @@ class _Operations:
                     yield record
         finally:
             BUFFER.unfollow(queue)
+
+    async def tasks_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        tasks = []
+        for hosted in node.agents.values():
+            for task in hosted.tasks.values():
+                payload = task.request.get("payload") if isinstance(task.request.get("payload"), dict) else {}
+                tasks.append({"task_id": task.task_id, "agent": hosted.name, "requester": task.requester,
+                              "state": task.state, "offering": payload.get("offering"),
+                              "delegates": [t for _, t in task.delegates]})
+        return {"tasks": tasks}
+
+    async def tasks_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        task_id = params.get("task_id")
+        if not isinstance(task_id, str):
+            raise InvalidParameter("task_id is required")
+        for hosted in node.agents.values():
+            task = hosted.tasks.get(task_id)
+            if task is not None:
+                caller = hosted
+                break
+        else:
+            caller = node.agents[CLI_AGENT_NAME]
+        try:
+            record: dict[str, Any] = await node.service_call(caller, f"mesh.task.get.{task_id}", "request", {"task_id": task_id})
+        except ProtocolError as exc:
+            raise Refused(exc.message, exc.to_object()) from None
+        return record
+
+    async def tasks_cancel(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        task_id, agent, reason = params.get("task_id"), params.get("agent"), params.get("reason", "user_requested")
+        if not all(isinstance(v, str) for v in (task_id, agent, reason)):
+            raise InvalidParameter("task_id, agent and reason are strings")
+        local = node.agents.get(agent)
+        performer = local.agent_id if local is not None else agent
+        note = params.get("note") if isinstance(params.get("note"), str) else None
+        try:
+            result: dict[str, Any] = await node.cancel_task(node.agents[CLI_AGENT_NAME], performer, task_id, reason, note)
+        except ProtocolError as exc:
+            raise Refused(exc.message, exc.to_object()) from None
+        return result
 
     async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshnode.node.outbound import Reply
+from meshnode.node.tasks import ResponderTask
 from meshnode.protocol.envelope import child_trace
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class AgentContext:
         self._text = text
         env_trace = self._envelope.get("trace") if envelope is not None else None
         self._trace: Mapping[str, Any] = trace or (env_trace if isinstance(env_trace, Mapping) else {})
+        #: The Task this request became, once the handler deferred or streamed.
+        self.task: ResponderTask | None = None
 
     @property
     def agent_id(self) -> str:
@@ -64,6 +67,16 @@ class AgentContext:
     def _child_trace(self) -> dict[str, Any]:
         return child_trace(self._trace or None)
 
+    async def defer(self, status: str = "working", message: str | None = None) -> ResponderTask:
+        """Make the request being handled a Task (§7.0) and answer with its id now.
+
+        Returns the handle for progress, input/auth rounds, budget pauses and
+        rejection; the handler's return value completes the task.
+        """
+        if not self._envelope or self._envelope.get("type") != "request":
+            raise RuntimeError("defer() is for a request being handled")
+        return await self._hosted.open_task(self, status, message)
+
     async def request(
         self,
         target: str,
@@ -74,7 +87,7 @@ class AgentContext:
         config: Mapping[str, Any] | None = None,
         budget: Mapping[str, Any] | None = None,
     ) -> Reply:
-        return await self._hosted.node.send_request(
+        reply = await self._hosted.node.send_request(
             self._hosted,
             target,
             offering,
@@ -85,6 +98,10 @@ class AgentContext:
             budget=budget,
             context_id=self._envelope.get("context_id") if self._envelope else None,
         )
+        if self.task is not None and reply.task is not None:
+            # A delegate of this task: a cancel of ours is forwarded to it (§10.8).
+            self.task.delegates.append((target, reply.task.task_id))
+        return reply
 
     async def subscribe(self, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
         return await self._hosted.node.subscribe_events(

@@ -15,6 +15,7 @@ must answer; every refusal raises a local signal.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import Counter
@@ -26,8 +27,10 @@ import jsonschema
 from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.node.context import AgentContext
 from meshnode.node.metrics import LatencyHistogram
+from meshnode.node.tasks import ResponderTask, new_task_id, propagated
 from meshnode.protocol.accept import build_queued_ack
 from meshnode.protocol.budget import check_admission, parse_budget
+from meshnode.protocol.cancel import check_cancelable, parse_cancel_input
 from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
@@ -45,6 +48,7 @@ __all__ = ["DESCRIBE_OFFERING", "HostedAgent", "Source"]
 log = logging.getLogger("meshnode.pipeline")
 
 DESCRIBE_OFFERING = "describe"
+CANCEL_OFFERING = "task.cancel"
 REGISTRY_PROBE_OFFERING = "__registry_probe__"
 
 #: Delivery paths. "local" is judged with the live window (it is a live delivery
@@ -96,6 +100,10 @@ class HostedAgent:
         self.event_guard: InboundGuard = node.new_guard(key.public_key)
         self._tasks: set[asyncio.Task[None]] = set()
         self.subscriptions: list[Any] = []
+        # Tasks this agent is performing (§7), by task id, with the asyncio task
+        # running each handler so a cancel can stop it.
+        self.tasks: dict[str, ResponderTask] = {}
+        self._task_runners: dict[str, asyncio.Task[Any]] = {}
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -266,6 +274,9 @@ class HostedAgent:
         if offering_id == DESCRIBE_OFFERING:
             await self._describe(env, now_ms, source)
             return "answered"
+        if offering_id == CANCEL_OFFERING:
+            await self._on_cancel(env, payload, source)
+            return "answered"
         if offering_id == REGISTRY_PROBE_OFFERING and reply:
             # §18.7 plumbing: any answer proves liveness; it rides the reply subject.
             await self.node.reply_plain(reply, {"alive": True})
@@ -345,29 +356,125 @@ class HostedAgent:
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
+        config = (env.get("payload") or {}).get("config") if isinstance(env.get("payload"), Mapping) else None
+        wants_stream = isinstance(config, Mapping) and config.get("stream") is True
         started = time.perf_counter()
+        runner = asyncio.current_task()
         try:
             try:
-                output = await handler(ctx, handler_input)
+                if inspect.isasyncgenfunction(handler):
+                    output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
+                else:
+                    output = await handler(ctx, handler_input)
             finally:
                 self.latency.observe((time.perf_counter() - started) * 1000)
         except ProtocolError as exc:
             self.counters["failed"] += 1
-            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+            if ctx.task is not None:
+                await self._finish_task(ctx.task, "failed", error=exc.to_object())
+            else:
+                await self._answer(env, status="failed", error=exc.to_object(), path=source)
         except asyncio.CancelledError:
+            if ctx.task is not None and ctx.task.state == "canceled":
+                return  # stopped by a cancel; its update is already out
             raise
         except Exception:
             self.counters["failed"] += 1
             self.agent.log.exception("handler for %s raised", spec.id)
-            await self._answer(
-                env,
-                status="failed",
-                error=error_object("INTERNAL_ERROR", "the agent failed while handling the request"),
-                path=source,
-            )
+            error = error_object("INTERNAL_ERROR", "the agent failed while handling the request")
+            if ctx.task is not None:
+                await self._finish_task(ctx.task, "failed", error=error)
+            else:
+                await self._answer(env, status="failed", error=error, path=source)
         else:
             self.counters["completed"] += 1
-            await self._answer(env, status="completed", output=output, path=source)
+            if ctx.task is not None:
+                await self._finish_task(ctx.task, "completed", output=output)
+            else:
+                await self._answer(env, status="completed", output=output, path=source)
+        finally:
+            if ctx.task is not None:
+                self.tasks.pop(ctx.task.task_id, None)
+                self._task_runners.pop(ctx.task.task_id, None)
+            del runner
+
+    async def open_task(self, ctx: AgentContext, state: str = "submitted", message: str | None = None) -> ResponderTask:
+        """Turn the request being handled into a Task (§7.0): the first task reply."""
+        if ctx.task is not None:
+            return ctx.task
+        task = ResponderTask(self, ctx.envelope, new_task_id())
+        budget_block = ctx.envelope.get("budget")
+        if budget_block is not None:
+            task.budget = parse_budget(budget_block)
+        ctx.task = task
+        self.tasks[task.task_id] = task
+        runner = asyncio.current_task()
+        if runner is not None:
+            self._task_runners[task.task_id] = runner
+        await task._send(state, message=message, first=True)
+        self.counters["tasks.opened"] += 1
+        return task
+
+    async def _finish_task(
+        self, task: ResponderTask, state: str, *, output: Any = None, error: Mapping[str, Any] | None = None
+    ) -> None:
+        if task.state in ("completed", "failed", "canceled", "rejected", "exhausted"):
+            return
+        try:
+            await task._send(state, output=output, error=error)
+        except ProtocolError as exc:
+            self.agent.log.warning("task %s could not end as %s: %s", task.task_id, state, exc)
+
+    async def _run_streaming(
+        self, ctx: AgentContext, handler: Any, handler_input: Any, wants_stream: bool, config: Any
+    ) -> Any:
+        """Run an async-generator handler: a stream when asked (§10.5, §11), else
+        its chunks joined into one bare answer."""
+        chunks: list[Any] = []
+        if not wants_stream:
+            async for chunk in handler(ctx, handler_input):
+                chunks.append(chunk)
+            return "".join(chunks) if all(isinstance(c, str) for c in chunks) else chunks
+        sign_chunks = isinstance(config, Mapping) and config.get("sign_chunks") is True
+        task = await self.open_task(ctx, "working")
+        index = 0
+        async for chunk in handler(ctx, handler_input):
+            await self.node.publish_chunk(self, task, index, chunk, final=False, sign=sign_chunks)
+            chunks.append(chunk)
+            index += 1
+        await self.node.publish_chunk(self, task, index, None, final=True, sign=True, chunk_count=index + 1)
+        self.counters["stream.chunks"] += index
+        return "".join(chunks) if all(isinstance(c, str) for c in chunks) else chunks
+
+    async def _on_cancel(self, env: Mapping[str, Any], payload: Mapping[str, Any], source: Source) -> None:
+        """``task.cancel`` (§10.8): validated at the door, then the handler is stopped."""
+        try:
+            request = parse_cancel_input(payload.get("input"), env.get("task_id"))
+            task = self.tasks.get(request.task_id)
+            if task is None:
+                raise ProtocolError("TASK_NOT_FOUND", f"no task {request.task_id} here", {"task_id": request.task_id})
+            if env["from"] not in (task.requester, self.agent_id):
+                raise ProtocolError("UNAUTHORIZED", "only the task's requester may cancel it")
+            check_cancelable(task.state)
+        except ProtocolError as exc:
+            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+            return
+        stop = request.stop
+        extra = stop.members()
+        try:
+            await task._send("canceled", extra=extra)
+        except ProtocolError as exc:
+            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+            return
+        runner = self._task_runners.get(task.task_id)
+        if runner is not None and not runner.done():
+            runner.cancel()
+        for agent_id, child_task in list(task.delegates):
+            reason, note = propagated(str(request.reason), stop.note)
+            self.spawn(self.node.cancel_task(self, agent_id, child_task, reason, note, wait=False),
+                       f"{self.name}:propagate:{child_task}")
+        self.counters["tasks.canceled"] += 1
+        await self._answer(env, status="completed", output={"task_id": task.task_id, "status": "canceled"}, path=source)
 
     async def _describe(self, env: Mapping[str, Any], now_ms: int, source: Source) -> None:
         """§10.14: a document, not a conversation — never the agent's code."""

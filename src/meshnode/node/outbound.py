@@ -22,10 +22,16 @@ __all__ = ["PendingRequests", "RemoteError", "Reply", "RequestQueued", "RequestT
 
 @dataclass(frozen=True)
 class Reply:
-    """The substantive answer to a request (never the accept signal)."""
+    """The substantive answer to a request (never the accept signal).
+
+    When the request became a Task (a non-terminal status with a task id),
+    ``task`` is the caller's handle on it: ``await reply.task.result()``,
+    ``async for data in reply.task.stream()``, ``await reply.task.cancel(reason)``.
+    """
 
     envelope: Mapping[str, Any]
     accepted: bool  # whether an accept preceded it (a live handler ran)
+    task: Any = None  # RequesterTask when the answer opened a Task
 
     @property
     def status(self) -> str:

@@ -10,6 +10,7 @@ start or whose handler crashes is reported and stopped alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -474,6 +475,11 @@ class Node:
         reply = await self.pending.wait(hosted.agent_id, env["id"], timeout)
         if reply.error is not None or reply.status == "failed":
             raise RemoteError(reply.envelope)
+        if reply.task_id is not None and reply.status not in ("completed", "rejected", "canceled", "exhausted"):
+            from meshnode.node.tasks import RequesterTask
+
+            sign_chunks = bool(config and config.get("sign_chunks"))
+            reply = dataclasses.replace(reply, task=RequesterTask(hosted, reply.envelope, sign_chunks=sign_chunks))
         return reply
 
     def _watch_liveness(
@@ -532,6 +538,80 @@ class Node:
         await self.connection.publish(
             subjects.event_subject(domain, event_type), raw, headers={"Nats-Msg-Id": env["id"]}
         )
+
+    # -- tasks -----------------------------------------------------------------
+
+    async def publish_task(self, subject: str, env: Mapping[str, Any]) -> None:
+        """A task update through JetStream: acked (backpressure), deduplicated by
+        ``Nats-Msg-Id`` = envelope id (§18.8), recorded by MESH_TASKS."""
+        data = encode_envelope(env)
+        check_envelope_size(len(data), self.connection.max_payload)
+        await self.connection.js.publish(subject, data, headers={"Nats-Msg-Id": str(env["id"])})
+
+    async def publish_chunk(
+        self,
+        hosted: HostedAgent,
+        task: Any,
+        index: int,
+        data: Any,
+        *,
+        final: bool,
+        sign: bool,
+        chunk_count: int | None = None,
+    ) -> None:
+        """One stream chunk on ``mesh.task.{id}.stream`` (§11.2, §11.6)."""
+        payload: dict[str, Any] = {"status": "completed" if final else "working", "chunk_index": index, "final": final}
+        if data is not None:
+            payload["data"] = data
+            payload["content_type"] = "text/plain" if isinstance(data, str) else "application/json"
+        if final:
+            payload["chunk_count"] = chunk_count
+        env = build_envelope(
+            "respond",
+            hosted.agent_id,
+            now_ms=self.now_ms(),
+            to=task.requester,
+            in_reply_to=task.request["id"],
+            task_id=task.task_id,
+            trace=task.request.get("trace"),
+            payload=payload,
+            ids=self.ids,
+        )
+        if sign:
+            sign_envelope(env, hosted.key)
+        subject = subjects.task_stream(task.task_id)
+        if final or index % 64 == 63:
+            # The final chunk, and every 64th, wait for the stream's ack: bounded
+            # in-flight chunks (§11.4) and everything stored in order before "final".
+            await self.connection.js.publish(subject, encode_envelope(env), headers={"Nats-Msg-Id": str(env["id"])})
+        else:
+            await self.connection.publish(subject, encode_envelope(env))
+
+    async def cancel_task(
+        self, hosted: HostedAgent, responder: str, task_id: str, reason: str, note: str | None, *, wait: bool = True
+    ) -> dict[str, Any]:
+        """Cancel a task this agent asked for (§10.8): the ``task.cancel`` request to
+        the performer and the ``canceled`` update the task manager records. The
+        cancel is effective for the caller when sent; the performer's answer is
+        awaited only with ``wait``."""
+        cancel_input: dict[str, Any] = {"task_id": task_id, "reason": reason}
+        if note:
+            cancel_input["note"] = note
+        update = build_envelope(
+            "respond", hosted.agent_id, now_ms=self.now_ms(), to=responder, task_id=task_id,
+            payload={"status": "canceled", "reason": reason, **({"note": note} if note else {})}, ids=self.ids,
+        )
+        sign_envelope(update, hosted.key)
+        await self.publish_task(subjects.task_update(task_id), update)
+        if not wait:
+            try:
+                await self.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+            except ProtocolError as exc:
+                log.info("forwarded cancel of %s: %s", task_id, exc)
+            return {"task_id": task_id, "status": "canceled"}
+        reply = await self.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+        out = reply.output
+        return out if isinstance(out, dict) else {"task_id": task_id, "status": "canceled"}
 
     # -- events ----------------------------------------------------------------
 

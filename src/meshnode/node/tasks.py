@@ -1,0 +1,337 @@
+"""Tasks on the node: the responder's handle, streams, cancellation (§7, §10.5, §10.8, §11).
+
+A request becomes a Task only when its handler defers, streams or pauses
+(§7.0). The responder's first task reply goes to the requester's inbox (and is
+also published on ``mesh.task.{id}.update`` so the task manager records it);
+every later state travels on ``mesh.task.{id}.update`` with ``Nats-Msg-Id`` =
+the envelope id (§18.8). Stream chunks travel on ``mesh.task.{id}.stream``:
+unsigned by default, the final chunk signed and carrying ``chunk_count``
+(§11.6), every chunk signed when the requester asked ``sign_chunks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from meshnode.protocol import subjects
+from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
+from meshnode.protocol.cancel import CANCEL_REASONS, propagated_note
+from meshnode.protocol.envelope import (
+    build_envelope,
+    child_trace,
+    decode_envelope,
+    sign_envelope,
+    verify_envelope,
+)
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.tasks import TaskState, check_state_update
+
+if TYPE_CHECKING:
+    from meshnode.node.hosted import HostedAgent
+
+__all__ = ["RequesterTask", "ResponderTask", "StreamBroken", "new_task_id"]
+
+log = logging.getLogger("meshnode.tasks")
+
+
+def new_task_id() -> str:
+    """An unguessable task id that is one subject token (``^[A-Za-z0-9_-]{1,128}$``)."""
+    return "t" + os.urandom(16).hex()
+
+
+@dataclass
+class ResponderTask:
+    """The handler's side of a Task. Get one with ``await ctx.defer()``.
+
+    Every method sends a signed update; only legal transitions are allowed
+    (§7.3). When the handler returns, the node completes the task with its
+    return value as ``output``; a raised Refusal fails it.
+    """
+
+    hosted: HostedAgent
+    request: Mapping[str, Any]
+    task_id: str
+    state: str = "submitted"
+    budget: Any = None
+    delegates: list[tuple[str, str]] = field(default_factory=list)  # (agent, task_id) of sub-tasks
+    _revision: asyncio.Event = field(default_factory=asyncio.Event)
+    _update_sub: Any = None
+
+    @property
+    def requester(self) -> str:
+        return str(self.request["from"])
+
+    async def _send(
+        self,
+        state: str,
+        *,
+        message: str | None = None,
+        output: Any = None,
+        error: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        # A task is born submitted; the first update may already say working (§10.5).
+        check_state_update(self.state, state)  # raises TASK_INVALID_TRANSITION
+        payload: dict[str, Any] = {"status": state}
+        if message is not None:
+            payload["message"] = message
+        if output is not None:
+            payload["output"] = output
+        if extra:
+            payload.update(extra)
+        node = self.hosted.node
+        env = build_envelope(
+            "respond",
+            self.hosted.agent_id,
+            now_ms=node.now_ms(),
+            to=self.requester,
+            in_reply_to=self.request["id"],
+            task_id=self.task_id,
+            trace=child_trace(self.request.get("trace")),
+            context_id=self.request.get("context_id"),
+            payload=payload,
+            error=error,
+            ids=node.ids,
+        )
+        sign_envelope(env, self.hosted.key)
+        self.state = state
+        if first:
+            # The Task-creating reply goes where every direct respond goes (§6.5).
+            await node.deliver(self.hosted, env, self.requester)
+        await node.publish_task(subjects.task_update(self.task_id), env)
+        return env
+
+    async def progress(self, message: str | None = None, *, usage: list[Mapping[str, Any]] | None = None) -> None:
+        """A ``working`` update (cumulative usage may ride along, §13.5)."""
+        await self._send("working", message=message, extra={"usage": list(usage)} if usage else None)
+
+    async def require_input(self, problems: list[Mapping[str, Any]], message: str | None = None) -> None:
+        """Pause in ``input_required`` with §6.5 problem reports."""
+        await self._send("input_required", message=message, extra={"problems": [dict(p) for p in problems]})
+
+    async def require_auth(self, message: str | None = None) -> None:
+        await self._send("auth_required", message=message)
+
+    async def reject(self, message: str | None = None) -> None:
+        """Decline the task before work began (``submitted`` → ``rejected``)."""
+        await self._send("rejected", message=message)
+
+    async def pause_for_budget(self, spent: Money, estimate_to_finish: Money, *, timeout: float | None = None) -> Any:
+        """Stop at the cost ceiling (§7.7): ``input_required`` with BUDGET_EXHAUSTED;
+        returns the revised budget once the requester raises it (or None on timeout)."""
+        self._revision.clear()
+        await self._send(
+            "input_required",
+            error=budget_exhausted_error(spent, estimate_to_finish),
+            extra={"spent": spent.to_object() if hasattr(spent, "to_object") else None},
+        )
+        try:
+            await asyncio.wait_for(self._revision.wait(), timeout=timeout)
+        except TimeoutError:
+            return None
+        await self._send("working", message="budget revised")
+        return self.budget
+
+    async def exhaust(self, message: str | None = None, *, output: Any = None) -> None:
+        """End at the not-to-exceed cap (terminal ``exhausted``, not a failure)."""
+        await self._send("exhausted", message=message, output=output)
+
+    def accept_revision(self, env: Mapping[str, Any]) -> None:
+        """A budget revision arrived on the update subject (from a party; checked)."""
+        block = (env.get("payload") or {}).get("budget") if isinstance(env.get("payload"), Mapping) else None
+        if block is None:
+            return
+        try:
+            self.budget = check_revision(
+                sender=str(env.get("from")),
+                requester=self.requester,
+                responder=self.hosted.agent_id,
+                task_state=self.state,
+                current=self.budget,
+                block=block,
+                now_ms=self.hosted.node.now_ms(),
+            )
+        except ProtocolError as exc:
+            self.hosted.agent.log.info("budget revision refused: %s", exc)
+            return
+        self._revision.set()
+
+
+class StreamBroken(ProtocolError):
+    """A stream ended wrong: truncated, a chunk missing or injected, or from
+    someone other than the agent that opened it (§11.6)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("INVALID_ENVELOPE", message, {"stream": "broken"})
+
+
+class RequesterTask:
+    """The caller's side of a Task its request became (§7.0, §11.3).
+
+    ``await task.result()`` waits for the terminal update (replaying the task's
+    updates from the start, so nothing published before the wait is missed);
+    ``async for data in task.stream()`` yields chunk data with the stream's
+    integrity checked; ``await task.record()`` asks the task manager.
+    """
+
+    def __init__(self, hosted: HostedAgent, opening: Mapping[str, Any], *, sign_chunks: bool = False) -> None:
+        self.hosted = hosted
+        self.opening = opening
+        self.task_id = str(opening["task_id"])
+        self.responder = str(opening["from"])
+        self.sign_chunks = sign_chunks
+        self.last_update: Mapping[str, Any] = opening
+
+    def _consumer(self, subject: str, kind: str) -> Any:
+        """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``):
+        deliver all, so nothing published before the wait began is missed; the
+        server reaps it once idle."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        name = f"mesh_task_{self.task_id}_{self.hosted.agent_id}" + ("" if kind == "u" else "_stream")
+        return ConsumerConfig(
+            name=name,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            max_deliver=3,
+            filter_subject=subject,
+            inactive_threshold=120.0,
+        )
+
+    @property
+    def state(self) -> str:
+        payload = self.last_update.get("payload")
+        return str(payload.get("status")) if isinstance(payload, Mapping) else "submitted"
+
+    async def updates(self, timeout: float) -> AsyncIterator[Mapping[str, Any]]:
+        """Every signed update from the responder, in order, until a terminal one."""
+        node = self.hosted.node
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            await queue.put(msg.data)
+            try:
+                await msg.ack()
+            except Exception:
+                pass
+
+        sub = await node.connection.js.subscribe(
+            subjects.task_update(self.task_id), cb=on_msg, stream="MESH_TASKS", manual_ack=True,
+            config=self._consumer(subjects.task_update(self.task_id), "u"),
+        )
+        seen: set[str] = set()
+        try:
+            while True:
+                data = await asyncio.wait_for(queue.get(), timeout=timeout)
+                try:
+                    env = decode_envelope(data)
+                except ProtocolError:
+                    continue
+                if env["id"] in seen or env.get("task_id") != self.task_id:
+                    continue
+                seen.add(env["id"])
+                if env["from"] != self.responder and env["from"] != self.hosted.agent_id:
+                    continue  # only the task's parties speak on it
+                raw_payload = env.get("payload")
+                payload: Mapping[str, Any] = raw_payload if isinstance(raw_payload, Mapping) else {}
+                if env["from"] == self.responder and "status" in payload:
+                    self.last_update = env
+                yield env
+                if env["from"] == self.responder and str(payload.get("status")) in _TERMINAL:
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def result(self, timeout: float = 300.0) -> Mapping[str, Any]:
+        """The terminal update (completed, failed, canceled, rejected, exhausted)."""
+        if self.state in _TERMINAL:
+            return self.last_update
+        async for _ in self.updates(timeout):
+            pass
+        return self.last_update
+
+    async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
+        """Chunk data in order; raises StreamBroken on a gap, an injection, a
+        chunk from anyone but the opener, or a final chunk that does not verify."""
+        node = self.hosted.node
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            await queue.put(msg.data)
+            try:
+                await msg.ack()
+            except Exception:
+                pass
+
+        sub = await node.connection.js.subscribe(
+            subjects.task_stream(self.task_id), cb=on_msg, stream="MESH_TASKS", manual_ack=True,
+            config=self._consumer(subjects.task_stream(self.task_id), "s"),
+        )
+        expected = 0
+        try:
+            while True:
+                raw = await asyncio.wait_for(queue.get(), timeout=timeout)
+                try:
+                    env = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    raise StreamBroken("a stream chunk is not JSON") from None
+                payload = env.get("payload") if isinstance(env, dict) else None
+                if not isinstance(payload, dict) or env.get("task_id") != self.task_id:
+                    raise StreamBroken("a chunk does not belong to this task")
+                if env.get("from") != self.responder:
+                    raise StreamBroken("a chunk from someone other than the agent that opened the stream")
+                final = payload.get("final") is True
+                if final or self.sign_chunks or "sig" in env:
+                    try:
+                        verify_envelope(env)
+                    except ProtocolError:
+                        raise StreamBroken("a chunk signature does not verify") from None
+                index = payload.get("chunk_index")
+                if index != expected:
+                    raise StreamBroken(f"chunk {index} arrived where {expected} was due (missing or injected)")
+                expected += 1
+                if "data" in payload:
+                    yield payload["data"]
+                if final:
+                    if payload.get("chunk_count") != expected:
+                        raise StreamBroken("the final chunk's chunk_count does not match what arrived")
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def cancel(self, reason: str, note: str | None = None) -> Mapping[str, Any]:
+        """Cancel with a reason from the closed enum (§10.8): the cancel request
+        to the responder, and the ``canceled`` update the task manager records."""
+        if reason not in CANCEL_REASONS:
+            raise ProtocolError("INVALID_ENVELOPE", f"cancel reason {reason!r} is not one of the eight", {"member": "reason"})
+        result: Mapping[str, Any] = await self.hosted.node.cancel_task(
+            self.hosted, self.responder, self.task_id, reason, note
+        )
+        return result
+
+    async def record(self) -> Mapping[str, Any]:
+        """The task manager's record: the way back to a result after losing the stream."""
+        record: Mapping[str, Any] = await self.hosted.node.service_call(
+            self.hosted, f"mesh.task.get.{self.task_id}", "request", {"task_id": self.task_id}
+        )
+        return record
+
+
+_TERMINAL = {"completed", "failed", "canceled", "rejected", "exhausted"}
+
+
+def propagated(reason: str, note: str | None) -> tuple[str, str]:
+    """(reason, note) for a cancel forwarded to a delegate (§10.8 propagation)."""
+    return "upstream_cancelled", propagated_note(reason, note)
+
+
+__all__ += ["TaskState", "propagated"]

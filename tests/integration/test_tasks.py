@@ -1,0 +1,77 @@
+"""Tasks across and within nodes: deferral with progress, streaming, cancel with propagation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet
+
+pytestmark = pytest.mark.integration
+
+PLUGINS = {"plugin_modules": ["tests.agents:tasks_plugin"]}
+
+
+def both(meshnode_daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess]:
+    a = meshnode_daemons.embedded("a", agents={"tasks": {"plugin": "test-tasks"}}, node=PLUGINS)
+    b = meshnode_daemons.joined("b", via=a, agents={"tasks_b": {"plugin": "test-tasks"}}, node=PLUGINS)
+    return a, b
+
+
+def test_deferred_task_completes_with_output_locally_and_remotely(meshnode_daemons: DaemonSet) -> None:
+    a, b = both(meshnode_daemons)
+    for caller, target in ((a, "tasks"), (a, b.agent_id("tasks_b")), (b, a.agent_id("tasks"))):
+        result: dict[str, Any] = caller.call(target, "slow", {"steps": 3})
+        assert result["status"] == "completed", result
+        assert result["output"] == {"done": 3} and result["task_id"].startswith("t")
+        assert result["accepted"] is True
+
+
+def test_rejected_and_illegal(meshnode_daemons: DaemonSet) -> None:
+    a, _ = both(meshnode_daemons)
+    result = a.call("tasks", "reject")
+    assert result["status"] == "rejected"
+
+
+def test_streamed_words_arrive_in_order_and_final_output_recovers(meshnode_daemons: DaemonSet) -> None:
+    a, b = both(meshnode_daemons)
+    text = "the quick brown fox jumps over the lazy dog"
+    for caller, target in ((a, "tasks"), (a, b.agent_id("tasks_b"))):
+        params = {"agent": target, "offering": "words", "input": {"text": text}, "config": {"stream": True}, "timeout": 30}
+        result = caller.admin("Call", params)
+        assert result["status"] == "completed" and result["output"] == "".join(w + " " for w in text.split())
+        # Without stream: the same words, one bare answer, no task.
+        bare = caller.call(target, "words", {"text": text})
+        assert bare["status"] == "completed" and bare["task_id"] is None and bare["output"] == result["output"]
+
+
+def test_cancel_stops_the_handler_and_propagates_to_delegates(meshnode_daemons: DaemonSet) -> None:
+    a, b = both(meshnode_daemons)
+    opened = a.admin("Call", {"agent": b.agent_id("tasks_b"), "offering": "delegate",
+                              "input": {"target": a.agent_id("tasks")}, "wait_task": False, "timeout": 30})
+    task_id = opened["task_id"]
+    assert opened["status"] == "working"
+    deadline = time.monotonic() + 10
+    child: str | None = None
+    while time.monotonic() < deadline and child is None:
+        performing = a.admin("Tasks.List")["tasks"]  # A performs the delegate's sub-task
+        child = next((t["task_id"] for t in performing if t["agent"] == "tasks"), None)
+        time.sleep(0.1)
+    assert child, "the delegate never started its sub-task"
+    answer = a.admin("Tasks.Cancel", {"task_id": task_id, "agent": b.agent_id("tasks_b"), "reason": "superseded"})
+    assert answer["status"] == "canceled"
+    # B stopped its handler; the cancel was forwarded to A's sub-task as upstream_cancelled.
+    while time.monotonic() < deadline and any(t["task_id"] == child for t in a.admin("Tasks.List")["tasks"]):
+        time.sleep(0.1)
+    assert not any(t["task_id"] == child for t in a.admin("Tasks.List")["tasks"])
+    assert b.admin("Tasks.List")["tasks"] == []
+    counters = next(x for x in a.status()["agents"] if x["name"] == "tasks")["counters"]
+    assert counters.get("tasks.canceled") == 1
+    # A second cancel finds nothing left to cancel there.
+    from meshnode.admin.protocol import Refused
+
+    with pytest.raises(Refused) as refused:
+        a.admin("Tasks.Cancel", {"task_id": task_id, "agent": b.agent_id("tasks_b"), "reason": "superseded"})
+    assert refused.value.code == "TASK_NOT_FOUND"
