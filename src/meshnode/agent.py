@@ -50,6 +50,7 @@ from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from meshnode.node.outbound import Reply
+    from meshnode.node.tasks import ResponderTask
 
 __all__ = [
     "Agent",
@@ -225,6 +226,21 @@ class Context(Protocol):
     def log(self) -> logging.Logger:
         """A logger named for this agent."""
 
+    @property
+    def task(self) -> ResponderTask | None:
+        """The Task this request became, once :meth:`defer` was called (or a stream opened)."""
+
+    async def defer(self, status: str = "working", message: str | None = None) -> ResponderTask:
+        """Answer now with a Task id and keep working (§7.0).
+
+        The returned handle sends ``progress()``, ``require_input(problems)``,
+        ``require_auth()``, ``reject()``, ``pause_for_budget(spent, estimate)``
+        and ``exhaust()`` updates on ``mesh.task.{id}.update``; the handler's
+        return value completes the task and a raised Refusal fails it. A
+        streaming offering (an async generator handler asked with
+        ``config.stream``) becomes a Task without calling this.
+        """
+
     async def request(
         self,
         target: str,
@@ -317,6 +333,16 @@ class Agent:
 
     async def on_event(self, ctx: Context, event: Event) -> None:
         """Called for each event on a subscription this agent made."""
+
+    async def admit(self, ctx: Context, offering: str, input: Any, budget: Any) -> None:
+        """Budget admission (§7.7), before the accept and before any work.
+
+        ``budget`` is the request's parsed budget (``meshnode.protocol.budget.Budget``)
+        or None. Raise ``Refusal("BUDGET_INSUFFICIENT", ..., {"estimate": {...}})`` or
+        ``Refusal("DEADLINE_UNMEETABLE", ..., {"earliest_completion": ...})`` when the
+        work will not fit: refuse-with-estimate is how a caller learns the price.
+        A deadline already past is refused by the node without asking.
+        """
 
 
 @dataclass

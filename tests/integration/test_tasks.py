@@ -75,3 +75,38 @@ def test_cancel_stops_the_handler_and_propagates_to_delegates(meshnode_daemons: 
     with pytest.raises(Refused) as refused:
         a.admin("Tasks.Cancel", {"task_id": task_id, "agent": b.agent_id("tasks_b"), "reason": "superseded"})
     assert refused.value.code == "TASK_NOT_FOUND"
+
+
+def test_budget_admission_and_pause_at_the_ceiling(meshnode_daemons: DaemonSet) -> None:
+    plugins = {"plugin_modules": ["tests.agents:seller_plugin"]}
+    a = meshnode_daemons.embedded("a", agents={"seller": {"plugin": "test-seller"}}, node=plugins)
+    b = meshnode_daemons.joined("b", via=a, agents={"buyer": {"plugin": "test-seller"}}, node=plugins)
+    seller = a.agent_id("seller")
+    refused = b.admin("Call", {"agent": seller, "offering": "metered", "input": {}, "timeout": 10,
+                               "budget": {"revision": 0, "cost_ceiling": {"amount_micro": 10, "currency": "USD"}}})
+    assert refused["status"] == "failed" and refused["error"]["code"] == "BUDGET_INSUFFICIENT"
+    assert refused["error"]["details"]["estimate"] == {"amount_micro": 1000, "currency": "USD"}
+    past = b.admin("Call", {"agent": seller, "offering": "metered", "input": {}, "timeout": 10,
+                            "budget": {"revision": 0, "deadline": "2020-01-01T00:00:00Z"}})
+    assert past["status"] == "failed" and past["error"]["code"] == "DEADLINE_UNMEETABLE"
+    # Across nodes: the seller pauses at the ceiling, the buyer raises the budget, work resumes.
+    bought = b.call("buyer", "buy", {"target": seller}, timeout=30)
+    assert bought["output"] == {"status": "completed", "output": {"finished": True, "revision": 1}}, bought
+
+
+def test_requester_detects_gaps_truncation_and_foreign_chunks(meshnode_daemons: DaemonSet) -> None:
+    plugins = {"plugin_modules": ["tests.agents:streams_plugin"]}
+    a = meshnode_daemons.embedded("a", agents={"producer": {"plugin": "test-streams"}}, node=plugins)
+    b = meshnode_daemons.joined("b", via=a, agents={"consumer": {"plugin": "test-streams"}}, node=plugins)
+    producer = a.agent_id("producer")
+
+    def consume(offering: str) -> dict[str, Any]:
+        result = b.call("consumer", "consume", {"target": producer, "offering": offering}, timeout=30)
+        assert result["status"] == "completed", result
+        output: dict[str, Any] = result["output"]
+        return output
+
+    assert consume("honest") == {"chunks": ["c0", "c1", "c2", "c3", "c4"]}
+    assert "missing or injected" in consume("gap")["broken"]
+    assert "chunk_count" in consume("truncated")["broken"]
+    assert "someone other than the agent that opened" in consume("forged")["broken"]

@@ -435,7 +435,10 @@ class Daemon:
         ctx = AgentContext(cli, trace=new_root_trace())
         config = params.get("config") if isinstance(params.get("config"), dict) else None
         try:
-            reply = await ctx.request(target_id, offering, params.get("input"), timeout=float(timeout), config=config)
+            budget = params.get("budget") if isinstance(params.get("budget"), dict) else None
+            reply = await ctx.request(
+                target_id, offering, params.get("input"), timeout=float(timeout), config=config, budget=budget
+            )
             if reply.task is not None and params.get("wait_task", True):
                 final = await reply.task.result(timeout=float(timeout))
                 payload = final.get("payload") if isinstance(final.get("payload"), dict) else {}

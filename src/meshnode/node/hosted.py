@@ -291,6 +291,7 @@ class HostedAgent:
             return "held"
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
+            await self._admit_budget(env, spec, handler_input)
         except ProtocolError as exc:
             self.counters[f"refused.{exc.code}"] += 1
             await self._answer(env, status="failed", error=exc.to_object(), path=source)
@@ -350,6 +351,13 @@ class HostedAgent:
         if env.get("budget") is not None:
             check_admission(parse_budget(env["budget"]), now_ms)
         return spec, handler_input
+
+    async def _admit_budget(self, env: Mapping[str, Any], spec: OfferingSpec, handler_input: Any) -> None:
+        """The agent's own admission hook (§7.7): refusals here come instead of an accept."""
+        if type(self.agent).admit is Agent.admit:
+            return
+        budget = parse_budget(env["budget"]) if env.get("budget") is not None else None
+        await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
         self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Source

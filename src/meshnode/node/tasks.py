@@ -128,15 +128,30 @@ class ResponderTask:
         """Stop at the cost ceiling (§7.7): ``input_required`` with BUDGET_EXHAUSTED;
         returns the revised budget once the requester raises it (or None on timeout)."""
         self._revision.clear()
-        await self._send(
-            "input_required",
-            error=budget_exhausted_error(spent, estimate_to_finish),
-            extra={"spent": spent.to_object() if hasattr(spent, "to_object") else None},
-        )
+        node = self.hosted.node
+
+        async def on_update(msg: Any) -> None:
+            # Revisions ride the task's update subject (§7.7); only verified ones count.
+            try:
+                env = decode_envelope(msg.data)
+            except ProtocolError:
+                return
+            if env.get("task_id") == self.task_id and env["from"] != self.hosted.agent_id:
+                self.accept_revision(env)
+
+        sub = await node.connection.subscribe(subjects.task_update(self.task_id), on_update)
         try:
-            await asyncio.wait_for(self._revision.wait(), timeout=timeout)
-        except TimeoutError:
-            return None
+            await self._send(
+                "input_required",
+                error=budget_exhausted_error(spent, estimate_to_finish),
+                extra={"spent": spent.to_object()},
+            )
+            try:
+                await asyncio.wait_for(self._revision.wait(), timeout=timeout)
+            except TimeoutError:
+                return None
+        finally:
+            await sub.unsubscribe()
         await self._send("working", message="budget revised")
         return self.budget
 
@@ -317,6 +332,17 @@ class RequesterTask:
             self.hosted, self.responder, self.task_id, reason, note
         )
         return result
+
+    async def revise_budget(self, block: Mapping[str, Any]) -> None:
+        """Send a budget revision (§7.7): absolute, with a higher ``revision``,
+        as a task update carrying only the budget."""
+        node = self.hosted.node
+        env = build_envelope(
+            "respond", self.hosted.agent_id, now_ms=node.now_ms(), to=self.responder, task_id=self.task_id,
+            payload={"budget": dict(block)}, ids=node.ids,
+        )
+        sign_envelope(env, self.hosted.key)
+        await node.publish_task(subjects.task_update(self.task_id), env)
 
     async def record(self) -> Mapping[str, Any]:
         """The task manager's record: the way back to a result after losing the stream."""
