@@ -61,15 +61,18 @@ __all__ = [
     "UDS_PATH_MAX",
     "AdminConfig",
     "AgentConfig",
+    "ArtifactsConfig",
     "Config",
     "ConfigError",
     "ConfigProblem",
     "EmbeddedMeshConfig",
+    "EventsConfig",
     "InboxConfig",
     "KeystoreConfig",
     "LoggingConfig",
     "MeshConfig",
     "NodeConfig",
+    "ObservabilityConfig",
     "ProtectionsConfig",
     "RegistryConfig",
     "default_config_path",
@@ -666,6 +669,8 @@ class ProtectionsConfig(BaseModel):
     mailbox_max_age: Duration = timedelta(days=7)
     """Must not exceed ``inbox.buffer_max_age``."""
     dedup_entries: Annotated[int, Field(ge=1)] = 5000
+    check_sender_vouch: bool = True
+    """Refuse requests from senders no node vouches for (§5.3 step 2), asking the registry."""
 
 
 class InboxConfig(BaseModel):
@@ -676,6 +681,27 @@ class InboxConfig(BaseModel):
     drain_interval: Duration = timedelta(seconds=60)
     buffer_max_age: Duration = timedelta(days=7)
     buffer_max_bytes: ByteSize = 25 * 1024**2
+
+
+class ArtifactsConfig(BaseModel):
+    """``[artifacts]``: the artifact store an embedded-mesh node serves (§7.5.2, §18.5)."""
+
+    model_config = _FORBID
+
+    quota_bytes: ByteSize = 1024**3
+    """Per-owner total of stored bytes."""
+    quota_objects: Annotated[int, Field(ge=1)] = 10_000
+    """Per-owner number of stored objects."""
+    max_object_size: ByteSize = 256 * 1024**2
+    """One object's limit (larger is PAYLOAD_TOO_LARGE, however empty the quota)."""
+    default_retention: Duration = timedelta(days=14)
+    """Task retention (7d) plus the 7-day grace window of §7.5.2."""
+    max_retention: Duration = timedelta(days=365)
+    """The longest lifetime a writer may declare."""
+    sweep_interval: Duration = timedelta(minutes=5)
+    """How often expired objects are reclaimed (their refs keep answering ARTIFACT_GONE)."""
+    upload_idle: Duration = timedelta(hours=1)
+    """A chunked upload idle this long is discarded."""
 
 
 class KeystoreConfig(BaseModel):
@@ -705,6 +731,36 @@ class LoggingConfig(BaseModel):
         _choice("auto", "json", "text", "journald"),
         _choice_schema("auto", "json", "text", "journald"),
     ] = "auto"
+
+
+class EventsConfig(BaseModel):
+    """``[events]``: emitting events and feeds (§6.6, §6.6a)."""
+
+    model_config = _FORBID
+
+    emit_limit: Annotated[int, Field(ge=1)] = 600
+    """Emits one agent may make on one subject per ``emit_window`` (sender-side)."""
+    emit_window: Duration = timedelta(seconds=60)
+
+
+class ObservabilityConfig(BaseModel):
+    """``[observability]``: publishing spans, logs and metrics (§13). All off by default."""
+
+    model_config = _FORBID
+
+    spans: bool = False
+    """Publish a span_completed event per hop on ``mesh.trace.{agent}`` (§13.1.1)."""
+    logs: bool = False
+    """Publish agent log records on ``mesh.log.{agent}.{level}`` (§13.3)."""
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        _choice("debug", "info", "warning", "error", fold_case=True),
+        _choice_schema("debug", "info", "warning", "error"),
+    ] = "info"
+    """The lowest level published when ``logs`` is on."""
+    metrics: bool = False
+    """Publish §13.2 metrics per agent on ``mesh.metrics.{agent}`` every ``metrics_interval``."""
+    metrics_interval: Duration = timedelta(seconds=60)
 
 
 _AGENT_KEYS = ("plugin", "enabled", "interaction")
@@ -783,8 +839,11 @@ class Config(BaseSettings):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     protections: ProtectionsConfig = Field(default_factory=ProtectionsConfig)
     inbox: InboxConfig = Field(default_factory=InboxConfig)
+    artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     keystore: KeystoreConfig = Field(default_factory=KeystoreConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     agents: dict[str, AgentConfig] = Field(default_factory=dict)
     """Hosted agents by local name (``[a-z0-9][a-z0-9_-]{0,63}``)."""
 

@@ -511,11 +511,14 @@ async def test_visibility_tiers(net: Mesh, platform: PlatformServices) -> None:
     got = await call(stranger.conn, f"mesh.registry.get.{unlisted.public_key}",
                      signed("discover", outsider, {"agent_id": unlisted.public_key}))
     assert got["payload"]["id"] == unlisted.public_key and got["payload"]["visibility"] == "unlisted"
-    # ... a private one only to its owner.
+    # ... a private one in full only to its owner; others learn only where to
+    # answer it and who vouches for it, never its description.
     got = await call(stranger.conn, f"mesh.registry.get.{private.public_key}", signed("discover", outsider))
-    assert error_code(got) == "NOT_FOUND"
+    assert set(got["payload"]) <= {"id", "endpoint", "endpoints", "node", "visibility", "protocol_version"}
+    assert got["payload"]["node"]["attestation"]["agent"] == private.public_key
+    assert "description" not in got["payload"] and "offerings" not in got["payload"]
     got = await call(home.conn, f"mesh.registry.get.{private.public_key}", signed("discover", public))
-    assert got["payload"]["id"] == private.public_key
+    assert got["payload"]["id"] == private.public_key and "offerings" in got["payload"]
 
 
 async def test_discover_pages_with_a_cursor(net: Mesh, platform: PlatformServices) -> None:

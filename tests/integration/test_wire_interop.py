@@ -476,3 +476,26 @@ async def test_replayed_envelope_with_fresh_id_is_not_a_duplicate(wire: Wire) ->
         await wire.client.publish_request(env, inbox)
         responds = await wire.client.wait_for(wire.agent, env["id"], timeout=REPLY_TIMEOUT_S)
         assert _status(responds[-1]) == "completed"
+
+
+async def test_a_sender_no_node_vouches_for_is_refused(wire: Wire) -> None:
+    """§5.3 step 2: a genuine signature from a key no node vouches for is refused
+    UNAUTHORIZED (the registry is asked once; the answer is memoised)."""
+    stranger = WireAgent(UserKey.generate(), "stranger", offerings={})
+    before = await wire.counters("echo")
+    request = wire.client.request_envelope(stranger, wire.echo_id, "echo", "hi")
+    await wire.client.publish_request(request, await wire.inbox_of(wire.echo_id))
+    deadline = asyncio.get_running_loop().time() + 5
+    after = before
+    while asyncio.get_running_loop().time() < deadline:
+        after = await wire.counters("echo")
+        if after.get("refused.sender_not_vouched", 0) > before.get("refused.sender_not_vouched", 0):
+            break
+        await asyncio.sleep(0.1)
+    assert after.get("refused.sender_not_vouched", 0) == before.get("refused.sender_not_vouched", 0) + 1
+    assert after.get("dispatched", 0) == before.get("dispatched", 0)
+    # The registered agent of the same node is still served.
+    request = wire.client.request_envelope(wire.agent, wire.echo_id, "echo", "still fine")
+    await wire.client.publish_request(request, await wire.inbox_of(wire.echo_id))
+    replies = await wire.client.wait_for(wire.agent, request["id"], timeout=REPLY_TIMEOUT_S)
+    assert _status(replies[-1]) == "completed"

@@ -118,7 +118,7 @@ class Daemon:
         for name in names:
             self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
         if self.embedded_mode:
-            for name in ("registry", "presence"):
+            for name in ("registry", "presence", "tasks", "artifacts", "feeds"):
                 self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
                     store.get_or_create, f"service.{name}"
                 )
@@ -271,6 +271,22 @@ class Daemon:
         await registry.start()
         await presence.start()
         self.services = [registry, presence]
+        # The artifact store (§7.5, §18.5), owners resolved from the registry.
+        from meshnode.daemon.artifacts import start_artifact_service
+
+        self.services.append(await start_artifact_service(context("artifacts"), registry, self.config.artifacts))
+        from meshnode.services.tasks import TaskManagerService
+
+        # Attribution (§10.8a) reads the responder's needs from the registry's cache.
+        tasks = TaskManagerService(context("tasks"), manifest_of=registry.manifest)
+        await tasks.start()
+        self.services.append(tasks)
+        # Feeds (§6.6a, §18.3): MESH_FEED, the state-feed KV and mesh.feed.get.
+        from meshnode.services.feeds import FeedService
+
+        feeds = FeedService(context("feeds"))
+        await feeds.start()
+        self.services.append(feeds)
 
     def _ids(self) -> Any:
         from meshnode.protocol.envelope import IdGenerator
@@ -292,8 +308,22 @@ class Daemon:
             ),
             max_inbound_chars=p.max_inbound_chars,
             dedup_entries=p.dedup_entries,
+            emit_limit=self.config.events.emit_limit,
+            emit_window_ms=_ms(self.config.events.emit_window),
         )
         self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
+        from meshnode.node.observe import ObservabilitySettings, install
+
+        o = self.config.observability
+        install(self.node, ObservabilitySettings(
+            spans=o.spans, logs=o.logs, log_level=logging.getLevelName(o.log_level.upper()),
+            metrics=o.metrics, metrics_interval_s=o.metrics_interval.total_seconds(),
+        ))
+        if p.check_sender_vouch:
+            from meshnode.node.trust import VouchMemo
+
+            self.node.trust = VouchMemo(self.node)
         from meshnode.node.inbox import InboxStore
 
         self.inbox = InboxStore(
@@ -356,6 +386,9 @@ class Daemon:
         from meshnode.daemon.operations import register_operations
 
         register_operations(self, methods)
+        from meshnode.daemon.artifacts import register_artifact_methods
+
+        register_artifact_methods(self, methods)
         self.plugin_manager.add_admin_methods(methods, self)
         self.admin = AdminServer(
             self.config.admin.socket,
@@ -395,6 +428,7 @@ class Daemon:
             "keystore": self.keystore.describe() if self.keystore else None,
             "agents": agents,
             "services": [type(s).__name__ for s in self.services],
+            "observability": self.node.observability.status() if self.node and self.node.observability else None,
         }
 
     def control_plane_url(self) -> str | None:
@@ -462,6 +496,8 @@ class Daemon:
             "from": reply.envelope.get("from"),
             "accepted": reply.accepted,
             "task_id": reply.task_id,
+            # Deliverables (§7.5), e.g. an output too large for one message (§18.9).
+            **({"artifacts": reply.envelope["artifacts"]} if reply.envelope.get("artifacts") else {}),
         }
 
     async def _refresh_credential(self) -> None:

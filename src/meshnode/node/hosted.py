@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 
 from meshnode.agent import Agent, Event, OfferingSpec
+from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.tasks import ResponderTask, new_task_id, propagated
 from meshnode.protocol.accept import build_queued_ack
+from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.cancel import check_cancelable, parse_cancel_input
 from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
@@ -248,15 +250,19 @@ class HostedAgent:
             envelope=env,
         )
         ctx = AgentContext(self, envelope=env)
+        ok = True
         try:
             await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
         except Exception:
+            ok = False
             self.counters["events.failed"] += 1
             self.agent.log.exception("on_event failed for %s", subject)
-            return True
-        self.counters["events.handled"] += 1
+        else:
+            self.counters["events.handled"] += 1
+        if self.node.observability is not None:  # closes the event's consumer span (§13.1.1)
+            self.node.observability.event_done(self, env, ok)
         return True
 
     async def _on_request(
@@ -274,6 +280,16 @@ class HostedAgent:
         if offering_id == DESCRIBE_OFFERING:
             await self._describe(env, now_ms, source)
             return "answered"
+        trust = self.node.trust
+        if trust is not None and offering_id != DESCRIBE_OFFERING and env["from"] not in self.node.by_id:
+            # §5.3 step 2: a node must vouch for the sender (describe stays open to strangers).
+            standing = await trust.status(self, env["from"])
+            if standing in ("unvouched", "revoked"):
+                reason = "sender_key_revoked" if standing == "revoked" else "sender_not_vouched"
+                self.counters[f"refused.{reason}"] += 1
+                error = error_object("UNAUTHORIZED", "no node vouches for the sender", {"reason": reason})
+                await self._answer(env, status="failed", error=error, path=source)
+                return "answered"
         if offering_id == CANCEL_OFFERING:
             await self._on_cancel(env, payload, source)
             return "answered"
@@ -337,6 +353,10 @@ class HostedAgent:
             if not isinstance(accepted, list) or not all(isinstance(a, str) for a in accepted):
                 raise ProtocolError("INVALID_ENVELOPE", "config.accepted_output must be a list of media types")
             check_content_type(self.manifest, offering_id, accepted)
+        # Attached files and resources are checked for shape only: nothing a
+        # sender names is fetched before (or by) admission (§7.5.3, §7.5.5).
+        parse_files(payload.get("files"))
+        parse_resources(payload.get("resources"))
         handler_input = payload.get("input")
         validator = self._validators.get(offering_id)
         if validator is not None:
@@ -396,10 +416,21 @@ class HostedAgent:
                 await self._answer(env, status="failed", error=error, path=source)
         else:
             self.counters["completed"] += 1
+            try:
+                # Artifacts the handler attached, and the output itself stored
+                # as one when the answer would not fit the transport (§18.9).
+                output, artifacts = await spill_oversized_output(self, env, output, ctx.attached_artifacts or None)
+            except ProtocolError as exc:
+                self.counters["failed"] += 1
+                if ctx.task is not None:
+                    await self._finish_task(ctx.task, "failed", error=exc.to_object())
+                else:
+                    await self._answer(env, status="failed", error=exc.to_object(), path=source)
+                return
             if ctx.task is not None:
-                await self._finish_task(ctx.task, "completed", output=output)
+                await self._finish_task(ctx.task, "completed", output=output, artifacts=artifacts)
             else:
-                await self._answer(env, status="completed", output=output, path=source)
+                await self._answer(env, status="completed", output=output, artifacts=artifacts, path=source)
         finally:
             if ctx.task is not None:
                 self.tasks.pop(ctx.task.task_id, None)
@@ -424,12 +455,18 @@ class HostedAgent:
         return task
 
     async def _finish_task(
-        self, task: ResponderTask, state: str, *, output: Any = None, error: Mapping[str, Any] | None = None
+        self,
+        task: ResponderTask,
+        state: str,
+        *,
+        output: Any = None,
+        error: Mapping[str, Any] | None = None,
+        artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
         if task.state in ("completed", "failed", "canceled", "rejected", "exhausted"):
             return
         try:
-            await task._send(state, output=output, error=error)
+            await task._send(state, output=output, error=error, artifacts=artifacts)
         except ProtocolError as exc:
             self.agent.log.warning("task %s could not end as %s: %s", task.task_id, state, exc)
 
@@ -518,6 +555,7 @@ class HostedAgent:
         error: Mapping[str, Any] | None = None,
         path: Source,
         accept: bool = False,
+        artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
         """Sign a respond and deliver it to the requester's inbox (§6.5)."""
         payload: dict[str, Any] = {"status": status}
@@ -533,6 +571,7 @@ class HostedAgent:
             context_id=request.get("context_id"),
             payload=payload,
             error=error,
+            artifacts=artifacts,
             ids=self.node.ids,
         )
         sign_envelope(env, self.key)

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +26,14 @@ from meshnode.agent import Agent, AgentSettings
 from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
+from meshnode.node.observe import Observability
 from meshnode.node.outbound import PendingRequests, RemoteError, Reply
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pubsub import PubSub
+from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
 from meshnode.protocol.accept import is_queued_ack
+from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.attestations import default_vouch_ttl_ms, make_vouch, renew_at_ms
 from meshnode.protocol.envelope import (
     PROTOCOL_VERSION,
@@ -69,6 +73,9 @@ class NodeSettings:
     dedup_entries: int = 5000
     registry_timeout_s: float = 5.0
     resolve_ttl_s: float = 30.0
+    #: Emits (events and feeds) per agent per subject per window (§6.6).
+    emit_limit: int = 600
+    emit_window_ms: int = 60_000
 
 
 class Node:
@@ -98,6 +105,11 @@ class Node:
         self._jobs: dict[str, PeriodicJob] = {}
         self._liveness_tasks: set[asyncio.Task[None]] = set()
         self.inbox: InboxStore | None = None
+        self.trust: VouchMemo | None = None
+        # Events and feeds (meshnode.node.pubsub); observability publishing is
+        # None unless the operator turned some of it on (meshnode.node.observe).
+        self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
+        self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = 60.0
         connection.on_reconnect(self._on_reconnect)
@@ -116,6 +128,8 @@ class Node:
     def audit(self, hosted: HostedAgent, env: Mapping[str, Any], *, direction: str, path: str) -> None:
         """Every envelope in or out, local or remote, passes here (§4.7: one audit path)."""
         self.counters[f"{direction}.{env.get('type')}.{path}"] += 1
+        if self.observability is not None:
+            self.observability.on_audit(hosted, env, direction, path)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s %s %s id=%s from=%s to=%s path=%s trace=%s",
@@ -229,6 +243,7 @@ class Node:
         hosted.state = "stopped"
         del self.agents[name]
         self.by_id.pop(hosted.agent_id, None)
+        self.pubsub.forget(hosted)
 
     async def _subscribe_inbox(self, hosted: HostedAgent) -> None:
         async def on_message(msg: Msg) -> None:
@@ -313,8 +328,11 @@ class Node:
             manifest["accepts"] = [
                 p if p.startswith("mesh.event.") else f"mesh.event.{p}" for p in cls.accepts
             ]
-        if cls.emits:
-            manifest["emits"] = list(cls.emits)
+        emits = list(cls.emits)
+        # Declared feeds are discoverable as the agent's feed subjects (§6.6a).
+        emits += [subjects.feed_subject(hosted.agent_id, topic) for topic in cls.feeds]
+        if emits:
+            manifest["emits"] = emits
         if cls.visibility:
             manifest["visibility"] = cls.visibility
         if cls.default_input_modes is not None:
@@ -330,16 +348,19 @@ class Node:
         return describe_document(materialize_public_block(hosted.manifest))
 
     async def service_call(
-        self, hosted: HostedAgent, subject: str, kind: str, payload: Any
+        self, hosted: HostedAgent, subject: str, kind: str, payload: Any, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        """A signed request to a platform service; returns the verified reply's payload."""
+        """A signed request to a platform service; returns the verified reply's payload.
+
+        ``timeout`` (seconds) defaults to ``settings.registry_timeout_s``.
+        """
         env = build_envelope(
             kind, hosted.agent_id, now_ms=self.now_ms(), payload=payload, ids=self.ids
         )
         sign_envelope(env, hosted.key)
         try:
             msg = await self.connection.request(
-                subject, encode_envelope(env), timeout=self.settings.registry_timeout_s
+                subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
             )
         except nats.errors.NoRespondersError:
             raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
@@ -433,14 +454,26 @@ class Node:
         config: Mapping[str, Any] | None = None,
         budget: Mapping[str, Any] | None = None,
         context_id: Any = None,
+        files: Sequence[Mapping[str, Any]] | None = None,
+        resources: Sequence[Mapping[str, Any]] | None = None,
     ) -> Reply:
-        """Pre-flight, sign and send a request; await the substantive reply."""
+        """Pre-flight, sign and send a request; await the substantive reply.
+
+        ``files`` and ``resources`` ride in the payload beside the input
+        (§7.5.3, §7.5.5), checked here as the recipient would check them.
+        """
         manifest = await self.resolve(hosted, target)
         payload: dict[str, Any] = {"offering": offering}
         if input is not None:
             payload["input"] = input
         if config:
             payload["config"] = dict(config)
+        if files:
+            payload["files"] = [dict(f) for f in files]
+            parse_files(payload["files"])
+        if resources:
+            payload["resources"] = [dict(r) for r in resources]
+            parse_resources(payload["resources"])
         preflight_request(payload, manifest)
         env = build_envelope(
             "request",
@@ -534,10 +567,11 @@ class Node:
         sign_envelope(env, hosted.key)
         raw = encode_envelope(env)
         check_envelope_size(len(raw), self.connection.max_payload)
+        subject = subjects.event_subject(domain, event_type)
+        self.pubsub.check_emit(hosted, subject)  # §6.6 per agent per subject; raises RATE_LIMITED
+        self.pubsub.note_emit(hosted, domain)
         self.audit(hosted, env, direction="out", path="live")
-        await self.connection.publish(
-            subjects.event_subject(domain, event_type), raw, headers={"Nats-Msg-Id": env["id"]}
-        )
+        await self.connection.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
 
     # -- tasks -----------------------------------------------------------------
 
@@ -636,6 +670,7 @@ class Node:
                     hosted.agent.log.exception("event pipeline failed")
 
             hosted.subscriptions.append(await self.connection.subscribe(subject, on_live))
+            await self.pubsub.record_subscription(hosted, kind="event", subject=subject)
             return subject
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -661,6 +696,9 @@ class Node:
             subject, durable=name, stream="MESH_EVENTS", config=config, cb=on_durable, manual_ack=True
         )
         hosted.subscriptions.append(sub)
+        await self.pubsub.record_subscription(
+            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
+        )
         return name
 
     # -- heartbeat -------------------------------------------------------------
@@ -698,6 +736,9 @@ class Node:
             await drain.stop()
         for task in list(self._liveness_tasks):
             task.cancel()
+        if self.observability is not None:
+            await self.observability.stop()
+        await self.pubsub.stop()
 
     # -- status ----------------------------------------------------------------
 
@@ -715,6 +756,7 @@ class Node:
             "active_tasks": hosted.active_tasks,
             "counters": dict(hosted.counters),
             "drain": self._drain_status(hosted.name),
+            "subscriptions": self.pubsub.subscriptions(hosted),
         }
 
     def _drain_status(self, name: str) -> dict[str, Any] | None:

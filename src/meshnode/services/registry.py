@@ -53,7 +53,7 @@ Subjects and payloads (the contract):
 ``mesh.registry.get.{agent_id}``
     Payload ``{agent_id}`` (must match the token) or none. Reply: the stored
     manifest plus joined ``availability``. Unlisted agents are returned (get
-    is by id); a private agent is ``NOT_FOUND`` to anybody but its owner,
+    is by id); a private agent shows anybody but its owner only its id, endpoints and vouch,
     and so is an unknown id.
 """
 
@@ -430,12 +430,18 @@ class RegistryService(ServiceBase):
                 "INVALID_QUERY", "agent_id: does not match the subject", {"field": "agent_id"}
             )
         manifest = self._cache.get(token) if is_valid_public(token) else None
-        if manifest is None or (
-            manifest.get("visibility") == "private"
-            and manifest.get("owner") not in self._caller_owners(env["from"])
-        ):
+        if manifest is None:
             raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})
+        if manifest.get("visibility") == "private" and manifest.get("owner") not in self._caller_owners(env["from"]):
+            # A private agent is never listed and its description stays with its
+            # owner, but whoever it wrote to must be able to answer it and to
+            # check that a node vouches for it (§5.3 step 2): only those facts.
+            return {k: manifest[k] for k in _PRIVATE_FACTS if k in manifest}
         return self._with_availability(manifest)
+
+
+#: What a non-owner learns of a private agent by id: identity, where to answer, the vouch.
+_PRIVATE_FACTS = ("id", "endpoint", "endpoints", "node", "visibility", "protocol_version")
 
 
 def _manifest_node_id(payload: object) -> str | None:

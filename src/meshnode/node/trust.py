@@ -1,0 +1,103 @@
+"""Is the sender vouched for? (AgentMesh §5.3 step 2), asked once per sender per node.
+
+A verified signature proves who wrote an envelope; the registry says whether a
+node currently vouches for that key. The answer is memoised for every agent
+of the node: *revoked* is remembered for good, *vouched* for a minute,
+*unvouched* for a few seconds (a new agent registers quickly). When the
+registry cannot be asked, traffic is let through and the node says so once —
+an outage of the registry must not become an outage of the mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from meshnode.protocol import subjects
+from meshnode.protocol.attestations import verify_vouch
+from meshnode.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from meshnode.node.hosted import HostedAgent
+    from meshnode.node.runtime import Node
+
+__all__ = ["VouchMemo"]
+
+log = logging.getLogger("meshnode.trust")
+
+VOUCHED, UNVOUCHED, REVOKED, UNKNOWN = "vouched", "unvouched", "revoked", "unknown"
+
+
+class VouchMemo:
+    def __init__(self, node: Node, *, vouched_ttl_s: float = 60.0, unvouched_ttl_s: float = 5.0, capacity: int = 50_000) -> None:
+        self.node = node
+        self.vouched_ttl_s = vouched_ttl_s
+        self.unvouched_ttl_s = unvouched_ttl_s
+        self.capacity = capacity
+        self._memo: dict[str, tuple[str, float]] = {}
+        self._inflight: dict[str, asyncio.Future[str]] = {}
+        self._outage_logged = False
+        self.lookups = 0
+
+    def _remember(self, sender: str, status: str) -> None:
+        if len(self._memo) >= self.capacity:
+            self._memo.pop(next(iter(self._memo)))  # oldest first; revoked entries are re-learnt
+        ttl = float("inf") if status == REVOKED else self.vouched_ttl_s if status == VOUCHED else self.unvouched_ttl_s
+        self._memo[sender] = (status, time.monotonic() + ttl)
+
+    async def status(self, asker: HostedAgent, sender: str) -> str:
+        if sender in self.node.by_id:
+            return VOUCHED  # we vouch for our own agents
+        cached = self._memo.get(sender)
+        if cached is not None and (cached[0] == REVOKED or cached[1] > time.monotonic()):
+            return cached[0]
+        pending = self._inflight.get(sender)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._inflight[sender] = future
+        try:
+            result = await self._lookup(asker, sender)
+            future.set_result(result)
+            return result
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            self._inflight.pop(sender, None)
+            if not future.done():
+                future.cancel()
+            elif future.exception() is not None:
+                future.exception()  # retrieved: no "never retrieved" warning
+
+    async def _lookup(self, asker: HostedAgent, sender: str) -> str:
+        self.lookups += 1
+        try:
+            manifest = await self.node.service_call(
+                asker, subjects.registry_get(sender), "discover", {"agent_id": sender}
+            )
+        except ProtocolError as exc:
+            details: Mapping[str, Any] = exc.details or {}
+            if exc.code == "NOT_FOUND":
+                self._remember(sender, UNVOUCHED)
+                return UNVOUCHED
+            if exc.code == "UNAUTHORIZED" and details.get("reason") == "agent_key_revoked":
+                self._remember(sender, REVOKED)
+                return REVOKED
+            if not self._outage_logged:
+                log.warning("registry unreachable (%s); sender vouches are not being checked", exc.code)
+                self._outage_logged = True
+            return UNKNOWN
+        self._outage_logged = False
+        node = manifest.get("node") if isinstance(manifest.get("node"), Mapping) else {}
+        attestation = node.get("attestation") if isinstance(node, Mapping) else None
+        try:
+            verify_vouch(attestation, now_ms=self.node.now_ms(), expected_agent=sender)
+        except ProtocolError:
+            self._remember(sender, UNVOUCHED)
+            return UNVOUCHED
+        self._remember(sender, VOUCHED)
+        return VOUCHED
