@@ -32,6 +32,13 @@ def register(commands: Any) -> None:
     _client_args(invite)
     invite.set_defaults(handler=cmd_invite)
 
+    retire = sub.add_parser("retire", help="refuse a node's (or an agent's) next credential: revocation by refusal")
+    who = retire.add_mutually_exclusive_group(required=True)
+    who.add_argument("--node", help="the node id (U...) to retire")
+    who.add_argument("--agent", help="the agent id (U...) to retire")
+    _client_args(retire)
+    retire.set_defaults(handler=cmd_retire)
+
     join = commands.add_parser("join", help="set up this machine as a node of the mesh in an invite file")
     join.add_argument("invite", help="the invite file from `meshnode mesh invite`")
     join.add_argument("--data-dir", required=True, help="data directory for the new node (created 0700)")
@@ -79,6 +86,15 @@ def cmd_invite(args: argparse.Namespace) -> int:
         print(f"invited node {result['name']} ({result['node_id']})")
         print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
+    return EX_OK
+
+
+def cmd_retire(args: argparse.Namespace) -> int:
+    params = {"node_id": args.node} if args.node else {"agent_id": args.agent}
+    code, result = _admin(args, "Mesh.Retire", params)
+    if code != EX_OK:
+        return code
+    print(json.dumps(result) if args.json else f"retired {result['retired']}: {result['message']}")
     return EX_OK
 
 

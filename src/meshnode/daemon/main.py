@@ -227,6 +227,11 @@ class Daemon:
         else:
             self._jwt = await self._obtain_joined_jwt()
         log.info("node credential renewed")
+        # Present it now: the broker closes a connection whose credential expires,
+        # and nats-py treats that authorization error as final, so the renewed
+        # credential must be in place well before the old one lapses (§4.8).
+        if self.connection is not None and self.connection.is_connected:
+            await self.connection.reconnect()
 
     async def _stage_services(self) -> None:
         if not self.embedded_mode:

@@ -53,6 +53,8 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
                 doc="params {task_id} -> the task manager's record (requester or responder must be hosted here)")
     methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
                 doc="params {task_id, agent (the performer), reason, note?} -> the performer's answer; sent as the CLI identity")
+    methods.add("Mesh.Retire", ops.mesh_retire, level="admin",
+                doc="params {node_id} | {agent_id} -> {retired, message}; the message says how long the old credential stays usable")
     methods.add("Metrics", ops.metrics, level="operator",
                 doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
 
@@ -188,6 +190,27 @@ class _Operations:
         except ProtocolError as exc:
             raise Refused(exc.message, exc.to_object()) from None
         return result
+
+    async def mesh_retire(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        plane = self.daemon.control_plane
+        if plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node retires)")
+        node_id, agent_id = params.get("node_id"), params.get("agent_id")
+        try:
+            if isinstance(node_id, str):
+                message = await asyncio.to_thread(plane.retire_node, node_id)
+                retired = node_id
+            elif isinstance(agent_id, str):
+                message = await asyncio.to_thread(plane.retire_agent, agent_id)
+                retired = agent_id
+            else:
+                raise InvalidParameter("node_id or agent_id is required")
+        except LookupError as exc:
+            raise NotFound(str(exc)) from None
+        except ValueError as exc:
+            raise InvalidParameter(str(exc)) from None
+        log.warning("retired %s: %s", retired, message)
+        return {"retired": retired, "message": message}
 
     async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()

@@ -1,0 +1,61 @@
+"""Node credentials over time: renewal before expiry, after a lapse, refusal on retire."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from meshnode.testing import DaemonSet, run_cli
+
+pytestmark = pytest.mark.integration
+
+SHORT = {"mesh.embedded": {"credential_ttl": "6s"}}
+
+
+def test_renewal_before_expiry_and_reconnect_with_the_renewed_credential(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    first = b.status()["credential"]["expires_at"]
+    echo = a.agent_id("echo")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and b.status()["credential"]["expires_at"] == first:
+        time.sleep(0.5)
+    assert b.status()["credential"]["expires_at"] > first, "the credential was not renewed"
+    # Past the first credential's expiry the broker closed that connection; the
+    # reconnect presented the renewed credential and traffic flows.
+    while time.time() < first + 2:
+        time.sleep(0.5)
+    for _ in range(20):
+        if b.status()["mesh"]["connected"]:
+            break
+        time.sleep(0.5)
+    assert b.call(echo, "echo", "after renewal")["output"] == {"ok": "after renewal"}
+    assert a.call(b.agent_id("echo_b"), "echo", "both ways")["status"] == "completed"
+
+
+def test_renewal_after_a_lapse_heals_on_start(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    stored = json.loads((b.data_dir / "credential.json").read_text())
+    assert b.stop() == 0
+    time.sleep(7)  # the stored credential has lapsed while the node was away (a sleeping laptop)
+    b.start()
+    assert b.status()["mesh"]["connected"]
+    renewed = json.loads((b.data_dir / "credential.json").read_text())
+    assert renewed["jwt"] != stored["jwt"]
+    assert b.call(a.agent_id("echo"), "echo", "awake")["output"] == {"ok": "awake"}
+
+
+def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    node_b = b.status()["node"]["id"]
+    out = run_cli("mesh", "retire", "--node", node_b, "--socket", a.socket_path).stdout
+    assert "usable until" in out or "stays usable" in out, out  # the window is stated plainly
+    assert b.stop() == 0
+    (b.data_dir / "credential.json").unlink()  # force a renewal at start
+    with pytest.raises(RuntimeError) as failed:
+        b.start(timeout=30)
+    assert "refused" in str(failed.value) and "node_retired" in str(failed.value)
