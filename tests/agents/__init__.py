@@ -313,3 +313,248 @@ class StreamsPlugin:
 
 
 streams_plugin = StreamsPlugin()
+
+
+# -- events, feeds and observability (issue 11) ------------------------------------
+
+
+class Feeder(Agent):
+    """Publishes and reads feeds, subscribes on demand, and misbehaves on request.
+
+    The misbehaving offerings reach the node's connection directly (test-only):
+    a real agent cannot publish raw bytes or on another agent's feed.
+    """
+
+    description = "feeds and events under test"
+    feeds = {"status": "state", "changes": "stream"}
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen: list[dict[str, Any]] = []
+
+    def _node(self, ctx: Context) -> Any:
+        return ctx._hosted.node  # type: ignore[attr-defined]
+
+    async def on_event(self, ctx: Context, event: Any) -> None:
+        self.seen.append({
+            "subject": event.subject, "sender": event.sender, "data": event.data, "topic": event.topic,
+            "kind": event.kind, "domain": event.domain, "id": event.envelope["id"],
+        })
+
+    @offering("seen")
+    async def seen_events(self, ctx: Context, input: Any) -> Any:
+        return self.seen
+
+    @offering("publish")
+    async def publish(self, ctx: Context, input: Any) -> Any:
+        msg_id = await ctx.publish_feed(input["topic"], input.get("data"), kind=input.get("kind"))
+        return {"id": msg_id}
+
+    @offering("subscribe_feed")
+    async def subscribe_feed(self, ctx: Context, input: Any) -> Any:
+        return await ctx.subscribe_feed(
+            input["owner"], input.get("topic", "*"), durable=input.get("durable", True),
+            replay=input.get("replay", False),
+        )
+
+    @offering("read_state")
+    async def read_state(self, ctx: Context, input: Any) -> Any:
+        event = await ctx.read_feed_state(input["owner"], input["topic"])
+        if event is None:
+            return {"found": False}
+        return {"found": True, "data": event.data, "id": event.envelope["id"], "kind": event.kind}
+
+    @offering("subscribe")
+    async def subscribe(self, ctx: Context, input: Any) -> Any:
+        return await ctx.subscribe(input["pattern"], durable=input.get("durable", True), replay=input.get("replay", False))
+
+    @offering("emit")
+    async def emit(self, ctx: Context, input: Any) -> Any:
+        await ctx.emit(input.get("domain", "demo"), input.get("event_type", "tick"), input.get("data"))
+        return {"emitted": True}
+
+    @offering("emit_many")
+    async def emit_many(self, ctx: Context, input: Any) -> Any:
+        for n in range(int(input["n"])):
+            try:
+                await ctx.emit(input.get("domain", "burst"), "tick", {"n": n})
+            except Refusal as exc:  # pragma: no cover - RATE_LIMITED is a ProtocolError
+                return {"sent": n, "code": exc.code}
+            except Exception as exc:
+                return {"sent": n, "code": getattr(exc, "code", type(exc).__name__),
+                        "retry_after_ms": getattr(exc, "retry_after_ms", None)}
+        return {"sent": int(input["n"]), "code": None}
+
+    @offering("publish_twice")
+    async def publish_twice(self, ctx: Context, input: Any) -> Any:
+        """One signed emit published twice: with the same Nats-Msg-Id through
+        JetStream (``same_id``), or under two message ids (only the subscriber's
+        duplicate memory can catch that)."""
+        from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
+
+        node = self._node(ctx)
+        hosted = ctx._hosted  # type: ignore[attr-defined]
+        domain, event_type = input.get("domain", "demo"), input.get("event_type", "tick")
+        env = build_envelope("emit", ctx.agent_id, now_ms=node.now_ms(), ids=node.ids,
+                             payload={"domain": domain, "event_type": event_type, "data": input.get("data")})
+        sign_envelope(env, hosted.key)
+        raw = encode_envelope(env)
+        subject = f"mesh.event.{domain}.{event_type}"
+        if input.get("same_id", True):
+            acks = [await node.connection.js.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
+                    for _ in range(2)]
+            return {"id": env["id"], "duplicate": [bool(a.duplicate) for a in acks], "seq": [a.seq for a in acks]}
+        for suffix in ("", "-again"):
+            await node.connection.js.publish(subject, raw, headers={"Nats-Msg-Id": env["id"] + suffix})
+        return {"id": env["id"]}
+
+    @offering("publish_on")
+    async def publish_on(self, ctx: Context, input: Any) -> Any:
+        """A feed envelope signed by this agent, published on ``owner``'s feed subject."""
+        from meshnode.protocol.envelope import encode_envelope, sign_envelope
+        from meshnode.protocol.feeds import feed_envelope
+
+        node = self._node(ctx)
+        hosted = ctx._hosted  # type: ignore[attr-defined]
+        env = feed_envelope(ctx.agent_id, input["topic"], input.get("kind", "state"), input.get("data"),
+                            now_ms=node.now_ms(), ids=node.ids)
+        sign_envelope(env, hosted.key)
+        await node.connection.publish(f"mesh.feed.{input['owner']}.{input['topic']}", encode_envelope(env))
+        await node.connection.flush()
+        return {"id": env["id"]}
+
+    @offering("log")
+    async def log_line(self, ctx: Context, input: Any) -> Any:
+        self.log.warning("a warning for the mesh log: %s", input.get("note", ""))
+        return {"trace_id": ctx.trace.get("trace_id"), "span_id": ctx.trace.get("span_id")}
+
+
+class FeederPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-feeder", Feeder)
+
+
+feeder_plugin = FeederPlugin()
+
+
+class Artifacts(Agent):
+    """Puts, fetches, tampers with and derives from artifacts (§7.5); returns big outputs."""
+
+    description = "exercises the artifact store"
+
+    @offering("make", framing=False)
+    async def make(self, ctx: Context, input: Any) -> Any:
+        """``{size, seed, name?, retention_s?}`` → ``{part}``: deterministic bytes, stored."""
+        import random
+
+        data = random.Random(input.get("seed", 0)).randbytes(int(input["size"]))
+        part = await ctx.put_artifact(data, name=input.get("name", "blob.bin"),
+                                      media_type="application/octet-stream",
+                                      retention_s=input.get("retention_s"))
+        return {"part": part}
+
+    @offering("fetch", framing=False)
+    async def fetch(self, ctx: Context, input: Any) -> Any:
+        """``{part | ref, max_bytes?}`` → ``{size, digest}`` of the verified bytes."""
+        from meshnode.protocol.rests_on import digest_of
+
+        data = await ctx.fetch_artifact(input.get("part") or input["ref"], max_bytes=input.get("max_bytes"))
+        return {"size": len(data), "digest": digest_of(data)}
+
+    @offering("stat", framing=False)
+    async def stat(self, ctx: Context, input: Any) -> Any:
+        return await ctx.stat_artifact(input["ref"])
+
+    @offering("big", framing=False)
+    async def big(self, ctx: Context, input: Any) -> Any:
+        """An output larger than one message: ``{"text": "x" * chars}``."""
+        return {"text": "x" * int(input["chars"])}
+
+    @offering("files", framing=False)
+    async def files(self, ctx: Context, input: Any) -> Any:
+        """What the request attached, as the handler sees it (nothing fetched)."""
+        return {"files": [dict(f.declared) for f in ctx.files],
+                "resources": [dict(r.declared) for r in ctx.resources],
+                "uris": [f.uri for f in ctx.files if not f.is_ref]}
+
+    @offering("send_files", framing=False)
+    async def send_files(self, ctx: Context, input: Any) -> Any:
+        """``{target, files?, resources?}``: ask ``target``'s ``files`` offering with attachments."""
+        reply = await ctx.request(input["target"], "files", {}, files=input.get("files"),
+                                  resources=input.get("resources"))
+        return reply.output
+
+    @offering("tamper", framing=False)
+    async def tamper(self, ctx: Context, input: Any) -> Any:
+        """``{ref}``: flip one byte of the stored object, straight in the object store.
+
+        Only on the node that runs the store (its connection administers JetStream).
+        """
+        import orjson
+
+        from meshnode.protocol.artifacts import object_id_of
+
+        js = ctx._hosted.node.connection.js  # type: ignore[attr-defined]
+        index = await js.key_value("mesh_artifacts_index")
+        record = orjson.loads((await index.get(object_id_of(input["ref"]))).value)
+        store = await js.object_store("mesh_artifacts")
+        data = bytearray((await store.get(record["key"])).data)
+        data[len(data) // 2] ^= 0xFF
+        await store.put(record["key"], bytes(data))
+        return {"tampered": record["key"], "size": len(data)}
+
+    @offering("derive", framing=False)
+    async def derive(self, ctx: Context, input: Any) -> Any:
+        """``{part}``: a report computed from an input file, declaring what it rests on (§5.6)."""
+        from meshnode.protocol.rests_on import entry_for
+
+        data = await ctx.fetch_artifact(input["part"])
+        report = await ctx.put_artifact(f"{len(data)} bytes".encode(), name="report.txt", media_type="text/plain")
+        artifact = ctx.add_artifact([report], name="report", media_type="text/plain",
+                                    rests_on=[entry_for(input["part"], role="input")])
+        return {"artifact": artifact["id"]}
+
+    @offering("verify", framing=False)
+    async def verify(self, ctx: Context, input: Any) -> Any:
+        """``{rests_on, countersigned?}`` → the §5.6 verdict."""
+        verdict = await ctx.verify_rests_on(input.get("rests_on"), countersigned=bool(input.get("countersigned")))
+        return verdict.as_dict()
+
+
+class ArtifactsPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-artifacts", Artifacts)
+
+
+artifacts_plugin = ArtifactsPlugin()
+
+
+class Limited(Agent):
+    """Publishes a rate limit; callers on meshnode keep to it without being told."""
+
+    description = "two requests per second"
+    rate_limits = {"requests_per_second": 2}
+
+    @offering("ping", framing=False)
+    async def ping(self, ctx: Context, input: Any) -> Any:
+        return {"pong": input}
+
+    @offering("burst", framing=False)
+    async def burst(self, ctx: Context, input: Any) -> Any:
+        import time as _time
+
+        started = _time.monotonic()
+        for i in range(int(input["n"])):
+            await ctx.request(input["target"], "ping", i)
+        return {"seconds": _time.monotonic() - started}
+
+
+class LimitedPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-limited", Limited)
+
+
+limited_plugin = LimitedPlugin()

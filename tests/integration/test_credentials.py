@@ -59,3 +59,14 @@ def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet
     with pytest.raises(RuntimeError) as failed:
         b.start(timeout=30)
     assert "refused" in str(failed.value) and "node_retired" in str(failed.value)
+
+
+def test_callers_keep_to_a_recipients_published_rate_limit(meshnode_daemons: DaemonSet) -> None:
+    plugins = {"plugin_modules": ["tests.agents:limited_plugin"]}
+    a = meshnode_daemons.embedded("a", agents={"limited": {"plugin": "test-limited"}}, node=plugins)
+    b = meshnode_daemons.joined("b", via=a, agents={"caller": {"plugin": "test-limited"}}, node=plugins)
+    result = b.call("caller", "burst", {"target": a.agent_id("limited"), "n": 6}, timeout=30)
+    # 6 requests at 2/s: the sender waited for its turn instead of drawing RATE_LIMITED.
+    assert result["status"] == "completed" and result["output"]["seconds"] >= 1.9
+    counters = next(x for x in b.status()["agents"] if x["name"] == "caller")["counters"]
+    assert counters.get("throttled", 0) >= 3

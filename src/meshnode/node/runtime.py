@@ -47,7 +47,12 @@ from meshnode.protocol.envelope import (
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.manifest import describe_document, materialize_public_block
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.protocol.preflight import check_envelope_size, preflight_request
+from meshnode.protocol.preflight import (
+    check_envelope_size,
+    next_allowed_at,
+    preflight_request,
+    prune_history,
+)
 from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
 from meshnode.transport.connection import MeshConnection, Msg
 
@@ -105,6 +110,7 @@ class Node:
         self._jobs: dict[str, PeriodicJob] = {}
         self._liveness_tasks: set[asyncio.Task[None]] = set()
         self.inbox: InboxStore | None = None
+        self._sent: dict[tuple[str, str], list[int]] = {}
         self.trust: VouchMemo | None = None
         # Events and feeds (meshnode.node.pubsub); observability publishing is
         # None unless the operator turned some of it on (meshnode.node.observe).
@@ -463,6 +469,7 @@ class Node:
         (§7.5.3, §7.5.5), checked here as the recipient would check them.
         """
         manifest = await self.resolve(hosted, target)
+        await self._throttle(hosted, target, manifest, timeout)
         payload: dict[str, Any] = {"offering": offering}
         if input is not None:
             payload["input"] = input
@@ -514,6 +521,30 @@ class Node:
             sign_chunks = bool(config and config.get("sign_chunks"))
             reply = dataclasses.replace(reply, task=RequesterTask(hosted, reply.envelope, sign_chunks=sign_chunks))
         return reply
+
+    async def _throttle(self, hosted: HostedAgent, target: str, manifest: Mapping[str, Any], timeout: float) -> None:
+        """Keep to the recipient's published rate_limits (§6.4b): wait our turn, or
+        refuse locally with RATE_LIMITED when the turn is beyond the caller's wait."""
+        limits = manifest.get("rate_limits")
+        if not isinstance(limits, Mapping) or not limits:
+            return
+        key = (hosted.agent_id, target)
+        history = prune_history(self._sent.get(key, ()), limits, self.now_ms())
+        wait_ms = next_allowed_at(history, limits, self.now_ms()) - self.now_ms()
+        if wait_ms > timeout * 1000:
+            raise ProtocolError(
+                "RATE_LIMITED",
+                "the recipient's published rate limit allows no request before the wait ends",
+                {"limit": "rate_limits"},
+                retry_after_ms=wait_ms,
+            )
+        if wait_ms > 0:
+            hosted.counters["throttled"] += 1
+            await asyncio.sleep(wait_ms / 1000)
+        history.append(self.now_ms())
+        self._sent[key] = history
+        if len(self._sent) > 10_000:  # bounded: forget the oldest pairs
+            self._sent.pop(next(iter(self._sent)))
 
     def _watch_liveness(
         self,
