@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_canonical, bench_drain, bench_residual, bench_stream
+from . import bench_canonical, bench_drain, bench_residual, bench_roundtrip, bench_stream
 
-BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run, "residual": bench_residual.run, "stream": bench_stream.run}
+BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run, "residual": bench_residual.run, "stream": bench_stream.run, "roundtrip": bench_roundtrip.run}
 
 
 def main() -> int:

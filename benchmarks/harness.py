@@ -47,9 +47,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
+def print_table(title: str, rows: list[tuple[str, ...]]) -> None:
     print(f"\n== {title}")
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
         if i == 0:
