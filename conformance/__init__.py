@@ -42,6 +42,8 @@ REQUIRED_FILES = (
     "budget.ts-sdk.json",
     "manifest-signing.json",
     "manifest-signing.ts-sdk.json",
+    "feeds.json",
+    "rests-on.json",
 )
 
 PASSED, FAILED, NOT_IMPLEMENTED, SUPERSEDED = "passed", "failed", "not_implemented", "superseded"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +52,82 @@ def test_fan_out_and_durable_replay(meshnode_daemons: DaemonSet) -> None:
     assert wait_for(lambda: [e["data"]["n"] for e in seen(b, "lb")] == [2, 3]), seen(b, "lb")
     counters = next(x for x in b.status()["agents"] if x["name"] == "lb")["counters"]
     assert counters.get("events.handled") == 2
+
+
+FEEDS_AND_LISTENER = {"plugin_modules": ["tests.agents:listener_plugin", "tests.agents:feeder_plugin"]}
+
+
+def counters(node: DaemonProcess, agent: str) -> dict[str, int]:
+    record = next(a for a in node.status()["agents"] if a["name"] == agent)
+    result: dict[str, int] = record["counters"]
+    return result
+
+
+def test_duplicate_publish_is_deduplicated(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded(
+        "a", agents={"la": {"plugin": "test-listener"}, "f": {"plugin": "test-feeder"}}, node=FEEDS_AND_LISTENER
+    )
+
+    def copies(marker: int) -> int:
+        return sum(1 for e in seen(a, "la") if e["data"] == {"dup": marker})
+
+    # The same envelope published twice with its id as Nats-Msg-Id: JetStream
+    # stores it once (the ≥ 2 min duplicate window of MESH_EVENTS, §18.8).
+    once = a.call("f", "publish_twice", {"data": {"dup": 1}, "same_id": True})
+    assert once["status"] == "completed", once
+    assert once["output"]["duplicate"] == [False, True]
+    assert once["output"]["seq"][0] == once["output"]["seq"][1]
+    assert wait_for(lambda: copies(1) == 1)
+
+    # Republished under another message id, the broker stores it twice; the
+    # subscriber's event duplicate memory (§22.2) drops the second copy.
+    twice = a.call("f", "publish_twice", {"data": {"dup": 2}, "same_id": False})
+    assert twice["status"] == "completed", twice
+    assert wait_for(lambda: counters(a, "la").get("refused.event.inbound_duplicate", 0) == 1), counters(a, "la")
+    time.sleep(0.3)
+    assert copies(2) == 1 and copies(1) == 1
+
+
+def test_replay_from_start_and_interest_retention(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded(
+        "a", agents={"f": {"plugin": "test-feeder"}, "late": {"plugin": "test-feeder"},
+                     "fresh": {"plugin": "test-feeder"}},
+        node=FEEDS_AND_LISTENER,
+    )
+    b = meshnode_daemons.joined("b", via=a, agents={"lb": {"plugin": "test-listener"}}, node=FEEDS_AND_LISTENER)
+    assert b.stop() == 0
+    # Retained only because lb's durable consumer holds interest in demo.* (§18.3).
+    for n in (1, 2):
+        assert a.call("f", "emit", {"data": {"n": n}})["status"] == "completed"
+
+    def data(agent: str) -> list[Any]:
+        return [e["data"] for e in seen(a, agent) if e["subject"] == "mesh.event.demo.tick"]
+
+    assert a.call("late", "subscribe", {"pattern": "demo.*", "replay": True})["status"] == "completed"
+    assert wait_for(lambda: data("late") == [{"n": 1}, {"n": 2}]), data("late")
+    assert a.call("fresh", "subscribe", {"pattern": "demo.*"})["status"] == "completed"
+    a.call("f", "emit", {"data": {"n": 3}})
+    assert wait_for(lambda: data("fresh") == [{"n": 3}]), data("fresh")  # new only: no backlog
+    subs = next(x for x in a.status()["agents"] if x["name"] == "late")["subscriptions"]
+    assert subs == [{"kind": "event", "subject": "mesh.event.demo.*", "durable": True,
+                     "consumer": subs[0]["consumer"], "capturing_since": subs[0]["capturing_since"],
+                     "replay": True}]
+    assert subs[0]["capturing_since"]
+    text = run_cli("status", "--socket", a.socket_path).stdout
+    assert "mesh.event.demo.*  (durable, capturing since" in text, text
+
+
+def test_emit_rate_limit_per_agent_per_subject(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded(
+        "a", agents={"f": {"plugin": "test-feeder"}}, node=FEEDS_AND_LISTENER,
+        extra={"events": {"emit_limit": 5, "emit_window": "60s"}},
+    )
+    burst = a.call("f", "emit_many", {"n": 8})
+    assert burst["status"] == "completed", burst
+    assert burst["output"]["sent"] == 5 and burst["output"]["code"] == "RATE_LIMITED"
+    assert burst["output"]["retry_after_ms"] > 0
+    # Another subject has its own budget.
+    assert a.call("f", "emit", {"domain": "other"})["status"] == "completed"
+    assert counters(a, "f")["emit.rate_limited"] == 1
+    # Nothing holds interest in these domains: the node says so once (§18.3).
+    assert wait_for(lambda: "not retained (interest retention" in a.log_text()), a.log_tail()

@@ -353,8 +353,12 @@ def test_participant_reads_only_its_own_inboxes(roster: tuple[str, list[str]]) -
     assert f"{node_inbox_prefix(node)}.>" in sub
     assert "_INBOX.>" not in sub
     for shared in ("mesh.task.*.update", "mesh.task.*.stream", "mesh.event.>",
-                   "mesh.event.registry.>", "mesh.feed.>"):
+                   "mesh.event.registry.>", "mesh.feed.*.*",
+                   "mesh.trace.>", "mesh.metrics.>", "mesh.log.>"):
         assert shared in sub
+    # The four-token feed grammar: a participant cannot listen on (and answer)
+    # the platform's lookup subject mesh.feed.get (§18.3).
+    assert "mesh.feed.>" not in sub and "mesh.feed.get" not in sub
 
 
 def test_nobody_is_granted_the_peer_namespace(roster: tuple[str, list[str]]) -> None:
@@ -368,7 +372,7 @@ def test_service_role_adds_service_subjects(roster: tuple[str, list[str]]) -> No
     node, agents = roster
     pub, sub = node_permissions(node, agents, role="service")
     for subject in ("mesh.registry.>", "mesh.presence.>", "mesh.heartbeat.>",
-                    "mesh.task.>", "mesh.artifacts.>"):
+                    "mesh.task.>", "mesh.artifacts.>", "mesh.feed.get"):
         assert subject in sub
     assert "$JS.API.>" in pub and "$KV.>" in pub
     participant_pub, participant_sub = node_permissions(node, agents)

@@ -35,7 +35,9 @@ __all__ = [
     "ARTIFACTS_STAT",
     "ARTIFACTS_USAGE",
     "FEED_GET",
+    "FEED_GRAMMAR",
     "FEED_STREAM",
+    "KV_FEED_STATE",
     "KV_REGISTRY",
     "KV_TASKS",
     "MESH_EVENTS",
@@ -89,6 +91,7 @@ __all__ = [
     "session_all",
     "session_subject",
     "subscription_overlaps_reserved",
+    "task_get",
     "task_stream",
     "task_update",
     "task_update_consumer_name",
@@ -224,6 +227,15 @@ def task_stream(task_id: str) -> str:
     return f"mesh.task.{_task_id(task_id)}.stream"
 
 
+def task_get(task_id: str) -> str:
+    """``mesh.task.get.{task_id}``: the task manager's record lookup (request-reply).
+
+    Not in the §14.1 map (the platform's own lookup, issue 5); it shares the
+    four-token shape of the update subject only for a task named ``update``.
+    """
+    return f"mesh.task.get.{_task_id(task_id)}"
+
+
 # --- events and feeds --------------------------------------------------------
 
 
@@ -341,6 +353,8 @@ MESH_LOG = "MESH_LOG"
 FEED_STREAM = "MESH_FEED"
 KV_REGISTRY = "mesh_registry"
 KV_TASKS = "mesh_tasks"
+KV_FEED_STATE = "mesh_feed_state"
+FEED_GRAMMAR = "mesh.feed.*.*"
 
 
 def inbox_stream_name(agent_id: str) -> str:
@@ -370,9 +384,20 @@ def task_update_consumer_name(task_id: str, requester_id: str) -> str:
     return f"mesh_task_{_task_id(task_id)}_{_key(requester_id, 'requester id')}"
 
 
-def feed_consumer_name(agent_id: str) -> str:
-    """``mesh_feed_{agent_id}``: an agent's one durable consumer on MESH_FEED."""
-    return f"mesh_feed_{_key(agent_id, 'agent id')}"
+def feed_consumer_name(agent_id: str, pattern: str | None = None) -> str:
+    """``mesh_feed_{agent_id}``, or with ``pattern`` (the subscribed feed subject,
+    e.g. ``mesh.feed.{owner}.*``) ``mesh_feed_{agent_id}_{hash}``: one durable
+    consumer on MESH_FEED per subscription, hash = first 16 lowercase hex of
+    SHA-256 over the pattern's UTF-8 bytes (the event-consumer construction)."""
+    base = f"mesh_feed_{_key(agent_id, 'agent id')}"
+    if pattern is None:
+        return base
+    parts = pattern.split(".") if isinstance(pattern, str) else []
+    if len(parts) != 4 or parts[:2] != ["mesh", "feed"] or not is_valid_public(parts[2]) or not (
+        parts[3] == "*" or is_valid_id_token(parts[3])
+    ):
+        raise SubjectError(f"not a feed subscription pattern: {pattern!r:.80}")
+    return f"{base}_{hashlib.sha256(pattern.encode('utf-8')).hexdigest()[:16]}"
 
 
 # --- the reserved relay prefix ---------------------------------------------------

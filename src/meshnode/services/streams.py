@@ -44,6 +44,8 @@ __all__ = [
     "ensure_key_value",
     "ensure_mesh_streams",
     "ensure_stream",
+    "feed_state_bucket_config",
+    "feed_stream_config",
     "inbox_stream_config",
     "mesh_stream_configs",
     "registry_bucket_config",
@@ -88,7 +90,11 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
         StreamConfig(
             name=subjects.MESH_TASKS,
             description="Task update delivery and redelivery buffer (AgentMesh §18.3)",
-            subjects=["mesh.task.>"],
+            # The update and stream grammar rather than the mesh.task.> prefix
+            # (the §18.3 MESH_FEED reasoning): a prefix binding would capture the
+            # request-reply lookup mesh.task.get.{id} and answer its reply subject
+            # with a PubAck that races the task manager's real answer.
+            subjects=["mesh.task.*.update", "mesh.task.*.stream"],
             retention=RetentionPolicy.LIMITS,
             max_age=7 * DAY_S,
             storage=StorageType.FILE,
@@ -137,6 +143,40 @@ def tasks_bucket_config(replicas: int) -> KeyValueConfig:
         description="Task state (AgentMesh §7.4, §18.4)",
         history=1,
         ttl=7 * DAY_S,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+
+
+def feed_stream_config(replicas: int) -> StreamConfig:
+    """``MESH_FEED``: stream-feed history (§6.6a, §18.3).
+
+    Bound to the four-token feed grammar ``mesh.feed.*.*`` and never the
+    ``mesh.feed.>`` prefix, which would also capture the three-token lookup
+    subject ``mesh.feed.get`` and send the stream's PubAck to the lookup's
+    reply subject ahead of the real answer. Interest retention, like
+    MESH_EVENTS, with the same two-minute duplicate window (§18.8).
+    """
+    return StreamConfig(
+        name=subjects.FEED_STREAM,
+        description="Owner-rooted feed history (AgentMesh §6.6a, §18.3)",
+        subjects=[subjects.FEED_GRAMMAR],
+        retention=RetentionPolicy.INTEREST,
+        max_age=DAY_S,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+def feed_state_bucket_config(replicas: int) -> KeyValueConfig:
+    """KV ``mesh_feed_state``: the latest emit envelope of each state feed, keyed
+    ``{agent_id}.{topic}`` (§18.3); latest only, no TTL."""
+    return KeyValueConfig(
+        bucket=subjects.KV_FEED_STATE,
+        description="Current value of each state feed (AgentMesh §6.6a, §18.3)",
+        history=1,
+        ttl=None,
         storage=StorageType.FILE,
         replicas=replicas,
     )

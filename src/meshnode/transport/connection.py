@@ -62,6 +62,7 @@ class MeshConnection:
         self._js: JetStreamContext | None = None
         self._reconnect_listeners: list[ConnectionListener] = []
         self._disconnect_listeners: list[ConnectionListener] = []
+        self._error_listeners: list[Callable[[str], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
 
@@ -146,6 +147,15 @@ class MeshConnection:
     def on_disconnect(self, listener: ConnectionListener) -> None:
         self._disconnect_listeners.append(listener)
 
+    def on_error(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(message)`` for every asynchronous error the client reports.
+
+        The broker refuses a publish or subscription outside the credential's
+        permissions only this way (``nats: permissions violation for publish
+        to "..."``); a listener is how such a refusal is counted rather than lost.
+        """
+        self._error_listeners.append(listener)
+
     # -- messaging -----------------------------------------------------------
 
     async def publish(
@@ -187,6 +197,11 @@ class MeshConnection:
     async def _on_error(self, exc: Exception) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
         log.warning("mesh connection error: %s", self.last_error)
+        for listener in self._error_listeners:
+            try:
+                listener(str(exc))
+            except Exception:  # a listener must never break the client's error path
+                log.exception("connection error listener failed")
 
     async def _on_disconnected(self) -> None:
         log.warning("disconnected from the mesh")

@@ -64,11 +64,16 @@ ANY_AGENT_INBOX = "mesh.agent.*.inbox"
 AGENT_INBOX = "mesh.agent.{agent}.inbox"
 TASK_UPDATE = "mesh.task.*.update"
 TASK_STREAM = "mesh.task.*.stream"
+TASK_GET = "mesh.task.get.*"
 EVENTS = "mesh.event.>"
 REGISTRY_EVENTS = "mesh.event.registry.>"
 AGENT_FEED = "mesh.feed.{agent}.>"
 FEED_GET = "mesh.feed.get"
 ALL_FEEDS = "mesh.feed.>"
+FEED_GRAMMAR = "mesh.feed.*.*"
+ALL_TRACES = "mesh.trace.>"
+ALL_METRICS = "mesh.metrics.>"
+ALL_LOGS = "mesh.log.>"
 AGENT_METRICS = "mesh.metrics.{agent}"
 AGENT_LOG = "mesh.log.{agent}.>"
 TRACES = "mesh.trace.>"
@@ -213,6 +218,9 @@ def node_permissions(
         # envelope signature, not the subject, says who may speak for a task.
         TASK_UPDATE,
         TASK_STREAM,
+        # Task record lookups are requests to the task manager, which answers
+        # only the Task's parties (identified from the signed envelope).
+        TASK_GET,
         # Domain events are a shared bus; emitters are identified in-envelope.
         EVENTS,
         # State-feed lookups are requests to the platform.
@@ -244,8 +252,15 @@ def node_permissions(
         # their own so that narrowing the bus later keeps them.
         EVENTS,
         REGISTRY_EVENTS,
-        # Feeds are readable by anyone; only publishing is owner-bound.
-        ALL_FEEDS,
+        # Feeds are readable by anyone; only publishing is owner-bound. The
+        # four-token grammar, not mesh.feed.>: that would also let any node
+        # listen on the lookup subject mesh.feed.get and answer for the platform.
+        FEED_GRAMMAR,
+        # Spans, metrics and logs are ordinary emit traffic an observer reads
+        # (§13.4: an exporter is an ordinary agent); each is signed by its agent.
+        ALL_TRACES,
+        ALL_METRICS,
+        ALL_LOGS,
         # Replies to this node's requests and its JetStream pull deliveries.
         f"{inbox}.>",
     ]
@@ -268,6 +283,8 @@ def node_permissions(
             ALL_HEARTBEATS,
             ALL_TASKS,
             ARTIFACTS,
+            # The state-feed lookup the feed service answers (§18.3).
+            FEED_GET,
         ]
     else:
         # A participant binds consumers on its own agents' mailboxes and on
