@@ -35,6 +35,12 @@ Contract for handlers (stable):
   envelope verbatim — reaching past the frame is deliberate.
 * Requests, emits and subscriptions made through ``ctx`` carry the trace of the
   work that made them, with no application code (§13.1).
+* Files and artifacts (§7.5): ``ctx.files`` / ``ctx.resources`` are what the
+  request attached, never fetched for you; ``ctx.put_artifact`` /
+  ``ctx.fetch_artifact`` (digest-verified) / ``ctx.stat_artifact`` use the
+  mesh artifact store; ``ctx.add_artifact`` attaches deliverables (with
+  ``rests_on``) to the answer. An output too large for one message is stored
+  as an artifact by the node and answered with a ref part (§18.9).
 """
 
 from __future__ import annotations
@@ -42,23 +48,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from meshnode.protocol.artifacts import FileAttachment, Resource
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from meshnode.node.outbound import Reply
     from meshnode.node.tasks import ResponderTask
+    from meshnode.protocol.rests_on import Verdict
 
 __all__ = [
     "Agent",
     "AgentSettings",
     "Context",
     "Event",
+    "FileAttachment",
     "OfferingSpec",
     "Refusal",
+    "Resource",
     "offering",
 ]
 
@@ -197,6 +208,10 @@ class Event:
     event_type: str | None
     data: Any
     envelope: Mapping[str, Any]
+    #: For a feed delivery (§6.6a): its topic and kind (``stream``/``state``);
+    #: the owner is ``sender``. None for a domain event.
+    topic: str | None = None
+    kind: str | None = None
 
 
 class Context(Protocol):
@@ -250,6 +265,8 @@ class Context(Protocol):
         timeout: float = 30.0,
         config: Mapping[str, Any] | None = None,
         budget: Mapping[str, Any] | None = None,
+        files: Sequence[Mapping[str, Any]] | None = None,
+        resources: Sequence[Mapping[str, Any]] | None = None,
     ) -> Reply:
         """Send a request to agent ``target`` and await its substantive reply.
 
@@ -258,6 +275,13 @@ class Context(Protocol):
         refusal arrives with the recipient's own code. An accept resets the
         wait; silence past ``timeout`` raises ``RequestTimeout``, which says
         the request may be queued rather than lost (§6.4).
+
+        ``files`` attaches files (§7.5.3): each ``{ref, ...}`` (a ref part from
+        :meth:`put_artifact` is one) or ``{uri, name?, media_type?}``.
+        ``resources`` points at live shared objects (§7.5.5): ``{uri, kind,
+        access: "read"|"read-write", name?, description?}``. A large answer
+        may arrive as a pointer in ``output`` and a ref part in
+        ``reply.envelope["artifacts"]``; fetch it with :meth:`fetch_artifact`.
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
@@ -276,6 +300,130 @@ class Context(Protocol):
         from the oldest retained event. Every event passes the same checks as
         a request (§22). Patterns in the class's ``accepts`` are subscribed
         automatically when the agent starts.
+        """
+
+    # -- feeds and observers (§6.6a, §13) -------------------------------------------
+
+    async def publish_feed(self, topic: str, data: Any, *, kind: str | None = None) -> str:
+        """Publish on this agent's feed ``mesh.feed.{agent_id}.{topic}`` (§6.6a).
+
+        ``kind`` is ``stream`` (an ordered history) or ``state`` (a current
+        value, kept by the platform for late readers); it defaults to the kind
+        declared in the class's ``feeds``, else ``stream``. The payload is
+        ``{topic, kind, data}``; like every emit it is rate-limited per topic
+        (``RATE_LIMITED``) and deduplicated by envelope id. Returns the id.
+        """
+
+    async def subscribe_feed(
+        self, owner: str, topic: str = "*", *, durable: bool = True, replay: bool = False
+    ) -> str:
+        """Receive ``owner``'s feed ``topic`` (``*``: all its feeds) in :meth:`Agent.on_event`.
+
+        Deliveries are :class:`Event` objects with ``topic`` and ``kind`` set;
+        only envelopes signed by ``owner`` itself are delivered. Durable
+        (default): a consumer on MESH_FEED that keeps what is published while
+        this node is away. Subscribe *before* :meth:`read_feed_state`.
+        """
+
+    async def read_feed_state(self, owner: str, topic: str) -> Event | None:
+        """The current value of ``owner``'s state feed ``topic`` without replaying
+        history (``mesh.feed.get``), or None if it never published.
+
+        Subscribe first, then read (§9.6): an update published in between
+        arrives on the subscription, and a value older than one already
+        delivered is never returned.
+        """
+
+    async def observe(self, kind: str, agent: str | None = None) -> str:
+        """Receive span (``trace``), ``metrics`` or ``log`` events (§13.1–§13.3) of
+        every agent, or of ``agent``, in :meth:`Agent.on_event` — for exporters
+        and dashboards. Live only; each is verified and must come from the
+        agent its subject names.
+        """
+
+    # -- files and artifacts (§7.5) ----------------------------------------------
+
+    @property
+    def files(self) -> list[FileAttachment]:
+        """The request's attached files (``payload.files``, §7.5.3), as declared.
+
+        Nothing was fetched: a ``ref`` file is fetched only when the handler
+        calls :meth:`fetch_artifact`, and a ``uri`` file is never fetched by
+        the node at all (dereferencing a sender-chosen address is the
+        handler's decision to make, or not). Malformed entries were refused at
+        admission with ``INPUT_INVALID``.
+        """
+
+    @property
+    def resources(self) -> list[Resource]:
+        """The request's shared resources (``payload.resources``, §7.5.5), as declared.
+
+        The mesh asserts nothing about them and the node never touches them.
+        """
+
+    async def put_artifact(
+        self,
+        data: bytes | Path,
+        *,
+        name: str | None = None,
+        media_type: str,
+        retention_s: int | None = None,
+    ) -> dict[str, Any]:
+        """Store bytes or a file in the mesh artifact store; returns its ref part
+        ``{ref, media_type, size, digest, name}`` (§7.5).
+
+        This agent is the writer and its owner pays the quota (§7.5.2):
+        ``QUOTA_EXCEEDED`` / ``PAYLOAD_TOO_LARGE`` raise as ``RemoteError``.
+        Anything larger than one message is uploaded in chunks (a file is
+        never read wholly into memory) and verified by the store against its
+        size and digest. ``retention_s`` defaults to the task retention plus
+        7 days. The ref is unguessable and is the read capability: whoever
+        holds it can read the bytes.
+        """
+
+    async def fetch_artifact(
+        self, ref: str | Mapping[str, Any] | FileAttachment, *, max_bytes: int | None = None
+    ) -> bytes:
+        """The bytes behind a ref, a ref part or a ``ref`` file, verified.
+
+        The digest and size of the ref part (or, for a bare ref, the store's
+        record) are checked: a mismatch raises ``ArtifactIntegrityError``
+        (``DEPENDENCY_FAILED``, ``details.reason: digest_mismatch``), never
+        returns data (§7.5.1). ``ARTIFACT_GONE`` (with the size and digest the
+        ref had) tells an expired ref from ``NOT_FOUND`` (never existed, or a
+        scheme no store here answers for). ``max_bytes`` refuses a larger
+        object (``PAYLOAD_TOO_LARGE``) before any byte moves.
+        """
+
+    async def stat_artifact(self, ref: str | Mapping[str, Any] | FileAttachment) -> dict[str, Any]:
+        """A ref's metadata without the bytes: ``{ref, media_type, size, digest,
+        name?, created_at, expires_at, state}`` (owner and writer only to the owner)."""
+
+    def add_artifact(
+        self,
+        parts: Sequence[Mapping[str, Any]],
+        *,
+        name: str,
+        media_type: str | None = None,
+        rests_on: Sequence[Mapping[str, Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Attach an artifact (§7.5) to this request's answer; returns it.
+
+        ``parts`` are ref parts (from :meth:`put_artifact`), ``{text}`` or
+        ``{data}`` parts. ``rests_on`` declares what the artifact was computed
+        from (§5.6): entries ``{digest, ref?, name?, role?}``;
+        ``meshnode.protocol.rests_on.entry_for(file_or_part, role="input")``
+        builds one from an input that carries a digest.
+        """
+
+    async def verify_rests_on(
+        self, declared: Sequence[Mapping[str, Any]] | None, *, countersigned: bool = False
+    ) -> Verdict:
+        """The §5.6 freshness of a statement's ``rests_on``: ``fresh``, ``stale``
+        (an input moved; not a forgery), ``unchecked`` (something could not be
+        obtained), ``undeclared`` (None), or ``not_applicable`` (a countersigned
+        agreement: nothing is looked up). Cited refs are fetched and hashed.
         """
 
 
@@ -304,6 +452,10 @@ class Agent:
     #: ``mesh.event.`` is accepted); also published in the manifest.
     accepts: ClassVar[Sequence[str]] = ()
     emits: ClassVar[Sequence[str]] = ()
+    #: Feeds this agent publishes (§6.6a): ``{"status": "state", "changes":
+    #: "stream"}``. Each becomes ``mesh.feed.{agent_id}.{topic}`` in the
+    #: manifest's ``emits``, which is what makes it discoverable.
+    feeds: ClassVar[Mapping[str, str]] = {}
     visibility: ClassVar[str | None] = None
     default_input_modes: ClassVar[Sequence[str] | None] = None
     default_output_modes: ClassVar[Sequence[str] | None] = None

@@ -558,3 +558,35 @@ class LimitedPlugin:
 
 
 limited_plugin = LimitedPlugin()
+
+
+class Collector(Agent):
+    """An ordinary observer: records every span, log and metrics event it can read."""
+
+    description = "records mesh.trace/log/metrics events"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen: list[dict[str, Any]] = []
+
+    async def on_start(self, ctx: Context) -> None:
+        for kind in ("trace", "log", "metrics"):
+            await ctx.observe(kind)
+
+    async def on_event(self, ctx: Context, event: Any) -> None:
+        self.seen.append({"subject": event.subject, "sender": event.sender, "domain": event.domain,
+                          "event_type": event.event_type, "data": event.data, "envelope": dict(event.envelope)})
+
+    @offering("seen")
+    async def seen_events(self, ctx: Context, input: Any) -> Any:
+        kinds = (input or {}).get("subject_prefix", "mesh.")
+        return [e for e in self.seen if e["subject"].startswith(kinds)]
+
+
+class CollectorPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-collector", Collector)
+
+
+collector_plugin = CollectorPlugin()

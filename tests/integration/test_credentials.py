@@ -66,7 +66,9 @@ def test_callers_keep_to_a_recipients_published_rate_limit(meshnode_daemons: Dae
     a = meshnode_daemons.embedded("a", agents={"limited": {"plugin": "test-limited"}}, node=plugins)
     b = meshnode_daemons.joined("b", via=a, agents={"caller": {"plugin": "test-limited"}}, node=plugins)
     result = b.call("caller", "burst", {"target": a.agent_id("limited"), "n": 6}, timeout=30)
-    # 6 requests at 2/s: the sender waited for its turn instead of drawing RATE_LIMITED.
+    # 6 requests at 2/s cannot take less than 2 s: the sender kept to the limit
+    # (waiting when it had to; how often depends on round-trip times) instead of
+    # drawing RATE_LIMITED from the recipient.
     assert result["status"] == "completed" and result["output"]["seconds"] >= 1.9
-    counters = next(x for x in b.status()["agents"] if x["name"] == "caller")["counters"]
-    assert counters.get("throttled", 0) >= 3
+    limited = next(x for x in a.status()["agents"] if x["name"] == "limited")["counters"]
+    assert not any(k.startswith("refused.RATE") for k in limited)

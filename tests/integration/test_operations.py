@@ -126,7 +126,10 @@ def _as_user(uid: int, gid: int, groups: list[int], path: str, request: dict[str
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(5)
                 sock.connect(path)
-                sock.sendall(json.dumps(request).encode() + b"\n")
+                try:
+                    sock.sendall(json.dumps(request).encode() + b"\n")
+                except BrokenPipeError:
+                    pass  # a refused peer may be told so and hung up on before it writes
                 data = b""
                 while not data.endswith(b"\n"):
                     chunk = sock.recv(65536)

@@ -300,8 +300,11 @@ def test_schema_export_names_every_table() -> None:
         "admin",
         "protections",
         "inbox",
+        "artifacts",
         "keystore",
         "logging",
+        "events",
+        "observability",
         "agents",
     }
     node = schema["$defs"]["NodeConfig"]

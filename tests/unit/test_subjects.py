@@ -252,3 +252,13 @@ def test_builders_refuse_or_produce_clean_subjects(value: str) -> None:
         assert not S.is_valid_token(value)
     else:
         assert subject.count(".") == 3 and _tokens_ok(subject)
+
+
+def test_task_record_lookup_subject() -> None:
+    assert S.task_get(TASK) == f"mesh.task.get.{TASK}"
+    for bad in ("a.b", "*", ">", "", "x" * 129):
+        with pytest.raises(SubjectError):
+            S.task_get(bad)
+    # A lookup is not a task subject; an update for a task named "get" still is.
+    assert S.parse_task_subject(S.task_get(TASK)) is None
+    assert S.parse_task_subject(S.task_update("get")) == S.TaskSubject("get", "update")

@@ -19,7 +19,7 @@ from .exitcodes import EX_USAGE
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
     # (the admin client uses it) without pulling in every command module.
-    from . import daemon, envelope, inbox, mesh, ops
+    from . import artifacts, daemon, envelope, inbox, mesh, ops
 
     parser = argparse.ArgumentParser(
         prog="meshnode",
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.register(commands)
     inbox.register(commands)
     ops.register(commands)
+    artifacts.register(commands)
     _plugin_commands(commands)
     return parser
 

@@ -136,6 +136,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         reg = "registered" if agent.get("registered") else f"NOT registered ({agent.get('registration_error')})"
         print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {agent.get('vouch_expires_at')}")
+        for sub in agent.get("subscriptions") or []:
+            # Interest retention (§18.3): a durable subscription's history starts at its consumer.
+            kept = f"durable, capturing since {sub.get('capturing_since')}" if sub.get("durable") else "live only"
+            print(f"    {sub['kind']:<9} {sub['subject']}  ({kept})")
+    obs = status.get("observability")
+    if obs:
+        on = ", ".join(k for k in ("spans", "logs", "metrics") if obs.get(k)) or "nothing"
+        published = ", ".join(f"{k} {v}" for k, v in obs.get("published", {}).items())
+        print(f"observability  publishing {on}: {published}; dropped {obs.get('dropped', 0)}")
     return EX_OK
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
 from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
+from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace
+from meshnode.protocol.rests_on import Verdict
 
 if TYPE_CHECKING:
+    from meshnode.agent import Event
     from meshnode.node.hosted import HostedAgent
 
 __all__ = ["AgentContext"]
@@ -36,8 +41,13 @@ class AgentContext:
         self._text = text
         env_trace = self._envelope.get("trace") if envelope is not None else None
         self._trace: Mapping[str, Any] = trace or (env_trace if isinstance(env_trace, Mapping) else {})
+        obs = hosted.node.observability
+        if obs is not None:
+            # Spans on: work started here is a child of this envelope's consumer span.
+            self._trace = obs.enter(hosted, envelope, self._trace)
         #: The Task this request became, once the handler deferred or streamed.
         self.task: ResponderTask | None = None
+        self._artifacts: list[dict[str, Any]] = []
 
     @property
     def agent_id(self) -> str:
@@ -86,6 +96,8 @@ class AgentContext:
         timeout: float = 30.0,
         config: Mapping[str, Any] | None = None,
         budget: Mapping[str, Any] | None = None,
+        files: Sequence[Mapping[str, Any]] | None = None,
+        resources: Sequence[Mapping[str, Any]] | None = None,
     ) -> Reply:
         reply = await self._hosted.node.send_request(
             self._hosted,
@@ -97,6 +109,8 @@ class AgentContext:
             config=config,
             budget=budget,
             context_id=self._envelope.get("context_id") if self._envelope else None,
+            files=files,
+            resources=resources,
         )
         if self.task is not None and reply.task is not None:
             # A delegate of this task: a cancel of ours is forwarded to it (§10.8).
@@ -110,3 +124,88 @@ class AgentContext:
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
         await self._hosted.node.emit(self._hosted, domain, event_type, data, trace=self._child_trace())
+
+    # -- feeds and observers (§6.6a, §13; meshnode.node.pubsub) ------------------------
+
+    async def publish_feed(self, topic: str, data: Any, *, kind: str | None = None) -> str:
+        return await self._hosted.node.pubsub.publish_feed(
+            self._hosted, topic, data, kind=kind, trace=self._child_trace()
+        )
+
+    async def subscribe_feed(
+        self, owner: str, topic: str = "*", *, durable: bool = True, replay: bool = False
+    ) -> str:
+        return await self._hosted.node.pubsub.subscribe_feed(
+            self._hosted, owner, topic, durable=durable, replay=replay
+        )
+
+    async def read_feed_state(self, owner: str, topic: str) -> Event | None:
+        return await self._hosted.node.pubsub.read_feed_state(self._hosted, owner, topic)
+
+    async def observe(self, kind: str, agent: str | None = None) -> str:
+        return await self._hosted.node.pubsub.observe(self._hosted, kind, agent)
+
+    # -- files and artifacts (§7.5) -------------------------------------------------
+
+    @property
+    def files(self) -> list[FileAttachment]:
+        """The request's ``payload.files`` as declared (§7.5.3); nothing was fetched."""
+        payload = self._envelope.get("payload")
+        return parse_files(payload.get("files")) if isinstance(payload, Mapping) else []
+
+    @property
+    def resources(self) -> list[Resource]:
+        """The request's ``payload.resources`` as declared (§7.5.5); nothing was touched."""
+        payload = self._envelope.get("payload")
+        return parse_resources(payload.get("resources")) if isinstance(payload, Mapping) else []
+
+    @property
+    def attached_artifacts(self) -> list[dict[str, Any]]:
+        """Artifacts added with :meth:`add_artifact`, sent with the answer."""
+        return self._artifacts
+
+    def _store(self) -> ArtifactClient:
+        return ArtifactClient(self._hosted)
+
+    async def put_artifact(
+        self,
+        data: bytes | Path,
+        *,
+        name: str | None = None,
+        media_type: str,
+        retention_s: int | None = None,
+    ) -> dict[str, Any]:
+        if isinstance(data, Path):
+            stored = await self._store().put_file(data, name=name, media_type=media_type, retention_s=retention_s)
+        else:
+            stored = await self._store().put_bytes(bytes(data), name=name, media_type=media_type, retention_s=retention_s)
+        return ref_part_of(stored)
+
+    async def fetch_artifact(
+        self, ref: str | Mapping[str, Any] | FileAttachment, *, max_bytes: int | None = None
+    ) -> bytes:
+        return await self._store().fetch(ref, max_bytes=max_bytes)
+
+    async def stat_artifact(self, ref: str | Mapping[str, Any] | FileAttachment) -> dict[str, Any]:
+        return await self._store().stat(ref)
+
+    def add_artifact(
+        self,
+        parts: Sequence[Mapping[str, Any]],
+        *,
+        name: str,
+        media_type: str | None = None,
+        rests_on: Sequence[Mapping[str, Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        artifact = artifact_object(
+            parts, name=name, media_type=media_type, rests_on=rests_on, meta=meta,
+            now_ms=self._hosted.node.now_ms(),
+        )
+        self._artifacts.append(artifact)
+        return artifact
+
+    async def verify_rests_on(
+        self, declared: Sequence[Mapping[str, Any]] | None, *, countersigned: bool = False
+    ) -> Verdict:
+        return await self._store().verify_rests_on(declared, countersigned=countersigned)

@@ -420,12 +420,17 @@ class HostedAgent:
                 # Artifacts the handler attached, and the output itself stored
                 # as one when the answer would not fit the transport (§18.9).
                 output, artifacts = await spill_oversized_output(self, env, output, ctx.attached_artifacts or None)
-            except ProtocolError as exc:
+            except Exception as exc:
                 self.counters["failed"] += 1
-                if ctx.task is not None:
-                    await self._finish_task(ctx.task, "failed", error=exc.to_object())
+                if isinstance(exc, ProtocolError):
+                    error = exc.to_object()
                 else:
-                    await self._answer(env, status="failed", error=exc.to_object(), path=source)
+                    self.agent.log.exception("storing the output of %s as an artifact failed", spec.id)
+                    error = error_object("INTERNAL_ERROR", "the output could not be stored as an artifact")
+                if ctx.task is not None:
+                    await self._finish_task(ctx.task, "failed", error=error)
+                else:
+                    await self._answer(env, status="failed", error=error, path=source)
                 return
             if ctx.task is not None:
                 await self._finish_task(ctx.task, "completed", output=output, artifacts=artifacts)

@@ -336,7 +336,7 @@ class Node:
             ]
         emits = list(cls.emits)
         # Declared feeds are discoverable as the agent's feed subjects (§6.6a).
-        emits += [subjects.feed_subject(hosted.agent_id, topic) for topic in cls.feeds]
+        emits += PubSub.feed_emits(hosted.agent_id, cls.feeds)
         if emits:
             manifest["emits"] = emits
         if cls.visibility:

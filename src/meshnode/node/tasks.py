@@ -77,6 +77,7 @@ class ResponderTask:
         error: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
         first: bool = False,
+        artifacts: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         # A task is born submitted; the first update may already say working (§10.5).
         check_state_update(self.state, state)  # raises TASK_INVALID_TRANSITION
@@ -99,6 +100,7 @@ class ResponderTask:
             context_id=self.request.get("context_id"),
             payload=payload,
             error=error,
+            artifacts=artifacts,
             ids=node.ids,
         )
         sign_envelope(env, self.hosted.key)
