@@ -88,6 +88,16 @@ class ResponderTask:
             payload["output"] = output
         if extra:
             payload.update(extra)
+        budget = None
+        if first:
+            # The first update founds the task record (§7.1): say which offering it
+            # is and carry the request's budget, so the task manager can hold the
+            # deadline (§7.7) and receipts can name the offering (§19.2).
+            request_payload = self.request.get("payload")
+            if isinstance(request_payload, Mapping) and isinstance(request_payload.get("offering"), str):
+                payload.setdefault("offering", request_payload["offering"])
+            if isinstance(self.request.get("budget"), Mapping):
+                budget = self.request["budget"]
         node = self.hosted.node
         env = build_envelope(
             "respond",
@@ -101,6 +111,7 @@ class ResponderTask:
             payload=payload,
             error=error,
             artifacts=artifacts,
+            budget=budget,
             ids=node.ids,
         )
         sign_envelope(env, self.hosted.key)
