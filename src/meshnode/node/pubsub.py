@@ -285,28 +285,14 @@ class PubSub:
             hosted.subscriptions.append(await node.connection.subscribe(subject, on_live))
             await self.record_subscription(hosted, kind="feed", subject=subject)
             return subject
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         name = subjects.feed_consumer_name(hosted.agent_id, subject)
 
-        async def on_durable(msg: Msg) -> None:
-            try:
-                await self.receive_feed(hosted, msg.data, subject=msg.subject, source="mailbox")
-            except Exception:
-                hosted.agent.log.exception("feed pipeline failed")
-            # Acked once the handler has run: a crash before this redelivers.
-            await msg.ack()
+        async def deliver(msg: Msg) -> None:
+            await self.receive_feed(hosted, msg.data, subject=msg.subject, source="mailbox")
 
-        config = ConsumerConfig(
-            durable_name=name,
-            deliver_policy=DeliverPolicy.ALL if replay else DeliverPolicy.NEW,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=5,
-            filter_subject=subject,
-        )
-        sub = await node.connection.js.subscribe(
-            subject, durable=name, stream=subjects.FEED_STREAM, config=config, cb=on_durable, manual_ack=True
+        sub = await node.durable_consume(
+            hosted, subject, stream=subjects.FEED_STREAM, name=name, replay=replay, deliver=deliver
         )
         hosted.subscriptions.append(sub)
         await self.record_subscription(hosted, kind="feed", subject=subject, consumer=name, replay=replay, sub=sub)

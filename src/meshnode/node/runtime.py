@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -703,16 +703,39 @@ class Node:
             hosted.subscriptions.append(await self.connection.subscribe(subject, on_live))
             await self.pubsub.record_subscription(hosted, kind="event", subject=subject)
             return subject
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         name = subjects.event_consumer_name(hosted.agent_id, pattern)
 
+        async def deliver(msg: Msg) -> None:
+            await hosted.receive_event(msg.data, subject=msg.subject, source="mailbox")
+
+        sub = await self.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
+        hosted.subscriptions.append(sub)
+        await self.pubsub.record_subscription(
+            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
+        )
+        return name
+
+    async def durable_consume(
+        self,
+        hosted: HostedAgent,
+        subject: str,
+        *,
+        stream: str,
+        name: str,
+        replay: bool,
+        deliver: Callable[[Msg], Awaitable[None]],
+    ) -> Any:
+        """A durable push consumer (§18.6 config) whose messages are acked only once
+        ``deliver`` — the pipeline and the agent's handler — has run: a crash before
+        the ack redelivers, a refusal is acked (it must not come back)."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
         async def on_durable(msg: Msg) -> None:
             try:
-                await hosted.receive_event(msg.data, subject=msg.subject, source="mailbox")
+                await deliver(msg)
             except Exception:
-                hosted.agent.log.exception("event pipeline failed")
-            # Ack only once the handler has run: a crash before this redelivers.
+                hosted.agent.log.exception("%s pipeline failed", stream)
             await msg.ack()
 
         config = ConsumerConfig(
@@ -723,14 +746,9 @@ class Node:
             max_deliver=5,
             filter_subject=subject,
         )
-        sub = await self.connection.js.subscribe(
-            subject, durable=name, stream="MESH_EVENTS", config=config, cb=on_durable, manual_ack=True
+        return await self.connection.js.subscribe(
+            subject, durable=name, stream=stream, config=config, cb=on_durable, manual_ack=True
         )
-        hosted.subscriptions.append(sub)
-        await self.pubsub.record_subscription(
-            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
-        )
-        return name
 
     # -- heartbeat -------------------------------------------------------------
 

@@ -235,14 +235,8 @@ class RequesterTask:
             inactive_threshold=120.0,
         )
 
-    @property
-    def state(self) -> str:
-        payload = self.last_update.get("payload")
-        return str(payload.get("status")) if isinstance(payload, Mapping) else "submitted"
-
-    async def updates(self, timeout: float) -> AsyncIterator[Mapping[str, Any]]:
-        """Every signed update from the responder, in order, until a terminal one."""
-        node = self.hosted.node
+    async def _replay(self, subject: str, kind: str) -> tuple[asyncio.Queue[bytes], Any]:
+        """Everything on ``subject`` from the start, queued for the reader."""
         queue: asyncio.Queue[bytes] = asyncio.Queue()
 
         async def on_msg(msg: Any) -> None:
@@ -252,10 +246,19 @@ class RequesterTask:
             except Exception:
                 pass
 
-        sub = await node.connection.js.subscribe(
-            subjects.task_update(self.task_id), cb=on_msg, stream="MESH_TASKS", manual_ack=True,
-            config=self._consumer(subjects.task_update(self.task_id), "u"),
+        sub = await self.hosted.node.connection.js.subscribe(
+            subject, cb=on_msg, stream="MESH_TASKS", manual_ack=True, config=self._consumer(subject, kind)
         )
+        return queue, sub
+
+    @property
+    def state(self) -> str:
+        payload = self.last_update.get("payload")
+        return str(payload.get("status")) if isinstance(payload, Mapping) else "submitted"
+
+    async def updates(self, timeout: float) -> AsyncIterator[Mapping[str, Any]]:
+        """Every signed update from the responder, in order, until a terminal one."""
+        queue, sub = await self._replay(subjects.task_update(self.task_id), "u")
         seen: set[str] = set()
         try:
             while True:
@@ -290,20 +293,7 @@ class RequesterTask:
     async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
         """Chunk data in order; raises StreamBroken on a gap, an injection, a
         chunk from anyone but the opener, or a final chunk that does not verify."""
-        node = self.hosted.node
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-        async def on_msg(msg: Any) -> None:
-            await queue.put(msg.data)
-            try:
-                await msg.ack()
-            except Exception:
-                pass
-
-        sub = await node.connection.js.subscribe(
-            subjects.task_stream(self.task_id), cb=on_msg, stream="MESH_TASKS", manual_ack=True,
-            config=self._consumer(subjects.task_stream(self.task_id), "s"),
-        )
+        queue, sub = await self._replay(subjects.task_stream(self.task_id), "s")
         expected = 0
         try:
             while True:
