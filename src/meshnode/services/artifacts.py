@@ -80,7 +80,6 @@ large object is bounded by its size, not by the request budget.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import bisect
@@ -121,7 +120,8 @@ from meshnode.protocol.rests_on import is_valid_digest
 from meshnode.protocol.timeutil import format_ts
 from meshnode.transport.connection import Msg
 
-from .base import Envelope, ServiceBase, ServiceContext
+from .base import KV_DELETE_OPS as _KV_DELETE_OPS
+from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .streams import ensure_key_value
 
 __all__ = [
@@ -138,7 +138,6 @@ OwnerResolver = Callable[[str], Awaitable[str | None]]
 #: Size of each stored chunk message (the object store's customary default).
 PIECE = 128 * 1024
 STREAM = f"OBJ_{OBJECT_STORE_BUCKET}"
-_KV_DELETE_OPS = ("DEL", "PURGE")
 _CHUNK_MAPS = 256  # chunk layouts remembered per instance
 
 
@@ -255,91 +254,6 @@ def _new_id() -> str:
     return base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
 
 
-class _Mirror:
-    """An in-memory copy of one KV bucket, fed by a watch (every instance sees every write)."""
-
-    def __init__(self, service: ArtifactService, kv: KeyValue, name: str) -> None:
-        self.service = service
-        self.kv = kv
-        self.name = name
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.revisions: dict[str, int] = {}
-        self._synced = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self, timeout: float) -> None:
-        self.restart()
-        async with asyncio.timeout(timeout):
-            await self._synced.wait()
-
-    def restart(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._task = self.service.spawn(self._watch, f"{self.name}-watch")
-
-    async def _watch(self) -> None:
-        watcher = await self.kv.watchall()
-        snapshot: dict[str, dict[str, Any]] = {}
-        revisions: dict[str, int] = {}
-        syncing = True
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    if syncing:
-                        self.entries, self.revisions = snapshot, revisions
-                        syncing = False
-                        self._synced.set()
-                    continue
-                entries = snapshot if syncing else self.entries
-                revs = revisions if syncing else self.revisions
-                self._apply(entries, revs, entry.key, entry.revision, entry.operation, entry.value)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
-
-    def _apply(
-        self,
-        entries: dict[str, dict[str, Any]],
-        revisions: dict[str, int],
-        key: str,
-        revision: int | None,
-        operation: str | None,
-        value: bytes | None,
-    ) -> None:
-        rev = revision or 0
-        if rev and revisions.get(key, 0) > rev:
-            return  # a newer write (our own, applied on the way out) is already here
-        revisions[key] = rev
-        if operation in _KV_DELETE_OPS or not value:
-            entries.pop(key, None)
-            return
-        try:
-            record = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return
-        if isinstance(record, dict):
-            entries[key] = record
-
-    def wrote(self, key: str, revision: int, record: dict[str, Any] | None) -> None:
-        """Read-your-writes on this instance; the watch confirms it (and tells the others)."""
-        self._apply(
-            self.entries, self.revisions, key, revision, None if record else "DEL",
-            orjson.dumps(record) if record else None,
-        )
-
-    async def get(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        """The authoritative record and its revision (a KV read, not the mirror)."""
-        try:
-            entry = await self.kv.get(key)
-        except NotFoundError:
-            return None, 0
-        try:
-            record = orjson.loads(entry.value or b"")
-        except orjson.JSONDecodeError:
-            return None, 0
-        return (record if isinstance(record, dict) else None), int(entry.revision or 0)
-
-
 class ArtifactService(ServiceBase):
     """The artifact store (module docstring)."""
 
@@ -355,8 +269,8 @@ class ArtifactService(ServiceBase):
         self.limits = limits or ArtifactLimits()
         self.owner_of: OwnerResolver = owner_of or registry_owner_resolver(ctx)
         self._sync_timeout_s = sync_timeout_s
-        self._index: _Mirror | None = None
-        self._uploads: _Mirror | None = None
+        self._index: KVMirror | None = None
+        self._uploads: KVMirror | None = None
         self._maps: OrderedDict[str, list[tuple[int, int, int]]] = OrderedDict()
         self._transfer = SlidingWindowLimiter(limit=self.limits.transfer_limit, window_ms=60_000)
         self._sweeper: PeriodicJob | None = None
@@ -382,8 +296,8 @@ class ArtifactService(ServiceBase):
                 await js.create_object_store(OBJECT_STORE_BUCKET, config=store)
         for config in (index, uploads):
             await ensure_key_value(js, config)
-        self._index = _Mirror(self, await js.key_value(INDEX_BUCKET), "index")
-        self._uploads = _Mirror(self, await js.key_value(UPLOADS_BUCKET), "uploads")
+        self._index = KVMirror(self, await js.key_value(INDEX_BUCKET), "index")
+        self._uploads = KVMirror(self, await js.key_value(UPLOADS_BUCKET), "uploads")
         self._running = True
         try:
             await self._index.start(self._sync_timeout_s)
@@ -420,12 +334,12 @@ class ArtifactService(ServiceBase):
                     mirror.restart()
 
     @property
-    def index(self) -> _Mirror:
+    def index(self) -> KVMirror:
         assert self._index is not None, "the artifact service is not started"
         return self._index
 
     @property
-    def uploads(self) -> _Mirror:
+    def uploads(self) -> KVMirror:
         assert self._uploads is not None, "the artifact service is not started"
         return self._uploads
 

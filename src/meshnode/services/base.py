@@ -25,11 +25,16 @@ A failure carries payload ``{"status": "failed"}`` and a §12.1 ``error``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 
 from meshnode.protocol.envelope import (
     IdGenerator,
@@ -315,3 +320,99 @@ class ServiceBase:
             )
         except Exception as exc:
             self.log.warning("emitting %s.%s failed: %s", domain, event_type, exc)
+
+
+#: KV operations that remove a key.
+KV_DELETE_OPS = ("DEL", "PURGE")
+
+
+class KVMirror:
+    """An in-memory copy of one KV bucket, fed by a watch (every instance sees every write)."""
+
+    def __init__(self, service: ServiceBase, kv: KeyValue, name: str) -> None:
+        self.service = service
+        self.kv = kv
+        self.name = name
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.revisions: dict[str, int] = {}
+        self._synced = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, timeout: float) -> None:
+        self.restart()
+        async with asyncio.timeout(timeout):
+            await self._synced.wait()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def restart(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._task = self.service.spawn(self._watch, f"{self.name}-watch")
+
+    async def _watch(self) -> None:
+        watcher = await self.kv.watchall()
+        snapshot: dict[str, dict[str, Any]] = {}
+        revisions: dict[str, int] = {}
+        syncing = True
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    if syncing:
+                        self.entries, self.revisions = snapshot, revisions
+                        syncing = False
+                        self._synced.set()
+                    continue
+                entries = snapshot if syncing else self.entries
+                revs = revisions if syncing else self.revisions
+                self._apply(entries, revs, entry.key, entry.revision, entry.operation, entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _apply(
+        self,
+        entries: dict[str, dict[str, Any]],
+        revisions: dict[str, int],
+        key: str,
+        revision: int | None,
+        operation: str | None,
+        value: bytes | None,
+    ) -> None:
+        rev = revision or 0
+        if rev and revisions.get(key, 0) > rev:
+            return  # a newer write (our own, applied on the way out) is already here
+        revisions[key] = rev
+        if operation in KV_DELETE_OPS or not value:
+            entries.pop(key, None)
+            return
+        try:
+            record = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(record, dict):
+            entries[key] = record
+
+    def wrote(self, key: str, revision: int, record: dict[str, Any] | None) -> None:
+        """Read-your-writes on this instance; the watch confirms it (and tells the others)."""
+        self._apply(
+            self.entries, self.revisions, key, revision, None if record else "DEL",
+            orjson.dumps(record) if record else None,
+        )
+
+    async def get(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        """The authoritative record and its revision (a KV read, not the mirror)."""
+        try:
+            entry = await self.kv.get(key)
+        except NotFoundError:
+            return None, 0
+        try:
+            record = orjson.loads(entry.value or b"")
+        except orjson.JSONDecodeError:
+            return None, 0
+        return (record if isinstance(record, dict) else None), int(entry.revision or 0)

@@ -59,7 +59,6 @@ Subjects and payloads (the contract):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -76,14 +75,13 @@ from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 from meshnode.transport.connection import Msg
 
-from .base import Envelope, ServiceBase, ServiceContext
+from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
 from .query import DiscoverQuery, encode_cursor, listed_for, parse_discover_query
 from .streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
 
 __all__ = ["RegistryService"]
 
-_KV_DELETE_OPS = ("DEL", "PURGE")
 #: Room left in a discover reply for the envelope around the agents.
 _ENVELOPE_SLACK = 4096
 
@@ -117,10 +115,7 @@ class RegistryService(ServiceBase):
         self._is_sandbox_node = is_sandbox_node
         self._sync_timeout_s = sync_timeout_s
         self._kv: KeyValue | None = None
-        self._cache: dict[str, dict[str, Any]] = {}
-        self._revisions: dict[str, int] = {}
-        self._synced = asyncio.Event()
-        self._watch_task: asyncio.Task[None] | None = None
+        self._mirror: KVMirror | None = None
         self._reconnect_hooked = False
 
     # -- lifecycle -----------------------------------------------------------
@@ -133,11 +128,9 @@ class RegistryService(ServiceBase):
         await ensure_key_value(js, registry_bucket_config(self.ctx.replicas))
         self._kv = await js.key_value(subjects.KV_REGISTRY)
         self._running = True
-        self._synced = asyncio.Event()
-        self._restart_watch()
+        self._mirror = KVMirror(self, self._kv, "registry")
         try:
-            async with asyncio.timeout(self._sync_timeout_s):
-                await self._synced.wait()
+            await self._mirror.start(self._sync_timeout_s)
         except BaseException:
             await self.stop()
             raise
@@ -153,70 +146,21 @@ class RegistryService(ServiceBase):
 
     async def stop(self) -> None:
         await super().stop()
-        task, self._watch_task = self._watch_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._mirror is not None:
+            await self._mirror.stop()
 
     async def _on_reconnect(self) -> None:
         # An ordered consumer can miss changes across a reconnect; a fresh
         # watch replays the latest value of every key, deletions included.
-        if self.running:
-            self._restart_watch()
+        if self.running and self._mirror is not None:
+            self._mirror.restart()
 
     # -- the cache -----------------------------------------------------------
 
-    def _restart_watch(self) -> None:
-        old, self._watch_task = self._watch_task, None
-        if old is not None:
-            old.cancel()
-        self._watch_task = self.spawn(self._watch, "kv-watch")
-
-    async def _watch(self) -> None:
-        assert self._kv is not None
-        watcher = await self._kv.watchall()
-        snapshot: dict[str, dict[str, Any]] = {}
-        revisions: dict[str, int] = {}
-        syncing = True
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of the initial replay
-                    if syncing:
-                        self._cache, self._revisions = snapshot, revisions
-                        syncing = False
-                        self._synced.set()
-                    continue
-                target_cache = snapshot if syncing else self._cache
-                target_revs = revisions if syncing else self._revisions
-                self._apply(target_cache, target_revs, entry.key, entry.revision, entry.operation, entry.value)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
-
-    def _apply(
-        self,
-        cache: dict[str, dict[str, Any]],
-        revisions: dict[str, int],
-        key: str,
-        revision: int | None,
-        operation: str | None,
-        value: bytes | None,
-    ) -> None:
-        rev = revision or 0
-        if rev and revisions.get(key, 0) > rev:
-            return  # already holds a newer write (our own, applied on the way out)
-        revisions[key] = rev
-        if operation in _KV_DELETE_OPS or not value:
-            cache.pop(key, None)
-            return
-        try:
-            manifest = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            self.log.warning("ignoring an unreadable registry entry %s", key)
-            return
-        if isinstance(manifest, dict):
-            cache[key] = manifest
+    @property
+    def _cache(self) -> dict[str, dict[str, Any]]:
+        """Every stored manifest by agent id, as the bucket's watch last showed it."""
+        return self._mirror.entries if self._mirror is not None else {}
 
     def manifest(self, agent_id: str) -> dict[str, Any] | None:
         """The stored manifest of ``agent_id`` (from the cache), or None."""
@@ -333,7 +277,8 @@ class RegistryService(ServiceBase):
         assert self._kv is not None
         revision = await self._kv.put(agent_id, _dumps(stored))
         # Read-your-writes on this instance; the watch confirms it (and tells the others).
-        self._apply(self._cache, self._revisions, agent_id, revision, None, _dumps(stored))
+        assert self._mirror is not None
+        self._mirror.wrote(agent_id, revision, stored)  # read-your-writes on this instance
         self.log.info("registered %s on node %s (%s)", agent_id, node_id, binding)
         await self.emit("registry", "agent_registered", {"agent_id": agent_id, "node": node_id})
         reply: dict[str, Any] = {"status": "registered", "agent_id": agent_id, "node_binding": binding}
