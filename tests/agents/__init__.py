@@ -590,3 +590,23 @@ class CollectorPlugin:
 
 
 collector_plugin = CollectorPlugin()
+
+
+class Unfurnished(Agent):
+    """Declares a need, then fails for want of it (§10.8, §10.8a)."""
+
+    description = "needs a repository"
+
+    @offering("fix", needs=[{"resource": "git", "access": "read-write"}])
+    async def fix(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        await task.fail("needs_not_furnished", note="no repository was granted", unmet_need="resource:git")
+
+
+class UnfurnishedPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-unfurnished", Unfurnished)
+
+
+unfurnished_plugin = UnfurnishedPlugin()

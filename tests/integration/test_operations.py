@@ -208,3 +208,30 @@ def test_secrets_are_never_logged(meshnode_daemons: DaemonSet) -> None:
     logs += json.dumps(a.status()) + json.dumps(b.status())
     leaked = [s[:12] + "..." for s in secrets if s and s in logs]
     assert not leaked, f"secrets in logs or status: {leaked}"
+
+
+def test_check_config_and_tasks_commands(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[node]\nname = "x"\n[agents.echo]\nplugin = "echo"\n')
+    proc = subprocess.run([sys.executable, "-m", "meshnode.cli", "check-config", "--config", str(good)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "ok: node 'x'" in proc.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[node]\nnmae = "x"\n')
+    proc = subprocess.run([sys.executable, "-m", "meshnode.cli", "check-config", "--config", str(bad), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78
+    problems = json.loads(proc.stdout)["problems"]
+    assert any("node.nmae" in str(p) for p in problems) and str(bad) in proc.stdout
+
+    node = meshnode_daemons.embedded("t", agents={"counter": {"plugin": "longtask"}})
+    opened = cli(node, "call", "counter", "count", '{"to": 50, "every": 0.2}', "--no-wait", "--json")
+    assert opened.returncode == 0, opened.stderr
+    task_id = json.loads(opened.stdout)["task_id"]
+    listed = ok_json(node, "tasks", "list")["tasks"]
+    assert [t["task_id"] for t in listed] == [task_id]
+    record = ok_json(node, "tasks", "show", task_id)
+    assert record["state"] in ("submitted", "working")
+    canceled = ok_json(node, "tasks", "cancel", task_id, "--agent", "counter", "--reason", "user_requested")
+    assert canceled["status"] == "canceled"
+    assert ok_json(node, "tasks", "list")["tasks"] == []

@@ -110,3 +110,20 @@ def test_requester_detects_gaps_truncation_and_foreign_chunks(meshnode_daemons: 
     assert "missing or injected" in consume("gap")["broken"]
     assert "chunk_count" in consume("truncated")["broken"]
     assert "someone other than the agent that opened" in consume("forged")["broken"]
+
+
+def test_failure_with_a_reason_from_the_closed_vocabulary(meshnode_daemons: DaemonSet) -> None:
+    plugins = {"plugin_modules": ["tests.agents:unfurnished_plugin"]}
+    a = meshnode_daemons.embedded("a", agents={"fixer": {"plugin": "test-unfurnished"}}, node=plugins)
+    result = a.call("fixer", "fix", {})
+    assert result["status"] == "failed" and result["task_id"]
+    deadline = time.monotonic() + 10
+    record: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        record = a.admin("Tasks.Show", {"task_id": result["task_id"]})
+        if record.get("state") == "failed":
+            break
+        time.sleep(0.2)
+    assert record["state"] == "failed"
+    last = record["history"][-1]["payload"]
+    assert last["reason"] == "needs_not_furnished" and last["unmet_need"] == "resource:git"

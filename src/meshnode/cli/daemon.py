@@ -81,7 +81,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "problems": [p.__dict__ for p in exc.problems]}, default=str))
+            problems = [{"file": p.file, "key": p.key, "message": p.message} for p in exc.problems]
+            print(json.dumps({"ok": False, "problems": problems}))
         else:
             print(f"configuration error:\n{exc}", file=sys.stderr)
         return EX_CONFIG

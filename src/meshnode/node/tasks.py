@@ -22,7 +22,7 @@ import orjson
 
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
-from meshnode.protocol.cancel import CANCEL_REASONS, propagated_note
+from meshnode.protocol.cancel import CANCEL_REASONS, build_failed_update_payload, propagated_note
 from meshnode.protocol.envelope import (
     build_envelope,
     child_trace,
@@ -132,6 +132,23 @@ class ResponderTask:
 
     async def require_auth(self, message: str | None = None) -> None:
         await self._send("auth_required", message=message)
+
+    async def fail(
+        self,
+        reason: str | None = None,
+        *,
+        note: str | None = None,
+        unmet_need: str | None = None,
+        dependency: str | None = None,
+        error: Mapping[str, Any] | None = None,
+    ) -> None:
+        """End in ``failed``, optionally saying why from the closed §10.8 vocabulary
+        (``needs_not_furnished`` needs ``unmet_need`` naming a need the offering
+        declares; ``dependency_failed`` may name the ``dependency``). The platform,
+        not this update, decides the attribution (§10.8a)."""
+        fields = build_failed_update_payload(reason, note=note, unmet_need=unmet_need, dependency=dependency)
+        fields.pop("status", None)
+        await self._send("failed", error=error, extra=fields)
 
     async def reject(self, message: str | None = None) -> None:
         """Decline the task before work began (``submitted`` → ``rejected``)."""
