@@ -128,7 +128,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if mesh.get("control_plane"):
         print(f"control   {mesh['control_plane']}")
     if status.get("credential"):
-        print(f"credential expires {status['credential']['expires_at']} (renews at {status['credential']['renew_at']})")
+        cred = status["credential"]
+        print(f"credential expires {_when(cred['expires_at'])} (renews at {_when(cred['renew_at'])})")
     print(f"keys      {status['keystore']}")
     print("agents")
     for agent in status["agents"]:
@@ -147,6 +148,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         published = ", ".join(f"{k} {v}" for k, v in obs.get("published", {}).items())
         print(f"observability  publishing {on}: {published}; dropped {obs.get('dropped', 0)}")
     return EX_OK
+
+
+def _when(epoch_s: Any) -> str:
+    import time
+
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(float(epoch_s)))
+    except (TypeError, ValueError):
+        return str(epoch_s)
 
 
 def cmd_call(args: argparse.Namespace) -> int:
