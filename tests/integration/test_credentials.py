@@ -72,3 +72,18 @@ def test_callers_keep_to_a_recipients_published_rate_limit(meshnode_daemons: Dae
     assert result["status"] == "completed" and result["output"]["seconds"] >= 1.9
     limited = next(x for x in a.status()["agents"] if x["name"] == "limited")["counters"]
     assert not any(k.startswith("refused.RATE") for k in limited)
+
+
+def test_a_retired_agents_requests_are_refused_as_revoked(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    retired = b.agent_id("cli")
+    out = run_cli("mesh", "retire", "--agent", retired, "--socket", a.socket_path).stdout
+    assert "retired" in out
+    result = b.call(a.agent_id("echo"), "echo", "from a retired key")
+    assert result["status"] == "failed" and result["error"]["code"] == "UNAUTHORIZED"
+    assert result["error"]["details"]["reason"] == "sender_key_revoked"
+    counters = next(x for x in a.status()["agents"] if x["name"] == "echo")["counters"]
+    assert counters.get("refused.sender_key_revoked") == 1 and not counters.get("dispatched")
+    # Other agents of the same node are unaffected.
+    assert a.call(b.agent_id("echo_b"), "echo", "fine")["status"] == "completed"

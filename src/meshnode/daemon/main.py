@@ -271,6 +271,7 @@ class Daemon:
             inbox_max_age_s=int(self.config.inbox.buffer_max_age.total_seconds()),
             inbox_max_bytes=self.config.inbox.buffer_max_bytes,
             presence=presence,
+            is_revoked=self.control_plane.agent_retired if self.control_plane is not None else None,
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()

@@ -103,6 +103,7 @@ class RegistryService(ServiceBase):
         presence: PresenceService | None = None,
         is_sandbox_node: Callable[[str], bool] | None = None,
         sync_timeout_s: float = 10.0,
+        is_revoked: Callable[[str], bool] | None = None,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
         self.require_connection_bound = require_connection_bound
@@ -114,6 +115,8 @@ class RegistryService(ServiceBase):
         # The node's attested sandbox tier (§9.7); nothing is sandboxed without it.
         self._is_sandbox_node = is_sandbox_node
         self._sync_timeout_s = sync_timeout_s
+        # Keys the operator retired (§4.8): answered as revoked, never registered again.
+        self._is_revoked = is_revoked
         self._kv: KeyValue | None = None
         self._mirror: KVMirror | None = None
         self._reconnect_hooked = False
@@ -237,6 +240,8 @@ class RegistryService(ServiceBase):
                 "registration must arrive on mesh.registry.register.<node_id>",
                 {"field": "node.id", "reason": "untokenized_registration"},
             )
+        if self._is_revoked is not None and self._is_revoked(env["from"]):
+            raise ProtocolError("UNAUTHORIZED", "this agent's key was revoked", {"reason": "agent_key_revoked"})
         now = self.ctx.now_ms()
         sandbox = False
         manifest_node = _manifest_node_id(payload)
@@ -374,6 +379,8 @@ class RegistryService(ServiceBase):
             raise ProtocolError(
                 "INVALID_QUERY", "agent_id: does not match the subject", {"field": "agent_id"}
             )
+        if self._is_revoked is not None and is_valid_public(token) and self._is_revoked(token):
+            raise ProtocolError("UNAUTHORIZED", "this agent's key was revoked", {"reason": "agent_key_revoked"})
         manifest = self._cache.get(token) if is_valid_public(token) else None
         if manifest is None:
             raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})

@@ -1021,6 +1021,11 @@ class ControlPlaneServer:
         """
         return self._set_agent_status(agent_id, "retired")
 
+    def agent_retired(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` was retired (the registry answers its key as revoked)."""
+        record = self._store.load().agents.get(agent_id)
+        return record is not None and record.status == "retired"
+
     def pause_agent(self, agent_id: str) -> str:
         """Refuse credentials covering ``agent_id`` until :meth:`resume_agent`."""
         return self._set_agent_status(agent_id, "paused")
