@@ -87,3 +87,29 @@ def test_a_retired_agents_requests_are_refused_as_revoked(meshnode_daemons: Daem
     assert counters.get("refused.sender_key_revoked") == 1 and not counters.get("dispatched")
     # Other agents of the same node are unaffected.
     assert a.call(b.agent_id("echo_b"), "echo", "fine")["status"] == "completed"
+
+
+def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: DaemonSet) -> None:
+    """A laptop asleep past its credential's expiry: the broker closed the connection,
+    and nats-py gives up on the authorization error when it wakes. The daemon starts
+    over in place (same pid), renewing before it connects (§4.8)."""
+    import os
+    import signal
+
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    assert b.process is not None
+    pid = b.process.pid
+    os.kill(pid, signal.SIGSTOP)  # asleep: no timers, no renewal
+    time.sleep(9)  # past the 6 s credential
+    os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 40
+    healed = False
+    while time.monotonic() < deadline and not healed:
+        time.sleep(0.5)
+        try:
+            healed = b.status()["mesh"]["connected"] and b.call(a.agent_id("echo"), "echo", "awake")["status"] == "completed"
+        except Exception:
+            healed = False
+    assert healed, b.log_tail(30)
+    assert b.process.pid == pid and b.process.poll() is None

@@ -68,12 +68,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshnode.daemon.main import run_daemon
 
     setup_logging(config.logging.level, config.logging.format)
+    from meshnode.daemon.main import RELAUNCH, relaunch_process
+
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(run_daemon(config))
-    result: int = uvloop.run(run_daemon(config))
-    return result
+        result = asyncio.run(run_daemon(config))
+    else:
+        result = uvloop.run(run_daemon(config))
+    if result == RELAUNCH:
+        relaunch_process()  # does not return
+    return int(result)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

@@ -73,6 +73,8 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._signal_tasks: set[asyncio.Task[None]] = set()
+        #: Set when the connection was lost for good: the process re-executes itself.
+        self.relaunch = False
         self._force = 0
         self.started = False
 
@@ -207,6 +209,7 @@ class Daemon:
             inbox_prefix=node_inbox_prefix(self.node_key.public_key),
         )
         await self.connection.connect()
+        self.connection.on_lost(self._on_connection_lost)
         self._jwt_job = PeriodicJob("credential-renewal", self._renew_jwt, self._next_jwt_check, jitter=0.02)
         self._jwt_job.start()
 
@@ -800,6 +803,12 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _on_connection_lost(self) -> None:
+        # Start over in a fresh process image: start-up renews the credential
+        # before connecting (§4.8), which is exactly what a lapsed one needs.
+        self.relaunch = True
+        self.request_stop()
+
     async def wait(self) -> None:
         await self._stop.wait()
 
@@ -892,4 +901,20 @@ async def run_daemon(config: Config) -> int:
     finally:
         log.info("stopping")
         await daemon.stop()
+    if daemon.relaunch:
+        return RELAUNCH
     return 0
+
+
+#: run_daemon's answer when the process should start over (see ``relaunch``).
+RELAUNCH = -1
+
+
+def relaunch_process() -> None:
+    """Replace this process with a fresh ``meshnode run`` (same pid, same arguments):
+    the new start renews a lapsed credential before connecting."""
+    import sys
+
+    log.warning("re-executing meshnode to renew its credential and reconnect")
+    logging.shutdown()
+    os.execv(sys.executable, list(sys.orig_argv))

@@ -63,6 +63,8 @@ class MeshConnection:
         self._reconnect_listeners: list[ConnectionListener] = []
         self._disconnect_listeners: list[ConnectionListener] = []
         self._error_listeners: list[Callable[[str], None]] = []
+        self._lost_listeners: list[Callable[[], None]] = []
+        self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
 
@@ -93,6 +95,7 @@ class MeshConnection:
         self._js = self._nc.jetstream()
 
     async def close(self, drain_timeout: float = 5.0) -> None:
+        self._closing = True
         nc, self._nc = self._nc, None
         if nc is None:
             return
@@ -146,6 +149,12 @@ class MeshConnection:
 
     def on_disconnect(self, listener: ConnectionListener) -> None:
         self._disconnect_listeners.append(listener)
+
+    def on_lost(self, listener: Callable[[], None]) -> None:
+        """Called when the client gives up for good without being asked to close
+        (nats-py closes on an authorization error, e.g. a credential that expired
+        while the host slept): the owner must start over with a fresh credential."""
+        self._lost_listeners.append(listener)
 
     def on_error(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(message)`` for every asynchronous error the client reports.
@@ -215,6 +224,10 @@ class MeshConnection:
 
     async def _on_closed(self) -> None:
         log.info("mesh connection closed")
+        if not self._closing:
+            log.error("the mesh connection was closed for good (%s)", self.last_error or "no reason given")
+            for listener in self._lost_listeners:
+                listener()
 
 
 def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:
