@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -91,6 +92,10 @@ def test_interactive_agent_queued_ack_and_cli_reply(meshnode_daemons: DaemonSet)
 
     from meshnode.testing import run_cli
 
+    listed = run_cli("inbox", "list", "--agent", "desk", "--socket", b.socket_path).stdout
+    assert f"#{message['id']}" in listed and "please call me back" in listed and "BEGIN SENDER MESSAGE" in listed
+    shown = json.loads(run_cli("inbox", "show", str(message["id"]), "--socket", b.socket_path).stdout)
+    assert shown["envelope"]["payload"]["input"] == {"text": "please call me back"}
     run_cli("inbox", "reply", str(message["id"]), "--text", "calling you now", "--socket", b.socket_path)
     assert held(b, "desk") == []
     answer = wait_for(lambda: held(a, "cli"))
