@@ -96,6 +96,7 @@ class HostedAgent:
         self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
+        self._signal_logged: dict[str, float] = {}
         self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
         # Events get their own duplicate memory (§22.2): a flood of events must
         # not evict the entries that keep requests from running twice.
@@ -130,16 +131,26 @@ class HostedAgent:
             await asyncio.gather(*pending, return_exceptions=True)
 
     def signal(self, name: str, envelope: Mapping[str, Any] | None = None, detail: str = "") -> None:
-        """A local signal (§22.7): counted, and logged at warning level."""
+        """A local signal (§22.7): always counted; logged at warning level once a
+        minute per kind (then at debug), so a flood cannot flood the log too."""
         self.counters[f"refused.{name}"] += 1
+        now = time.monotonic()
+        loud = now - self._signal_logged.get(name, -1e9) >= 60.0
+        if loud:
+            self._signal_logged[name] = now
+        level = logging.WARNING if loud else logging.DEBUG
+        if not self.agent.log.isEnabledFor(level):
+            return
         sender = envelope.get("from") if isinstance(envelope, Mapping) else None
         msg_id = envelope.get("id") if isinstance(envelope, Mapping) else None
-        self.agent.log.warning(
-            "inbound refused (%s)%s%s%s",
+        self.agent.log.log(
+            level,
+            "inbound refused (%s)%s%s%s%s",
             name,
             f" from {sender}" if sender else "",
             f" id {msg_id}" if msg_id else "",
             f": {detail}" if detail else "",
+            " (further ones this minute are counted, see status)" if loud else "",
         )
 
     def clamp_mailbox_window(self, retention_ms: int) -> None:
