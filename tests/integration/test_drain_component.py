@@ -96,8 +96,10 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
         # The next pass takes a fresh bound and gets the rest; nothing twice.
         await drain.run_pass()
         assert [r[0] for r in recorder.received] == first + later
+        skips = drain.stats.idle_skips
         await drain.run_pass()
         assert len(recorder.received) == 8
+        assert drain.stats.idle_skips == skips + 1  # nothing new: one stream-info call, no consumer work
         counts = await store.counts()
         assert counts == {"answered": 8}
         # Every inbox row was committed before its ack: the consumer has nothing pending.

@@ -47,6 +47,7 @@ class DrainStats:
     last_bound: int = 0
     last_error: str | None = None
     running: bool = False
+    idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -72,6 +73,9 @@ class InboxDrain:
         self.dispatch_concurrency = dispatch_concurrency
         self.stats = DrainStats()
         self._pass_lock = asyncio.Lock()
+        # The buffer's last sequence when a pass last found nothing left to do:
+        # while it is unchanged an idle pass costs one JetStream call, not four.
+        self._settled_through: int | None = None
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
             self.run_pass,
@@ -119,7 +123,9 @@ class InboxDrain:
             self.hosted.clamp_mailbox_window(int(max_age_s * 1000))
         bound = int(info.state.last_seq)
         self.stats.last_bound = bound
-        if bound == 0 or info.state.messages == 0:
+        if bound == 0 or info.state.messages == 0 or bound == self._settled_through:
+            self._settled_through = bound
+            self.stats.idle_skips += 1
             return
         consumer = subjects.inbox_consumer_name(agent)
         psub = await js.pull_subscribe(
@@ -139,6 +145,7 @@ class InboxDrain:
             # is not even fetched; redeliveries of an interrupted pass come first.
             consumer_state = await psub.consumer_info()
             if not consumer_state.num_pending and not consumer_state.num_ack_pending:
+                self._settled_through = bound
                 return  # an idle pass: nothing buffered that we have not acked
             delivered = consumer_state.delivered
             floor = int(delivered.stream_seq or 0) if delivered is not None else 0
@@ -160,6 +167,8 @@ class InboxDrain:
                     for m in beyond:
                         await m.nak()
                     break
+            if floor >= bound:
+                self._settled_through = bound  # everything through the bound is acked
         finally:
             try:
                 await psub.unsubscribe()

@@ -821,6 +821,7 @@ class Node:
             "beyond_bound": st.beyond_bound,
             "dispatched": st.dispatched,
             "last_bound": st.last_bound,
+            "idle_skips": st.idle_skips,
             "running": st.running,
             "failing": drain.job.failing,
             "last_error": drain.job.last_error,
