@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,9 @@ class InboxDrain:
             self.run_pass,
             interval_s,
             jitter=0.5,  # spread N agents' passes over the interval
-            first_delay=0.0,
+            # Start-up passes matter (mail waited while we were away) but N agents
+            # must not all hit JetStream in the same instant: spread them over ~2 s.
+            first_delay=random.uniform(0.0, min(2.0, interval_s)),
             logger=log,
         )
 
