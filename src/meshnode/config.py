@@ -631,6 +631,9 @@ class RegistryConfig(BaseModel):
     model_config = _FORBID
 
     require_connection_bound: bool = True
+    rate_limit: Annotated[int, Field(ge=1)] = 60
+    """Requests per sender per window across every platform-service subject (§16.1)."""
+    rate_window: Duration = timedelta(seconds=60)
 
 
 class AdminConfig(BaseModel):

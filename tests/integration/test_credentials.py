@@ -113,3 +113,21 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
             healed = False
     assert healed, b.log_tail(30)
     assert b.process.pid == pid and b.process.poll() is None
+
+
+def test_service_rate_limit_is_hit_and_recovers(meshnode_daemons: DaemonSet) -> None:
+    from meshnode.admin.protocol import Refused
+
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}},
+                                  extra={"registry": {"rate_limit": 5, "rate_window": "2s"}})
+    refused = None
+    for _ in range(20):
+        try:
+            a.admin("Discover", {})
+        except Refused as exc:
+            refused = exc
+            break
+    assert refused is not None and refused.code == "RATE_LIMITED"
+    assert refused.params["retryable"] is True and 0 < refused.params["retry_after_ms"] <= 2000
+    time.sleep(refused.params["retry_after_ms"] / 1000 + 0.2)
+    assert "agents" in a.admin("Discover", {})  # recovered once the window slid

@@ -249,7 +249,9 @@ class Daemon:
         await ensure_mesh_streams(self.connection.js, 1)
         node_id = self.node_key.public_key
         # §16.1: one per-sender counter across every service subject.
-        limiter = SlidingWindowLimiter()
+        limiter = SlidingWindowLimiter(
+            limit=self.config.registry.rate_limit, window_ms=_ms(self.config.registry.rate_window)
+        )
 
         def context(name: str) -> ServiceContext:
             assert self.connection is not None

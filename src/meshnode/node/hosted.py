@@ -15,6 +15,7 @@ must answer; every refusal raises a local signal.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import time
@@ -97,6 +98,8 @@ class HostedAgent:
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self._signal_logged: dict[str, float] = {}
+        #: Digests of raw messages the live path could not verify (bounded, first in first out).
+        self.refused_bytes: dict[bytes, None] = {}
         self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
         # Events get their own duplicate memory (§22.2): a flood of events must
         # not evict the entries that keep requests from running twice.
@@ -197,6 +200,13 @@ class HostedAgent:
             env = decode_envelope(data)
         except ProtocolError as exc:
             self.signal(exc.code.lower(), None, exc.message)
+            if source != "mailbox":
+                # The buffer holds the same bytes; the drain acks them unjudged. Only
+                # the exact bytes are remembered: an unverified (from, id) must never
+                # enter the duplicate memory, or a forger could pre-empt real mail.
+                self.refused_bytes[hashlib.sha256(data).digest()] = None
+                if len(self.refused_bytes) > 5000:
+                    self.refused_bytes.pop(next(iter(self.refused_bytes)))
             return "refused"
         window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
         verdict = self.guard.check(env, source=window, now_ms=now_ms)

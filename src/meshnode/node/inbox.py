@@ -190,12 +190,17 @@ class InboxStore:
         """
         if not items:
             return []
+        # Pairs the live path handled moments ago may still wait in the write-behind.
+        pending = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
         async with self._lock:
             db = self.db
             await db.execute("BEGIN IMMEDIATE")
             fresh: list[bool] = []
             try:
                 for sender, msg_id, kind, raw, seq in items:
+                    if (sender, msg_id) in pending:
+                        fresh.append(False)
+                        continue
                     async with db.execute(
                         "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
                     ) as cur:
