@@ -198,3 +198,21 @@ async def test_rate_limit_answers_429(control: ControlPlaneServer) -> None:
         await ControlPlaneClient(control.url).request_credential(KeyPair.generate(), [])
     assert caught.value.status == 429 and caught.value.retryable
     assert caught.value.retry_after_ms is not None
+
+
+async def test_trust_tier_is_enrolled_persisted_and_renewed_with(
+    control: ControlPlaneServer,
+) -> None:
+    with pytest.raises(ValueError, match="trust_tier must be one of"):
+        control.invite("node-t0", trust_tier="gold")
+    sandboxed = KeyPair.from_seed(control.invite("node-t1", trust_tier="sandbox").node_seed)
+    standard = KeyPair.from_seed(control.invite("node-t2").node_seed)
+    assert control.is_sandbox_node(sandboxed.public_key)
+    assert not control.is_sandbox_node(standard.public_key)
+    assert control.trust_tier_of(KeyPair.generate().public_key) is None
+    # The tier lives in the enrolment state file, so it survives a restart.
+    state = json.loads(control.state_path.read_text())
+    assert state["nodes"][sandboxed.public_key]["trust_tier"] == "sandbox"
+    # Every renewal carries it again; the node cannot ask for another.
+    grant = await ControlPlaneClient(control.url).request_credential(sandboxed, [KeyPair.generate()])
+    assert "agentmesh:trust_tier:sandbox" in decode_jwt(grant.jwt)[1]["nats"]["tags"]

@@ -12,6 +12,7 @@ the sender sees at its own inbox, and that no handler ran (the agent's
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import sys
@@ -499,3 +500,43 @@ async def test_a_sender_no_node_vouches_for_is_refused(wire: Wire) -> None:
     await wire.client.publish_request(request, await wire.inbox_of(wire.echo_id))
     replies = await wire.client.wait_for(wire.agent, request["id"], timeout=REPLY_TIMEOUT_S)
     assert _status(replies[-1]) == "completed"
+
+
+async def test_a_sandbox_tier_node_is_attested_in_its_credential_and_clamped(
+    meshnode_daemons: DaemonSet, tmp_path: Path
+) -> None:
+    """§9.7/§8.6: the tier is the operator's word, carried in the credential and
+    applied by the registry; nothing the node itself says makes it otherwise."""
+    node = await asyncio.to_thread(
+        meshnode_daemons.embedded, "hub", agents={"echo": {"plugin": "echo"}}
+    )
+    invite_path = tmp_path / "sandboxed.creds"
+    invited = await asyncio.to_thread(
+        run_cli, "mesh", "invite", "sandboxed", "--trust-tier", "sandbox",
+        "--out", str(invite_path), "--socket", node.socket_path, "--json",
+    )
+    assert json.loads(invited.stdout)["trust_tier"] == "sandbox"
+    client = WireClient(read_invite(invite_path))
+    # The agent asks to be public; a sandbox host cannot have that (§8.6).
+    agent = WireAgent(UserKey.generate(), "sandboxed-agent", offerings={"ping": _pong})
+    try:
+        grant = await client.join([agent])
+        claims = json.loads(_b64url_decode(grant["jwt"].split(".")[1]))
+        assert "agentmesh:trust_tier:sandbox" in claims["nats"]["tags"]
+        assert "agentmesh:role:participant" in claims["nats"]["tags"]
+
+        await client.serve(agent)
+        await client.register(agent)
+        echo_id = next(a["id"] for a in (await asyncio.to_thread(node.status))["agents"])
+        manifest = await client.get_manifest(agent, agent.key.public_key)
+        assert manifest["sandbox"] is True
+        assert manifest["visibility"] == "unlisted"
+        listed = await asyncio.to_thread(node.admin, "Discover", {})
+        ids = {m["id"] for m in listed["agents"]}
+        assert echo_id in ids and agent.key.public_key not in ids
+    finally:
+        await client.close()
+
+
+def _b64url_decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))

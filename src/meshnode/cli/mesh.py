@@ -29,6 +29,11 @@ def register(commands: Any) -> None:
     invite = sub.add_parser("invite", help="enrol a new node and write its invite (a NATS creds file)")
     invite.add_argument("name", help="a name for the new node")
     invite.add_argument("--out", required=True, help="where to write the invite file (created 0600)")
+    invite.add_argument(
+        "--trust-tier", choices=("standard", "verified", "sandbox"), default="standard",
+        help="the operator's attestation of the new host (§9.7); sandbox clamps its agents "
+        "(never listed in discovery, no offline buffer)",
+    )
     _client_args(invite)
     invite.set_defaults(handler=cmd_invite)
 
@@ -68,7 +73,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Mesh.Invite", {"name": args.name})
+    code, result = _admin(args, "Mesh.Invite", {"name": args.name, "trust_tier": args.trust_tier})
     if code != EX_OK:
         return code
     bundle = InviteBundle(result["name"], result["node_seed"], result["jwt"])
@@ -81,9 +86,12 @@ def cmd_invite(args: argparse.Namespace) -> int:
         print(f"meshnode: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
         return EX_CANTCREAT
     if args.json:
-        print(json.dumps({"name": result["name"], "node_id": result["node_id"], "file": args.out}))
+        print(json.dumps({
+            "name": result["name"], "node_id": result["node_id"],
+            "trust_tier": result.get("trust_tier", args.trust_tier), "file": args.out,
+        }))
     else:
-        print(f"invited node {result['name']} ({result['node_id']})")
+        print(f"invited node {result['name']} ({result['node_id']}), trust tier {args.trust_tier}")
         print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
     return EX_OK

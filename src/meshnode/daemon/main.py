@@ -277,6 +277,9 @@ class Daemon:
             inbox_max_bytes=self.config.inbox.buffer_max_bytes,
             presence=presence,
             is_revoked=self.control_plane.agent_retired if self.control_plane is not None else None,
+            # The operator-attested tier from enrolment (§9.7): only the control
+            # plane knows it, and only connection-bound registrations use it.
+            is_sandbox_node=self.control_plane.is_sandbox_node if self.control_plane is not None else None,
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()
@@ -393,7 +396,7 @@ class Daemon:
         methods.add("Inbox.Reply", self._admin_inbox_reply, level="operator", doc="answer a held request as its agent")
         methods.add("Inbox.Ack", self._admin_inbox_ack, level="operator", doc="dismiss a held message")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
-        methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="enrol a new node; returns its invite (secret)")
+        methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="params {name, trust_tier?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials); returns its invite (secret)")
         from meshnode.daemon.operations import register_operations
 
         register_operations(self, methods)
@@ -759,12 +762,16 @@ class Daemon:
         name = params.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidParameter("name is required")
+        trust_tier = params.get("trust_tier", "standard")
+        if not isinstance(trust_tier, str):
+            raise InvalidParameter("trust_tier must be a string")
         try:
-            bundle = await asyncio.to_thread(self.control_plane.invite, name)
+            bundle = await asyncio.to_thread(self.control_plane.invite, name, trust_tier)
         except ValueError as exc:
             raise InvalidParameter(str(exc)) from None
-        log.info("invited node %s as %s", name, bundle.node_id)
+        log.info("invited node %s as %s (trust tier %s)", name, bundle.node_id, trust_tier)
         return {
+            "trust_tier": trust_tier,
             "name": bundle.node_name,
             "node_id": bundle.node_id,
             "node_seed": bundle.node_seed,

@@ -62,6 +62,7 @@ from types import TracebackType
 from typing import Any, Literal, NamedTuple, Self
 from urllib.parse import urlsplit
 
+from meshnode.protocol.attestations import TRUST_TIERS
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public, verify
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
@@ -407,6 +408,8 @@ class EnrolledNode:
     credential_expires_at: int | None = None
     """Latest expiry of any credential issued to the node (invite included)."""
     last_issued_at: int | None = None
+    trust_tier: str = "standard"
+    """The operator-attested tier (§9.7) carried in every credential issued to the node."""
 
     @property
     def retired(self) -> bool:
@@ -436,6 +439,7 @@ class _State:
                         "retired_at": n.retired_at,
                         "credential_expires_at": n.credential_expires_at,
                         "last_issued_at": n.last_issued_at,
+                        "trust_tier": n.trust_tier,
                     }
                     for node_id, n in self.nodes.items()
                 },
@@ -481,6 +485,10 @@ class _State:
             name, enrolled_at = record.get("name"), opt_int(record, "enrolled_at")
             if not isinstance(name, str) or enrolled_at is None:
                 raise bad(f"node {node_id} lacks a name or enrolled_at")
+            # Absent in state written before tiers existed: those nodes were standard.
+            tier = record.get("trust_tier", "standard")
+            if tier not in TRUST_TIERS:
+                raise bad(f"node {node_id} has unknown trust_tier {tier!r}")
             state.nodes[node_id] = EnrolledNode(
                 node_id,
                 name,
@@ -488,6 +496,7 @@ class _State:
                 opt_int(record, "retired_at"),
                 opt_int(record, "credential_expires_at"),
                 opt_int(record, "last_issued_at"),
+                tier,
             )
         for agent_id, record in agents.items():
             if not is_valid_public(agent_id, Prefix.USER) or not isinstance(record, dict):
@@ -937,14 +946,21 @@ class ControlPlaneServer:
         """Every node ever enrolled, retired ones included, oldest first."""
         return sorted(self._store.load().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
 
-    def enrol_node(self, node_id: str, name: str) -> EnrolledNode:
+    def enrol_node(
+        self, node_id: str, name: str, trust_tier: str = "standard"
+    ) -> EnrolledNode:
         """Enrol an existing node key (one the node generated itself) under ``name``.
 
-        Raises ValueError for a malformed id or name, a name already in use by
-        an active node, or a retired node id (retirement is permanent).
+        ``trust_tier`` is the operator's attestation of the host (§9.7):
+        ``sandbox`` makes the registry clamp every agent the node registers
+        (never listed, no redelivery buffer). Raises ValueError for a
+        malformed id, name or tier, a name already in use by an active node,
+        or a retired node id (retirement is permanent).
         """
         if not is_valid_public(node_id, Prefix.USER):
             raise ValueError("node_id must be a user nkey")
+        if trust_tier not in TRUST_TIERS:
+            raise ValueError(f"trust_tier must be one of {', '.join(sorted(TRUST_TIERS))}")
         _check_node_name(name)
         now = int(self._clock())
         with self._store.update() as state:
@@ -957,12 +973,21 @@ class ControlPlaneServer:
                 return existing
             if any(n.name == name and not n.retired for n in state.nodes.values()):
                 raise ValueError(f"an active node is already named {name}")
-            record = EnrolledNode(node_id, name, now)
+            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier)
             state.nodes[node_id] = record
         log.info("control plane: enrolled node %s as %s", node_id, name)
         return record
 
-    def invite(self, name: str) -> InviteBundle:
+    def trust_tier_of(self, node_id: str) -> str | None:
+        """The attested tier of an enrolled node, or None for a node never enrolled."""
+        node = self._store.load().nodes.get(node_id)
+        return None if node is None else node.trust_tier
+
+    def is_sandbox_node(self, node_id: str) -> bool:
+        """The registry's sandbox clamp (§9.7, §8.6) keyed on the attested tier."""
+        return self.trust_tier_of(node_id) == "sandbox"
+
+    def invite(self, name: str, trust_tier: str = "standard") -> InviteBundle:
         """Create a node identity, enrol it as ``name`` and mint its starter credential.
 
         The starter credential carries participant permissions for the node
@@ -971,10 +996,11 @@ class ControlPlaneServer:
         secret key: write it with :func:`write_invite`, never log it.
         """
         key = KeyPair.generate(Prefix.USER)
-        self.enrol_node(key.public_key, name)
+        self.enrol_node(key.public_key, name, trust_tier)
         now = int(self._clock())
         jwt = self._embedded.mint_node_credential(
-            key.public_key, [], self.invite_ttl_s, role="participant", now=now
+            key.public_key, [], self.invite_ttl_s, role="participant",
+            trust_tier=trust_tier, now=now,
         )
         with self._store.update() as state:
             self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
@@ -1110,7 +1136,8 @@ class ControlPlaneServer:
                 raise refusal
             role = self._role_of(node_id)
             jwt = self._embedded.mint_node_credential(
-                node_id, agent_ids, self.credential_ttl_s, role=role, now=now
+                node_id, agent_ids, self.credential_ttl_s, role=role,
+                trust_tier=state.nodes[node_id].trust_tier, now=now,
             )
             expires_at = now + self.credential_ttl_s
             self._record_issue(state, node_id, agent_ids, now, expires_at)

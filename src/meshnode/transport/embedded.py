@@ -432,6 +432,7 @@ class EmbeddedNatsServer:
         *,
         response: ResponsePermission | None = _REPLY_ONCE,
         now: int | None = None,
+        tags: Sequence[str] = (),
     ) -> str:
         """A user JWT in the mesh account for ``user_public_key``, valid ``expires_in_s``.
 
@@ -453,6 +454,7 @@ class EmbeddedNatsServer:
             pub_deny=RESERVED_SUBJECTS,
             sub_deny=RESERVED_SUBJECTS,
             response=response,
+            tags=tags,
         )
 
     def mint_node_credential(
@@ -462,9 +464,15 @@ class EmbeddedNatsServer:
         expires_in_s: int,
         *,
         role: Role = "participant",
+        trust_tier: str = "standard",
         now: int | None = None,
     ) -> str:
-        """A node credential carrying the §14.3 permissions of its roster."""
+        """A node credential carrying the §14.3 permissions of its roster.
+
+        The operator-attested profile claims ride in the credential as tags
+        ``agentmesh:role:<role>`` and ``agentmesh:trust_tier:<tier>`` (§4.4: a
+        node never self-declares them).
+        """
         permissions = node_permissions(node_id, agent_ids, role=role)
         return self.mint_user(
             f"node {node_id[:12]}",
@@ -473,6 +481,7 @@ class EmbeddedNatsServer:
             permissions.sub_allow,
             expires_in_s,
             now=now,
+            tags=(f"agentmesh:role:{role}", f"agentmesh:trust_tier:{trust_tier}"),
         )
 
     # -- lifecycle --

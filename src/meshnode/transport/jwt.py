@@ -274,8 +274,12 @@ def mint_user_jwt(
     pub_deny: Sequence[str] = (),
     sub_deny: Sequence[str] = (),
     response: ResponsePermission | None = None,
+    tags: Sequence[str] = (),
 ) -> str:
     """A user JWT (a node credential) signed by the ``account`` key.
+
+    ``tags`` become the JWT's ``nats.tags``; the control plane uses them to
+    carry the node's operator-attested profile claims (§4.4, §9.7).
 
     ``expires_at`` is required and must be after ``issued_at`` (§4.8: node
     credentials have a finite expiry). An empty allow list denies everything in
@@ -296,6 +300,8 @@ def mint_user_jwt(
     }
     if response is not None:
         nats["resp"] = response.claims()
+    if tags:
+        nats["tags"] = list(tags)
     nats.update(
         {
             "subs": NO_LIMIT,
