@@ -534,6 +534,35 @@ async def test_a_sandbox_tier_node_is_attested_in_its_credential_and_clamped(
         listed = await asyncio.to_thread(node.admin, "Discover", {})
         ids = {m["id"] for m in listed["agents"]}
         assert echo_id in ids and agent.key.public_key not in ids
+
+        # A verified host is found by the discovery tier filter; the hub's own
+        # node, never enrolled with a tier, counts as standard.
+        verified_path = tmp_path / "verified.creds"
+        await asyncio.to_thread(
+            run_cli, "mesh", "invite", "verified", "--trust-tier", "verified",
+            "--out", str(verified_path), "--socket", node.socket_path,
+        )
+        verified_client = WireClient(read_invite(verified_path))
+        verified_agent = WireAgent(UserKey.generate(), "verified-agent", offerings={"ping": _pong})
+        try:
+            await verified_client.join([verified_agent])
+            await verified_client.serve(verified_agent)
+            await verified_client.register(verified_agent)
+
+            async def tiered(tier: str) -> set[str]:
+                found = await asyncio.to_thread(node.admin, "Discover", {"trust_tier": tier})
+                return {m["id"] for m in found["agents"]}
+
+            assert await tiered("verified") == {verified_agent.key.public_key}
+            by_cli = await asyncio.to_thread(
+                run_cli, "discover", "--trust-tier", "verified", "--json", "--socket", node.socket_path
+            )
+            assert [m["id"] for m in json.loads(by_cli.stdout)["agents"]] == [verified_agent.key.public_key]
+            at_least_standard = await tiered("standard")
+            assert {echo_id, verified_agent.key.public_key} <= at_least_standard
+            assert agent.key.public_key not in at_least_standard
+        finally:
+            await verified_client.close()
     finally:
         await client.close()
 

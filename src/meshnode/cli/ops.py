@@ -53,6 +53,10 @@ def register(commands: Any) -> None:
     p.add_argument("--tag", action="append", dest="tags", default=[])
     p.add_argument("--availability", choices=["online", "busy", "degraded", "offline"])
     p.add_argument("--node")
+    p.add_argument(
+        "--trust-tier", dest="trust_tier", choices=["sandbox", "standard", "verified"],
+        help="hosts whose operator-attested tier is at least this",
+    )
     p.add_argument("--limit", type=int)
     _client_args(p)
     p.set_defaults(handler=cmd_discover)
@@ -165,7 +169,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
     for key in ("capabilities", "tags"):
         if getattr(args, key):
             query[key] = getattr(args, key)
-    for key in ("offering_id", "availability", "node", "limit"):
+    for key in ("offering_id", "availability", "node", "trust_tier", "limit"):
         if getattr(args, key) is not None:
             query[key] = getattr(args, key)
     code, result = _admin(args, "Discover", query)

@@ -280,6 +280,7 @@ class Daemon:
             # The operator-attested tier from enrolment (§9.7): only the control
             # plane knows it, and only connection-bound registrations use it.
             is_sandbox_node=self.control_plane.is_sandbox_node if self.control_plane is not None else None,
+            trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()

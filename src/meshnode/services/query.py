@@ -112,9 +112,11 @@ class DiscoverQuery:
     limit: int = DEFAULT_LIMIT
     after: str | None = None
 
-    def matches(self, manifest: Mapping[str, Any]) -> bool:
+    def matches(self, manifest: Mapping[str, Any], node_tier: str | None = None) -> bool:
         """True when every registry-side filter holds (availability is joined
-        by the caller, visibility by :func:`listed_for`)."""
+        by the caller, visibility by :func:`listed_for`). ``node_tier`` is the
+        hosting node's operator-attested tier (§9.7) when the registry knows
+        it; a sandboxed registration is sandbox whatever it is given."""
         if self.agent_ids is not None and manifest.get("id") not in self.agent_ids:
             return False
         if self.capabilities and not self.capabilities <= _strings(manifest.get("capabilities")):
@@ -141,7 +143,10 @@ class DiscoverQuery:
         if self.tenant is not None and trust.get("tenant") != self.tenant:
             return False
         if self.trust_tier is not None:
-            tier = "sandbox" if manifest.get("sandbox") is True else "standard"
+            if manifest.get("sandbox") is True:
+                tier = "sandbox"
+            else:
+                tier = node_tier if node_tier in TRUST_TIERS else "standard"
             if TRUST_TIERS.index(tier) < TRUST_TIERS.index(self.trust_tier):
                 return False
         profile = _member(node, "profile")

@@ -104,6 +104,7 @@ class RegistryService(ServiceBase):
         is_sandbox_node: Callable[[str], bool] | None = None,
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
+        trust_tier_of: Callable[[str], str | None] | None = None,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
         self.require_connection_bound = require_connection_bound
@@ -114,6 +115,9 @@ class RegistryService(ServiceBase):
             presence.vouched_by = self.vouched_by
         # The node's attested sandbox tier (§9.7); nothing is sandboxed without it.
         self._is_sandbox_node = is_sandbox_node
+        # The attested tier of a node for the discovery filter; without it
+        # every unsandboxed node counts as standard.
+        self._trust_tier_of = trust_tier_of
         self._sync_timeout_s = sync_timeout_s
         # Keys the operator retired (§4.8): answered as revoked, never registered again.
         self._is_revoked = is_revoked
@@ -326,9 +330,17 @@ class RegistryService(ServiceBase):
         """One page of matches for ``caller``: (manifests with availability, total, next cursor)."""
         owners = self._caller_owners(caller)
         matches: list[dict[str, Any]] = []
+        tiers: dict[str, str | None] = {}  # one look-up per node per search
         for agent_id in sorted(self._cache):
             manifest = self._cache[agent_id]
-            if not listed_for(manifest, owners) or not query.matches(manifest):
+            node_tier = None
+            if query.trust_tier is not None and self._trust_tier_of is not None:
+                node_id = self.node_of(agent_id)
+                if node_id is not None:
+                    if node_id not in tiers:
+                        tiers[node_id] = self._trust_tier_of(node_id)
+                    node_tier = tiers[node_id]
+            if not listed_for(manifest, owners) or not query.matches(manifest, node_tier):
                 continue
             joined = self._with_availability(manifest)
             if query.availability is not None and joined.get("availability") != query.availability:
