@@ -561,6 +561,17 @@ async def test_a_sandbox_tier_node_is_attested_in_its_credential_and_clamped(
             at_least_standard = await tiered("standard")
             assert {echo_id, verified_agent.key.public_key} <= at_least_standard
             assert agent.key.public_key not in at_least_standard
+
+            # The operator sees both enrolments and their tiers.
+            listing = await asyncio.to_thread(
+                run_cli, "mesh", "nodes", "--json", "--socket", node.socket_path
+            )
+            enrolled = {n["name"]: n for n in json.loads(listing.stdout)["nodes"]}
+            assert enrolled["sandboxed"]["trust_tier"] == "sandbox"
+            assert enrolled["verified"]["trust_tier"] == "verified"
+            assert all(n["retired_at"] is None and n["credential_expires_at"] for n in enrolled.values())
+            table = await asyncio.to_thread(run_cli, "mesh", "nodes", "--socket", node.socket_path)
+            assert "sandboxed" in table.stdout and "verified" in table.stdout and "active" in table.stdout
         finally:
             await verified_client.close()
     finally:

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ def register(commands: Any) -> None:
     info = sub.add_parser("info", help="NATS URL(s) and control-plane URL")
     _client_args(info)
     info.set_defaults(handler=cmd_info)
+
+    nodes = sub.add_parser("nodes", help="the nodes this mesh's control plane enrolled: tier, retired, credential expiry")
+    _client_args(nodes)
+    nodes.set_defaults(handler=cmd_nodes)
 
     invite = sub.add_parser("invite", help="enrol a new node and write its invite (a NATS creds file)")
     invite.add_argument("name", help="a name for the new node")
@@ -94,6 +99,26 @@ def cmd_invite(args: argparse.Namespace) -> int:
         print(f"invited node {result['name']} ({result['node_id']}), trust tier {args.trust_tier}")
         print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
+    return EX_OK
+
+
+def _when(epoch_s: int | None) -> str:
+    if epoch_s is None:
+        return "-"
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Mesh.Nodes", {})
+    if code != EX_OK:
+        return code
+    if args.json:
+        print(json.dumps(result))
+        return EX_OK
+    print(f"{'NAME':<20} {'TIER':<9} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
+    for n in result["nodes"]:
+        state = "retired" if n["retired_at"] is not None else "active"
+        print(f"{n['name']:<20} {n['trust_tier']:<9} {state:<8} {_when(n['credential_expires_at']):<21} {n['node_id']}")
     return EX_OK
 
 

@@ -397,6 +397,11 @@ class Daemon:
         methods.add("Inbox.Reply", self._admin_inbox_reply, level="operator", doc="answer a held request as its agent")
         methods.add("Inbox.Ack", self._admin_inbox_ack, level="operator", doc="dismiss a held message")
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
+        methods.add(
+            "Mesh.Nodes", self._admin_mesh_nodes, level="operator",
+            doc="-> {nodes: [{node_id, name, trust_tier, enrolled_at, retired_at, last_issued_at, "
+            "credential_expires_at}]} every node the control plane enrolled (unix seconds; nulls when never)",
+        )
         methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="params {name, trust_tier?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials); returns its invite (secret)")
         from meshnode.daemon.operations import register_operations
 
@@ -747,6 +752,25 @@ class Daemon:
             raise NotFound("the node is not running")
         cli = self.node.agents[CLI_AGENT_NAME]
         return await self.node.service_call(cli, subject, kind, payload)
+
+    async def _admin_mesh_nodes(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.control_plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node enrols nodes)")
+        nodes = await asyncio.to_thread(self.control_plane.list_nodes)
+        return {
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "name": n.name,
+                    "trust_tier": n.trust_tier,
+                    "enrolled_at": n.enrolled_at,
+                    "retired_at": n.retired_at,
+                    "last_issued_at": n.last_issued_at,
+                    "credential_expires_at": n.credential_expires_at,
+                }
+                for n in nodes
+            ]
+        }
 
     async def _admin_mesh_info(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         return {
