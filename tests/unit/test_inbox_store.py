@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+
+import pytest
 
 from meshnode.node.inbox import InboxStore
 
@@ -41,3 +44,41 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     finally:
         await store.close()
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_close_during_a_write_behind_flush_loses_nothing(tmp_path: Path) -> None:
+    """A stop landing while the write-behind writes must not roll back the pairs
+    it took: a restart would answer an already-handled request again."""
+    path = tmp_path / "i.sqlite3"
+    for attempt in range(20):
+        store = InboxStore(path)
+        await store.open()
+        for i in range(50):
+            store.remember("A", "S", f"m{attempt}-{i}", 1000 + i)
+        store._wake.set()  # the flusher starts its batch ...
+        for _ in range(attempt % 4):
+            await asyncio.sleep(0)
+        await store.close()  # ... and the stop arrives at a different point each round
+        reopened = InboxStore(path)
+        await reopened.open()
+        remembered = set(await reopened.load_seen("A", 100_000))
+        await reopened.close()
+        assert {("S", f"m{attempt}-{i}") for i in range(50)} <= remembered
+
+
+async def test_a_failed_write_behind_keeps_its_batch_for_the_next(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    store.remember("A", "S", "m1", 1000)
+    real = store._write_behind
+
+    async def failing(*args: object) -> None:
+        raise OSError("disk full")
+
+    store._write_behind = failing  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        await store.flush()
+    store._write_behind = real  # type: ignore[method-assign]
+    await store.flush()
+    assert await store.load_seen("A", 10) == [("S", "m1")]
+    await store.close()

@@ -128,6 +128,7 @@ class InboxStore:
         self._state_pending: list[tuple[str, str | None, int, int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._closing = False
         self.commits = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -146,9 +147,17 @@ class InboxStore:
 
     async def close(self) -> None:
         if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+            # Let the write-behind finish the batch it may be writing: cancelling
+            # it mid-transaction would roll back pairs it already took (a
+            # restart would then answer a handled request again).
+            self._closing = True
+            self._wake.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._flusher), timeout=10.0)
+            except TimeoutError:
+                self._flusher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._flusher
             self._flusher = None
         if self._db is not None:
             await self.flush()
@@ -349,6 +358,17 @@ class InboxStore:
         states, self._state_pending = self._state_pending, []
         if not seen and not states:
             return
+        try:
+            await self._write_behind(seen, states)
+        except BaseException:
+            # Nothing taken is dropped: the next flush (or close) writes it.
+            self._seen_pending[:0] = seen
+            self._state_pending[:0] = states
+            raise
+
+    async def _write_behind(
+        self, seen: list[tuple[str, str, str, int]], states: list[tuple[str, str | None, int, int]]
+    ) -> None:
         statements: list[tuple[str, Sequence[Any]]] = []
         for item in seen:
             statements.append(("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", item))
@@ -360,7 +380,7 @@ class InboxStore:
         await self._transaction(statements)
 
     async def _flush_loop(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval)
             self._wake.clear()
