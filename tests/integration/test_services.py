@@ -434,7 +434,7 @@ async def test_rate_limit_is_per_sender_and_shared_across_services(net: Mesh) ->
 async def test_sandbox_nodes_get_no_buffer_and_are_never_listed(net: Mesh) -> None:
     node = await net.participant(1)
     agent = node.agents[0]
-    registry = RegistryService(net.context(), is_sandbox_node=lambda n: n == node.node_id)
+    registry = RegistryService(net.context(), trust_tier_of=lambda n: "sandbox" if n == node.node_id else None)
     await registry.start()
     try:
         reply = await node.register(agent)

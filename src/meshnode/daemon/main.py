@@ -277,9 +277,8 @@ class Daemon:
             inbox_max_bytes=self.config.inbox.buffer_max_bytes,
             presence=presence,
             is_revoked=self.control_plane.agent_retired if self.control_plane is not None else None,
-            # The operator-attested tier from enrolment (§9.7): only the control
-            # plane knows it, and only connection-bound registrations use it.
-            is_sandbox_node=self.control_plane.is_sandbox_node if self.control_plane is not None else None,
+            # The operator-attested tier from enrolment (§9.7), known only to the
+            # control plane: the sandbox clamp and discovery's tier filter.
             trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
         )
         presence.vouched_by = registry.vouched_by

@@ -45,7 +45,7 @@ async def start_platform_services(
     *,
     require_connection_bound: bool = True,
     heartbeat_interval_s: float = 30.0,
-    is_sandbox_node: Callable[[str], bool] | None = None,
+    trust_tier_of: Callable[[str], str | None] | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start registry and presence on ``ctx``."""
     await ensure_mesh_streams(ctx.connection.js, ctx.replicas)
@@ -54,7 +54,7 @@ async def start_platform_services(
         ctx,
         require_connection_bound=require_connection_bound,
         presence=presence,
-        is_sandbox_node=is_sandbox_node,
+        trust_tier_of=trust_tier_of,
     )
     await registry.start()
     try:

@@ -101,7 +101,6 @@ class RegistryService(ServiceBase):
         inbox_max_age_s: float = 7 * 86400,
         inbox_max_bytes: int = 25 * 1024 * 1024,
         presence: PresenceService | None = None,
-        is_sandbox_node: Callable[[str], bool] | None = None,
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
         trust_tier_of: Callable[[str], str | None] | None = None,
@@ -113,10 +112,9 @@ class RegistryService(ServiceBase):
         self.presence = presence
         if presence is not None and presence.vouched_by is None:
             presence.vouched_by = self.vouched_by
-        # The node's attested sandbox tier (§9.7); nothing is sandboxed without it.
-        self._is_sandbox_node = is_sandbox_node
-        # The attested tier of a node for the discovery filter; without it
-        # every unsandboxed node counts as standard.
+        # The operator-attested tier of a node (§9.7): the sandbox clamp and the
+        # discovery filter. Without it nothing is sandboxed and every node
+        # counts as standard.
         self._trust_tier_of = trust_tier_of
         self._sync_timeout_s = sync_timeout_s
         # Keys the operator retired (§4.8): answered as revoked, never registered again.
@@ -222,7 +220,7 @@ class RegistryService(ServiceBase):
     # -- register / deregister -------------------------------------------------
 
     def _sandboxed(self, node_id: str) -> bool:
-        return bool(self._is_sandbox_node and self._is_sandbox_node(node_id))
+        return self._trust_tier_of is not None and self._trust_tier_of(node_id) == "sandbox"
 
     async def _register(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)

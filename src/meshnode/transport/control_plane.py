@@ -984,7 +984,7 @@ class ControlPlaneServer:
         return None if node is None else node.trust_tier
 
     def is_sandbox_node(self, node_id: str) -> bool:
-        """The registry's sandbox clamp (§9.7, §8.6) keyed on the attested tier."""
+        """Whether the operator attested ``node_id`` as a sandbox host (§9.7, §8.6)."""
         return self.trust_tier_of(node_id) == "sandbox"
 
     def invite(self, name: str, trust_tier: str = "standard") -> InviteBundle:
