@@ -14,6 +14,7 @@ import pytest
 from nats.aio.client import Client
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import nats_auth_callbacks
 from meshnode.transport.permissions import Role, node_inbox_prefix
@@ -33,6 +34,20 @@ def process_alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+async def connect(mesh: EmbeddedNatsServer, key: KeyPair, jwt: str) -> MeshConnection:
+    """A MeshConnection for ``key`` on ``jwt``, replies under the node's own inbox prefix."""
+    conn = MeshConnection(
+        [mesh.url],
+        node_key=key,
+        jwt_source=lambda: jwt,
+        name=f"test {key.public_key[:8]}",
+        inbox_prefix=node_inbox_prefix(key.public_key),
+        connect_timeout=2.0,
+    )
+    await conn.connect()
+    return conn
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

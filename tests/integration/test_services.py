@@ -43,9 +43,9 @@ from meshnode.services.query import decode_cursor, encode_cursor, parse_discover
 from meshnode.services.semver import VersionRange
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
-from meshnode.transport.permissions import node_inbox_prefix, node_permissions
+from meshnode.transport.permissions import node_permissions
 
-from .conftest import wait_until
+from .conftest import connect, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -57,19 +57,6 @@ def now_ms() -> int:
 
 
 # --- mesh parties ----------------------------------------------------------------
-
-
-async def connect(mesh: EmbeddedNatsServer, key: KeyPair, jwt: str) -> MeshConnection:
-    conn = MeshConnection(
-        [mesh.url],
-        node_key=key,
-        jwt_source=lambda: jwt,
-        name=f"test {key.public_key[:8]}",
-        inbox_prefix=node_inbox_prefix(key.public_key),
-        connect_timeout=2.0,
-    )
-    await conn.connect()
-    return conn
 
 
 @dataclass

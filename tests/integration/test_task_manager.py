@@ -35,9 +35,8 @@ from meshnode.services.task_record import Outcome, Record, Verdict
 from meshnode.services.tasks import TaskManagerService
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
-from meshnode.transport.permissions import node_inbox_prefix
 
-from .conftest import wait_until
+from .conftest import connect, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,19 +45,6 @@ WAIT_S = 10.0
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-async def connect(mesh: EmbeddedNatsServer, key: KeyPair, jwt: str) -> MeshConnection:
-    conn = MeshConnection(
-        [mesh.url],
-        node_key=key,
-        jwt_source=lambda: jwt,
-        name=f"test {key.public_key[:8]}",
-        inbox_prefix=node_inbox_prefix(key.public_key),
-        connect_timeout=2.0,
-    )
-    await conn.connect()
-    return conn
 
 
 # --- the world ------------------------------------------------------------------------
