@@ -192,6 +192,9 @@ def test_header_echoed_only_when_activated(bridge: Bridge) -> None:
     assert off.status_code == 200 and "A2A-Extensions" not in off.headers
     artifact = off.json()["result"]["task"]["artifacts"][0]
     assert artifact["parts"][0]["data"] == {"ok": {"n": 1}}
+    # A stranger's bytes are bounded before anything parses them.
+    huge = httpx.post(bridge.url("echo"), content=b"x" * (5 * 1024 * 1024), headers=HEADERS, timeout=60)
+    assert huge.status_code == 413
 
 
 async def test_sdk_client_send_and_get(bridge: Bridge) -> None:

@@ -132,6 +132,8 @@ AUTH_ERROR_CODE = 401
 ANONYMOUS = "anonymous"
 #: The code of a task that was running when the daemon stopped.
 INTERRUPTED = "INTERRUPTED"
+#: The largest request body read (a stranger's bytes are bounded before parsing).
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,9 @@ class A2ABridge:
         self.settings = settings
         self.store = BridgeStore(data_dir / "a2a.sqlite3")
         self.live: dict[str, _Live] = {}
+        # Lookup-then-create of the idempotency row is one step: two concurrent
+        # sends of the same message must not start two tasks.
+        self._submit_lock = asyncio.Lock()
         self._signing_key = nacl.signing.SigningKey(decode_seed(bridge.key.seed)[1])
         self._server: _Uvicorn | None = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -341,7 +346,19 @@ class A2ABridge:
             return JSONResponse({"error": "no such agent"}, status_code=404)
         requested = get_requested_extensions(request.headers.getlist(HTTP_EXTENSION_HEADER))
         activated = EXTENSION_URI in requested
-        raw = await request.body()  # cached by Starlette: the dispatcher reads the same bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return JSONResponse({"error": "request body too large"}, status_code=413)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                return JSONResponse({"error": "request body too large"}, status_code=413)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        # Starlette reads a request's body once: hand the same bytes to the dispatcher.
+        request._body = raw
         inbound: _Inbound | None = None
         doc: Any = None
         with contextlib.suppress(ValueError):
@@ -449,6 +466,19 @@ class A2ABridge:
             raise UnsupportedOperationError(
                 message="continuing a task is not supported by this bridge: send a new message"
             )
+        async with self._submit_lock:
+            return await self._submit(agent, hosted, params, inbound, streaming=streaming)
+
+    async def _submit(
+        self,
+        agent: str,
+        hosted: HostedAgent,
+        params: SendMessageRequest,
+        inbound: _Inbound,
+        *,
+        streaming: bool,
+    ) -> tuple[_Live | None, dict[str, Any]]:
+        msg = params.message
         caller = self._caller(inbound)
         now_ms = self._now_ms()
         retention_ms = int(self.settings.idempotency_retention_s * 1000)
