@@ -22,6 +22,7 @@ from a2a.types.a2a_pb2 import (
     Message,
     SendMessageRequest,
     StreamResponse,
+    SubscribeToTaskRequest,
 )
 from google.protobuf.json_format import MessageToDict, ParseDict
 
@@ -332,16 +333,29 @@ async def test_streaming_with_the_report_on_the_last_update(bridge: Bridge) -> N
     assert report.spend_total == 0
 
 
-async def test_cancel(bridge: Bridge) -> None:
+async def test_subscribe_then_cancel(bridge: Bridge) -> None:
     events = await send(bridge.url("target"), message(data=None, skill="slow"), polling=True)
     task = task_of(events)
     assert task["status"]["state"] in ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
+    seen: list[StreamResponse] = []
     async with httpx.AsyncClient(timeout=60) as http:
         client = await create_client(bridge.url("target"), client_config=ClientConfig(httpx_client=http))
+
+        async def follow() -> None:
+            async for event in client.subscribe(SubscribeToTaskRequest(id=task["id"])):
+                seen.append(event)
+
+        follower = asyncio.create_task(follow())
+        async with asyncio.timeout(30):
+            while not seen:
+                await asyncio.sleep(0.05)
         canceled = MessageToDict(await client.cancel_task(CancelTaskRequest(id=task["id"])))
         assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+        await asyncio.wait_for(follower, timeout=30)
         got = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"])))
     assert got["status"]["state"] == "TASK_STATE_CANCELED"
+    assert seen[0].HasField("task") and seen[-1].HasField("status_update"), [MessageToDict(e) for e in seen]
+    assert MessageToDict(seen[-1].status_update)["status"]["state"] == "TASK_STATE_CANCELED"
 
 
 # --- idempotency (restarts the module's daemon: keep last) --------------------------------

@@ -783,6 +783,10 @@ class A2ABridge:
                 await live.mesh_task.cancel("user_requested")
             except ProtocolError as exc:
                 log.info("cancel of mesh task for %s: %s", task_id, exc)
+            # The agent's canceled update ends the runner by itself; stopping it
+            # mid-finish would lose the final status update it publishes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(live.done.wait(), timeout=10.0)
         if live.runner is not None and not live.runner.done():
             live.runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -804,6 +808,24 @@ def _task_proto(task: Mapping[str, Any]) -> Task:
     proto = Task()
     ParseDict(dict(task), proto, ignore_unknown_fields=True)
     return proto
+
+
+async def _follow(live: _Live, queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncGenerator[Any]:
+    """The task as it stands, then its updates until it ends (``queue`` is
+    already subscribed, so nothing between the two is missed)."""
+    try:
+        yield _task_proto(live.task)
+        while True:
+            event = await queue.get()
+            if event is None:
+                return
+            if "statusUpdate" in event:
+                yield ParseDict(event["statusUpdate"], TaskStatusUpdateEvent(), ignore_unknown_fields=True)
+            elif "artifactUpdate" in event:
+                yield ParseDict(event["artifactUpdate"], TaskArtifactUpdateEvent(), ignore_unknown_fields=True)
+    finally:
+        with contextlib.suppress(ValueError):
+            live.subscribers.remove(queue)
 
 
 class _Handler(RequestHandler):
@@ -843,24 +865,25 @@ class _Handler(RequestHandler):
         live, task = await bridge.submit(
             self._agent(context), params, context.state.get("a2a_inbound"), streaming=True
         )
-        if live is not None and not live.done.is_set():
-            live.subscribers.append(queue)
-            task = live.task
-        yield _task_proto(task)
         if live is None or live.done.is_set():
+            yield _task_proto(task)
             return
-        try:
-            while True:
-                event = await queue.get()
-                if event is None:
-                    return
-                if "statusUpdate" in event:
-                    yield ParseDict(event["statusUpdate"], TaskStatusUpdateEvent(), ignore_unknown_fields=True)
-                elif "artifactUpdate" in event:
-                    yield ParseDict(event["artifactUpdate"], TaskArtifactUpdateEvent(), ignore_unknown_fields=True)
-        finally:
-            with contextlib.suppress(ValueError):
-                live.subscribers.remove(queue)
+        live.subscribers.append(queue)
+        async for event in _follow(live, queue):
+            yield event
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Any]:
+        agent = self._agent(context)
+        live = self.bridge.live.get(params.id)
+        if live is None or live.agent != agent or live.done.is_set():
+            await self.bridge.get_task(agent, params.id)  # TaskNotFound when unknown
+            raise UnsupportedOperationError(message="the task is in a terminal state")
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        live.subscribers.append(queue)
+        async for event in _follow(live, queue):
+            yield event
 
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext
@@ -871,12 +894,6 @@ class _Handler(RequestHandler):
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
     ) -> TaskPushNotificationConfig:
         raise PushNotificationNotSupportedError
-
-    async def on_subscribe_to_task(
-        self, params: SubscribeToTaskRequest, context: ServerCallContext
-    ) -> AsyncGenerator[Any]:
-        raise UnsupportedOperationError(message="SubscribeToTask is not supported by this bridge")
-        yield  # pragma: no cover - marks this an async generator
 
     async def on_list_task_push_notification_configs(
         self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
