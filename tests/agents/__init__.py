@@ -644,7 +644,7 @@ class A2ATarget(Agent):
         task = await ctx.defer("working")
         await task.progress("metering", cost=Money(250, "USD"))
         meta = ctx.envelope.get("meta") or {}
-        return {"priced": (input or {}).get("text"), "meta": meta}
+        return {"priced": (input or {}).get("text"), "meta": meta, "trace_id": ctx.trace.get("trace_id")}
 
     @offering("words", streaming=True, framing=False)
     async def words(self, ctx: Context, input: Any) -> Any:

@@ -132,17 +132,20 @@ def rpc(url: str, method: str, params: dict[str, Any], headers: dict[str, str] =
     return httpx.post(url, json=body, headers=headers, timeout=60)
 
 
-def activated() -> ClientCallContext:
-    return ClientCallContext(
-        service_parameters=ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
-    )
+def activated(headers: dict[str, str] | None = None) -> ClientCallContext:
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    params.update(headers or {})
+    return ClientCallContext(service_parameters=params)
 
 
-async def send(url: str, msg: dict[str, Any], *, streaming: bool = False, polling: bool = False) -> list[StreamResponse]:
+async def send(
+    url: str, msg: dict[str, Any], *, streaming: bool = False, polling: bool = False,
+    headers: dict[str, str] | None = None,
+) -> list[StreamResponse]:
     async with httpx.AsyncClient(timeout=60) as http:
         client = await create_client(url, client_config=ClientConfig(streaming=streaming, polling=polling, httpx_client=http))
         request = SendMessageRequest(message=ParseDict(msg, Message()))
-        return [event async for event in client.send_message(request, context=activated())]
+        return [event async for event in client.send_message(request, context=activated(headers))]
 
 
 def task_of(events: list[StreamResponse]) -> dict[str, Any]:
@@ -278,10 +281,12 @@ async def test_trusted_budget_binds_admission(bridge: Bridge) -> None:
 async def test_trusted_completion_carries_a_verifiable_report(bridge: Bridge) -> None:
     bare = message(data={"text": "paid"})
     msg = with_envelope(bare, budget={"remaining": "1.00", "currency": "USD"}, deadline={"remaining": "PT60S"})
-    task = task_of(await send(bridge.url("target"), msg))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    traceparent = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    task = task_of(await send(bridge.url("target"), msg, headers=traceparent))
     assert task["status"]["state"] == "TASK_STATE_COMPLETED"
     output = task["artifacts"][0]["parts"][0]["data"]
-    assert output["priced"] == "paid"
+    assert output["priced"] == "paid" and output["trace_id"] == trace_id  # §13.1: one trace
     # The chain (extended by this hop) and the caller's origin reached the mesh request.
     carried = output["meta"][EXTENSION_URI]
     assert carried["callChain"][-1] == {"application": APP, "start": "priced", "executionId": task["id"]}
