@@ -235,6 +235,8 @@ def test_each_401(bridge: Bridge, code: str, over: dict[str, Any], key: Any, tam
     assert answer.json()["error"]["data"] == {"code": code}
     assert answer.headers.get("A2A-Extensions") == EXTENSION_URI
     assert bridge.received() == before  # nothing reached the agent
+    counters = next(a for a in bridge.daemon.status()["agents"] if a["name"] == "a2a-bridge")["counters"]
+    assert counters.get(f"refused.a2a.{code}", 0) >= 1  # a local signal, counted
 
 
 # --- chain limits -----------------------------------------------------------------------

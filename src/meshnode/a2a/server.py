@@ -370,7 +370,9 @@ class A2ABridge:
                 try:
                     inbound = self._precheck(message, activated, request)
                 except MeshAuthError as exc:
-                    log.info("A2A %s refused: %s", name, exc)
+                    # Counted on the bridge identity and logged once a minute per
+                    # code (a stranger's flood must not flood the log too).
+                    self.bridge.signal(f"a2a.{exc.code}", None, f"{name}: {exc.reason}")
                     rid = doc.get("id") if isinstance(doc.get("id"), (str, int)) else None
                     refusal = JSONResponse(
                         {
