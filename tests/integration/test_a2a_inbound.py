@@ -54,6 +54,8 @@ class Bridge:
         self.base = f"http://127.0.0.1:{port}"
         # The bridge identity's key signs the run reports; it survives restarts.
         self.report_key = parse_verify_key(daemon.agent_id("a2a-bridge"))
+        status = daemon.status()["a2a"]
+        assert status["report_key"] == daemon.agent_id("a2a-bridge") and status["application"] == APP
 
     def url(self, agent: str) -> str:
         return f"{self.base}/agents/{agent}"

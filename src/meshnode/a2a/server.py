@@ -279,6 +279,16 @@ class A2ABridge:
     async def close(self) -> None:
         await self.store.close()
 
+    def status(self) -> dict[str, Any]:
+        """For ``meshnode status``: where it serves, as whom, what runs."""
+        return {
+            "url": self.settings.base_url,
+            "expose": list(self.settings.expose),
+            "application": self.settings.application,
+            "report_key": self.bridge.agent_id,
+            "running_tasks": len(self.live),
+        }
+
     @property
     def bound_port(self) -> int | None:
         if self._server is None or not self._server.servers:

@@ -496,6 +496,7 @@ class Daemon:
             "agents": agents,
             "services": [type(s).__name__ for s in self.services],
             "observability": self.node.observability.status() if self.node and self.node.observability else None,
+            "a2a": self.a2a.status() if self.a2a is not None else None,
         }
 
     def control_plane_url(self) -> str | None:
