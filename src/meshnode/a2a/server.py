@@ -641,33 +641,50 @@ class A2ABridge:
             live.mesh_task = mesh_task
             await self._status(live, reply.status)
             streamed = False
+            chunk_reader: asyncio.Task[None] | None = None
             if stream:
-                first = True
-                async for chunk in mesh_task.stream(timeout=timeout):
-                    streamed = True
-                    live.publish(
-                        {
-                            "artifactUpdate": {
-                                "taskId": task_id,
-                                "contextId": task["contextId"],
-                                "artifact": {
-                                    "artifactId": "output",
-                                    "name": "output",
-                                    "parts": [chunk_part(chunk)],
-                                },
-                                "append": not first,
-                                "lastChunk": False,
+
+                async def read_chunks() -> None:
+                    nonlocal streamed
+                    first = True
+                    async for chunk in mesh_task.stream(timeout=timeout):
+                        streamed = True
+                        live.publish(
+                            {
+                                "artifactUpdate": {
+                                    "taskId": task_id,
+                                    "contextId": task["contextId"],
+                                    "artifact": {
+                                        "artifactId": "output",
+                                        "name": "output",
+                                        "parts": [chunk_part(chunk)],
+                                    },
+                                    "append": not first,
+                                    "lastChunk": False,
+                                }
                             }
-                        }
-                    )
-                    first = False
-            async for env in mesh_task.updates(timeout=timeout):
-                if env.get("from") != hosted.agent_id:
-                    continue
-                self._note_cost(live, env)
-                status = (env.get("payload") or {}).get("status")
-                if isinstance(status, str) and state_of(status) not in TERMINAL_A2A:
-                    await self._status(live, status)
+                        )
+                        first = False
+
+                # Chunks and state updates are read side by side: a stream that
+                # fails midway ends with its failed update, not a chunk timeout.
+                chunk_reader = asyncio.get_running_loop().create_task(read_chunks())
+            try:
+                async for env in mesh_task.updates(timeout=timeout):
+                    if env.get("from") != hosted.agent_id:
+                        continue
+                    self._note_cost(live, env)
+                    status = (env.get("payload") or {}).get("status")
+                    if isinstance(status, str) and state_of(status) not in TERMINAL_A2A:
+                        await self._status(live, status)
+                if chunk_reader is not None and mesh_task.state == "completed":
+                    # The final chunk is stored before the completed update: drain them.
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(chunk_reader), timeout=30.0)
+            finally:
+                if chunk_reader is not None and not chunk_reader.done():
+                    chunk_reader.cancel()
+                    await asyncio.wait([chunk_reader])  # its own error is not ours to raise
             final = mesh_task.last_update
             payload = final.get("payload") if isinstance(final.get("payload"), Mapping) else {}
             err = final.get("error") if isinstance(final.get("error"), Mapping) else None
