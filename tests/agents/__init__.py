@@ -652,6 +652,11 @@ class A2ATarget(Agent):
             await asyncio.sleep(0)
             yield word + " "
 
+    @offering("broken-stream", streaming=True, framing=False)
+    async def broken_stream(self, ctx: Context, input: Any) -> Any:
+        yield "first "
+        raise Refusal("STREAM_BROKE", "internal detail: the pipe burst")
+
     @offering("secret-fail", framing=False)
     async def secret_fail(self, ctx: Context, input: Any) -> Any:
         raise Refusal("QUOTA_HIT", "internal detail: zebra-17 is over quota", {"who": "zebra-17"})

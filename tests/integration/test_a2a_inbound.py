@@ -167,7 +167,7 @@ def ext_of(obj: dict[str, Any]) -> dict[str, Any]:
 def test_cards(bridge: Bridge) -> None:
     card = httpx.get(bridge.url("target") + "/.well-known/agent-card.json").json()
     parse_agent_card(dict(card))  # a valid A2A v1.0 card for the SDK
-    assert {s["id"] for s in card["skills"]} == {"priced", "words", "secret-fail", "slow"}
+    assert {s["id"] for s in card["skills"]} == {"priced", "words", "broken-stream", "secret-fail", "slow"}
     assert card["supportedInterfaces"][0]["url"] == bridge.url("target")
     ext = card["capabilities"]["extensions"]
     assert ext == [
@@ -340,6 +340,14 @@ async def test_streaming_with_the_report_on_the_last_update(bridge: Bridge) -> N
         expected_execution_id=task_id,
     )
     assert report.spend_total == 0
+
+
+async def test_a_stream_failing_midway_ends_failed(bridge: Bridge) -> None:
+    events = await send(bridge.url("target"), message(text="x", skill="broken-stream"), streaming=True)
+    last = MessageToDict(events[-1].status_update)
+    assert last["status"]["state"] == "TASK_STATE_FAILED"
+    assert ext_of(last["status"]["message"]) == {"code": "STREAM_BROKE"}
+    assert "pipe" not in str([MessageToDict(e) for e in events])
 
 
 async def test_subscribe_then_cancel(bridge: Bridge) -> None:
