@@ -1011,6 +1011,10 @@ class Config(BaseSettings):
                         f"{name!r} is not an enabled [agents.<name>] table of this node",
                     )
                 )
+        if self.a2a.listen is not None and "a2a-bridge" in self.agents:
+            problems.append(
+                ("agents.a2a-bridge", "the name is reserved for the A2A bridge's identity when [a2a] listen is set")
+            )
         if self.a2a.listen is None and self.a2a.expose:
             problems.append(("a2a.listen", "a2a.expose lists agents but no listen address is set"))
         if problems:

@@ -751,3 +751,5 @@ def test_a2a_errors_name_the_key(tmp_path: Path) -> None:
     assert any("a2a.expose[0]" in p and "ghost" in p for p in expose)
     no_listen = problems_of(tmp_path, '[agents.echo]\n[a2a]\nexpose = ["echo"]\n')
     assert any("a2a.listen" in p for p in no_listen)
+    reserved = problems_of(tmp_path, '[agents.a2a-bridge]\nplugin = "echo"\n[a2a]\nlisten = "127.0.0.1:1"\n')
+    assert any("agents.a2a-bridge" in p and "reserved" in p for p in reserved)

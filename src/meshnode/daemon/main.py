@@ -120,11 +120,7 @@ class Daemon:
         self.node_key = await asyncio.to_thread(store.get_or_create, "node")
         names = [CLI_AGENT_NAME, *(n for n, a in self.config.agents.items() if a.enabled)]
         if self.config.a2a.listen is not None:
-            if BRIDGE_AGENT_NAME in self.config.agents:
-                raise RuntimeError(
-                    f"[agents.{BRIDGE_AGENT_NAME}]: the name is reserved for the A2A bridge's identity"
-                )
-            names.append(BRIDGE_AGENT_NAME)
+            names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
         for name in names:
             self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
         if self.embedded_mode:
@@ -588,7 +584,7 @@ class Daemon:
 
         if self.node is None or self.keystore is None:
             raise NotFound("the node is not running")
-        if name in self.node.agents or name == CLI_AGENT_NAME:
+        if name in self.node.agents or name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME):
             raise InvalidParameter(f"an agent named {name!r} is already hosted")
         if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", name):
             raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
@@ -615,7 +611,7 @@ class Daemon:
         """
         if self.node is None:
             raise NotFound("the node is not running")
-        if name == CLI_AGENT_NAME or name not in self.node.agents:
+        if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in self.node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
         await self.node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
