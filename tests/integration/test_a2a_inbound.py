@@ -198,6 +198,13 @@ def test_header_echoed_only_when_activated(bridge: Bridge) -> None:
     assert off.status_code == 200 and "A2A-Extensions" not in off.headers
     artifact = off.json()["result"]["task"]["artifacts"][0]
     assert artifact["parts"][0]["data"] == {"ok": {"n": 1}}
+    # Accepted output modes reach the agent's content-type admission (echo answers JSON only).
+    picky = rpc(bridge.url("echo"), "SendMessage", {
+        "message": message(data={"n": 1}, skill=None), "configuration": {"acceptedOutputModes": ["image/png"]},
+    })
+    picked = picky.json()["result"]["task"]["status"]
+    assert picked["state"] == "TASK_STATE_FAILED"
+    assert picked["message"]["metadata"][EXTENSION_URI] == {"code": "CONTENT_TYPE_NOT_SUPPORTED"}
     # A stranger's bytes are bounded before anything parses them.
     huge = httpx.post(bridge.url("echo"), content=b"x" * (5 * 1024 * 1024), headers=HEADERS, timeout=60)
     assert huge.status_code == 413

@@ -555,9 +555,14 @@ class A2ABridge:
         )
         live = _Live(task=task, agent=agent)
         self.live[task_id] = live
-        stream = streaming and hosted.offerings[offering].streaming
+        config: dict[str, Any] = {}
+        if streaming and hosted.offerings[offering].streaming:
+            config["stream"] = True
+        if params.configuration.accepted_output_modes:
+            # The agent's own content-type admission judges them (§8.5).
+            config["accepted_output"] = list(params.configuration.accepted_output_modes)
         live.runner = asyncio.get_running_loop().create_task(
-            self._execute(live, hosted, offering, handler_input, inbound, stream),
+            self._execute(live, hosted, offering, handler_input, inbound, config),
             name=f"a2a:{task_id}",
         )
         return live, task
@@ -571,9 +576,10 @@ class A2ABridge:
         offering: str,
         handler_input: Any,
         inbound: _Inbound,
-        stream: bool,
+        config: dict[str, Any],
     ) -> None:
         task = live.task
+        stream = bool(config.get("stream"))
         task_id = task["id"]
         check = inbound.check
         trusted = check is not None and check.trusted
@@ -618,7 +624,7 @@ class A2ABridge:
                     handler_input,
                     trace=trace,
                     timeout=timeout,
-                    config={"stream": True} if stream else None,
+                    config=config or None,
                     budget=budget,
                     meta=meta,
                 )
