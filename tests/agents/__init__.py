@@ -657,6 +657,13 @@ class A2ATarget(Agent):
         yield "first "
         raise Refusal("STREAM_BROKE", "internal detail: the pipe burst")
 
+    @offering("ask", framing=False)
+    async def ask(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        await task.require_input([{"input": "repo", "problem": "missing", "description": "which repository?"}])
+        await asyncio.sleep(60)
+        return None
+
     @offering("secret-fail", framing=False)
     async def secret_fail(self, ctx: Context, input: Any) -> Any:
         raise Refusal("QUOTA_HIT", "internal detail: zebra-17 is over quota", {"who": "zebra-17"})

@@ -167,7 +167,7 @@ def ext_of(obj: dict[str, Any]) -> dict[str, Any]:
 def test_cards(bridge: Bridge) -> None:
     card = httpx.get(bridge.url("target") + "/.well-known/agent-card.json").json()
     parse_agent_card(dict(card))  # a valid A2A v1.0 card for the SDK
-    assert {s["id"] for s in card["skills"]} == {"priced", "words", "broken-stream", "secret-fail", "slow"}
+    assert {s["id"] for s in card["skills"]} == {"priced", "words", "broken-stream", "ask", "secret-fail", "slow"}
     assert card["supportedInterfaces"][0]["url"] == bridge.url("target")
     ext = card["capabilities"]["extensions"]
     assert ext == [
@@ -355,6 +355,15 @@ async def test_a_stream_failing_midway_ends_failed(bridge: Bridge) -> None:
     assert last["status"]["state"] == "TASK_STATE_FAILED"
     assert ext_of(last["status"]["message"]) == {"code": "STREAM_BROKE"}
     assert "pipe" not in str([MessageToDict(e) for e in events])
+
+
+async def test_input_required_answers_a_blocking_send(bridge: Bridge) -> None:
+    task = task_of(await send(bridge.url("target"), message(data=None, skill="ask")))
+    assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(bridge.url("target"), client_config=ClientConfig(httpx_client=http))
+        canceled = MessageToDict(await client.cancel_task(CancelTaskRequest(id=task["id"])))
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
 
 
 async def test_subscribe_then_cancel(bridge: Bridge) -> None:
