@@ -44,6 +44,8 @@ APP = "me"
 CALLER = KeyPair.generate()
 CALLER_KEY = nacl.signing.SigningKey(decode_seed(CALLER.seed)[1])
 STRANGER_KEY = nacl.signing.SigningKey(b"\x07" * 32)
+MESH_CALLER = KeyPair.generate()  # an issuer that is a mesh agent id, allowed by the policy
+MESH_OTHER = KeyPair.generate()  # one the policy does not list
 HEADERS = {"A2A-Version": "1.0"}
 ACTIVATE = {**HEADERS, "A2A-Extensions": EXTENSION_URI}
 
@@ -85,6 +87,7 @@ def bridge() -> Iterator[Bridge]:
                     "application": APP,
                     "max_mesh_hops": 3,
                     "idempotency_retention": "1h",
+                    "allow_issuers": ["caller", MESH_CALLER.public_key],
                 },
                 "a2a.issuers.caller": {"key": CALLER.public_key},
             },
@@ -287,6 +290,20 @@ async def test_trusted_budget_binds_admission(bridge: Bridge) -> None:
     claim = with_envelope(message(data={"text": "x"}), key=None, audience=None,
                           budget={"remaining": "0.0005", "currency": "USD"})
     assert task_of(await send(bridge.url("target"), claim))["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+@pytest.mark.parametrize(("issuer", "trusted"), [(MESH_CALLER, True), (MESH_OTHER, False)])
+async def test_nkey_issuers_verify_from_their_id_under_the_allow_policy(
+    bridge: Bridge, issuer: KeyPair, trusted: bool
+) -> None:
+    key = nacl.signing.SigningKey(decode_seed(issuer.seed)[1])
+    msg = with_envelope(
+        message(data={"text": "x"}), key=key, issuer=issuer.public_key,
+        budget={"remaining": "0.0005", "currency": "USD"},
+    )
+    state = task_of(await send(bridge.url("target"), msg))["status"]["state"]
+    # Trusted, its small budget binds (refused by admission); untrusted, it binds nothing.
+    assert state == ("TASK_STATE_FAILED" if trusted else "TASK_STATE_COMPLETED")
 
 
 async def test_trusted_completion_carries_a_verifiable_report(bridge: Bridge) -> None:
