@@ -810,6 +810,70 @@ class AgentConfig(BaseModel):
         return own
 
 
+_LISTEN = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})")
+
+
+def _listen_address(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _LISTEN.fullmatch(value.strip())
+        if m is not None and int(m.group("port")) <= 65535:
+            return value.strip()
+    raise ValueError(f'expected "host:port" (e.g. "127.0.0.1:8700" or "[::1]:8700"), got {value!r}')
+
+
+def _verify_key_text(value: object) -> str:
+    from meshnode.a2a.extension import parse_verify_key
+
+    if not isinstance(value, str):
+        raise ValueError("expected an Ed25519 public key as a string")
+    parse_verify_key(value)  # raises ValueError naming the accepted forms
+    return value.strip()
+
+
+class A2AIssuerConfig(BaseModel):
+    """``[a2a.issuers.<name>]``: a caller application whose signed envelopes are
+    trusted (its budget and deadline bind the work, its origin is the execution's)."""
+
+    model_config = _FORBID
+
+    key: Annotated[str, BeforeValidator(_verify_key_text), WithJsonSchema({"type": "string"})]
+    """The issuer's Ed25519 public key: a user nkey (``U...``) or 32 bytes in base64url."""
+
+
+class A2AConfig(BaseModel):
+    """``[a2a]``: the A2A bridge. Inbound serving is off unless ``listen`` is set."""
+
+    model_config = _FORBID
+
+    listen: Annotated[
+        str | None, BeforeValidator(_listen_address), WithJsonSchema({"type": "string"})
+    ] = None
+    """Address the A2A HTTP server binds (``"127.0.0.1:8700"``); unset = not served."""
+    public_url: OptionalHttpUrl = None
+    """Base URL the Agent Cards advertise; defaults to ``http://<listen>``."""
+    application: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    """This application's name: the audience envelopes must name and the issuer
+    of run reports. Defaults to ``[node] name``."""
+    expose: list[str] = Field(default_factory=list)
+    """Hosted agents (names of ``[agents.<name>]`` tables) served over A2A."""
+    max_mesh_hops: Annotated[int, Field(ge=1, le=64)] = 8
+    """A call chain this long is refused (REJECTED, ``limit.hops``)."""
+    idempotency_retention: Duration = timedelta(hours=24)
+    """How long a caller's messageId maps to its task (card ``idempotencyRetention``)."""
+    send_wait: Duration = timedelta(seconds=30)
+    """How long a blocking SendMessage waits for a terminal state before it
+    answers with the task as it stands (GetTask follows it up)."""
+    task_timeout: Duration = timedelta(minutes=10)
+    """The longest a bridged task is followed when the caller set no deadline."""
+    allow_issuers: list[str] | None = None
+    """Issuers whose signatures are trusted. Unset: exactly the configured
+    ``[a2a.issuers]``. A list: the names or nkey ids listed; ``"*"`` admits
+    every configured issuer and every mesh agent id (nkey) issuer."""
+    issuers: dict[str, A2AIssuerConfig] = Field(default_factory=dict)
+
+
 class _EnvSource(PydanticBaseSettingsSource):
     """The environment overrides, read from the mapping given to :func:`load_config`.
 
@@ -847,6 +911,7 @@ class Config(BaseSettings):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    a2a: A2AConfig = Field(default_factory=A2AConfig)
     agents: dict[str, AgentConfig] = Field(default_factory=dict)
     """Hosted agents by local name (``[a-z0-9][a-z0-9_-]{0,63}``)."""
 
@@ -937,6 +1002,21 @@ class Config(BaseSettings):
                     f"stay within {UDS_PATH_MAX} bytes: set [admin] socket to a shorter path",
                 )
             )
+        for i, name in enumerate(self.a2a.expose):
+            agent = self.agents.get(name)
+            if agent is None or not agent.enabled:
+                problems.append(
+                    (
+                        f"a2a.expose[{i}]",
+                        f"{name!r} is not an enabled [agents.<name>] table of this node",
+                    )
+                )
+        if self.a2a.listen is not None and "a2a-bridge" in self.agents:
+            problems.append(
+                ("agents.a2a-bridge", "the name is reserved for the A2A bridge's identity when [a2a] listen is set")
+            )
+        if self.a2a.listen is None and self.a2a.expose:
+            problems.append(("a2a.listen", "a2a.expose lists agents but no listen address is set"))
         if problems:
             raise _Problems(problems)
         return self

@@ -610,3 +610,77 @@ class UnfurnishedPlugin:
 
 
 unfurnished_plugin = UnfurnishedPlugin()
+
+
+class A2ATarget(Agent):
+    """What the A2A bridge tests call: priced admission and a reported cost,
+    a stream, a failure with facts that must not leave, and slow work to cancel."""
+
+    description = "an agent behind the A2A bridge"
+    public = {
+        "description": "Bridge test target.",
+        "access": {
+            "admission": "open",
+            "schemes": [
+                {"id": "mesh", "transport": "mesh", "type": "mesh-identity"},
+                {"id": "bearer", "transport": "http", "type": "http", "scheme": "bearer"},
+            ],
+        },
+    }
+
+    async def admit(self, ctx: Context, offering: str, input: Any, budget: Any) -> None:
+        from meshnode.protocol.budget import Money
+
+        ceiling = budget.cost_ceiling if budget is not None else None
+        if offering == "priced" and ceiling is not None and ceiling.amount_micro < 1000:
+            raise Refusal("BUDGET_INSUFFICIENT", "this costs at least 1000 micro-USD",
+                          {"estimate": Money(1000, "USD").to_object()})
+
+    @offering("priced", input_schema={"type": "object", "properties": {"text": {"type": "string"}}},
+              framing=False)
+    async def priced(self, ctx: Context, input: Any) -> Any:
+        from meshnode.protocol.budget import Money
+
+        task = await ctx.defer("working")
+        await task.progress("metering", cost=Money(250, "USD"))
+        meta = ctx.envelope.get("meta") or {}
+        return {"priced": (input or {}).get("text"), "meta": meta, "trace_id": ctx.trace.get("trace_id")}
+
+    @offering("words", streaming=True, framing=False)
+    async def words(self, ctx: Context, input: Any) -> Any:
+        for word in str(input or "").split():
+            await asyncio.sleep(0)
+            yield word + " "
+
+    @offering("broken-stream", streaming=True, framing=False)
+    async def broken_stream(self, ctx: Context, input: Any) -> Any:
+        yield "first "
+        raise Refusal("STREAM_BROKE", "internal detail: the pipe burst")
+
+    @offering("ask", framing=False)
+    async def ask(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        await task.require_input([{"input": "repo", "problem": "missing", "description": "which repository?"}])
+        await asyncio.sleep(60)
+        return None
+
+    @offering("secret-fail", framing=False)
+    async def secret_fail(self, ctx: Context, input: Any) -> Any:
+        raise Refusal("QUOTA_HIT", "internal detail: zebra-17 is over quota", {"who": "zebra-17"})
+
+    @offering("slow", framing=False)
+    async def slow(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        for _ in range(300):
+            await asyncio.sleep(0.1)
+        await task.progress("done")
+        return "finished"
+
+
+class A2ATargetPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-a2a", A2ATarget)
+
+
+a2a_target_plugin = A2ATargetPlugin()

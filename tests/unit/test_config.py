@@ -305,6 +305,7 @@ def test_schema_export_names_every_table() -> None:
         "logging",
         "events",
         "observability",
+        "a2a",
         "agents",
     }
     node = schema["$defs"]["NodeConfig"]
@@ -712,3 +713,43 @@ def test_process_environment_is_untouched(tmp_path: Path) -> None:
     before = dict(os.environ)
     load_config(env=user_env(tmp_path, MESHNODE_DATA_DIR="/srv/x"), euid=USER)
     assert dict(os.environ) == before
+
+
+# ---------------------------------------------------------------- [a2a]
+
+
+def test_a2a_is_off_by_default(tmp_path: Path) -> None:
+    cfg = load_text(tmp_path, "")
+    assert cfg.a2a.listen is None and cfg.a2a.expose == [] and cfg.a2a.issuers == {}
+
+
+def test_a2a_section_loads(tmp_path: Path) -> None:
+    from meshnode.protocol.nkeys import KeyPair
+
+    key = KeyPair.generate().public_key
+    cfg = load_text(
+        tmp_path,
+        f'[agents.echo]\n[a2a]\nlisten = "127.0.0.1:8700"\nexpose = ["echo"]\n'
+        f'idempotency_retention = "2h"\nallow_issuers = ["billing"]\n'
+        f'[a2a.issuers.billing]\nkey = "{key}"\n',
+    )
+    assert cfg.a2a.listen == "127.0.0.1:8700" and cfg.a2a.expose == ["echo"]
+    assert cfg.a2a.idempotency_retention == timedelta(hours=2)
+    assert cfg.a2a.issuers["billing"].key == key
+
+
+def test_a2a_errors_name_the_key(tmp_path: Path) -> None:
+    text = (
+        '[agents.echo]\n[a2a]\nlisten = "localhost"\nexpose = ["echo", "ghost"]\nmax_mesh_hops = 0\n'
+        '[a2a.issuers.billing]\nkey = "not-a-key"\n'
+    )
+    found = "\n".join(problems_of(tmp_path, text))
+    assert "a2a.listen" in found and "host:port" in found
+    assert "a2a.max_mesh_hops" in found
+    assert "a2a.issuers.billing.key" in found
+    expose = problems_of(tmp_path, '[agents.echo]\n[a2a]\nlisten = "127.0.0.1:1"\nexpose = ["ghost"]\n')
+    assert any("a2a.expose[0]" in p and "ghost" in p for p in expose)
+    no_listen = problems_of(tmp_path, '[agents.echo]\n[a2a]\nexpose = ["echo"]\n')
+    assert any("a2a.listen" in p for p in no_listen)
+    reserved = problems_of(tmp_path, '[agents.a2a-bridge]\nplugin = "echo"\n[a2a]\nlisten = "127.0.0.1:1"\n')
+    assert any("agents.a2a-bridge" in p and "reserved" in p for p in reserved)

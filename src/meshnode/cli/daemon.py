@@ -152,6 +152,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         on = ", ".join(k for k in ("spans", "logs", "metrics") if obs.get(k)) or "nothing"
         published = ", ".join(f"{k} {v}" for k, v in obs.get("published", {}).items())
         print(f"observability  publishing {on}: {published}; dropped {obs.get('dropped', 0)}")
+    a2a = status.get("a2a")
+    if a2a:
+        print(f"a2a       {a2a['url']}  exposing {', '.join(a2a['expose']) or 'nothing'} as {a2a['application']!r}")
+        print(f"          run reports signed by {a2a['report_key']}")
     return EX_OK
 
 

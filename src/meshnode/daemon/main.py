@@ -25,7 +25,7 @@ from meshnode.config import Config
 from meshnode.daemon.lifecycle import SHUTDOWN_BUDGETS, Stage, StageFailed, run_stage
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.keystore import KeyStore, open_keystore
-from meshnode.node.builtin import CLI_AGENT_NAME, BuiltinAgents
+from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.periodic import PeriodicJob
@@ -67,6 +67,7 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.failed_agents: dict[str, str] = {}
         self.inbox: Any = None
+        self.a2a: Any = None  # meshnode.a2a.server.A2ABridge when [a2a] listen is set
         self._sweep_job: PeriodicJob | None = None
         self._jwt = ""
         self._jwt_job: PeriodicJob | None = None
@@ -92,6 +93,7 @@ class Daemon:
             Stage("connect", 30.0, self._stage_connect),
             Stage("services", 30.0, self._stage_services),
             Stage("agents", 120.0, self._stage_agents),
+            Stage("a2a", 30.0, self._stage_a2a),
             Stage("admin", 10.0, self._stage_admin),
         ]
         for stage in stages:
@@ -117,6 +119,8 @@ class Daemon:
         store = self.keystore
         self.node_key = await asyncio.to_thread(store.get_or_create, "node")
         names = [CLI_AGENT_NAME, *(n for n, a in self.config.agents.items() if a.enabled)]
+        if self.config.a2a.listen is not None:
+            names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
         for name in names:
             self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
         if self.embedded_mode:
@@ -356,6 +360,8 @@ class Daemon:
         )
         self._sweep_job.start()
         await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
+        if self.config.a2a.listen is not None:
+            await self._host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None)
         for name, agent_cfg in self.config.agents.items():
             if not agent_cfg.enabled or name in self.failed_agents:
                 continue
@@ -382,6 +388,44 @@ class Daemon:
             log.error("agent %s (%s) failed to start: %s", name, kind, exc)
             if self.config.node.strict_plugins:
                 raise
+
+    async def _stage_a2a(self) -> None:
+        """The inbound A2A bridge (off unless ``[a2a] listen`` is set)."""
+        a2a = self.config.a2a
+        if a2a.listen is None or self.node is None:
+            return
+        bridge = self.node.agents.get(BRIDGE_AGENT_NAME)
+        if bridge is None:
+            raise RuntimeError(
+                f"[a2a]: the bridge identity did not start: {self.failed_agents.get(BRIDGE_AGENT_NAME)}"
+            )
+        try:
+            from meshnode.a2a.extension import IssuerTrust, parse_verify_key
+            from meshnode.a2a.server import A2ABridge, BridgeSettings
+        except ImportError as exc:
+            raise RuntimeError(
+                f"[a2a] listen is set but the A2A dependencies are missing ({exc}): "
+                "install meshnode[a2a]"
+            ) from None
+        host, _, port = a2a.listen.rpartition(":")
+        trust = IssuerTrust(
+            {name: parse_verify_key(issuer.key) for name, issuer in a2a.issuers.items()},
+            allow=a2a.allow_issuers,
+        )
+        settings = BridgeSettings(
+            host=host,
+            port=int(port),
+            application=a2a.application or self.config.node.name,
+            expose=tuple(a2a.expose),
+            public_url=a2a.public_url,
+            max_mesh_hops=a2a.max_mesh_hops,
+            idempotency_retention_s=a2a.idempotency_retention.total_seconds(),
+            send_wait_s=a2a.send_wait.total_seconds(),
+            task_timeout_s=a2a.task_timeout.total_seconds(),
+            trust=trust,
+        )
+        self.a2a = A2ABridge(node=self.node, bridge=bridge, settings=settings, data_dir=self.data_dir)
+        await self.a2a.start()
 
     async def _stage_admin(self) -> None:
         methods = MethodRegistry()
@@ -448,6 +492,7 @@ class Daemon:
             "agents": agents,
             "services": [type(s).__name__ for s in self.services],
             "observability": self.node.observability.status() if self.node and self.node.observability else None,
+            "a2a": self.a2a.status() if self.a2a is not None else None,
         }
 
     def control_plane_url(self) -> str | None:
@@ -539,7 +584,7 @@ class Daemon:
 
         if self.node is None or self.keystore is None:
             raise NotFound("the node is not running")
-        if name in self.node.agents or name == CLI_AGENT_NAME:
+        if name in self.node.agents or name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME):
             raise InvalidParameter(f"an agent named {name!r} is already hosted")
         if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", name):
             raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
@@ -566,7 +611,7 @@ class Daemon:
         """
         if self.node is None:
             raise NotFound("the node is not running")
-        if name == CLI_AGENT_NAME or name not in self.node.agents:
+        if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in self.node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
         await self.node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
@@ -869,6 +914,8 @@ class Daemon:
             self._watchdog.cancel()
 
     async def _shutdown_intake(self) -> None:
+        if self.a2a is not None:
+            await self.a2a.stop_intake()
         if self.admin is not None:
             await self.admin.close(timeout=2.0)
         if self.node is not None:
@@ -896,6 +943,8 @@ class Daemon:
         """Flush the inbox's write-behind and checkpoint its WAL."""
         if self._sweep_job is not None:
             await self._sweep_job.stop()
+        if self.a2a is not None:
+            await self.a2a.close()
         if self.inbox is not None:
             await self.inbox.close()
 

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from meshnode.agent import Agent
 from meshnode.plugins import hookimpl
 
-__all__ = ["CLI_AGENT_NAME", "BuiltinAgents", "CliAgent"]
+__all__ = ["BRIDGE_AGENT_NAME", "CLI_AGENT_NAME", "A2ABridgeAgent", "BuiltinAgents", "CliAgent"]
 
 #: The local name of the identity the ``meshnode call`` command speaks as.
 CLI_AGENT_NAME = "cli"
+#: The local name of the identity the A2A bridge sends its mesh requests as.
+BRIDGE_AGENT_NAME = "a2a-bridge"
 
 
 class CliAgent(Agent):
@@ -27,7 +29,23 @@ class CliAgent(Agent):
     public = {"description": "The operator of this node, calling from the command line."}
 
 
+class A2ABridgeAgent(Agent):
+    """The A2A bridge's identity: the sender of the mesh requests that A2A
+    callers' messages become, and the signer of the bridge's run reports.
+
+    It offers nothing; its requests enter hosted agents through the same
+    inbound pipeline (and the same admission) as every other sender's.
+    """
+
+    description = "The A2A bridge of this node: A2A callers' requests arrive from it."
+    version = "0.1.0"
+    capabilities = ()
+    visibility = "private"
+    public = {"description": "Requests from A2A callers, bridged by this node."}
+
+
 class BuiltinAgents:
     @hookimpl
     def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
         register("builtin:cli", CliAgent)
+        register("builtin:a2a-bridge", A2ABridgeAgent)

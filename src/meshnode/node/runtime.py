@@ -462,11 +462,14 @@ class Node:
         context_id: Any = None,
         files: Sequence[Mapping[str, Any]] | None = None,
         resources: Sequence[Mapping[str, Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Reply:
         """Pre-flight, sign and send a request; await the substantive reply.
 
         ``files`` and ``resources`` ride in the payload beside the input
         (§7.5.3, §7.5.5), checked here as the recipient would check them.
+        ``meta`` is the envelope's extension metadata (the A2A bridge puts the
+        mesh extension's call chain and origin there).
         """
         manifest = await self.resolve(hosted, target)
         await self._throttle(hosted, target, manifest, timeout)
@@ -491,6 +494,7 @@ class Node:
             trace=trace,
             budget=budget,
             context_id=context_id if isinstance(context_id, str) else None,
+            meta=meta,
             ids=self.ids,
         )
         sign_envelope(env, hosted.key)

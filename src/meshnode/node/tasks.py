@@ -122,9 +122,22 @@ class ResponderTask:
         await node.publish_task(subjects.task_update(self.task_id), env)
         return env
 
-    async def progress(self, message: str | None = None, *, usage: list[Mapping[str, Any]] | None = None) -> None:
-        """A ``working`` update (cumulative usage may ride along, §13.5)."""
-        await self._send("working", message=message, extra={"usage": list(usage)} if usage else None)
+    async def progress(
+        self,
+        message: str | None = None,
+        *,
+        usage: list[Mapping[str, Any]] | None = None,
+        cost: Money | None = None,
+    ) -> None:
+        """A ``working`` update; cumulative usage and the cost so far may ride
+        along (§13.5; ``payload.cost``, which the task manager records and the
+        A2A bridge reports as the run's spend)."""
+        extra: dict[str, Any] = {}
+        if usage:
+            extra["usage"] = list(usage)
+        if cost is not None:
+            extra["cost"] = cost.to_object()
+        await self._send("working", message=message, extra=extra or None)
 
     async def require_input(self, problems: list[Mapping[str, Any]], message: str | None = None) -> None:
         """Pause in ``input_required`` with §6.5 problem reports."""

@@ -1,0 +1,155 @@
+"""The A2A bridge's durable state: tasks and the idempotency map (SQLite).
+
+Both outlive a daemon restart: GetTask answers for a task created before it,
+and the same messageId from the same caller within the retention gets the same
+task. A task is stored as its A2A ProtoJSON object, rewritten on every change;
+the idempotency row is written in the same transaction as the task's first
+version, before any agent runs, so a resend after a crash finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import orjson
+
+__all__ = ["BridgeStore", "Remembered"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS a2a_tasks (
+    task_id     TEXT PRIMARY KEY,
+    agent       TEXT NOT NULL,
+    caller      TEXT NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    updated_ms  INTEGER NOT NULL,
+    terminal    INTEGER NOT NULL DEFAULT 0,
+    task_json   BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS a2a_idempotency (
+    agent       TEXT NOT NULL,
+    caller      TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    task_id     TEXT NOT NULL,
+    body_hash   TEXT NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    PRIMARY KEY (agent, caller, message_id)
+);
+CREATE INDEX IF NOT EXISTS a2a_idempotency_created ON a2a_idempotency (created_ms);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A messageId already seen from this caller: its task and message hash."""
+
+    task_id: str
+    body_hash: str
+
+
+class BridgeStore:
+    """Tasks and idempotency rows under the node's data directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._db = await aiosqlite.connect(self.path, isolation_level=None)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a task row is on disk before the caller is told about the task.
+        await self._db.execute("PRAGMA synchronous=FULL")
+        await self._db.execute("PRAGMA busy_timeout=5000")
+        await self._db.executescript(_SCHEMA)
+        with contextlib.suppress(OSError):
+            self.path.chmod(0o600)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(Exception):
+                await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise RuntimeError("the A2A bridge store is not open")
+        return self._db
+
+    async def create(
+        self,
+        task: dict[str, Any],
+        *,
+        agent: str,
+        caller: str,
+        message_id: str,
+        body_hash: str,
+        now_ms: int,
+        terminal: bool = False,
+    ) -> None:
+        """Store a new task and its idempotency row in one transaction."""
+        db = self.db
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            await db.execute(
+                "INSERT INTO a2a_tasks (task_id, agent, caller, created_ms, updated_ms, terminal, task_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (task["id"], agent, caller, now_ms, now_ms, int(terminal), orjson.dumps(task)),
+            )
+            await db.execute(
+                "INSERT OR REPLACE INTO a2a_idempotency"
+                " (agent, caller, message_id, task_id, body_hash, created_ms) VALUES (?, ?, ?, ?, ?, ?)",
+                (agent, caller, message_id, task["id"], body_hash, now_ms),
+            )
+            await db.execute("COMMIT")
+        except BaseException:
+            await db.execute("ROLLBACK")
+            raise
+
+    async def update(self, task: dict[str, Any], *, now_ms: int, terminal: bool) -> None:
+        await self.db.execute(
+            "UPDATE a2a_tasks SET task_json = ?, updated_ms = ?, terminal = ? WHERE task_id = ?",
+            (orjson.dumps(task), now_ms, int(terminal), task["id"]),
+        )
+
+    async def get(self, task_id: str) -> tuple[str, dict[str, Any]] | None:
+        """(agent, task) for ``task_id``, or None."""
+        async with self.db.execute(
+            "SELECT agent, task_json FROM a2a_tasks WHERE task_id = ?", (task_id,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        task: dict[str, Any] = orjson.loads(row[1])
+        return str(row[0]), task
+
+    async def remembered(
+        self, *, agent: str, caller: str, message_id: str, not_before_ms: int
+    ) -> Remembered | None:
+        async with self.db.execute(
+            "SELECT task_id, body_hash FROM a2a_idempotency"
+            " WHERE agent = ? AND caller = ? AND message_id = ? AND created_ms >= ?",
+            (agent, caller, message_id, not_before_ms),
+        ) as cur:
+            row = await cur.fetchone()
+        return None if row is None else Remembered(str(row[0]), str(row[1]))
+
+    async def unfinished(self) -> list[dict[str, Any]]:
+        """Tasks that were not terminal when the daemon last stopped."""
+        async with self.db.execute("SELECT task_json FROM a2a_tasks WHERE terminal = 0") as cur:
+            rows = await cur.fetchall()
+        return [orjson.loads(r[0]) for r in rows]
+
+    async def sweep(self, *, idempotency_before_ms: int, tasks_before_ms: int) -> None:
+        """Forget idempotency rows past the retention and terminal tasks past theirs."""
+        await self.db.execute(
+            "DELETE FROM a2a_idempotency WHERE created_ms < ?", (idempotency_before_ms,)
+        )
+        await self.db.execute(
+            "DELETE FROM a2a_tasks WHERE terminal = 1 AND updated_ms < ?", (tasks_before_ms,)
+        )
