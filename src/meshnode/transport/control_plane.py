@@ -67,10 +67,12 @@ from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public,
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
 from .embedded import (
+    DEFAULT_TENANT,
     EmbeddedMeshError,
     EmbeddedNatsServer,
     _read_private_file,
     _write_private_file,
+    check_tenant_name,
 )
 from .jwt import JwtError, decode_jwt, format_creds, parse_creds
 from .permissions import Role
@@ -125,7 +127,8 @@ MAX_ROSTER = 512
 broker refuses a CONNECT line beyond its ``max_control_line`` (1 MiB embedded)."""
 
 REVOCATION_CODES = frozenset(
-    {"node_retired", "node_unknown", "agent_paused", "agent_terminated", "agent_unnamed"}
+    {"node_retired", "node_unknown", "agent_paused", "agent_terminated", "agent_unnamed",
+     "tenant_unknown"}
 )
 """Refusal codes that mean "do not retry with this roster": revocation reaching a node."""
 
@@ -410,6 +413,8 @@ class EnrolledNode:
     last_issued_at: int | None = None
     trust_tier: str = "standard"
     """The operator-attested tier (§9.7) carried in every credential issued to the node."""
+    tenant: str = DEFAULT_TENANT
+    """The tenant (NATS account, §15) whose account signs the node's credentials."""
 
     @property
     def retired(self) -> bool:
@@ -440,6 +445,7 @@ class _State:
                         "credential_expires_at": n.credential_expires_at,
                         "last_issued_at": n.last_issued_at,
                         "trust_tier": n.trust_tier,
+                        "tenant": n.tenant,
                     }
                     for node_id, n in self.nodes.items()
                 },
@@ -489,6 +495,12 @@ class _State:
             tier = record.get("trust_tier", "standard")
             if tier not in TRUST_TIERS:
                 raise bad(f"node {node_id} has unknown trust_tier {tier!r}")
+            # Absent in state written before tenants existed: the mesh's own account.
+            tenant = record.get("tenant", DEFAULT_TENANT)
+            try:
+                check_tenant_name(tenant)
+            except ValueError as exc:
+                raise bad(f"node {node_id}: {exc}") from None
             state.nodes[node_id] = EnrolledNode(
                 node_id,
                 name,
@@ -497,6 +509,7 @@ class _State:
                 opt_int(record, "credential_expires_at"),
                 opt_int(record, "last_issued_at"),
                 tier,
+                tenant,
             )
         for agent_id, record in agents.items():
             if not is_valid_public(agent_id, Prefix.USER) or not isinstance(record, dict):
@@ -946,21 +959,35 @@ class ControlPlaneServer:
         """Every node ever enrolled, retired ones included, oldest first."""
         return sorted(self._store.load().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
 
+    def _check_tenant(self, tenant: str) -> str:
+        check_tenant_name(tenant)
+        if tenant != DEFAULT_TENANT and tenant not in self._embedded.tenants:
+            known = ", ".join([DEFAULT_TENANT, *self._embedded.tenants])
+            raise ValueError(f"no tenant named {tenant!r} is configured (known: {known})")
+        return tenant
+
     def enrol_node(
-        self, node_id: str, name: str, trust_tier: str = "standard"
+        self,
+        node_id: str,
+        name: str,
+        trust_tier: str = "standard",
+        tenant: str = DEFAULT_TENANT,
     ) -> EnrolledNode:
         """Enrol an existing node key (one the node generated itself) under ``name``.
 
         ``trust_tier`` is the operator's attestation of the host (§9.7):
         ``sandbox`` makes the registry clamp every agent the node registers
-        (never listed, no redelivery buffer). Raises ValueError for a
-        malformed id, name or tier, a name already in use by an active node,
-        or a retired node id (retirement is permanent).
+        (never listed, no redelivery buffer). ``tenant`` is the account the
+        node joins (§15): its agents are found and reached only within it,
+        unless an export says otherwise. Raises ValueError for a malformed
+        id, name or tier, an unknown tenant, a name already in use by an
+        active node, or a retired node id (retirement is permanent).
         """
         if not is_valid_public(node_id, Prefix.USER):
             raise ValueError("node_id must be a user nkey")
         if trust_tier not in TRUST_TIERS:
             raise ValueError(f"trust_tier must be one of {', '.join(sorted(TRUST_TIERS))}")
+        self._check_tenant(tenant)
         _check_node_name(name)
         now = int(self._clock())
         with self._store.update() as state:
@@ -970,12 +997,17 @@ class ControlPlaneServer:
                     raise ValueError(f"node {node_id} was retired; enrol a new key")
                 if existing.name != name:
                     raise ValueError(f"node {node_id} is already enrolled as {existing.name}")
+                if existing.tenant != tenant:
+                    raise ValueError(
+                        f"node {node_id} is enrolled in tenant {existing.tenant}; "
+                        "a node changes tenant only under a new key"
+                    )
                 return existing
             if any(n.name == name and not n.retired for n in state.nodes.values()):
                 raise ValueError(f"an active node is already named {name}")
-            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier)
+            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier, tenant=tenant)
             state.nodes[node_id] = record
-        log.info("control plane: enrolled node %s as %s", node_id, name)
+        log.info("control plane: enrolled node %s as %s (tenant %s)", node_id, name, tenant)
         return record
 
     def trust_tier_of(self, node_id: str) -> str | None:
@@ -987,7 +1019,9 @@ class ControlPlaneServer:
         """Whether the operator attested ``node_id`` as a sandbox host (§9.7, §8.6)."""
         return self.trust_tier_of(node_id) == "sandbox"
 
-    def invite(self, name: str, trust_tier: str = "standard") -> InviteBundle:
+    def invite(
+        self, name: str, trust_tier: str = "standard", tenant: str = DEFAULT_TENANT
+    ) -> InviteBundle:
         """Create a node identity, enrol it as ``name`` and mint its starter credential.
 
         The starter credential carries participant permissions for the node
@@ -996,11 +1030,11 @@ class ControlPlaneServer:
         secret key: write it with :func:`write_invite`, never log it.
         """
         key = KeyPair.generate(Prefix.USER)
-        self.enrol_node(key.public_key, name, trust_tier)
+        self.enrol_node(key.public_key, name, trust_tier, tenant)
         now = int(self._clock())
         jwt = self._embedded.mint_node_credential(
             key.public_key, [], self.invite_ttl_s, role="participant",
-            trust_tier=trust_tier, now=now,
+            trust_tier=trust_tier, now=now, tenant=tenant,
         )
         with self._store.update() as state:
             self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
@@ -1135,10 +1169,18 @@ class ControlPlaneServer:
                 )
                 raise refusal
             role = self._role_of(node_id)
-            jwt = self._embedded.mint_node_credential(
-                node_id, agent_ids, self.credential_ttl_s, role=role,
-                trust_tier=state.nodes[node_id].trust_tier, now=now,
-            )
+            node = state.nodes[node_id]
+            try:
+                jwt = self._embedded.mint_node_credential(
+                    node_id, agent_ids, self.credential_ttl_s, role=role,
+                    trust_tier=node.trust_tier, now=now, tenant=node.tenant,
+                )
+            except ValueError:
+                # The node's tenant was removed from the configuration: its
+                # account is no longer served, so no credential can be useful.
+                raise CredentialRequestError(
+                    403, f"tenant {node.tenant} is not served by this mesh", "tenant_unknown"
+                ) from None
             expires_at = now + self.credential_ttl_s
             self._record_issue(state, node_id, agent_ids, now, expires_at)
         log.info(
