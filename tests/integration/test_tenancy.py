@@ -10,6 +10,7 @@ its roster, so every refusal below is the broker's.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
+from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import PlatformServices, ServiceContext, start_platform_services
 from meshnode.testing import DaemonProcess, DaemonSet
@@ -214,6 +216,13 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
     # Each registers with its own tenant's registry and finds only its own tenant.
     assert all(agent.get("registered") for agent in f.status()["agents"])
     assert echo_f in _discovered(f) and echo not in _discovered(f)
+    # Its manifests carry the operator's portable attestation issued with the credential (§9.7).
+    manifest = f.admin("Discover", {"trust_tier": "verified"})["agents"][0]
+    assert manifest["id"] in {agent["id"] for agent in f.status()["agents"]}
+    assert verify_trust_attestation(
+        manifest["node"]["trust_attestation"], now_ms=time.time_ns() // 1_000_000,
+        expected_subject=f.status()["node"]["id"],
+    ) == {"trust_tier": "verified", "role": "participant"}
     assert echo in _discovered(a) and echo_f not in _discovered(a)
 
     # Nor can one reach the other: there is not even a manifest to resolve.

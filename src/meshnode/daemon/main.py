@@ -205,6 +205,22 @@ class Daemon:
                     "and keeps no offline buffer for them; requesters may avoid it for sensitive work"
                 )
 
+    def _own_trust_attestation(self) -> dict[str, Any] | None:
+        """The §9.7 attestation this node's manifests carry: minted by the embedded
+        mesh for itself, else the one issued with the current credential."""
+        if self.embedded is None:
+            from meshnode.daemon.credentials import stored_trust_attestation
+
+            return stored_trust_attestation(self.data_dir)
+        if self.control_plane is None or not self._jwt:
+            return None
+        _, claims = decode_jwt(self._jwt)
+        profile = credential_profile(claims)
+        attestation: dict[str, Any] = self.control_plane.trust_attestation(
+            claims["sub"], profile["trust_tier"], profile["role"], claims["iat"], claims["exp"]
+        )
+        return attestation
+
     def _mint_own_jwt(self) -> str:
         assert self.node_key is not None
         ttl = int(self.config.mesh.embedded.credential_ttl.total_seconds())
@@ -278,6 +294,10 @@ class Daemon:
         else:
             self._jwt = await self._obtain_joined_jwt()
         log.info("node credential renewed")
+        if self.node is not None:
+            # The attestation is re-issued with the credential (same lifetime):
+            # the manifests carry the fresh one before the old one lapses.
+            await self.node.set_trust_attestation(self._own_trust_attestation())
         # Present it now: the broker closes a connection whose credential expires,
         # and nats-py treats that authorization error as final, so the renewed
         # credential must be in place well before the old one lapses (§4.8).
@@ -364,6 +384,8 @@ class Daemon:
             # The operator-attested tier from enrolment (§9.7), known only to the
             # control plane: the sandbox clamp and discovery's tier filter.
             trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
+            # Portable attestations (§9.7) are believed from this mesh's operator only.
+            trusted_issuers=(self.embedded.operator_public_key,),
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()
@@ -411,6 +433,7 @@ class Daemon:
             emit_window_ms=_ms(self.config.events.emit_window),
         )
         self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        self.node.trust_attestation = self._own_trust_attestation()
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         from meshnode.node.observe import ObservabilitySettings, install
 
@@ -659,6 +682,9 @@ class Daemon:
             self._jwt = self._mint_own_jwt()
         else:
             self._jwt = await self._obtain_joined_jwt()
+        if self.node is not None:
+            # Keep the attestation in step with the credential it was issued with.
+            await self.node.set_trust_attestation(self._own_trust_attestation())
         await self.connection.reconnect()
         for _ in range(200):
             if self.connection.is_connected:

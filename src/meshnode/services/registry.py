@@ -60,7 +60,7 @@ Subjects and payloads (the contract):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import orjson
@@ -68,6 +68,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
+from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.envelope import encode_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.manifest import check_registration
@@ -104,8 +105,13 @@ class RegistryService(ServiceBase):
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
         trust_tier_of: Callable[[str], str | None] | None = None,
+        trusted_issuers: Collection[str] = (),
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Operator keys whose portable trust attestations (§9.7) this registry
+        # believes: local policy. Any attestation is still verified (a forged
+        # or expired one refuses the registration); only these are applied.
+        self._trusted_issuers = frozenset(trusted_issuers)
         self.require_connection_bound = require_connection_bound
         self.inbox_max_age_s = inbox_max_age_s
         self.inbox_max_bytes = inbox_max_bytes
@@ -219,8 +225,40 @@ class RegistryService(ServiceBase):
 
     # -- register / deregister -------------------------------------------------
 
-    def _sandboxed(self, node_id: str) -> bool:
-        return self._trust_tier_of is not None and self._trust_tier_of(node_id) == "sandbox"
+    def _attested_tier(self, node: object, node_id: str, now_ms: int) -> str | None:
+        """The tier a manifest's ``node.trust_attestation`` (§9.7) proves, if any.
+
+        Raises UNAUTHORIZED (``details.reason`` from the verifier) for an
+        attestation that is forged, about another node, malformed or expired:
+        a node presenting a claim that does not hold learns so at once.
+        An intact one from an issuer this registry does not trust proves nothing.
+        """
+        attestation = node.get("trust_attestation") if isinstance(node, Mapping) else None
+        if attestation is None:
+            return None
+        try:
+            claims = verify_trust_attestation(attestation, now_ms=now_ms, expected_subject=node_id)
+        except ProtocolError as exc:
+            field = exc.details.get("field")
+            exc.details["field"] = f"node.trust_attestation.{field}" if field else "node.trust_attestation"
+            raise
+        if attestation["issuer"] not in self._trusted_issuers:
+            return None
+        return claims.get("trust_tier")
+
+    def _tier_of(self, node_id: str, manifest: Mapping[str, Any] | None, now_ms: int) -> str | None:
+        """A node's tier: the operator's enrolment record first (it is the freshest
+        word), else the trusted attestation its manifest carries, checked now."""
+        if self._trust_tier_of is not None:
+            tier = self._trust_tier_of(node_id)
+            if tier is not None:
+                return tier
+        if manifest is None:
+            return None
+        try:
+            return self._attested_tier(manifest.get("node"), node_id, now_ms)
+        except ProtocolError:
+            return None  # expired since it was stored: it proves nothing any more
 
     async def _register(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)
@@ -248,7 +286,10 @@ class RegistryService(ServiceBase):
         sandbox = False
         manifest_node = _manifest_node_id(payload)
         if manifest_node is not None:
-            sandbox = self._sandboxed(manifest_node)
+            assert isinstance(payload, Mapping)
+            attested = self._attested_tier(payload.get("node"), manifest_node, now)
+            enrolled = self._trust_tier_of(manifest_node) if self._trust_tier_of is not None else None
+            sandbox = (enrolled or attested) == "sandbox"
         result = check_registration(
             payload,
             sender=env["from"],
@@ -329,14 +370,15 @@ class RegistryService(ServiceBase):
         owners = self._caller_owners(caller)
         matches: list[dict[str, Any]] = []
         tiers: dict[str, str | None] = {}  # one look-up per node per search
+        now = self.ctx.now_ms()
         for agent_id in sorted(self._cache):
             manifest = self._cache[agent_id]
             node_tier = None
-            if query.trust_tier is not None and self._trust_tier_of is not None:
+            if query.trust_tier is not None:
                 node_id = self.node_of(agent_id)
                 if node_id is not None:
                     if node_id not in tiers:
-                        tiers[node_id] = self._trust_tier_of(node_id)
+                        tiers[node_id] = self._tier_of(node_id, manifest, now)
                     node_tier = tiers[node_id]
             if not listed_for(manifest, owners) or not query.matches(manifest, node_tier):
                 continue

@@ -62,7 +62,7 @@ from types import TracebackType
 from typing import Any, Literal, NamedTuple, Self
 from urllib.parse import urlsplit
 
-from meshnode.protocol.attestations import TRUST_TIERS
+from meshnode.protocol.attestations import TRUST_TIERS, make_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public, verify
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
@@ -1010,6 +1010,22 @@ class ControlPlaneServer:
         log.info("control plane: enrolled node %s as %s (tenant %s)", node_id, name, tenant)
         return record
 
+    def trust_attestation(
+        self, node_id: str, trust_tier: str, role: Role, issued_at: int, expires_at: int
+    ) -> dict[str, Any]:
+        """The operator-signed portable attestation (§9.7) of ``node_id``'s tier and role.
+
+        Signed by the operator key (the mesh's root, §4.1), so a verifier in
+        any tenant, or on another mesh, needs only the operator's public key.
+        """
+        return make_trust_attestation(
+            self._embedded.keys.operator,
+            node_id,
+            {"trust_tier": trust_tier, "role": role},
+            issued_at * 1000,
+            expires_at * 1000,
+        )
+
     def trust_tier_of(self, node_id: str) -> str | None:
         """The attested tier of an enrolled node, or None for a node never enrolled."""
         node = self._store.load().nodes.get(node_id)
@@ -1193,6 +1209,12 @@ class ControlPlaneServer:
             "node_id": node_id,
             "agents": agent_ids,
             "expires_at": expires_at,
+            # The same claims as the JWT's tags, as a portable §9.7 object any
+            # party can verify against the operator key alone; it lives exactly
+            # as long as the credential and is re-issued with it.
+            "trust_attestation": self.trust_attestation(
+                node_id, node.trust_tier, role, now, expires_at
+            ),
             "mesh": {
                 "name": self.mesh_name,
                 "protocol": PROTOCOL_VERSION,
@@ -1386,6 +1408,9 @@ class CredentialGrant:
     expires_at: int
     nats_endpoints: tuple[str, ...]
     mesh_name: str | None
+    trust_attestation: dict[str, Any] | None = None
+    """The operator's §9.7 attestation of the node, unverified here (the
+    registry and other readers verify it); None from a control plane that issues none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1520,11 +1545,13 @@ class ControlPlaneClient:
         if not isinstance(mesh, dict):
             raise ControlPlaneBadResponse("mesh must be an object")
         name = mesh.get("name")
+        attestation = payload.get("trust_attestation")
         return CredentialGrant(
             jwt=jwt,
             expires_at=expires_at,
             nats_endpoints=_endpoint_list(mesh),
             mesh_name=name if isinstance(name, str) else None,
+            trust_attestation=attestation if isinstance(attestation, dict) else None,
         )
 
     async def mesh_info(self) -> MeshInfo:
