@@ -20,6 +20,7 @@ import pytest
 from meshnode.protocol.attestations import make_trust_attestation, verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import PlatformServices, ServiceContext, start_platform_services
+from meshnode.testing import DaemonSet
 from meshnode.transport.control_plane import ControlPlaneServer, node_credential_request
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt
@@ -142,3 +143,30 @@ async def test_an_intact_attestation_from_an_untrusted_issuer_is_not_applied(wor
     assert "error" not in await register_with(node, attest(stranger, node, "sandbox"))
     listed = {m["id"] for m in (await discover(node, node.agents[0]))["agents"]}
     assert node.agents[0].public_key in listed  # not clamped: the claim carries no weight here
+
+
+# --- the receiving node: two real daemons --------------------------------------------
+
+
+def test_a_receiving_node_verifies_the_sender_attestation_and_applies_its_tier(
+    meshnode_daemons: DaemonSet,
+) -> None:
+    node = {"plugin_modules": ["tests.agents:plugin"]}
+    a = meshnode_daemons.embedded(
+        "a", agents={"picky": {"plugin": "test-picky"}, "probe": {"plugin": "test-tier"}}, node=node,
+    )
+    s = meshnode_daemons.joined("s", via=a, node=node, invite_args=("--trust-tier", "sandbox"))
+    # The joined node knows what it was attested as, from its own credential.
+    assert s.status()["credential"]["trust_tier"] == "sandbox"
+
+    # The tier reaches a handler only as the sender's verified attestation proves it...
+    answered = s.call(a.agent_id("probe"), "tier")
+    assert answered["status"] == "completed", answered
+    assert answered["output"] == {"sender_tier": "sandbox"}
+    # ...and an agent that takes no sandbox work is never run for it.
+    refused = s.call(a.agent_id("picky"), "tier")
+    assert refused["status"] == "failed", refused
+    assert refused["error"]["code"] == "UNAUTHORIZED"
+    assert refused["error"]["details"]["reason"] == "sender_sandboxed"
+    # The embedded node's own agents are standard: picky serves them.
+    assert a.call("picky", "tier")["output"] == {"sender_tier": "standard"}

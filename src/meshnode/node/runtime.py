@@ -124,6 +124,16 @@ class Node:
         self.drain_interval_s = 60.0
         connection.on_reconnect(self._on_reconnect)
 
+    @property
+    def trusted_operators(self) -> frozenset[str]:
+        """Operators whose §9.7 attestations this node believes: its own mesh's,
+        the issuer of the attestation its control plane gave it (local policy)."""
+        own = self.trust_attestation
+        if not own or own.get("subject") != self.node_id:
+            return frozenset()
+        issuer = own.get("issuer")
+        return frozenset((issuer,)) if isinstance(issuer, str) else frozenset()
+
     async def _on_reconnect(self) -> None:
         # A gap in the live subscription is exactly when the buffer holds mail
         # nothing dispatched: drain now (§16.4), each agent's pass as it can.
