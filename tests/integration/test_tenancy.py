@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
@@ -22,12 +23,13 @@ from nats.aio.msg import Msg
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import PlatformServices, ServiceContext, start_platform_services
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import (
     EmbeddedNatsServer,
     TenantExport,
     external_discover_subject,
+    imported_agents,
 )
 from meshnode.transport.jwt import decode_jwt
 
@@ -87,7 +89,9 @@ async def tenants(tmp_path: Path) -> AsyncIterator[Tenants]:
             ctx = ServiceContext(
                 connection=conn, key=KeyPair.generate(Prefix.USER), node_id=service_key.public_key
             )
-            platforms.append(await start_platform_services(ctx))
+            platforms.append(await start_platform_services(
+                ctx, imported=imported_agents(tenant or "mesh", server.exports)
+            ))
         world = Tenants(
             server,
             exported,
@@ -145,6 +149,18 @@ async def test_exported_discovery_reaches_the_exporting_registry_only_where_impo
     # ...c did not: the subject leads nowhere in its account.
     with pytest.raises(nats.errors.NoRespondersError):
         await tenants.c.conn.request(subject, b"{}", timeout=3.0)
+
+
+async def test_an_exported_agent_resolves_through_the_importing_tenants_own_registry(
+    tenants: Tenants,
+) -> None:
+    exported, private = tenants.exported.public_key, tenants.private.public_key
+    asker = tenants.b.agents[0]
+    got = await call(tenants.b.conn, f"mesh.registry.get.{exported}", signed("discover", asker, {}))
+    assert got["payload"]["id"] == exported and "error" not in got
+    for party, agent in ((tenants.b, private), (tenants.c, exported)):
+        reply = await call(party.conn, f"mesh.registry.get.{agent}", signed("discover", party.agents[0], {}))
+        assert reply["error"]["code"] == "NOT_FOUND"
 
 
 async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: Tenants) -> None:
@@ -230,3 +246,39 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
     assert refused["status"] == "failed", refused
     assert refused["error"]["code"] in ("NOT_FOUND", "AGENT_UNAVAILABLE"), refused
     assert f.call("echo_f", "echo", "hi")["status"] == "completed"
+
+
+def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: DaemonSet) -> None:
+    # A fixed broker port: the embedded node restarts below, and the joined node
+    # reconnects to the address it knows.
+    a = meshnode_daemons.embedded(
+        "a", agents={"echo": {"plugin": "echo"}},
+        extra={"mesh.embedded": {"tenants": ["family"], "port": free_port()}},
+    )
+    f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
+    echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
+    before = f.call(echo, "echo", "hi", timeout=5)
+    assert before["status"] == "failed", before  # not exported: not even resolvable
+    assert before["error"]["code"] == "NOT_FOUND", before
+
+    # The operator exports a's echo to family and f's caller back to mesh (an
+    # answer travels to the requester's inbox), then restarts the mesh node.
+    a.stop()
+    a.config["mesh.embedded"]["exports"] = [
+        {"from": "mesh", "to": "family", "agents": [echo]},
+        {"from": "family", "to": "mesh", "agents": [f_cli]},
+    ]
+    a.config_path.write_text(render_toml(a.config), encoding="utf-8")
+    a.start()
+
+    answer: dict[str, Any] = {}
+
+    def answered() -> bool:
+        answer.update(f.call(echo, "echo", "hi", timeout=5))
+        return answer.get("status") == "completed"
+
+    deadline = time.monotonic() + 60
+    while not answered() and time.monotonic() < deadline:
+        time.sleep(0.5)  # f reconnects and re-registers on its own schedule
+    assert answer["status"] == "completed", answer
+    assert answer["from"] == echo and "hi" in str(answer["output"]), answer

@@ -10,7 +10,13 @@ import pytest
 from meshnode.config import ConfigError, load_config
 from meshnode.daemon.main import credential_profile
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.transport.embedded import TenantExport, account_links, external_discover_subject
+from meshnode.transport.embedded import (
+    TenantExport,
+    account_links,
+    external_discover_subject,
+    external_get_subject,
+    imported_agents,
+)
 
 AGENT = KeyPair.generate(Prefix.USER).public_key
 
@@ -62,14 +68,22 @@ def test_an_export_becomes_one_export_and_one_import() -> None:
     )
     exports, imports = links["mesh"]
     # Offered once per subject, however many tenants take it.
-    assert [e.subject for e in exports] == [f"mesh.agent.{AGENT}.inbox", "mesh.registry.discover"]
+    assert [e.subject for e in exports] == [
+        f"mesh.agent.{AGENT}.inbox", f"mesh.registry.get.{AGENT}", "mesh.registry.discover",
+    ]
     assert imports == []
     _, b_imports = links["b"]
     assert {(i.account, i.subject, i.local_subject) for i in b_imports} == {
         (a, f"mesh.agent.{AGENT}.inbox", f"mesh.agent.{AGENT}.inbox"),
+        (a, f"mesh.registry.get.{AGENT}", f"mesh.external.mesh.get.{AGENT}"),
         (a, "mesh.registry.discover", external_discover_subject("mesh")),
     }
-    assert [i.subject for i in links["c"][1]] == [f"mesh.agent.{AGENT}.inbox"]
+    assert [i.subject for i in links["c"][1]] == [
+        f"mesh.agent.{AGENT}.inbox", f"mesh.registry.get.{AGENT}",
+    ]
+    assert imported_agents("b", [TenantExport("mesh", "b", agents=(AGENT,))]) == {
+        AGENT: external_get_subject("mesh", AGENT),
+    }
     with pytest.raises(ValueError, match="not configured"):
         account_links({"mesh": a}, [TenantExport("mesh", "b", discover=True)])
     with pytest.raises(ValueError, match="agent id"):

@@ -314,14 +314,14 @@ class Daemon:
         limiter = SlidingWindowLimiter(
             limit=self.config.registry.rate_limit, window_ms=_ms(self.config.registry.rate_window)
         )
-        self.services = await self._start_services(self.connection, limiter)
+        self.services = await self._start_services(self.connection, limiter, "mesh")
         # §15: every tenant is its own account, so its own registry, presence,
         # task records, feeds and artifacts (streams and KV are account-scoped).
         # The services keep the same keys in every tenant: one platform, whose
         # replies an exported discovery query can pin like any other.
         for tenant in self.embedded.tenants:
             connection = await self._connect_tenant(tenant)
-            self.services += await self._start_services(connection, limiter)
+            self.services += await self._start_services(connection, limiter, tenant)
             log.info("platform services serve tenant %s", tenant)
 
     def _mint_tenant_jwt(self, tenant: str) -> str:
@@ -347,12 +347,13 @@ class Daemon:
         self.tenant_connections[tenant] = connection
         return connection
 
-    async def _start_services(self, connection: MeshConnection, limiter: Any) -> list[Any]:
-        """Registry, presence, artifacts, task manager and feeds on ``connection``'s account."""
+    async def _start_services(self, connection: MeshConnection, limiter: Any, tenant: str) -> list[Any]:
+        """Registry, presence, artifacts, task manager and feeds on ``tenant``'s account."""
         from meshnode.services.base import ServiceContext
         from meshnode.services.presence import PresenceService
         from meshnode.services.registry import RegistryService
         from meshnode.services.streams import ensure_mesh_streams
+        from meshnode.transport.embedded import imported_agents
 
         assert self.node_key is not None
         await ensure_mesh_streams(connection.js, 1)
@@ -386,6 +387,8 @@ class Daemon:
             trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
             # Portable attestations (§9.7) are believed from this mesh's operator only.
             trusted_issuers=(self.embedded.operator_public_key,),
+            # Agents other tenants exported here resolve through their own registry.
+            imported=imported_agents(tenant, self.embedded.exports),
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()

@@ -69,7 +69,7 @@ from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation
-from meshnode.protocol.envelope import encode_envelope
+from meshnode.protocol.envelope import build_envelope, decode_envelope, encode_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.manifest import check_registration
 from meshnode.protocol.nkeys import is_valid_public
@@ -106,8 +106,12 @@ class RegistryService(ServiceBase):
         is_revoked: Callable[[str], bool] | None = None,
         trust_tier_of: Callable[[str], str | None] | None = None,
         trusted_issuers: Collection[str] = (),
+        imported: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Agents another tenant exported to this one (§15.2): agent id -> the
+        # subject where the exporting tenant's registry answers a get for it.
+        self._imported = dict(imported or {})
         # Operator keys whose portable trust attestations (§9.7) this registry
         # believes: local policy. Any attestation is still verified (a forged
         # or expired one refuses the registration); only these are applied.
@@ -434,6 +438,8 @@ class RegistryService(ServiceBase):
         if self._is_revoked is not None and is_valid_public(token) and self._is_revoked(token):
             raise ProtocolError("UNAUTHORIZED", "this agent's key was revoked", {"reason": "agent_key_revoked"})
         manifest = self._cache.get(token) if is_valid_public(token) else None
+        if manifest is None and token in self._imported:
+            return await self._get_imported(token, env)
         if manifest is None:
             raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})
         if manifest.get("visibility") == "private" and manifest.get("owner") not in self._caller_owners(env["from"]):
@@ -442,6 +448,43 @@ class RegistryService(ServiceBase):
             # check that a node vouches for it (§5.3 step 2): only those facts.
             return {k: manifest[k] for k in _PRIVATE_FACTS if k in manifest}
         return self._with_availability(manifest)
+
+
+    async def _get_imported(self, agent_id: str, request: Envelope) -> Mapping[str, Any]:
+        """Resolve an agent exported to this tenant through its own tenant's registry.
+
+        The look-up is this registry's own signed request; the answer is verified
+        (signature, bound to the request) before it is passed on.
+        """
+        env = self.sign(build_envelope(
+            "discover", self.ctx.service_id, now_ms=self.ctx.now_ms(),
+            payload={"agent_id": agent_id}, ids=self.ctx.ids,
+        ))
+        try:
+            msg = await self.ctx.connection.request(
+                self._imported[agent_id], encode_envelope(env), timeout=5.0
+            )
+            reply = decode_envelope(msg.data)
+        except ProtocolError:
+            raise ProtocolError(
+                "DEPENDENCY_FAILED", "the exporting tenant's registry answered unreadably"
+            ) from None
+        except Exception:
+            raise ProtocolError(
+                "AGENT_UNAVAILABLE", "the exporting tenant's registry did not answer",
+                {"agent_id": agent_id},
+            ) from None
+        if reply.get("in_reply_to") != env["id"] or reply.get("to") != self.ctx.service_id:
+            raise ProtocolError("DEPENDENCY_FAILED", "the exporting registry answered another request")
+        error = reply.get("error")
+        if isinstance(error, Mapping):
+            raise ProtocolError(str(error.get("code", "NOT_FOUND")), str(error.get("message", "")),
+                                {"agent_id": agent_id})
+        payload = reply.get("payload")
+        if not isinstance(payload, Mapping) or payload.get("id") != agent_id:
+            raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": agent_id})
+        self.log.debug("resolved %s for %s through its tenant", agent_id, request["from"])
+        return payload
 
 
 #: What a non-owner learns of a private agent by id: identity, where to answer, the vouch.

@@ -58,6 +58,8 @@ from .permissions import (
     AGENT_INBOX,
     DISCOVER,
     EXTERNAL_DISCOVER,
+    EXTERNAL_GET,
+    REGISTRY_GET,
     RESERVED_SUBJECTS,
     Role,
     node_permissions,
@@ -74,6 +76,8 @@ __all__ = [
     "account_links",
     "check_tenant_name",
     "external_discover_subject",
+    "external_get_subject",
+    "imported_agents",
     "find_nats_server",
     "load_or_create_mesh_keys",
     "render_server_config",
@@ -128,12 +132,32 @@ def external_discover_subject(tenant: str) -> str:
     return EXTERNAL_DISCOVER.replace("*", check_tenant_name(tenant))
 
 
+def external_get_subject(tenant: str, agent_id: str) -> str:
+    """Where an importing tenant's registry looks up an agent ``tenant`` exported to it."""
+    if not is_valid_public(agent_id, Prefix.USER):
+        raise ValueError(f"{agent_id!r} is not an agent id")
+    return EXTERNAL_GET.replace("*", check_tenant_name(tenant), 1).replace("*", agent_id)
+
+
+def imported_agents(tenant: str, exports: Iterable[TenantExport]) -> dict[str, str]:
+    """Agent id -> the subject ``tenant``'s registry resolves it on, for every agent
+    another tenant exported to ``tenant``."""
+    return {
+        agent: external_get_subject(export.tenant, agent)
+        for export in exports
+        if export.to == tenant
+        for agent in export.agents
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class TenantExport:
     """What one tenant makes reachable from another (§15.2); nothing else crosses.
 
     ``agents``: the inboxes (``mesh.agent.<id>.inbox``) the importing tenant's
-    nodes may send to, under the same subject. ``discover``: the exporting
+    nodes may send to, under the same subject; the importing tenant's registry
+    resolves them through the exporting one's (``mesh.registry.get.<id>``,
+    imported as :func:`external_get_subject`). ``discover``: the exporting
     tenant's registry answers discovery queries the importer sends on
     :func:`external_discover_subject` (its own registry stays its own).
     An export is one-way: an answer travels back to the requester's inbox,
@@ -172,10 +196,12 @@ def account_links(
                 raise ValueError(f"export names tenant {name!r}, which is not configured")
         offered, _ = links[export.tenant]
         _, taken = links[export.to]
-        wanted: list[tuple[str, str]] = [
-            (AGENT_INBOX.format(agent=agent), AGENT_INBOX.format(agent=agent))
-            for agent in export.agents
-        ]
+        wanted: list[tuple[str, str]] = []
+        for agent in export.agents:
+            wanted.append((AGENT_INBOX.format(agent=agent), AGENT_INBOX.format(agent=agent)))
+            wanted.append(
+                (REGISTRY_GET.replace("*", agent), external_get_subject(export.tenant, agent))
+            )
         if export.discover:
             wanted.append((DISCOVER, external_discover_subject(export.tenant)))
         for subject, local in wanted:

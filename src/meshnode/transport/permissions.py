@@ -59,6 +59,7 @@ EVAL_PUT = "mesh.registry.eval.put"
 EVAL_LOOKUPS = "mesh.registry.eval.*.*"
 PRESENCE_GET = "mesh.presence.get"
 EXTERNAL_DISCOVER = "mesh.external.*.discover"
+EXTERNAL_GET = "mesh.external.*.get.*"
 HEARTBEAT = "mesh.heartbeat.{node}"
 HEARTBEAT_AGENT = "mesh.heartbeat.{node}.*"
 ANY_AGENT_INBOX = "mesh.agent.*.inbox"
@@ -271,6 +272,9 @@ def node_permissions(
 
     if role == "service":
         pub += [
+            # A tenant's registry resolves an agent another tenant exported to
+            # it through that tenant's registry (§15.2), where imported.
+            EXTERNAL_GET,
             # The services own the JetStream objects (§18.3-18.5): streams,
             # mailboxes, KV buckets, object stores, and their consumers.
             JS_API_ALL,
