@@ -228,6 +228,7 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
     assert credential["tenant"] == "family" and credential["trust_tier"] == "verified"
     assert credential["role"] == "participant"
     assert {n["name"]: n["tenant"] for n in a.admin("Mesh.Nodes")["nodes"]} == {"f": "family"}
+    assert a.status()["mesh"]["tenants"] == ["family"]
 
     # Each registers with its own tenant's registry and finds only its own tenant.
     assert all(agent.get("registered") for agent in f.status()["agents"])

@@ -132,6 +132,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"mesh      {mesh['mode']}, {state} to {mesh.get('connected_url') or ', '.join(mesh['urls'])}")
     if mesh.get("control_plane"):
         print(f"control   {mesh['control_plane']}")
+    if mesh.get("tenants"):
+        print(f"tenants   mesh (own), {', '.join(mesh['tenants'])}")
     if status.get("credential"):
         cred = status["credential"]
         print(f"credential expires {_when(cred['expires_at'])} (renews at {_when(cred['renew_at'])})")

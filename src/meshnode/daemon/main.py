@@ -590,6 +590,8 @@ class Daemon:
                 "mode": "embedded" if self.embedded_mode else "joined",
                 "urls": self.mesh_urls(),
                 "control_plane": self.control_plane_url(),
+                # Tenants this embedded mesh serves beside its own account (§15).
+                "tenants": list(self.embedded.tenants) if self.embedded is not None else [],
                 "connected": bool(self.connection and self.connection.is_connected),
                 "connected_url": self.connection.connected_url if self.connection else None,
                 "last_error": self.connection.last_error if self.connection else None,
