@@ -234,6 +234,12 @@ class Context(Protocol):
         """The sender text inside the §22.6 provenance frame, or None."""
 
     @property
+    def sender_trust_tier(self) -> str | None:
+        """The sender's node tier (``verified``/``standard``/``sandbox``) as an
+        operator attestation this node trusts proves it, expiry checked (§9.7);
+        None when nothing proves one (treat as unknown, not as standard)."""
+
+    @property
     def trace(self) -> Mapping[str, Any]:
         """The trace context of the work being done (§13.1)."""
 
@@ -457,6 +463,12 @@ class Agent:
     #: manifest's ``emits``, which is what makes it discoverable.
     feeds: ClassVar[Mapping[str, str]] = {}
     visibility: ClassVar[str | None] = None
+    #: Take no work from agents on sandbox-attested nodes (§9.7): refused
+    #: UNAUTHORIZED (``sender_sandboxed``) before the handler runs. The tier is
+    #: the sender's operator attestation, verified with its expiry; a sender
+    #: whose tier nothing proves is not refused. ``ctx.sender_trust_tier``
+    #: gives the same fact to a handler that decides for itself.
+    refuse_sandbox_senders: ClassVar[bool] = False
     default_input_modes: ClassVar[Sequence[str] | None] = None
     default_output_modes: ClassVar[Sequence[str] | None] = None
     Settings: ClassVar[type[AgentSettings]] = AgentSettings

@@ -584,6 +584,31 @@ class NodeConfig(BaseModel):
     ``"package.module:AgentClass"``): for developing a plugin without packaging it."""
 
 
+class TenantExportConfig(BaseModel):
+    """``[[mesh.embedded.exports]]``: what one tenant makes reachable from another (§15.2).
+
+    ``from`` and ``to`` name tenants (``mesh`` is the mesh's own account).
+    ``agents`` lists agent ids whose inboxes ``to``'s nodes may send to;
+    ``discover`` lets ``to`` query ``from``'s registry on
+    ``mesh.external.<from>.discover``. Nothing else crosses.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    from_: Annotated[str, Field(alias="from", pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    to: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    agents: list[Annotated[str, Field(pattern=r"^U[A-Z2-7]{55}$")]] = Field(default_factory=list)
+    discover: bool = False
+
+    @model_validator(mode="after")
+    def _two_tenants(self) -> TenantExportConfig:
+        if self.from_ == self.to:
+            raise ValueError(f"tenant {self.to!r} cannot export to itself")
+        if not self.agents and not self.discover:
+            raise ValueError("an export names agents, discover = true, or both")
+        return self
+
+
 class EmbeddedMeshConfig(BaseModel):
     """``[mesh.embedded]``: the local nats-server started when no servers are given."""
 
@@ -598,6 +623,23 @@ class EmbeddedMeshConfig(BaseModel):
     max_payload: ByteSize = 1024**2
     jetstream_max_store: ByteSize = 1024**3
     credential_ttl: Duration = timedelta(hours=24)
+    tenants: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]] = Field(
+        default_factory=list
+    )
+    """Tenants beyond the mesh's own account (``mesh``): each a NATS account with its
+    own registry; nodes join one with ``meshnode mesh invite NAME --tenant T`` (§15)."""
+    exports: list[TenantExportConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_tenants(self) -> EmbeddedMeshConfig:
+        if "mesh" in self.tenants or len(set(self.tenants)) != len(self.tenants):
+            raise ValueError("tenants must be unique and not 'mesh' (the mesh's own account)")
+        known = {"mesh", *self.tenants}
+        for i, export in enumerate(self.exports):
+            for name in (export.from_, export.to):
+                if name not in known:
+                    raise ValueError(f"exports[{i}] names tenant {name!r}, not in tenants")
+        return self
 
     @field_validator("max_payload")
     @classmethod
@@ -1070,7 +1112,7 @@ def _model_to_toml(model: BaseModel) -> dict[str, Any]:
             continue
         converted = _value_to_toml(value, info)
         if converted is not None:
-            out[name] = converted
+            out[info.alias or name] = converted
     return out
 
 

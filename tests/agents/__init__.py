@@ -52,11 +52,30 @@ class Faulty(Agent):
         return {"n": input["n"]}
 
 
+class TierProbe(Agent):
+    """Says what it knows of the sender's node standing (§9.7)."""
+
+    description = "reports the sender's attested node tier"
+
+    @offering("tier")
+    async def tier(self, ctx: Context, input: Any) -> Any:
+        return {"sender_tier": ctx.sender_trust_tier}
+
+
+class Picky(TierProbe):
+    """Takes no work from agents on sandbox nodes."""
+
+    description = "refuses sandbox senders"
+    refuse_sandbox_senders = True
+
+
 class TestAgents:
     @hookimpl
     def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
         register("test-crash-on-start", CrashOnStart)
         register("test-faulty", Faulty)
+        register("test-tier", TierProbe)
+        register("test-picky", Picky)
 
 
 plugin = TestAgents()

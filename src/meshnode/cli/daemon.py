@@ -132,9 +132,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"mesh      {mesh['mode']}, {state} to {mesh.get('connected_url') or ', '.join(mesh['urls'])}")
     if mesh.get("control_plane"):
         print(f"control   {mesh['control_plane']}")
+    if mesh.get("tenants"):
+        print(f"tenants   mesh (own), {', '.join(mesh['tenants'])}")
     if status.get("credential"):
         cred = status["credential"]
         print(f"credential expires {_when(cred['expires_at'])} (renews at {_when(cred['renew_at'])})")
+        if cred.get("trust_tier"):
+            # Attested by the mesh operator in the credential (§9.7), never self-declared.
+            print(
+                f"attested  {cred['role']}, trust tier {cred['trust_tier']}, tenant {cred['tenant']}"
+            )
     print(f"keys      {status['keystore']}")
     print("agents")
     for agent in status["agents"]:

@@ -39,6 +39,12 @@ def register(commands: Any) -> None:
         help="the operator's attestation of the new host (§9.7); sandbox clamps its agents "
         "(never listed in discovery, no offline buffer)",
     )
+    invite.add_argument(
+        "--tenant", default="mesh",
+        help="the tenant (NATS account, §15) the node joins: one of [mesh.embedded] tenants, "
+        "or mesh (the default, the mesh's own account); its agents are found and reached "
+        "only within it unless an export says otherwise",
+    )
     _client_args(invite)
     invite.set_defaults(handler=cmd_invite)
 
@@ -78,7 +84,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Mesh.Invite", {"name": args.name, "trust_tier": args.trust_tier})
+    code, result = _admin(
+        args, "Mesh.Invite", {"name": args.name, "trust_tier": args.trust_tier, "tenant": args.tenant}
+    )
     if code != EX_OK:
         return code
     bundle = InviteBundle(result["name"], result["node_seed"], result["jwt"])
@@ -93,10 +101,14 @@ def cmd_invite(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "name": result["name"], "node_id": result["node_id"],
-            "trust_tier": result.get("trust_tier", args.trust_tier), "file": args.out,
+            "trust_tier": result.get("trust_tier", args.trust_tier),
+            "tenant": result.get("tenant", args.tenant), "file": args.out,
         }))
     else:
-        print(f"invited node {result['name']} ({result['node_id']}), trust tier {args.trust_tier}")
+        print(
+            f"invited node {result['name']} ({result['node_id']}), trust tier {args.trust_tier}, "
+            f"tenant {result.get('tenant', args.tenant)}"
+        )
         print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
     return EX_OK
@@ -115,10 +127,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return EX_OK
-    print(f"{'NAME':<20} {'TIER':<9} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
+    print(f"{'NAME':<20} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
     for n in result["nodes"]:
         state = "retired" if n["retired_at"] is not None else "active"
-        print(f"{n['name']:<20} {n['trust_tier']:<9} {state:<8} {_when(n['credential_expires_at']):<21} {n['node_id']}")
+        print(
+            f"{n['name']:<20} {n['trust_tier']:<9} {n.get('tenant', 'mesh'):<12} {state:<8} "
+            f"{_when(n['credential_expires_at']):<21} {n['node_id']}"
+        )
     return EX_OK
 
 

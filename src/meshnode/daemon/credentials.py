@@ -26,7 +26,13 @@ from meshnode.transport.control_plane import (
 )
 from meshnode.transport.jwt import decode_jwt, renew_at
 
-__all__ = ["CREDENTIAL_FILE", "CredentialUnavailable", "obtain_credential", "store_credential"]
+__all__ = [
+    "CREDENTIAL_FILE",
+    "CredentialUnavailable",
+    "obtain_credential",
+    "store_credential",
+    "stored_trust_attestation",
+]
 
 log = logging.getLogger("meshnode.credentials")
 
@@ -45,17 +51,30 @@ def _load(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("jwt"), str) else None
 
 
-def store_credential(data_dir: Path, jwt: str, roster: list[str]) -> None:
-    """Write the credential atomically with mode 0600 (no window of wider permissions)."""
+def store_credential(
+    data_dir: Path, jwt: str, roster: list[str], trust_attestation: dict[str, Any] | None = None
+) -> None:
+    """Write the credential (and the §9.7 attestation issued with it) atomically, mode
+    0600 (no window of wider permissions)."""
     path = data_dir / CREDENTIAL_FILE
     tmp = data_dir / f".{CREDENTIAL_FILE}.{os.getpid()}.tmp"
+    record: dict[str, Any] = {"jwt": jwt, "roster": sorted(roster)}
+    if trust_attestation is not None:
+        record["trust_attestation"] = trust_attestation
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        os.write(fd, json.dumps({"jwt": jwt, "roster": sorted(roster)}).encode())
+        os.write(fd, json.dumps(record).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def stored_trust_attestation(data_dir: Path) -> dict[str, Any] | None:
+    """The attestation stored with the current credential, if the mesh issued one."""
+    stored = _load(data_dir / CREDENTIAL_FILE)
+    attestation = stored.get("trust_attestation") if stored else None
+    return attestation if isinstance(attestation, dict) else None
 
 
 def _claims(jwt: str) -> dict[str, Any] | None:
@@ -96,7 +115,7 @@ async def obtain_credential(
         except ControlPlaneUnreachable as exc:
             log.warning("control plane unreachable (%s); trying the stored credential", exc)
         else:
-            store_credential(data_dir, grant.jwt, roster)
+            store_credential(data_dir, grant.jwt, roster, grant.trust_attestation)
             log.info("node credential renewed; expires %s", time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(grant.expires_at)))
             return grant.jwt
     if stored is not None and stored_claims is not None and now < float(stored_claims.get("exp", 0)):

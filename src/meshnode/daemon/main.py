@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,29 @@ from meshnode.transport.connection import MeshConnection
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import node_inbox_prefix
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "credential_profile"]
 
 log = logging.getLogger("meshnode.daemon")
+
+
+def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
+    """``{role, trust_tier, tenant}`` from a node credential's ``agentmesh:*`` tags.
+
+    The control plane writes them (§9.7: attested, never self-declared); a
+    credential minted without them reads as a standard participant of the
+    mesh's own account, which is what such a credential was issued as.
+    """
+    profile = {"role": "participant", "trust_tier": "standard", "tenant": "mesh"}
+    nats = claims.get("nats")
+    tags = nats.get("tags") if isinstance(nats, Mapping) else None
+    for tag in tags if isinstance(tags, list) else ():
+        if not isinstance(tag, str):
+            continue
+        # nats-server lowercases tags it stores; every value we write is lowercase.
+        parts = tag.lower().split(":")
+        if len(parts) == 3 and parts[0] == "agentmesh" and parts[1] in profile and parts[2]:
+            profile[parts[1]] = parts[2]
+    return profile
 
 
 def _ms(td: Any) -> int:
@@ -62,6 +83,9 @@ class Daemon:
         self.embedded: Any = None  # EmbeddedNatsServer when the mesh is embedded
         self.control_plane: Any = None
         self.connection: MeshConnection | None = None
+        #: The embedded node's service connections into each tenant's account (§15).
+        self.tenant_connections: dict[str, MeshConnection] = {}
+        self._tenant_jwts: dict[str, str] = {}
         self.node: Node | None = None
         self.services: list[Any] = []
         self.admin: AdminServer | None = None
@@ -153,17 +177,49 @@ class Daemon:
             from meshnode.transport.embedded import EmbeddedNatsServer
 
             cfg = self.config.mesh.embedded
+            from meshnode.transport.embedded import TenantExport
+
             self.embedded = EmbeddedNatsServer(
                 self.data_dir,
                 host=cfg.host,
                 port=cfg.port or None,
                 max_payload=cfg.max_payload,
+                tenants=cfg.tenants,
+                exports=[
+                    TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports
+                ],
             )
             await self.embedded.start()
             self._jwt = self._mint_own_jwt()
             await self._start_control_plane()
         else:
             self._jwt = await self._obtain_joined_jwt()
+            profile = credential_profile(decode_jwt(self._jwt)[1])
+            log.info(
+                "the mesh attests this node as %s, trust tier %s, tenant %s",
+                profile["role"], profile["trust_tier"], profile["tenant"],
+            )
+            if profile["trust_tier"] == "sandbox":
+                log.warning(
+                    "this node is attested sandbox (§9.7): the registry lists none of its agents "
+                    "and keeps no offline buffer for them; requesters may avoid it for sensitive work"
+                )
+
+    def _own_trust_attestation(self) -> dict[str, Any] | None:
+        """The §9.7 attestation this node's manifests carry: minted by the embedded
+        mesh for itself, else the one issued with the current credential."""
+        if self.embedded is None:
+            from meshnode.daemon.credentials import stored_trust_attestation
+
+            return stored_trust_attestation(self.data_dir)
+        if self.control_plane is None or not self._jwt:
+            return None
+        _, claims = decode_jwt(self._jwt)
+        profile = credential_profile(claims)
+        attestation: dict[str, Any] = self.control_plane.trust_attestation(
+            claims["sub"], profile["trust_tier"], profile["role"], claims["iat"], claims["exp"]
+        )
+        return attestation
 
     def _mint_own_jwt(self) -> str:
         assert self.node_key is not None
@@ -231,9 +287,17 @@ class Daemon:
             return
         if self.embedded is not None:
             self._jwt = self._mint_own_jwt()
+            for tenant, connection in self.tenant_connections.items():
+                self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
+                if connection.is_connected:
+                    await connection.reconnect()
         else:
             self._jwt = await self._obtain_joined_jwt()
         log.info("node credential renewed")
+        if self.node is not None:
+            # The attestation is re-issued with the credential (same lifetime):
+            # the manifests carry the fresh one before the old one lapses.
+            await self.node.set_trust_attestation(self._own_trust_attestation())
         # Present it now: the broker closes a connection whose credential expires,
         # and nats-py treats that authorization error as final, so the renewed
         # credential must be in place well before the old one lapses (§4.8).
@@ -244,23 +308,60 @@ class Daemon:
         if not self.embedded_mode:
             return
         from meshnode.protocol.ratelimit import SlidingWindowLimiter
+
+        assert self.connection is not None
+        # §16.1: one per-sender counter across every service subject (and tenant).
+        limiter = SlidingWindowLimiter(
+            limit=self.config.registry.rate_limit, window_ms=_ms(self.config.registry.rate_window)
+        )
+        self.services = await self._start_services(self.connection, limiter, "mesh")
+        # §15: every tenant is its own account, so its own registry, presence,
+        # task records, feeds and artifacts (streams and KV are account-scoped).
+        # The services keep the same keys in every tenant: one platform, whose
+        # replies an exported discovery query can pin like any other.
+        for tenant in self.embedded.tenants:
+            connection = await self._connect_tenant(tenant)
+            self.services += await self._start_services(connection, limiter, tenant)
+            log.info("platform services serve tenant %s", tenant)
+
+    def _mint_tenant_jwt(self, tenant: str) -> str:
+        assert self.node_key is not None
+        ttl = int(self.config.mesh.embedded.credential_ttl.total_seconds())
+        jwt: str = self.embedded.mint_node_credential(
+            self.node_key.public_key, [], ttl, role="service", tenant=tenant
+        )
+        return jwt
+
+    async def _connect_tenant(self, tenant: str) -> MeshConnection:
+        """The service connection into ``tenant``'s account (same node key, its own credential)."""
+        assert self.node_key is not None
+        self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
+        connection = MeshConnection(
+            self.mesh_urls(),
+            node_key=self.node_key,
+            jwt_source=lambda: self._tenant_jwts[tenant],
+            name=f"meshnode {self.config.node.name} tenant {tenant}",
+            inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+        )
+        await connection.connect()
+        self.tenant_connections[tenant] = connection
+        return connection
+
+    async def _start_services(self, connection: MeshConnection, limiter: Any, tenant: str) -> list[Any]:
+        """Registry, presence, artifacts, task manager and feeds on ``tenant``'s account."""
         from meshnode.services.base import ServiceContext
         from meshnode.services.presence import PresenceService
         from meshnode.services.registry import RegistryService
         from meshnode.services.streams import ensure_mesh_streams
+        from meshnode.transport.embedded import imported_agents
 
-        assert self.connection is not None and self.node_key is not None
-        await ensure_mesh_streams(self.connection.js, 1)
+        assert self.node_key is not None
+        await ensure_mesh_streams(connection.js, 1)
         node_id = self.node_key.public_key
-        # §16.1: one per-sender counter across every service subject.
-        limiter = SlidingWindowLimiter(
-            limit=self.config.registry.rate_limit, window_ms=_ms(self.config.registry.rate_window)
-        )
 
         def context(name: str) -> ServiceContext:
-            assert self.connection is not None
             return ServiceContext(
-                connection=self.connection,
+                connection=connection,
                 key=self.agent_keys[f"service.{name}"],
                 node_id=node_id,
                 now_ms=lambda: time.time_ns() // 1_000_000,
@@ -284,27 +385,32 @@ class Daemon:
             # The operator-attested tier from enrolment (§9.7), known only to the
             # control plane: the sandbox clamp and discovery's tier filter.
             trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
+            # Portable attestations (§9.7) are believed from this mesh's operator only.
+            trusted_issuers=(self.embedded.operator_public_key,),
+            # Agents other tenants exported here resolve through their own registry.
+            imported=imported_agents(tenant, self.embedded.exports),
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()
         await presence.start()
-        self.services = [registry, presence]
+        services: list[Any] = [registry, presence]
         # The artifact store (§7.5, §18.5), owners resolved from the registry.
         from meshnode.daemon.artifacts import start_artifact_service
 
-        self.services.append(await start_artifact_service(context("artifacts"), registry, self.config.artifacts))
+        services.append(await start_artifact_service(context("artifacts"), registry, self.config.artifacts))
         from meshnode.services.tasks import TaskManagerService
 
         # Attribution (§10.8a) reads the responder's needs from the registry's cache.
         tasks = TaskManagerService(context("tasks"), manifest_of=registry.manifest)
         await tasks.start()
-        self.services.append(tasks)
+        services.append(tasks)
         # Feeds (§6.6a, §18.3): MESH_FEED, the state-feed KV and mesh.feed.get.
         from meshnode.services.feeds import FeedService
 
         feeds = FeedService(context("feeds"))
         await feeds.start()
-        self.services.append(feeds)
+        services.append(feeds)
+        return services
 
     def _ids(self) -> Any:
         from meshnode.protocol.envelope import IdGenerator
@@ -330,6 +436,7 @@ class Daemon:
             emit_window_ms=_ms(self.config.events.emit_window),
         )
         self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        self.node.trust_attestation = self._own_trust_attestation()
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         from meshnode.node.observe import ObservabilitySettings, install
 
@@ -442,10 +549,10 @@ class Daemon:
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add(
             "Mesh.Nodes", self._admin_mesh_nodes, level="operator",
-            doc="-> {nodes: [{node_id, name, trust_tier, enrolled_at, retired_at, last_issued_at, "
+            doc="-> {nodes: [{node_id, name, trust_tier, tenant, enrolled_at, retired_at, last_issued_at, "
             "credential_expires_at}]} every node the control plane enrolled (unix seconds; nulls when never)",
         )
-        methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="params {name, trust_tier?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials); returns its invite (secret)")
+        methods.add("Mesh.Invite", self._admin_mesh_invite, level="admin", doc="params {name, trust_tier?, tenant?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials; tenant: an account from [mesh.embedded] tenants, default mesh); returns its invite (secret)")
         from meshnode.daemon.operations import register_operations
 
         register_operations(self, methods)
@@ -483,6 +590,8 @@ class Daemon:
                 "mode": "embedded" if self.embedded_mode else "joined",
                 "urls": self.mesh_urls(),
                 "control_plane": self.control_plane_url(),
+                # Tenants this embedded mesh serves beside its own account (§15).
+                "tenants": list(self.embedded.tenants) if self.embedded is not None else [],
                 "connected": bool(self.connection and self.connection.is_connected),
                 "connected_url": self.connection.connected_url if self.connection else None,
                 "last_error": self.connection.last_error if self.connection else None,
@@ -507,7 +616,14 @@ class Daemon:
             _, claims = decode_jwt(self._jwt)
         except Exception:
             return None
-        return {"expires_at": claims.get("exp"), "renew_at": int(renew_at(claims))}
+        return {
+            "expires_at": claims.get("exp"),
+            "renew_at": int(renew_at(claims)),
+            # The account that signed it, and the operator-attested profile
+            # claims it carries (§9.7, §15): what the mesh says this node is.
+            "account": claims.get("iss"),
+            **credential_profile(claims),
+        }
 
     async def _admin_status(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         return self.status()
@@ -571,6 +687,9 @@ class Daemon:
             self._jwt = self._mint_own_jwt()
         else:
             self._jwt = await self._obtain_joined_jwt()
+        if self.node is not None:
+            # Keep the attestation in step with the credential it was issued with.
+            await self.node.set_trust_attestation(self._own_trust_attestation())
         await self.connection.reconnect()
         for _ in range(200):
             if self.connection.is_connected:
@@ -807,6 +926,7 @@ class Daemon:
                     "node_id": n.node_id,
                     "name": n.name,
                     "trust_tier": n.trust_tier,
+                    "tenant": n.tenant,
                     "enrolled_at": n.enrolled_at,
                     "retired_at": n.retired_at,
                     "last_issued_at": n.last_issued_at,
@@ -834,13 +954,17 @@ class Daemon:
         trust_tier = params.get("trust_tier", "standard")
         if not isinstance(trust_tier, str):
             raise InvalidParameter("trust_tier must be a string")
+        tenant = params.get("tenant") or "mesh"
+        if not isinstance(tenant, str):
+            raise InvalidParameter("tenant must be a string")
         try:
-            bundle = await asyncio.to_thread(self.control_plane.invite, name, trust_tier)
+            bundle = await asyncio.to_thread(self.control_plane.invite, name, trust_tier, tenant)
         except ValueError as exc:
             raise InvalidParameter(str(exc)) from None
-        log.info("invited node %s as %s (trust tier %s)", name, bundle.node_id, trust_tier)
+        log.info("invited node %s as %s (trust tier %s, tenant %s)", name, bundle.node_id, trust_tier, tenant)
         return {
             "trust_tier": trust_tier,
+            "tenant": tenant,
             "name": bundle.node_name,
             "node_id": bundle.node_id,
             "node_seed": bundle.node_seed,
@@ -956,6 +1080,8 @@ class Daemon:
                 await service.stop()
             except Exception as exc:
                 log.warning("stopping %s failed: %s", type(service).__name__, exc)
+        for connection in self.tenant_connections.values():
+            await connection.close(drain_timeout=3.0)
         if self.connection is not None:
             await self.connection.close(drain_timeout=3.0)
 

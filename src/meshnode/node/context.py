@@ -63,6 +63,13 @@ class AgentContext:
         return self._envelope
 
     @property
+    def sender_trust_tier(self) -> str | None:
+        """The sender's node tier (verified | standard | sandbox) as an operator
+        attestation this node trusts proved it (§9.7); None when none did."""
+        trust = self._hosted.node.trust
+        return trust.tier_of(self.sender) if trust is not None and self.sender else None
+
+    @property
     def text(self) -> str | None:
         return self._text
 

@@ -311,6 +311,14 @@ class HostedAgent:
                 error = error_object("UNAUTHORIZED", "no node vouches for the sender", {"reason": reason})
                 await self._answer(env, status="failed", error=error, path=source)
                 return "answered"
+            if self.agent.refuse_sandbox_senders and trust.tier_of(env["from"]) == "sandbox":
+                # The agent's own policy (§9.7: sandbox hosts are for trying things).
+                self.counters["refused.sender_sandboxed"] += 1
+                error = error_object(
+                    "UNAUTHORIZED", "this agent takes no work from sandbox nodes", {"reason": "sender_sandboxed"}
+                )
+                await self._answer(env, status="failed", error=error, path=source)
+                return "answered"
         if offering_id == CANCEL_OFFERING:
             await self._on_cancel(env, payload, source)
             return "answered"

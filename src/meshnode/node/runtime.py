@@ -112,6 +112,10 @@ class Node:
         self.inbox: InboxStore | None = None
         self._sent: dict[tuple[str, str], list[int]] = {}
         self.trust: VouchMemo | None = None
+        #: The operator-signed §9.7 attestation of this node (trust_tier, role),
+        #: carried in every manifest's ``node`` member for any verifier; None
+        #: when the mesh issued none.
+        self.trust_attestation: dict[str, Any] | None = None
         # Events and feeds (meshnode.node.pubsub); observability publishing is
         # None unless the operator turned some of it on (meshnode.node.observe).
         self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
@@ -119,6 +123,16 @@ class Node:
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = 60.0
         connection.on_reconnect(self._on_reconnect)
+
+    @property
+    def trusted_operators(self) -> frozenset[str]:
+        """Operators whose §9.7 attestations this node believes: its own mesh's,
+        the issuer of the attestation its control plane gave it (local policy)."""
+        own = self.trust_attestation
+        if not own or own.get("subject") != self.node_id:
+            return frozenset()
+        issuer = own.get("issuer")
+        return frozenset((issuer,)) if isinstance(issuer, str) else frozenset()
 
     async def _on_reconnect(self) -> None:
         # A gap in the live subscription is exactly when the buffer holds mail
@@ -302,6 +316,24 @@ class Node:
         self._jobs[job.name] = job
         job.start()
 
+    def _node_member(self, hosted: HostedAgent) -> dict[str, Any]:
+        node: dict[str, Any] = {"id": self.node_id, "attestation": hosted.vouch}
+        if self.trust_attestation is not None:
+            # Portable (§9.7): verifiable against the operator key alone, by the
+            # registry and by anyone who reads the manifest back.
+            node["trust_attestation"] = self.trust_attestation
+        return node
+
+    async def set_trust_attestation(self, attestation: dict[str, Any] | None) -> None:
+        """Carry a new operator attestation; re-register every agent that carried the old one."""
+        if attestation == self.trust_attestation:
+            return
+        self.trust_attestation = attestation
+        for hosted in list(self.agents.values()):
+            if hosted.manifest:
+                hosted.manifest = self.build_manifest(hosted)
+                await self.register(hosted)
+
     def build_manifest(self, hosted: HostedAgent) -> dict[str, Any]:
         """The manifest this node registers for ``hosted`` (§8.1, §8.2)."""
         cls = type(hosted.agent)
@@ -314,7 +346,7 @@ class Node:
             "protocol_version": PROTOCOL_VERSION,
             "endpoint": inbox,
             "endpoints": {"inbox": inbox},
-            "node": {"id": self.node_id, "attestation": hosted.vouch},
+            "node": self._node_member(hosted),
             "capabilities": list(cls.capabilities),
             "offerings": [spec.manifest_entry() for spec in hosted.offerings.values()],
             "interaction": hosted.interaction,

@@ -6,6 +6,12 @@ of the node: *revoked* is remembered for good, *vouched* for a minute,
 *unvouched* for a few seconds (a new agent registers quickly). When the
 registry cannot be asked, traffic is let through and the node says so once —
 an outage of the registry must not become an outage of the mesh.
+
+The same look-up yields the sender's node standing (§9.7): the manifest's
+``node.trust_attestation``, verified here again (expiry enforced) against the
+operators this node trusts, is remembered as the sender's tier until the
+attestation expires. :meth:`VouchMemo.tier_of` answers it; an agent that sets
+``refuse_sandbox_senders`` is not run for a sandbox sender.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshnode.protocol import subjects
-from meshnode.protocol.attestations import verify_vouch
+from meshnode.protocol.attestations import verify_trust_attestation, verify_vouch
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.timeutil import try_parse_rfc3339
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -41,6 +48,45 @@ class VouchMemo:
         self._inflight: dict[str, asyncio.Future[str]] = {}
         self._outage_logged = False
         self.lookups = 0
+        self._tiers: dict[str, tuple[str, int]] = {}  # sender -> (attested tier, expires ms)
+
+    def tier_of(self, sender: str) -> str | None:
+        """The sender's node tier as a trusted attestation proved it at the last
+        look-up, while that attestation lasts; None when nothing proved one."""
+        if sender in self.node.by_id:
+            own = self.node.trust_attestation
+            claims = own.get("claims") if isinstance(own, Mapping) else None
+            tier = claims.get("trust_tier") if isinstance(claims, Mapping) else None
+            return tier if isinstance(tier, str) else None
+        entry = self._tiers.get(sender)
+        if entry is None:
+            return None
+        if entry[1] <= self.node.now_ms():
+            del self._tiers[sender]  # expiry is the only control (§9.7)
+            return None
+        return entry[0]
+
+    def _learn_tier(self, sender: str, node: Mapping[str, Any]) -> None:
+        self._tiers.pop(sender, None)
+        attestation = node.get("trust_attestation")
+        trusted = self.node.trusted_operators
+        if attestation is None or not trusted:
+            return
+        try:
+            claims = verify_trust_attestation(
+                attestation, now_ms=self.node.now_ms(), expected_subject=node.get("id"),
+                trusted_issuers=trusted,
+            )
+        except ProtocolError as exc:
+            # Forged, stale or from an operator we do not trust: it proves nothing.
+            log.info("sender %s carries an attestation we do not accept: %s", sender, exc.details.get("reason"))
+            return
+        tier = claims.get("trust_tier")
+        expires = try_parse_rfc3339(attestation["expires_at"]) if isinstance(attestation, Mapping) else None
+        if tier is not None and expires is not None:
+            if len(self._tiers) >= self.capacity:
+                self._tiers.pop(next(iter(self._tiers)))
+            self._tiers[sender] = (tier, expires // 1000)  # parsed as microseconds
 
     def _remember(self, sender: str, status: str) -> None:
         if len(self._memo) >= self.capacity:
@@ -100,4 +146,6 @@ class VouchMemo:
             self._remember(sender, UNVOUCHED)
             return UNVOUCHED
         self._remember(sender, VOUCHED)
+        if isinstance(node, Mapping):
+            self._learn_tier(sender, node)
         return VOUCHED

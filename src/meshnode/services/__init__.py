@@ -9,7 +9,7 @@ discovery joins presence for availability.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from .base import ServiceBase, ServiceContext
@@ -46,6 +46,8 @@ async def start_platform_services(
     require_connection_bound: bool = True,
     heartbeat_interval_s: float = 30.0,
     trust_tier_of: Callable[[str], str | None] | None = None,
+    trusted_issuers: Collection[str] = (),
+    imported: Mapping[str, str] | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start registry and presence on ``ctx``."""
     await ensure_mesh_streams(ctx.connection.js, ctx.replicas)
@@ -55,6 +57,8 @@ async def start_platform_services(
         require_connection_bound=require_connection_bound,
         presence=presence,
         trust_tier_of=trust_tier_of,
+        trusted_issuers=trusted_issuers,
+        imported=imported,
     )
     await registry.start()
     try:

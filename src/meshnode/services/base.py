@@ -242,6 +242,11 @@ class ServiceBase:
 
     async def admit(self, msg: Msg, env: Envelope) -> bool:
         """Count the request against the sender's budget; answer RATE_LIMITED when spent."""
+        if env["from"] == self.ctx.service_id:
+            # The platform asking itself (a tenant's registry resolving an exported
+            # agent through another tenant's, §15.2): signed by this very key, and
+            # carrying many callers' look-ups, so one sender's budget cannot fit it.
+            return True
         decision = self.ctx.limiter.check(env["from"], self.ctx.now_ms())
         if decision.allowed:
             return True

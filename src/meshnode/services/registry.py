@@ -60,7 +60,7 @@ Subjects and payloads (the contract):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import orjson
@@ -68,7 +68,8 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
-from meshnode.protocol.envelope import encode_envelope
+from meshnode.protocol.attestations import verify_trust_attestation
+from meshnode.protocol.envelope import build_envelope, decode_envelope, encode_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.manifest import check_registration
 from meshnode.protocol.nkeys import is_valid_public
@@ -104,8 +105,17 @@ class RegistryService(ServiceBase):
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
         trust_tier_of: Callable[[str], str | None] | None = None,
+        trusted_issuers: Collection[str] = (),
+        imported: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Agents another tenant exported to this one (§15.2): agent id -> the
+        # subject where the exporting tenant's registry answers a get for it.
+        self._imported = dict(imported or {})
+        # Operator keys whose portable trust attestations (§9.7) this registry
+        # believes: local policy. Any attestation is still verified (a forged
+        # or expired one refuses the registration); only these are applied.
+        self._trusted_issuers = frozenset(trusted_issuers)
         self.require_connection_bound = require_connection_bound
         self.inbox_max_age_s = inbox_max_age_s
         self.inbox_max_bytes = inbox_max_bytes
@@ -219,8 +229,40 @@ class RegistryService(ServiceBase):
 
     # -- register / deregister -------------------------------------------------
 
-    def _sandboxed(self, node_id: str) -> bool:
-        return self._trust_tier_of is not None and self._trust_tier_of(node_id) == "sandbox"
+    def _attested_tier(self, node: object, node_id: str, now_ms: int) -> str | None:
+        """The tier a manifest's ``node.trust_attestation`` (§9.7) proves, if any.
+
+        Raises UNAUTHORIZED (``details.reason`` from the verifier) for an
+        attestation that is forged, about another node, malformed or expired:
+        a node presenting a claim that does not hold learns so at once.
+        An intact one from an issuer this registry does not trust proves nothing.
+        """
+        attestation = node.get("trust_attestation") if isinstance(node, Mapping) else None
+        if attestation is None:
+            return None
+        try:
+            claims = verify_trust_attestation(attestation, now_ms=now_ms, expected_subject=node_id)
+        except ProtocolError as exc:
+            field = exc.details.get("field")
+            exc.details["field"] = f"node.trust_attestation.{field}" if field else "node.trust_attestation"
+            raise
+        if attestation["issuer"] not in self._trusted_issuers:
+            return None
+        return claims.get("trust_tier")
+
+    def _tier_of(self, node_id: str, manifest: Mapping[str, Any] | None, now_ms: int) -> str | None:
+        """A node's tier: the operator's enrolment record first (it is the freshest
+        word), else the trusted attestation its manifest carries, checked now."""
+        if self._trust_tier_of is not None:
+            tier = self._trust_tier_of(node_id)
+            if tier is not None:
+                return tier
+        if manifest is None:
+            return None
+        try:
+            return self._attested_tier(manifest.get("node"), node_id, now_ms)
+        except ProtocolError:
+            return None  # expired since it was stored: it proves nothing any more
 
     async def _register(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)
@@ -248,7 +290,10 @@ class RegistryService(ServiceBase):
         sandbox = False
         manifest_node = _manifest_node_id(payload)
         if manifest_node is not None:
-            sandbox = self._sandboxed(manifest_node)
+            assert isinstance(payload, Mapping)
+            attested = self._attested_tier(payload.get("node"), manifest_node, now)
+            enrolled = self._trust_tier_of(manifest_node) if self._trust_tier_of is not None else None
+            sandbox = (enrolled or attested) == "sandbox"
         result = check_registration(
             payload,
             sender=env["from"],
@@ -329,14 +374,15 @@ class RegistryService(ServiceBase):
         owners = self._caller_owners(caller)
         matches: list[dict[str, Any]] = []
         tiers: dict[str, str | None] = {}  # one look-up per node per search
+        now = self.ctx.now_ms()
         for agent_id in sorted(self._cache):
             manifest = self._cache[agent_id]
             node_tier = None
-            if query.trust_tier is not None and self._trust_tier_of is not None:
+            if query.trust_tier is not None:
                 node_id = self.node_of(agent_id)
                 if node_id is not None:
                     if node_id not in tiers:
-                        tiers[node_id] = self._trust_tier_of(node_id)
+                        tiers[node_id] = self._tier_of(node_id, manifest, now)
                     node_tier = tiers[node_id]
             if not listed_for(manifest, owners) or not query.matches(manifest, node_tier):
                 continue
@@ -392,6 +438,8 @@ class RegistryService(ServiceBase):
         if self._is_revoked is not None and is_valid_public(token) and self._is_revoked(token):
             raise ProtocolError("UNAUTHORIZED", "this agent's key was revoked", {"reason": "agent_key_revoked"})
         manifest = self._cache.get(token) if is_valid_public(token) else None
+        if manifest is None and token in self._imported:
+            return await self._get_imported(token, env)
         if manifest is None:
             raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})
         if manifest.get("visibility") == "private" and manifest.get("owner") not in self._caller_owners(env["from"]):
@@ -400,6 +448,43 @@ class RegistryService(ServiceBase):
             # check that a node vouches for it (§5.3 step 2): only those facts.
             return {k: manifest[k] for k in _PRIVATE_FACTS if k in manifest}
         return self._with_availability(manifest)
+
+
+    async def _get_imported(self, agent_id: str, request: Envelope) -> Mapping[str, Any]:
+        """Resolve an agent exported to this tenant through its own tenant's registry.
+
+        The look-up is this registry's own signed request; the answer is verified
+        (signature, bound to the request) before it is passed on.
+        """
+        env = self.sign(build_envelope(
+            "discover", self.ctx.service_id, now_ms=self.ctx.now_ms(),
+            payload={"agent_id": agent_id}, ids=self.ctx.ids,
+        ))
+        try:
+            msg = await self.ctx.connection.request(
+                self._imported[agent_id], encode_envelope(env), timeout=5.0
+            )
+            reply = decode_envelope(msg.data)
+        except ProtocolError:
+            raise ProtocolError(
+                "DEPENDENCY_FAILED", "the exporting tenant's registry answered unreadably"
+            ) from None
+        except Exception:
+            raise ProtocolError(
+                "AGENT_UNAVAILABLE", "the exporting tenant's registry did not answer",
+                {"agent_id": agent_id},
+            ) from None
+        if reply.get("in_reply_to") != env["id"] or reply.get("to") != self.ctx.service_id:
+            raise ProtocolError("DEPENDENCY_FAILED", "the exporting registry answered another request")
+        error = reply.get("error")
+        if isinstance(error, Mapping):
+            raise ProtocolError(str(error.get("code", "NOT_FOUND")), str(error.get("message", "")),
+                                {"agent_id": agent_id})
+        payload = reply.get("payload")
+        if not isinstance(payload, Mapping) or payload.get("id") != agent_id:
+            raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": agent_id})
+        self.log.debug("resolved %s for %s through its tenant", agent_id, request["from"])
+        return payload
 
 
 #: What a non-owner learns of a private agent by id: identity, where to answer, the vouch.

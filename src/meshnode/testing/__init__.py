@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, e.g. one entry of an array of tables
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
@@ -221,11 +224,15 @@ class DaemonSet:
         agents: dict[str, dict[str, Any]] | None = None,
         node: dict[str, Any] | None = None,
         start: bool = True,
+        invite_args: Sequence[str] = (),
     ) -> DaemonProcess:
-        """A daemon that joins ``via``'s mesh with an invite, as a person would."""
+        """A daemon that joins ``via``'s mesh with an invite, as a person would.
+
+        ``invite_args`` go to ``meshnode mesh invite`` (``--tenant``, ``--trust-tier``).
+        """
         workdir = self._workdir(name)
         invite = workdir / "invite.creds"
-        run_cli("mesh", "invite", name, "--out", str(invite), "--socket", via.socket_path)
+        run_cli("mesh", "invite", name, "--out", str(invite), "--socket", via.socket_path, *invite_args)
         info = via.admin("Mesh.Info")
         config = self._base(name, workdir, agents or {}, node)
         config["mesh"] = {"servers": info["nats_urls"], "control_plane": info["control_plane"]}

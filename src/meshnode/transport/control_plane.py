@@ -62,15 +62,17 @@ from types import TracebackType
 from typing import Any, Literal, NamedTuple, Self
 from urllib.parse import urlsplit
 
-from meshnode.protocol.attestations import TRUST_TIERS
+from meshnode.protocol.attestations import TRUST_TIERS, make_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public, verify
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
 from .embedded import (
+    DEFAULT_TENANT,
     EmbeddedMeshError,
     EmbeddedNatsServer,
     _read_private_file,
     _write_private_file,
+    check_tenant_name,
 )
 from .jwt import JwtError, decode_jwt, format_creds, parse_creds
 from .permissions import Role
@@ -125,7 +127,8 @@ MAX_ROSTER = 512
 broker refuses a CONNECT line beyond its ``max_control_line`` (1 MiB embedded)."""
 
 REVOCATION_CODES = frozenset(
-    {"node_retired", "node_unknown", "agent_paused", "agent_terminated", "agent_unnamed"}
+    {"node_retired", "node_unknown", "agent_paused", "agent_terminated", "agent_unnamed",
+     "tenant_unknown"}
 )
 """Refusal codes that mean "do not retry with this roster": revocation reaching a node."""
 
@@ -410,6 +413,8 @@ class EnrolledNode:
     last_issued_at: int | None = None
     trust_tier: str = "standard"
     """The operator-attested tier (§9.7) carried in every credential issued to the node."""
+    tenant: str = DEFAULT_TENANT
+    """The tenant (NATS account, §15) whose account signs the node's credentials."""
 
     @property
     def retired(self) -> bool:
@@ -440,6 +445,7 @@ class _State:
                         "credential_expires_at": n.credential_expires_at,
                         "last_issued_at": n.last_issued_at,
                         "trust_tier": n.trust_tier,
+                        "tenant": n.tenant,
                     }
                     for node_id, n in self.nodes.items()
                 },
@@ -489,6 +495,12 @@ class _State:
             tier = record.get("trust_tier", "standard")
             if tier not in TRUST_TIERS:
                 raise bad(f"node {node_id} has unknown trust_tier {tier!r}")
+            # Absent in state written before tenants existed: the mesh's own account.
+            tenant = record.get("tenant", DEFAULT_TENANT)
+            try:
+                check_tenant_name(tenant)
+            except ValueError as exc:
+                raise bad(f"node {node_id}: {exc}") from None
             state.nodes[node_id] = EnrolledNode(
                 node_id,
                 name,
@@ -497,6 +509,7 @@ class _State:
                 opt_int(record, "credential_expires_at"),
                 opt_int(record, "last_issued_at"),
                 tier,
+                tenant,
             )
         for agent_id, record in agents.items():
             if not is_valid_public(agent_id, Prefix.USER) or not isinstance(record, dict):
@@ -946,21 +959,35 @@ class ControlPlaneServer:
         """Every node ever enrolled, retired ones included, oldest first."""
         return sorted(self._store.load().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
 
+    def _check_tenant(self, tenant: str) -> str:
+        check_tenant_name(tenant)
+        if tenant != DEFAULT_TENANT and tenant not in self._embedded.tenants:
+            known = ", ".join([DEFAULT_TENANT, *self._embedded.tenants])
+            raise ValueError(f"no tenant named {tenant!r} is configured (known: {known})")
+        return tenant
+
     def enrol_node(
-        self, node_id: str, name: str, trust_tier: str = "standard"
+        self,
+        node_id: str,
+        name: str,
+        trust_tier: str = "standard",
+        tenant: str = DEFAULT_TENANT,
     ) -> EnrolledNode:
         """Enrol an existing node key (one the node generated itself) under ``name``.
 
         ``trust_tier`` is the operator's attestation of the host (§9.7):
         ``sandbox`` makes the registry clamp every agent the node registers
-        (never listed, no redelivery buffer). Raises ValueError for a
-        malformed id, name or tier, a name already in use by an active node,
-        or a retired node id (retirement is permanent).
+        (never listed, no redelivery buffer). ``tenant`` is the account the
+        node joins (§15): its agents are found and reached only within it,
+        unless an export says otherwise. Raises ValueError for a malformed
+        id, name or tier, an unknown tenant, a name already in use by an
+        active node, or a retired node id (retirement is permanent).
         """
         if not is_valid_public(node_id, Prefix.USER):
             raise ValueError("node_id must be a user nkey")
         if trust_tier not in TRUST_TIERS:
             raise ValueError(f"trust_tier must be one of {', '.join(sorted(TRUST_TIERS))}")
+        self._check_tenant(tenant)
         _check_node_name(name)
         now = int(self._clock())
         with self._store.update() as state:
@@ -970,13 +997,34 @@ class ControlPlaneServer:
                     raise ValueError(f"node {node_id} was retired; enrol a new key")
                 if existing.name != name:
                     raise ValueError(f"node {node_id} is already enrolled as {existing.name}")
+                if existing.tenant != tenant:
+                    raise ValueError(
+                        f"node {node_id} is enrolled in tenant {existing.tenant}; "
+                        "a node changes tenant only under a new key"
+                    )
                 return existing
             if any(n.name == name and not n.retired for n in state.nodes.values()):
                 raise ValueError(f"an active node is already named {name}")
-            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier)
+            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier, tenant=tenant)
             state.nodes[node_id] = record
-        log.info("control plane: enrolled node %s as %s", node_id, name)
+        log.info("control plane: enrolled node %s as %s (tenant %s)", node_id, name, tenant)
         return record
+
+    def trust_attestation(
+        self, node_id: str, trust_tier: str, role: Role, issued_at: int, expires_at: int
+    ) -> dict[str, Any]:
+        """The operator-signed portable attestation (§9.7) of ``node_id``'s tier and role.
+
+        Signed by the operator key (the mesh's root, §4.1), so a verifier in
+        any tenant, or on another mesh, needs only the operator's public key.
+        """
+        return make_trust_attestation(
+            self._embedded.keys.operator,
+            node_id,
+            {"trust_tier": trust_tier, "role": role},
+            issued_at * 1000,
+            expires_at * 1000,
+        )
 
     def trust_tier_of(self, node_id: str) -> str | None:
         """The attested tier of an enrolled node, or None for a node never enrolled."""
@@ -987,7 +1035,9 @@ class ControlPlaneServer:
         """Whether the operator attested ``node_id`` as a sandbox host (§9.7, §8.6)."""
         return self.trust_tier_of(node_id) == "sandbox"
 
-    def invite(self, name: str, trust_tier: str = "standard") -> InviteBundle:
+    def invite(
+        self, name: str, trust_tier: str = "standard", tenant: str = DEFAULT_TENANT
+    ) -> InviteBundle:
         """Create a node identity, enrol it as ``name`` and mint its starter credential.
 
         The starter credential carries participant permissions for the node
@@ -996,11 +1046,11 @@ class ControlPlaneServer:
         secret key: write it with :func:`write_invite`, never log it.
         """
         key = KeyPair.generate(Prefix.USER)
-        self.enrol_node(key.public_key, name, trust_tier)
+        self.enrol_node(key.public_key, name, trust_tier, tenant)
         now = int(self._clock())
         jwt = self._embedded.mint_node_credential(
             key.public_key, [], self.invite_ttl_s, role="participant",
-            trust_tier=trust_tier, now=now,
+            trust_tier=trust_tier, now=now, tenant=tenant,
         )
         with self._store.update() as state:
             self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
@@ -1135,10 +1185,18 @@ class ControlPlaneServer:
                 )
                 raise refusal
             role = self._role_of(node_id)
-            jwt = self._embedded.mint_node_credential(
-                node_id, agent_ids, self.credential_ttl_s, role=role,
-                trust_tier=state.nodes[node_id].trust_tier, now=now,
-            )
+            node = state.nodes[node_id]
+            try:
+                jwt = self._embedded.mint_node_credential(
+                    node_id, agent_ids, self.credential_ttl_s, role=role,
+                    trust_tier=node.trust_tier, now=now, tenant=node.tenant,
+                )
+            except ValueError:
+                # The node's tenant was removed from the configuration: its
+                # account is no longer served, so no credential can be useful.
+                raise CredentialRequestError(
+                    403, f"tenant {node.tenant} is not served by this mesh", "tenant_unknown"
+                ) from None
             expires_at = now + self.credential_ttl_s
             self._record_issue(state, node_id, agent_ids, now, expires_at)
         log.info(
@@ -1151,6 +1209,12 @@ class ControlPlaneServer:
             "node_id": node_id,
             "agents": agent_ids,
             "expires_at": expires_at,
+            # The same claims as the JWT's tags, as a portable §9.7 object any
+            # party can verify against the operator key alone; it lives exactly
+            # as long as the credential and is re-issued with it.
+            "trust_attestation": self.trust_attestation(
+                node_id, node.trust_tier, role, now, expires_at
+            ),
             "mesh": {
                 "name": self.mesh_name,
                 "protocol": PROTOCOL_VERSION,
@@ -1344,6 +1408,9 @@ class CredentialGrant:
     expires_at: int
     nats_endpoints: tuple[str, ...]
     mesh_name: str | None
+    trust_attestation: dict[str, Any] | None = None
+    """The operator's §9.7 attestation of the node, unverified here (the
+    registry and other readers verify it); None from a control plane that issues none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1478,11 +1545,13 @@ class ControlPlaneClient:
         if not isinstance(mesh, dict):
             raise ControlPlaneBadResponse("mesh must be an object")
         name = mesh.get("name")
+        attestation = payload.get("trust_attestation")
         return CredentialGrant(
             jwt=jwt,
             expires_at=expires_at,
             nats_endpoints=_endpoint_list(mesh),
             mesh_name=name if isinstance(name, str) else None,
+            trust_attestation=attestation if isinstance(attestation, dict) else None,
         )
 
     async def mesh_info(self) -> MeshInfo:

@@ -5,7 +5,9 @@ With no mesh configured, the daemon runs its own broker (ARCHITECTURE.md,
 enforces.
 
 On first start it creates, under ``<data>/mesh/``, three nkey seeds — the
-operator, the system account and the mesh account — each in an owner-only file.
+operator, the system account and the mesh account — each in an owner-only file,
+plus one account seed per configured tenant (§15: a tenant is a NATS account;
+``tenant-<name>.nk``).
 Every start re-mints the operator and account JWTs from those keys and writes a
 config that preloads them into the server's memory resolver, so credentials
 minted by an earlier run stay valid until their own expiry.
@@ -27,6 +29,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,28 +38,46 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix
+from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public
 
 from .jwt import (
     ResponsePermission,
+    ServiceExport,
+    ServiceImport,
     mint_account_jwt,
     mint_operator_jwt,
     mint_user_jwt,
 )
-from .permissions import RESERVED_SUBJECTS, Role, node_permissions
+from .permissions import (
+    AGENT_INBOX,
+    DISCOVER,
+    EXTERNAL_DISCOVER,
+    EXTERNAL_GET,
+    REGISTRY_GET,
+    RESERVED_SUBJECTS,
+    Role,
+    node_permissions,
+)
 
 __all__ = [
     "DEFAULT_MAX_CONTROL_LINE",
     "DEFAULT_MAX_PAYLOAD",
+    "DEFAULT_TENANT",
     "EmbeddedMeshError",
     "EmbeddedNatsServer",
     "MeshKeys",
+    "TenantExport",
+    "account_links",
+    "check_tenant_name",
+    "external_discover_subject",
+    "external_get_subject",
+    "imported_agents",
     "find_nats_server",
     "load_or_create_mesh_keys",
     "render_server_config",
@@ -77,6 +98,7 @@ more than one agent: the §14.3 grants are per agent, about 1 KiB of JWT each.
 _OPERATOR_SEED_FILE = "operator.nk"
 _SYSTEM_ACCOUNT_SEED_FILE = "system-account.nk"
 _MESH_ACCOUNT_SEED_FILE = "mesh-account.nk"
+_TENANT_SEED_FILE = "tenant-{name}.nk"
 _CONFIG_FILE = "nats-server.conf"
 _LOG_FILE = "nats-server.log"
 _LOG_ROTATE_BYTES = 10 * 1024 * 1024
@@ -86,6 +108,109 @@ _REPLY_ONCE = ResponsePermission()
 
 class EmbeddedMeshError(RuntimeError):
     """The embedded broker could not be found, configured, started or kept running."""
+
+
+# --- tenants (§15) ------------------------------------------------------------
+
+DEFAULT_TENANT = "mesh"
+"""The name of the mesh's own account, the tenant of every node enrolled without one."""
+
+_TENANT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def check_tenant_name(name: object) -> str:
+    """``name`` if it can name a tenant (it becomes a subject token and a file name)."""
+    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+        raise ValueError(
+            f"tenant name {name!r} must be 1-32 of a-z 0-9 _ -, starting with a letter"
+        )
+    return name
+
+
+def external_discover_subject(tenant: str) -> str:
+    """Where an importing tenant reaches ``tenant``'s exported discovery (§15.2 step 2)."""
+    return EXTERNAL_DISCOVER.replace("*", check_tenant_name(tenant))
+
+
+def external_get_subject(tenant: str, agent_id: str) -> str:
+    """Where an importing tenant's registry looks up an agent ``tenant`` exported to it."""
+    if not is_valid_public(agent_id, Prefix.USER):
+        raise ValueError(f"{agent_id!r} is not an agent id")
+    return EXTERNAL_GET.replace("*", check_tenant_name(tenant), 1).replace("*", agent_id)
+
+
+def imported_agents(tenant: str, exports: Iterable[TenantExport]) -> dict[str, str]:
+    """Agent id -> the subject ``tenant``'s registry resolves it on, for every agent
+    another tenant exported to ``tenant``."""
+    return {
+        agent: external_get_subject(export.tenant, agent)
+        for export in exports
+        if export.to == tenant
+        for agent in export.agents
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TenantExport:
+    """What one tenant makes reachable from another (§15.2); nothing else crosses.
+
+    ``agents``: the inboxes (``mesh.agent.<id>.inbox``) the importing tenant's
+    nodes may send to, under the same subject; the importing tenant's registry
+    resolves them through the exporting one's (``mesh.registry.get.<id>``,
+    imported as :func:`external_get_subject`). ``discover``: the exporting
+    tenant's registry answers discovery queries the importer sends on
+    :func:`external_discover_subject` (its own registry stays its own).
+    An export is one-way: an answer travels back to the requester's inbox,
+    so a conversation needs the requester's agent exported the other way too.
+    """
+
+    tenant: str
+    to: str
+    agents: tuple[str, ...] = ()
+    discover: bool = False
+
+    def __post_init__(self) -> None:
+        check_tenant_name(self.tenant)
+        check_tenant_name(self.to)
+        if self.tenant == self.to:
+            raise ValueError(f"tenant {self.tenant} cannot export to itself")
+        for agent in self.agents:
+            if not is_valid_public(agent, Prefix.USER):
+                raise ValueError(f"exported agent {agent!r} is not an agent id (U...)")
+
+
+def account_links(
+    accounts: Mapping[str, str], exports: Iterable[TenantExport]
+) -> dict[str, tuple[list[ServiceExport], list[ServiceImport]]]:
+    """The exports and imports each tenant's account JWT carries.
+
+    ``accounts`` maps tenant name to account public key. Raises ValueError
+    for an export naming a tenant that does not exist.
+    """
+    links: dict[str, tuple[list[ServiceExport], list[ServiceImport]]] = {
+        name: ([], []) for name in accounts
+    }
+    for export in exports:
+        for name in (export.tenant, export.to):
+            if name not in accounts:
+                raise ValueError(f"export names tenant {name!r}, which is not configured")
+        offered, _ = links[export.tenant]
+        _, taken = links[export.to]
+        wanted: list[tuple[str, str]] = []
+        for agent in export.agents:
+            wanted.append((AGENT_INBOX.format(agent=agent), AGENT_INBOX.format(agent=agent)))
+            wanted.append(
+                (REGISTRY_GET.replace("*", agent), external_get_subject(export.tenant, agent))
+            )
+        if export.discover:
+            wanted.append((DISCOVER, external_discover_subject(export.tenant)))
+        for subject, local in wanted:
+            if all(e.subject != subject for e in offered):
+                offered.append(ServiceExport(subject))
+            entry = ServiceImport(accounts[export.tenant], subject, local)
+            if entry not in taken:
+                taken.append(entry)
+    return links
 
 
 # --- keys -------------------------------------------------------------------
@@ -98,6 +223,17 @@ class MeshKeys:
     operator: KeyPair
     system_account: KeyPair
     mesh_account: KeyPair
+    tenants: Mapping[str, KeyPair] = field(default_factory=dict)
+    """Account keys of the tenants beyond the mesh's own account (§15)."""
+
+    def account(self, tenant: str | None = None) -> KeyPair:
+        """The account key of ``tenant`` (None or :data:`DEFAULT_TENANT`: the mesh account)."""
+        if tenant is None or tenant == DEFAULT_TENANT:
+            return self.mesh_account
+        try:
+            return self.tenants[tenant]
+        except KeyError:
+            raise ValueError(f"no tenant named {tenant!r} is configured") from None
 
 
 def _write_private_file(path: Path, content: str, *, replace: bool) -> None:
@@ -174,13 +310,23 @@ def _ensure_private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def load_or_create_mesh_keys(mesh_dir: Path) -> MeshKeys:
-    """Load the operator and account seeds from ``mesh_dir``, creating missing ones."""
+def load_or_create_mesh_keys(mesh_dir: Path, tenants: Iterable[str] = ()) -> MeshKeys:
+    """Load the operator and account seeds from ``mesh_dir``, creating missing ones.
+
+    A removed tenant's seed stays on disk (its account is simply not served),
+    so configuring it again restores the same account.
+    """
     _ensure_private_dir(mesh_dir)
     return MeshKeys(
         operator=_load_or_create_key(mesh_dir / _OPERATOR_SEED_FILE, Prefix.OPERATOR),
         system_account=_load_or_create_key(mesh_dir / _SYSTEM_ACCOUNT_SEED_FILE, Prefix.ACCOUNT),
         mesh_account=_load_or_create_key(mesh_dir / _MESH_ACCOUNT_SEED_FILE, Prefix.ACCOUNT),
+        tenants={
+            name: _load_or_create_key(
+                mesh_dir / _TENANT_SEED_FILE.format(name=check_tenant_name(name)), Prefix.ACCOUNT
+            )
+            for name in tenants
+        },
     )
 
 
@@ -340,7 +486,20 @@ class EmbeddedNatsServer:
         stop_timeout_s: float = 10.0,
         restart_backoff_s: tuple[float, float] = (0.5, 30.0),
         stable_after_s: float = 60.0,
+        tenants: Sequence[str] = (),
+        exports: Sequence[TenantExport] = (),
     ) -> None:
+        names = [check_tenant_name(t) for t in tenants]
+        if DEFAULT_TENANT in names or len(set(names)) != len(names):
+            raise EmbeddedMeshError(
+                f"tenant names must be unique and not {DEFAULT_TENANT!r} (the mesh's own account)"
+            )
+        unknown = {n for e in exports for n in (e.tenant, e.to)} - {DEFAULT_TENANT, *names}
+        if unknown:
+            raise EmbeddedMeshError(f"exports name unknown tenant(s): {', '.join(sorted(unknown))}")
+        self.tenants: tuple[str, ...] = tuple(names)
+        """The tenants beyond the mesh's own account, each its own NATS account (§15)."""
+        self.exports: tuple[TenantExport, ...] = tuple(exports)
         self.mesh_dir = Path(data_dir).absolute() / "mesh"
         self.host = host
         self.server_name = server_name
@@ -372,7 +531,7 @@ class EmbeddedNatsServer:
     def keys(self) -> MeshKeys:
         """The mesh's signing keys, loaded (or created) on first use."""
         if self._keys is None:
-            self._keys = load_or_create_mesh_keys(self.mesh_dir)
+            self._keys = load_or_create_mesh_keys(self.mesh_dir, self.tenants)
         return self._keys
 
     @property
@@ -381,8 +540,12 @@ class EmbeddedNatsServer:
 
     @property
     def account_public_key(self) -> str:
-        """The mesh account every node credential is issued under."""
+        """The mesh account every node credential is issued under (no tenant named)."""
         return self.keys.mesh_account.public_key
+
+    def tenant_account_public_key(self, tenant: str | None) -> str:
+        """The account of ``tenant``; raises ValueError for one not configured."""
+        return self.keys.account(tenant).public_key
 
     @property
     def port(self) -> int | None:
@@ -433,8 +596,10 @@ class EmbeddedNatsServer:
         response: ResponsePermission | None = _REPLY_ONCE,
         now: int | None = None,
         tags: Sequence[str] = (),
+        tenant: str | None = None,
     ) -> str:
-        """A user JWT in the mesh account for ``user_public_key``, valid ``expires_in_s``.
+        """A user JWT in ``tenant``'s account (default: the mesh account) for
+        ``user_public_key``, valid ``expires_in_s``.
 
         The reserved federation subjects are denied in both directions whatever
         the allow lists say. ``response`` (on by default) lets the user answer
@@ -444,7 +609,7 @@ class EmbeddedNatsServer:
             raise ValueError("expires_in_s must be positive")
         issued_at = int(time.time()) if now is None else now
         return mint_user_jwt(
-            self.keys.mesh_account,
+            self.keys.account(tenant),
             user_public_key,
             name=name,
             issued_at=issued_at,
@@ -466,14 +631,19 @@ class EmbeddedNatsServer:
         role: Role = "participant",
         trust_tier: str = "standard",
         now: int | None = None,
+        tenant: str | None = None,
     ) -> str:
         """A node credential carrying the §14.3 permissions of its roster.
 
         The operator-attested profile claims ride in the credential as tags
         ``agentmesh:role:<role>`` and ``agentmesh:trust_tier:<tier>`` (§4.4: a
-        node never self-declares them).
+        node never self-declares them). ``tenant`` picks the account that
+        signs it, which is the tenant its agents belong to (§15.1).
         """
         permissions = node_permissions(node_id, agent_ids, role=role)
+        tags = [f"agentmesh:role:{role}", f"agentmesh:trust_tier:{trust_tier}"]
+        if tenant is not None and tenant != DEFAULT_TENANT:
+            tags.append(f"agentmesh:tenant:{tenant}")
         return self.mint_user(
             f"node {node_id[:12]}",
             node_id,
@@ -481,7 +651,8 @@ class EmbeddedNatsServer:
             permissions.sub_allow,
             expires_in_s,
             now=now,
-            tags=(f"agentmesh:role:{role}", f"agentmesh:trust_tier:{trust_tier}"),
+            tags=tags,
+            tenant=tenant,
         )
 
     # -- lifecycle --
@@ -542,6 +713,14 @@ class EmbeddedNatsServer:
             system_account=keys.system_account.public_key,
             issued_at=issued_at,
         )
+        tenant_accounts = {
+            DEFAULT_TENANT: keys.mesh_account.public_key,
+            **{name: keys.tenants[name].public_key for name in self.tenants},
+        }
+        try:
+            links = account_links(tenant_accounts, self.exports)
+        except ValueError as exc:
+            raise EmbeddedMeshError(str(exc)) from None
         accounts = {
             keys.system_account.public_key: mint_account_jwt(
                 keys.operator,
@@ -550,13 +729,17 @@ class EmbeddedNatsServer:
                 issued_at=issued_at,
                 jetstream=None,  # nats-server refuses JetStream in the system account
             ),
-            keys.mesh_account.public_key: mint_account_jwt(
-                keys.operator,
-                keys.mesh_account.public_key,
-                name=self.account_name,
-                issued_at=issued_at,
-            ),
         }
+        for tenant, account in tenant_accounts.items():
+            exports, imports = links[tenant]
+            accounts[account] = mint_account_jwt(
+                keys.operator,
+                account,
+                name=self.account_name if tenant == DEFAULT_TENANT else f"TENANT {tenant}",
+                issued_at=issued_at,
+                exports=exports,
+                imports=imports,
+            )
         run_dir = self.mesh_dir / "run"
         _ensure_private_dir(run_dir)
         config = render_server_config(

@@ -42,6 +42,8 @@ __all__ = [
     "JetStreamLimits",
     "JwtError",
     "ResponsePermission",
+    "ServiceExport",
+    "ServiceImport",
     "compute_jti",
     "decode_jwt",
     "format_creds",
@@ -113,6 +115,50 @@ class ResponsePermission:
     def claims(self) -> dict[str, int]:
         # nats-io/jwt stores the TTL as a Go time.Duration: integer nanoseconds.
         return {"max": self.max_msgs, "ttl": round(self.ttl_s * 1_000_000_000)}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceExport:
+    """A subject an account offers other accounts as a request-reply service (§15.2).
+
+    ``response`` is the NATS response type: ``Singleton`` lets the responder
+    answer each request once on its reply subject.
+    """
+
+    subject: str
+    name: str = ""
+    response: str = "Singleton"
+
+    def claims(self) -> dict[str, Any]:
+        return {
+            "name": self.name or self.subject,
+            "subject": self.subject,
+            "type": "service",
+            "response_type": self.response,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceImport:
+    """Another account's exported service, reachable here as ``local_subject`` (§15.2).
+
+    Publishing on ``local_subject`` inside the importing account delivers to
+    ``subject`` inside ``account``; the reply finds its way back.
+    """
+
+    account: str
+    subject: str
+    local_subject: str
+    name: str = ""
+
+    def claims(self) -> dict[str, Any]:
+        return {
+            "name": self.name or self.local_subject,
+            "account": self.account,
+            "subject": self.subject,
+            "local_subject": self.local_subject,
+            "type": "service",
+        }
 
 
 # --- encoding helpers -------------------------------------------------------
@@ -223,15 +269,26 @@ def mint_account_jwt(
     expires_at: int | None = None,
     jetstream: JetStreamLimits | None = UNLIMITED_JETSTREAM,
     max_connections: int = NO_LIMIT,
+    exports: Sequence[ServiceExport] = (),
+    imports: Sequence[ServiceImport] = (),
 ) -> str:
     """An account JWT signed by ``operator``.
 
     ``jetstream=None`` leaves JetStream disabled for the account, which the
     system account requires; the default enables it without limits.
+    ``exports`` and ``imports`` are the account's cross-account services
+    (§15.2); without them its subjects are reachable from no other account.
     """
     _require_signer(operator, Prefix.OPERATOR, "operator")
     _require_key(account_public, Prefix.ACCOUNT, "account_public")
     _check_times(issued_at, expires_at)
+    subjects = [e.subject for e in exports]
+    for imported in imports:
+        _require_key(imported.account, Prefix.ACCOUNT, "import account")
+        subjects += [imported.subject, imported.local_subject]
+    for subject in subjects:
+        if not subject or any(c.isspace() for c in subject):
+            raise ValueError(f"invalid export/import subject {subject!r}")
     limits: dict[str, Any] = {
         "subs": NO_LIMIT,
         "data": NO_LIMIT,
@@ -247,7 +304,12 @@ def mint_account_jwt(
     claims = _base_claims(
         subject=account_public, name=name, issued_at=issued_at, expires_at=expires_at
     )
-    claims["nats"] = {"limits": limits, "type": "account", "version": _JWT_VERSION}
+    nats: dict[str, Any] = {"limits": limits, "type": "account", "version": _JWT_VERSION}
+    if exports:
+        nats["exports"] = [e.claims() for e in exports]
+    if imports:
+        nats["imports"] = [i.claims() for i in imports]
+    claims["nats"] = nats
     return _encode(claims, operator)
 
 

@@ -58,6 +58,8 @@ DESCRIPTOR_LOOKUPS = "mesh.registry.descriptor.*.*"
 EVAL_PUT = "mesh.registry.eval.put"
 EVAL_LOOKUPS = "mesh.registry.eval.*.*"
 PRESENCE_GET = "mesh.presence.get"
+EXTERNAL_DISCOVER = "mesh.external.*.discover"
+EXTERNAL_GET = "mesh.external.*.get.*"
 HEARTBEAT = "mesh.heartbeat.{node}"
 HEARTBEAT_AGENT = "mesh.heartbeat.{node}.*"
 ANY_AGENT_INBOX = "mesh.agent.*.inbox"
@@ -207,6 +209,9 @@ def node_permissions(
         EVAL_PUT,
         EVAL_LOOKUPS,
         PRESENCE_GET,
+        # Another tenant's discovery, where the operator imported it (§15.2).
+        # The subject leads nowhere in an account without that import.
+        EXTERNAL_DISCOVER,
         # Presence reads the node from the subject token (§10.10): a node may
         # beat only for itself, plus per-agent availability beneath it.
         HEARTBEAT.format(node=node_id),
@@ -267,6 +272,9 @@ def node_permissions(
 
     if role == "service":
         pub += [
+            # A tenant's registry resolves an agent another tenant exported to
+            # it through that tenant's registry (§15.2), where imported.
+            EXTERNAL_GET,
             # The services own the JetStream objects (§18.3-18.5): streams,
             # mailboxes, KV buckets, object stores, and their consumers.
             JS_API_ALL,

@@ -1,0 +1,71 @@
+"""The sender's node tier on the receiving side (§9.7): VouchMemo verifies the
+attestation in the sender's manifest again, expiry enforced, against the
+operators this node trusts. The node and registry are fakes; the crypto is real."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from meshnode.node.trust import VouchMemo
+from meshnode.protocol.attestations import make_trust_attestation, make_vouch
+from meshnode.protocol.nkeys import KeyPair, Prefix
+
+HOUR_MS = 3_600_000
+NOW = 1_800_000_000_000
+
+
+class FakeNode:
+    def __init__(self, operator: KeyPair, manifests: dict[str, dict[str, Any]]) -> None:
+        self.by_id: dict[str, Any] = {}
+        self.clock = NOW
+        self.manifests = manifests
+        self.trust_attestation: dict[str, Any] | None = None
+        self.trusted_operators = frozenset({operator.public_key})
+
+    def now_ms(self) -> int:
+        return self.clock
+
+    async def service_call(self, hosted: Any, subject: str, kind: str, payload: Any) -> dict[str, Any]:
+        return self.manifests[payload["agent_id"]]
+
+
+def sender_on_node(issuer: KeyPair, tier: str, *, lifetime_ms: int = HOUR_MS,
+                   tamper: bool = False) -> tuple[str, dict[str, Any]]:
+    node, agent = KeyPair.generate(Prefix.USER), KeyPair.generate(Prefix.USER)
+    attestation = make_trust_attestation(
+        issuer, node.public_key, {"trust_tier": tier}, NOW - HOUR_MS, NOW + lifetime_ms
+    )
+    if tamper:
+        attestation["claims"] = {"trust_tier": "verified"}
+    manifest = {
+        "id": agent.public_key,
+        "node": {
+            "id": node.public_key,
+            "attestation": make_vouch(node, agent.public_key, NOW - HOUR_MS, NOW + 24 * HOUR_MS),
+            "trust_attestation": attestation,
+        },
+    }
+    return agent.public_key, manifest
+
+
+def test_a_trusted_attestation_gives_the_tier_until_it_expires() -> None:
+    operator, stranger = KeyPair.generate(Prefix.OPERATOR), KeyPair.generate(Prefix.OPERATOR)
+    sandboxed, m1 = sender_on_node(operator, "sandbox")
+    forged, m2 = sender_on_node(operator, "sandbox", tamper=True)
+    foreign, m3 = sender_on_node(stranger, "verified")
+    stale, m4 = sender_on_node(operator, "verified", lifetime_ms=-1)
+    node = FakeNode(operator, {sandboxed: m1, forged: m2, foreign: m3, stale: m4})
+    memo = VouchMemo(node)  # type: ignore[arg-type]
+
+    async def look_up_all() -> list[str]:
+        return [await memo.status(None, s) for s in (sandboxed, forged, foreign, stale)]  # type: ignore[arg-type]
+
+    # Every sender is vouched for; only a trusted, intact, current attestation proves a tier.
+    assert asyncio.run(look_up_all()) == ["vouched"] * 4
+    assert memo.tier_of(sandboxed) == "sandbox"
+    assert memo.tier_of(forged) is None
+    assert memo.tier_of(foreign) is None
+    assert memo.tier_of(stale) is None
+    node.clock = NOW + HOUR_MS + 1  # the attestation has expired: it proves nothing now
+    assert memo.tier_of(sandboxed) is None
