@@ -145,6 +145,11 @@ ANONYMOUS = "anonymous"
 INTERRUPTED = "INTERRUPTED"
 #: The largest request body read (a stranger's bytes are bounded before parsing).
 MAX_BODY_BYTES = 4 * 1024 * 1024
+#: How deep a request's JSON may nest (a data part's value included).
+MAX_JSON_DEPTH = 64
+#: JSON-RPC's own error codes answered by the bridge before the SDK parses.
+PARSE_ERROR_CODE = -32700
+INVALID_REQUEST_CODE = -32600
 #: The HTTP header (an A2A service parameter) carrying a task-operation envelope.
 TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
 #: The JSON-RPC methods that act on an existing task, answered to its caller only.
@@ -215,6 +220,43 @@ class _Live:
     def publish(self, event: dict[str, Any] | None) -> None:
         for queue in list(self.subscribers):
             queue.put_nowait(event)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests more than ``limit`` arrays/objects deep (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _rpc_error(rid: str | int | None, code: int, message: str) -> JSONResponse:
+    """A JSON-RPC error answered by the bridge itself (HTTP 200, as the SDK answers errors)."""
+    return JSONResponse({"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}})
+
+
+class _QuietCallerErrors(logging.Filter):
+    """The SDK logs a stranger's malformed JSON-RPC (bad params, bad base
+    request) at ERROR with a traceback; they are the caller's errors, answered
+    -32602/-32600, and must not let a stranger fill the log. Its own
+    "Unhandled exception" (a bug on our side) is kept."""
+
+    QUIET = ("Failed to parse request params", "Failed to validate base JSON-RPC request")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.QUIET))
+
+
+logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_QuietCallerErrors())
 
 
 def _now_iso() -> str:
@@ -397,9 +439,17 @@ class A2ABridge:
         # Starlette reads a request's body once: hand the same bytes to the dispatcher.
         request._body = raw
         inbound: _Inbound | None = None
-        doc: Any = None
-        with contextlib.suppress(ValueError):
-            doc = parse_json(raw)
+        # Parsed here first, so what the SDK's parser would turn into an
+        # internal error (bytes that are not UTF-8, nesting past Python's
+        # recursion limit) is answered as the caller's error, and nothing
+        # nested deeper than MAX_JSON_DEPTH reaches the SDK or the agent.
+        try:
+            doc: Any = parse_json(raw)
+        except (ValueError, RecursionError):
+            return _rpc_error(None, PARSE_ERROR_CODE, "Parse error: the body is not JSON text (UTF-8)")
+        if _deeper_than(doc, MAX_JSON_DEPTH):
+            rid = doc.get("id") if isinstance(doc, dict) and type(doc.get("id")) in (str, int) else None
+            return _rpc_error(rid, INVALID_REQUEST_CODE, f"Invalid request: JSON nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(doc, dict) and doc.get("method") in ("SendMessage", "SendStreamingMessage"):
             params = doc.get("params")
             message = params.get("message") if isinstance(params, dict) else None
