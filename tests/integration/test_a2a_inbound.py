@@ -211,6 +211,11 @@ def test_header_echoed_only_when_activated(bridge: Bridge) -> None:
     # A stranger's bytes are bounded before anything parses them.
     huge = httpx.post(bridge.url("echo"), content=b"x" * (5 * 1024 * 1024), headers=HEADERS, timeout=60)
     assert huge.status_code == 413
+    # Bytes that are not UTF-8 JSON, and JSON nested past the limit, are the caller's errors.
+    for body, code in ((b"\x80", -32700), (b"[" * 10_000 + b"]" * 10_000, -32600),
+                       (b'{"jsonrpc":"2.0","id":7,"method":"SendMessage","params":' + b"[" * 80 + b"]" * 80 + b"}", -32600)):
+        answer = httpx.post(bridge.url("echo"), content=body, headers=HEADERS, timeout=60)
+        assert answer.status_code == 200 and answer.json()["error"]["code"] == code, answer.text
 
 
 async def test_sdk_client_send_and_get(bridge: Bridge) -> None:

@@ -443,13 +443,16 @@ class A2ABridge:
         # internal error (bytes that are not UTF-8, nesting past Python's
         # recursion limit) is answered as the caller's error, and nothing
         # nested deeper than MAX_JSON_DEPTH reaches the SDK or the agent.
+        too_deep = f"Invalid request: JSON nested deeper than {MAX_JSON_DEPTH} levels"
         try:
             doc: Any = parse_json(raw)
-        except (ValueError, RecursionError):
+        except ValueError:
             return _rpc_error(None, PARSE_ERROR_CODE, "Parse error: the body is not JSON text (UTF-8)")
+        except RecursionError:
+            return _rpc_error(None, INVALID_REQUEST_CODE, too_deep)
         if _deeper_than(doc, MAX_JSON_DEPTH):
             rid = doc.get("id") if isinstance(doc, dict) and type(doc.get("id")) in (str, int) else None
-            return _rpc_error(rid, INVALID_REQUEST_CODE, f"Invalid request: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            return _rpc_error(rid, INVALID_REQUEST_CODE, too_deep)
         if isinstance(doc, dict) and doc.get("method") in ("SendMessage", "SendStreamingMessage"):
             params = doc.get("params")
             message = params.get("message") if isinstance(params, dict) else None
