@@ -24,6 +24,7 @@ from a2a.types.a2a_pb2 import (
     StreamResponse,
     SubscribeToTaskRequest,
 )
+from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from meshnode.a2a.extension import (
@@ -473,6 +474,17 @@ def test_a_trusted_callers_task_answers_only_to_its_issuer(bridge: Bridge) -> No
     assert error_of(task_call(bridge, "GetTask", task_id)) == unknown
     stored = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id)).json()["result"]
     assert stored["status"]["state"] == "TASK_STATE_CANCELED"
+
+
+async def test_an_sdk_client_proves_its_issuer_with_a_service_parameter(bridge: Bridge) -> None:
+    task = task_of(await send(bridge.url("echo"), with_envelope(message(data={"n": 3}, skill=None))))
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(bridge.url("echo"), client_config=ClientConfig(httpx_client=http))
+        token = proof("GetTask", task["id"])["AGBoss-Mesh-Envelope"]
+        got = await client.get_task(GetTaskRequest(id=task["id"]), context=activated({"AGBoss-Mesh-Envelope": token}))
+        assert MessageToDict(got)["status"]["state"] == "TASK_STATE_COMPLETED"
+        with pytest.raises(TaskNotFoundError):
+            await client.get_task(GetTaskRequest(id=task["id"]), context=activated())
 
 
 def test_an_anonymous_task_is_its_ids_holders(bridge: Bridge) -> None:
