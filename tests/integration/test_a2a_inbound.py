@@ -24,6 +24,7 @@ from a2a.types.a2a_pb2 import (
     StreamResponse,
     SubscribeToTaskRequest,
 )
+from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from meshnode.a2a.extension import (
@@ -211,6 +212,11 @@ def test_header_echoed_only_when_activated(bridge: Bridge) -> None:
     # A stranger's bytes are bounded before anything parses them.
     huge = httpx.post(bridge.url("echo"), content=b"x" * (5 * 1024 * 1024), headers=HEADERS, timeout=60)
     assert huge.status_code == 413
+    # Bytes that are not UTF-8 JSON, and JSON nested past the limit, are the caller's errors.
+    for body, code in ((b"\x80", -32700), (b"[" * 10_000 + b"]" * 10_000, -32600),
+                       (b'{"jsonrpc":"2.0","id":7,"method":"SendMessage","params":' + b"[" * 80 + b"]" * 80 + b"}", -32600)):
+        answer = httpx.post(bridge.url("echo"), content=body, headers=HEADERS, timeout=60)
+        assert answer.status_code == 200 and answer.json()["error"]["code"] == code, answer.text
 
 
 async def test_sdk_client_send_and_get(bridge: Bridge) -> None:
@@ -408,6 +414,108 @@ async def test_subscribe_then_cancel(bridge: Bridge) -> None:
     assert MessageToDict(seen[-1].status_update)["status"]["state"] == "TASK_STATE_CANCELED"
 
 
+# --- task ownership and anonymous idempotency ----------------------------------------------
+
+NOT_FOUND = -32001  # A2A TaskNotFoundError
+
+
+def proof(method: str, task_id: str, *, key: nacl.signing.SigningKey | None = CALLER_KEY,
+          issuer: str = "caller", bound_to: str | None = None) -> dict[str, str]:
+    """Headers carrying a task-operation envelope for ``method`` on ``task_id``."""
+    claims = build_envelope_claims(
+        issuer=issuer, audience=APP if key is not None else None, now=time.time(),
+        message={"method": bound_to or method, "id": task_id},
+    )
+    token = sign_envelope(claims, key) if key is not None else unsecured_envelope(claims)
+    return {**ACTIVATE, "AGBoss-Mesh-Envelope": token}
+
+
+def task_call(bridge: Bridge, method: str, task_id: str, headers: dict[str, str] = ACTIVATE) -> httpx.Response:
+    return rpc(bridge.url("target"), method, {"id": task_id}, headers)
+
+
+def error_of(answer: httpx.Response) -> dict[str, Any]:
+    assert answer.status_code == 200, answer.text
+    found: dict[str, Any] = answer.json()["error"]
+    return found
+
+
+def test_a_trusted_callers_task_answers_only_to_its_issuer(bridge: Bridge) -> None:
+    sent = rpc(bridge.url("target"), "SendMessage", {
+        "message": with_envelope(message(data=None, skill="slow")), "configuration": {"returnImmediately": True},
+    })
+    task_id = sent.json()["result"]["task"]["id"]
+    unknown = error_of(task_call(bridge, "GetTask", "no-such-task"))
+    assert unknown["code"] == NOT_FOUND
+    mesh_key = nacl.signing.SigningKey(decode_seed(MESH_CALLER.seed)[1])
+    strangers = {
+        "anonymous": lambda m: ACTIVATE,
+        "not activated": lambda m: {**proof(m, task_id), "A2A-Extensions": ""},
+        "claim naming the issuer": lambda m: proof(m, task_id, key=None),
+        "another trusted issuer": lambda m: proof(m, task_id, key=mesh_key, issuer=MESH_CALLER.public_key),
+    }
+    for who, headers in strangers.items():
+        # Answered exactly as an unknown task: its existence does not leak.
+        assert error_of(task_call(bridge, "GetTask", task_id, headers("GetTask"))) == unknown, who
+        assert error_of(task_call(bridge, "CancelTask", task_id, headers("CancelTask"))) == unknown, who
+        subscribed = task_call(bridge, "SubscribeToTask", task_id, headers("SubscribeToTask"))
+        assert str(NOT_FOUND) in subscribed.text and "TASK_STATE" not in subscribed.text, (who, subscribed.text)
+    # A proof for another method (or task) proves nothing: 401 like any bad envelope.
+    misbound = task_call(bridge, "CancelTask", task_id, proof("CancelTask", task_id, bound_to="GetTask"))
+    assert misbound.status_code == 401 and misbound.json()["error"]["data"] == {"code": "mesh.body-mismatch"}
+    forged = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id, key=STRANGER_KEY))
+    assert forged.status_code == 401 and forged.json()["error"]["data"] == {"code": "mesh.signature-invalid"}
+    # Its issuer reads it (still running: the strangers' cancels did nothing) and cancels it.
+    owned = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id)).json()["result"]
+    assert owned["status"]["state"] == "TASK_STATE_WORKING"
+    canceled = task_call(bridge, "CancelTask", task_id, proof("CancelTask", task_id)).json()["result"]
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+    # Finished and read from the store: still its issuer's alone.
+    assert error_of(task_call(bridge, "GetTask", task_id)) == unknown
+    stored = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id)).json()["result"]
+    assert stored["status"]["state"] == "TASK_STATE_CANCELED"
+
+
+async def test_an_sdk_client_proves_its_issuer_with_a_service_parameter(bridge: Bridge) -> None:
+    task = task_of(await send(bridge.url("echo"), with_envelope(message(data={"n": 3}, skill=None))))
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(bridge.url("echo"), client_config=ClientConfig(httpx_client=http))
+        token = proof("GetTask", task["id"])["AGBoss-Mesh-Envelope"]
+        got = await client.get_task(GetTaskRequest(id=task["id"]), context=activated({"AGBoss-Mesh-Envelope": token}))
+        assert MessageToDict(got)["status"]["state"] == "TASK_STATE_COMPLETED"
+        with pytest.raises(TaskNotFoundError):
+            await client.get_task(GetTaskRequest(id=task["id"]), context=activated())
+
+
+def test_an_anonymous_task_is_its_ids_holders(bridge: Bridge) -> None:
+    sent = rpc(bridge.url("echo"), "SendMessage", {"message": message(data={"n": 2}, skill=None)}, HEADERS)
+    task_id = sent.json()["result"]["task"]["id"]
+    # The unguessable id is the capability: any holder reads it, trusted or not.
+    for headers in (HEADERS, ACTIVATE, proof("GetTask", task_id)):
+        got = rpc(bridge.url("echo"), "GetTask", {"id": task_id}, headers).json()["result"]
+        assert got["status"]["state"] == "TASK_STATE_COMPLETED"
+    # ... on the agent it ran on only.
+    assert error_of(task_call(bridge, "GetTask", task_id))["code"] == NOT_FOUND
+
+
+def test_anonymous_idempotency_is_keyed_on_the_body(bridge: Bridge) -> None:
+    def send_echo(msg: dict[str, Any], headers: dict[str, str] = HEADERS) -> dict[str, Any]:
+        answer = rpc(bridge.url("echo"), "SendMessage", {"message": msg}, headers)
+        task: dict[str, Any] = answer.json()["result"]["task"]
+        return task
+
+    mine = message(data={"secret": "mine"}, skill=None, message_id="anon-shared")
+    first = send_echo(mine)
+    # The very same message again: the same task, nothing run again.
+    assert send_echo(mine)["id"] == first["id"]
+    # Another anonymous caller reusing the messageId for its own message: a task of its
+    # own, its own output, no error (which would confirm the messageId is in use).
+    theirs = send_echo(message(data={"secret": "theirs"}, skill=None, message_id="anon-shared"))
+    assert theirs["id"] != first["id"] and theirs["artifacts"][0]["parts"][0]["data"] == {"ok": {"secret": "theirs"}}
+    # A trusted caller's messageIds are its own: the same message signed is another task.
+    assert send_echo(with_envelope(mine), ACTIVATE)["id"] != first["id"]
+
+
 # --- idempotency (restarts the module's daemon: keep last) --------------------------------
 
 
@@ -423,8 +531,10 @@ async def test_idempotent_replay_across_a_restart(bridge: Bridge) -> None:
     assert again["id"] == first["id"] and again["status"]["state"] == "TASK_STATE_COMPLETED"
     assert ext_of(again)["report"] == ext_of(first)["report"]
     assert await bridge.areceived() == received
-    got = rpc(bridge.url("target"), "GetTask", {"id": first["id"]}, HEADERS).json()["result"]
+    got = rpc(bridge.url("target"), "GetTask", {"id": first["id"]}, proof("GetTask", first["id"])).json()["result"]
     assert got["id"] == first["id"]
+    # ... and still its caller's alone.
+    assert rpc(bridge.url("target"), "GetTask", {"id": first["id"]}, HEADERS).json()["error"]["code"] == NOT_FOUND
     # Another caller (no trusted envelope) with the same messageId gets its own task.
     other = task_of(await send(bridge.url("target"), bare))
     assert other["id"] != first["id"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshnode.a2a.store import BridgeStore
+from meshnode.a2a.store import BridgeStore, Stored
 
 
 async def test_create_remember_update_reopen_and_sweep(tmp_path: Path) -> None:
@@ -26,10 +26,25 @@ async def test_create_remember_update_reopen_and_sweep(tmp_path: Path) -> None:
     task["status"] = {"state": "TASK_STATE_COMPLETED"}
     await store.update(task, now_ms=1500, terminal=True)
     assert await store.unfinished() == []
-    assert await store.get("t1") == ("echo", task)
+    assert await store.get("t1") == Stored(agent="echo", caller="anonymous", task=task)
     await store.sweep(idempotency_before_ms=1001, tasks_before_ms=1000)
     assert await store.remembered(agent="echo", caller="anonymous", message_id="m1", not_before_ms=0) is None
     assert await store.get("t1") is not None  # terminal tasks are kept longer
     await store.sweep(idempotency_before_ms=0, tasks_before_ms=2000)
     assert await store.get("t1") is None
+    await store.close()
+
+
+async def test_the_owner_and_the_idempotency_key_are_apart(tmp_path: Path) -> None:
+    # An anonymous task is owned by "anonymous" and deduplicated under its body hash.
+    store = BridgeStore(tmp_path / "a2a.sqlite3")
+    await store.open()
+    task = {"id": "t2", "contextId": "c2", "status": {"state": "TASK_STATE_SUBMITTED"}}
+    await store.create(task, agent="echo", caller="anonymous", message_id="m1", body_hash="sha256:bb",
+                       now_ms=1000, dedup_caller="anonymous:sha256:bb")
+    stored = await store.get("t2")
+    assert stored is not None and stored.caller == "anonymous"
+    assert await store.remembered(agent="echo", caller="anonymous", message_id="m1", not_before_ms=0) is None
+    seen = await store.remembered(agent="echo", caller="anonymous:sha256:bb", message_id="m1", not_before_ms=0)
+    assert seen is not None and seen.task_id == "t2"
     await store.close()

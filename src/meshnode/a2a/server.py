@@ -27,9 +27,19 @@ it with the ``A2A-Extensions`` header (echoed on the answer):
 4. a completed task of a trusted caller carries the signed run report at
    ``task.metadata[uri].report`` (and on the stream's last status update).
 
-Idempotency: the same messageId from the same caller (the verified issuer, or
-"anonymous") within ``idempotency_retention`` gets the same task, across
-restarts (SQLite under the data dir).
+Idempotency: the same messageId from the same trusted caller (the verified
+issuer) within ``idempotency_retention`` gets the same task, across restarts
+(SQLite under the data dir), and the same messageId with another body is
+refused; callers without a trusted envelope are told apart by nothing, so
+theirs is keyed on (messageId, body hash): the very same message gets the same
+task, another message under a reused messageId a task of its own.
+
+Task ownership: a task belongs to the caller that created it. A trusted
+caller's task is answered (GetTask, CancelTask, SubscribeToTask) only to a
+request proving the same issuer — a task-operation envelope in the
+``AGBoss-Mesh-Envelope`` header, signed over ``{"method", "id"}``; an
+anonymous caller's task to whoever holds its unguessable id. Anyone else is
+answered exactly as for an unknown task (TaskNotFound).
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ from starlette.routing import Route
 
 from meshnode.a2a.extension import (
     EXTENSION_URI,
+    SIGNATURE_INVALID,
     EnvelopeCheck,
     IssuerTrust,
     MeshAuthError,
@@ -134,6 +145,15 @@ ANONYMOUS = "anonymous"
 INTERRUPTED = "INTERRUPTED"
 #: The largest request body read (a stranger's bytes are bounded before parsing).
 MAX_BODY_BYTES = 4 * 1024 * 1024
+#: How deep a request's JSON may nest (a data part's value included).
+MAX_JSON_DEPTH = 64
+#: JSON-RPC's own error codes answered by the bridge before the SDK parses.
+PARSE_ERROR_CODE = -32700
+INVALID_REQUEST_CODE = -32600
+#: The HTTP header (an A2A service parameter) carrying a task-operation envelope.
+TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
+#: The JSON-RPC methods that act on an existing task, answered to its caller only.
+TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask")
 
 
 @dataclass(frozen=True)
@@ -171,12 +191,24 @@ class _Inbound:
     tracestate: str | None = None
 
 
+@dataclass(frozen=True)
+class _Requester:
+    """Who asks for a task operation: ``caller`` is ``issuer:<id>`` when a
+    trusted task-operation envelope proved it for exactly this ``method`` and
+    task ``task_id``, else ``anonymous``."""
+
+    caller: str
+    method: str
+    task_id: str | None
+
+
 @dataclass
 class _Live:
     """A task this process is executing: its current A2A object and listeners."""
 
     task: dict[str, Any]
     agent: str
+    caller: str
     subscribers: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -188,6 +220,43 @@ class _Live:
     def publish(self, event: dict[str, Any] | None) -> None:
         for queue in list(self.subscribers):
             queue.put_nowait(event)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests more than ``limit`` arrays/objects deep (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _rpc_error(rid: str | int | None, code: int, message: str) -> JSONResponse:
+    """A JSON-RPC error answered by the bridge itself (HTTP 200, as the SDK answers errors)."""
+    return JSONResponse({"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}})
+
+
+class _QuietCallerErrors(logging.Filter):
+    """The SDK logs a stranger's malformed JSON-RPC (bad params, bad base
+    request) at ERROR with a traceback; they are the caller's errors, answered
+    -32602/-32600, and must not let a stranger fill the log. Its own
+    "Unhandled exception" (a bug on our side) is kept."""
+
+    QUIET = ("Failed to parse request params", "Failed to validate base JSON-RPC request")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.QUIET))
+
+
+logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_QuietCallerErrors())
 
 
 def _now_iso() -> str:
@@ -370,9 +439,20 @@ class A2ABridge:
         # Starlette reads a request's body once: hand the same bytes to the dispatcher.
         request._body = raw
         inbound: _Inbound | None = None
-        doc: Any = None
-        with contextlib.suppress(ValueError):
-            doc = parse_json(raw)
+        # Parsed here first, so what the SDK's parser would turn into an
+        # internal error (bytes that are not UTF-8, nesting past Python's
+        # recursion limit) is answered as the caller's error, and nothing
+        # nested deeper than MAX_JSON_DEPTH reaches the SDK or the agent.
+        too_deep = f"Invalid request: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        try:
+            doc: Any = parse_json(raw)
+        except ValueError:
+            return _rpc_error(None, PARSE_ERROR_CODE, "Parse error: the body is not JSON text (UTF-8)")
+        except RecursionError:
+            return _rpc_error(None, INVALID_REQUEST_CODE, too_deep)
+        if _deeper_than(doc, MAX_JSON_DEPTH):
+            rid = doc.get("id") if isinstance(doc, dict) and type(doc.get("id")) in (str, int) else None
+            return _rpc_error(rid, INVALID_REQUEST_CODE, too_deep)
         if isinstance(doc, dict) and doc.get("method") in ("SendMessage", "SendStreamingMessage"):
             params = doc.get("params")
             message = params.get("message") if isinstance(params, dict) else None
@@ -380,31 +460,69 @@ class A2ABridge:
                 try:
                     inbound = self._precheck(message, activated, request)
                 except MeshAuthError as exc:
-                    # Counted on the bridge identity and logged once a minute per
-                    # code (a stranger's flood must not flood the log too).
-                    self.bridge.signal(f"a2a.{exc.code}", None, f"{name}: {exc.reason}")
-                    rid = doc.get("id") if isinstance(doc.get("id"), (str, int)) else None
-                    refusal = JSONResponse(
-                        {
-                            "jsonrpc": "2.0",
-                            "id": rid,
-                            "error": {
-                                "code": AUTH_ERROR_CODE,
-                                "message": exc.code,
-                                "data": {"code": exc.code},
-                            },
-                        },
-                        status_code=401,
-                    )
-                    if activated:
-                        refusal.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
-                    return refusal
+                    return self._refusal(exc, doc, name, activated)
+        requester: _Requester | None = None
+        if isinstance(doc, dict) and doc.get("method") in TASK_METHODS:
+            try:
+                requester = self._task_requester(doc, activated, request)
+            except MeshAuthError as exc:
+                return self._refusal(exc, doc, name, activated)
         request.state.a2a_agent = name
         request.state.a2a_inbound = inbound
+        request.state.a2a_requester = requester
         response = await self._dispatcher.handle_requests(request)
         if activated:
             response.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
         return response
+
+    def _refusal(self, exc: MeshAuthError, doc: Mapping[str, Any], name: str, activated: bool) -> Response:
+        """The 401 of a failed envelope check: only its stable code leaves."""
+        # Counted on the bridge identity and logged once a minute per
+        # code (a stranger's flood must not flood the log too).
+        self.bridge.signal(f"a2a.{exc.code}", None, f"{name}: {exc.reason}")
+        rid = doc.get("id") if isinstance(doc.get("id"), (str, int)) else None
+        refusal = JSONResponse(
+            {
+                "jsonrpc": "2.0",
+                "id": rid,
+                "error": {"code": AUTH_ERROR_CODE, "message": exc.code, "data": {"code": exc.code}},
+            },
+            status_code=401,
+        )
+        if activated:
+            refusal.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
+        return refusal
+
+    def _task_requester(self, doc: Mapping[str, Any], activated: bool, request: Request) -> _Requester:
+        """Who asks for a task operation, from its task-operation envelope.
+
+        The envelope (``AGBoss-Mesh-Envelope`` header, only when the extension
+        is activated) is checked like a message's, in the same order and with
+        the same 401 codes, its ``bodyHash`` over ``{"method": <method>,
+        "id": <task id>}`` so it proves nothing for another task or method. A
+        trusted one names its issuer as the requester; no envelope, or a claim
+        (unsigned, unknown issuer), is the anonymous requester."""
+        method = str(doc.get("method"))
+        params = doc.get("params")
+        task_id = params.get("id") if isinstance(params, dict) else None
+        anonymous = _Requester(ANONYMOUS, method, task_id if isinstance(task_id, str) else None)
+        tokens = request.headers.getlist(TASK_ENVELOPE_HEADER)
+        if not activated or not tokens:
+            return anonymous
+        if len(tokens) > 1:
+            raise MeshAuthError(SIGNATURE_INVALID, f"more than one {TASK_ENVELOPE_HEADER} header")
+        if not isinstance(task_id, str):
+            return anonymous  # the SDK refuses the request itself
+        check = verify_envelope(
+            tokens[0],
+            own_application=self.settings.application,
+            issuer_keys=self.settings.trust,
+            now=time.time(),
+            message={"method": method, "id": task_id},
+        )
+        if check.trusted and check.issuer:
+            return _Requester(f"issuer:{check.issuer}", method, task_id)
+        return anonymous
 
     def _precheck(self, message: dict[str, Any], activated: bool, request: Request) -> _Inbound:
         """The envelope checks, on the message exactly as received, before anything runs."""
@@ -443,6 +561,23 @@ class A2ABridge:
             return f"issuer:{check.issuer}"
         return ANONYMOUS
 
+    @staticmethod
+    def _dedup_caller(caller: str, inbound: _Inbound) -> str:
+        """The idempotency key's caller: the trusted issuer, or for anonymous
+        callers the message's body hash, so one anonymous caller replaying
+        another's messageId with its own message gets a task of its own (and
+        learns nothing of the other's)."""
+        if caller != ANONYMOUS:
+            return caller
+        # A message with no canonical form has no hash to key on: never deduplicated.
+        return f"{ANONYMOUS}:{inbound.body_hash or uuid.uuid4()}"
+
+    @staticmethod
+    def may_see(owner: str, requester: str) -> bool:
+        """A trusted caller's task is its issuer's alone; an anonymous caller's
+        task is anyone's who holds its unguessable id (the id is the capability)."""
+        return owner in (ANONYMOUS, requester)
+
     def _fail(self, task: dict[str, Any], code: str) -> None:
         task["status"] = {
             "state": "TASK_STATE_FAILED",
@@ -450,14 +585,19 @@ class A2ABridge:
             "timestamp": _now_iso(),
         }
 
-    async def get_task(self, agent: str, task_id: str) -> dict[str, Any]:
+    async def get_task(self, agent: str, task_id: str, requester: str = ANONYMOUS) -> dict[str, Any]:
+        """The task as it stands; TaskNotFound when it is unknown, another
+        agent's or not ``requester``'s to see (the three answer alike, so a
+        task's existence does not leak)."""
         live = self.live.get(task_id)
         if live is not None and live.agent == agent:
+            if not self.may_see(live.caller, requester):
+                raise TaskNotFoundError
             return live.task
         found = await self.store.get(task_id)
-        if found is None or found[0] != agent:
+        if found is None or found.agent != agent or not self.may_see(found.caller, requester):
             raise TaskNotFoundError
-        return found[1]
+        return found.task
 
     async def submit(
         self, agent: str, params: SendMessageRequest, inbound: _Inbound | None, *, streaming: bool
@@ -492,10 +632,11 @@ class A2ABridge:
     ) -> tuple[_Live | None, dict[str, Any]]:
         msg = params.message
         caller = self._caller(inbound)
+        dedup_caller = self._dedup_caller(caller, inbound)
         now_ms = self._now_ms()
         retention_ms = int(self.settings.idempotency_retention_s * 1000)
         seen = await self.store.remembered(
-            agent=agent, caller=caller, message_id=msg.message_id, not_before_ms=now_ms - retention_ms
+            agent=agent, caller=dedup_caller, message_id=msg.message_id, not_before_ms=now_ms - retention_ms
         )
         if seen is not None:
             if seen.body_hash != inbound.body_hash:
@@ -505,7 +646,7 @@ class A2ABridge:
                 return live, live.task
             found = await self.store.get(seen.task_id)
             if found is not None:
-                return None, found[1]
+                return None, found.task
         metadata = inbound.message.get("metadata")
         advertised = [s.id for s in hosted.offerings.values() if s.advertise]
         try:
@@ -546,14 +687,14 @@ class A2ABridge:
                 }
                 await self.store.create(
                     task, agent=agent, caller=caller, message_id=msg.message_id,
-                    body_hash=inbound.body_hash, now_ms=now_ms, terminal=True,
+                    body_hash=inbound.body_hash, now_ms=now_ms, dedup_caller=dedup_caller, terminal=True,
                 )
                 return None, task
         await self.store.create(
             task, agent=agent, caller=caller, message_id=msg.message_id,
-            body_hash=inbound.body_hash, now_ms=now_ms,
+            body_hash=inbound.body_hash, now_ms=now_ms, dedup_caller=dedup_caller,
         )
-        live = _Live(task=task, agent=agent)
+        live = _Live(task=task, agent=agent, caller=caller)
         self.live[task_id] = live
         config: dict[str, Any] = {}
         if streaming and hosted.offerings[offering].streaming:
@@ -807,10 +948,10 @@ class A2ABridge:
         live.publish(None)
         self.live.pop(live.task["id"], None)
 
-    async def cancel(self, agent: str, task_id: str) -> dict[str, Any]:
+    async def cancel(self, agent: str, task_id: str, requester: str = ANONYMOUS) -> dict[str, Any]:
         live = self.live.get(task_id)
-        if live is None or live.agent != agent:
-            task = await self.get_task(agent, task_id)  # raises TaskNotFound
+        if live is None or live.agent != agent or not self.may_see(live.caller, requester):
+            task = await self.get_task(agent, task_id, requester)  # raises TaskNotFound
             raise TaskNotCancelableError(message=f"task is {task['status'].get('state')}")
         live.cancel_requested = True
         if live.mesh_task is not None:
@@ -836,6 +977,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context = super().build(request)
         context.state["a2a_agent"] = getattr(request.state, "a2a_agent", None)
         context.state["a2a_inbound"] = getattr(request.state, "a2a_inbound", None)
+        context.state["a2a_requester"] = getattr(request.state, "a2a_requester", None)
         return context
 
 
@@ -873,14 +1015,25 @@ class _Handler(RequestHandler):
     def _agent(context: ServerCallContext) -> str:
         return str(context.state.get("a2a_agent") or "")
 
+    @staticmethod
+    def _requester(context: ServerCallContext, method: str, task_id: str) -> str:
+        """The proven caller of a task operation, when the proof is for exactly
+        this method and task as the SDK parsed them; anonymous otherwise."""
+        found = context.state.get("a2a_requester")
+        if isinstance(found, _Requester) and found.method == method and found.task_id == task_id:
+            return found.caller
+        return ANONYMOUS
+
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task | None:
-        return _task_proto(await self.bridge.get_task(self._agent(context), params.id))
+        requester = self._requester(context, "GetTask", params.id)
+        return _task_proto(await self.bridge.get_task(self._agent(context), params.id, requester))
 
     async def on_list_tasks(self, params: ListTasksRequest, context: ServerCallContext) -> ListTasksResponse:
         raise UnsupportedOperationError(message="ListTasks is not supported by this bridge")
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
-        return _task_proto(await self.bridge.cancel(self._agent(context), params.id))
+        requester = self._requester(context, "CancelTask", params.id)
+        return _task_proto(await self.bridge.cancel(self._agent(context), params.id, requester))
 
     async def on_message_send(self, params: SendMessageRequest, context: ServerCallContext) -> Task | Message:
         live, task = await self.bridge.submit(
@@ -911,9 +1064,15 @@ class _Handler(RequestHandler):
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Any]:
         agent = self._agent(context)
+        requester = self._requester(context, "SubscribeToTask", params.id)
         live = self.bridge.live.get(params.id)
-        if live is None or live.agent != agent or live.done.is_set():
-            await self.bridge.get_task(agent, params.id)  # TaskNotFound when unknown
+        if (
+            live is None
+            or live.agent != agent
+            or live.done.is_set()
+            or not self.bridge.may_see(live.caller, requester)
+        ):
+            await self.bridge.get_task(agent, params.id, requester)  # TaskNotFound when unknown or foreign
             raise UnsupportedOperationError(message="the task is in a terminal state")
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         live.subscribers.append(queue)

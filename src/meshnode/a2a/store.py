@@ -2,7 +2,10 @@
 
 Both outlive a daemon restart: GetTask answers for a task created before it,
 and the same messageId from the same caller within the retention gets the same
-task. A task is stored as its A2A ProtoJSON object, rewritten on every change;
+task. Each task remembers its caller (``issuer:<id>`` or ``anonymous``): the
+bridge answers task operations only to it. The idempotency key's caller is
+``issuer:<id>`` for a trusted caller and ``anonymous:<bodyHash>`` otherwise, so
+anonymous callers share a task only when they send the very same message. A task is stored as its A2A ProtoJSON object, rewritten on every change;
 the idempotency row is written in the same transaction as the task's first
 version, before any agent runs, so a resend after a crash finds it.
 """
@@ -17,7 +20,7 @@ from typing import Any
 import aiosqlite
 import orjson
 
-__all__ = ["BridgeStore", "Remembered"]
+__all__ = ["BridgeStore", "Remembered", "Stored"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS a2a_tasks (
@@ -48,6 +51,15 @@ class Remembered:
 
     task_id: str
     body_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A stored task: the agent it ran on, its caller and its A2A object."""
+
+    agent: str
+    caller: str
+    task: dict[str, Any]
 
 
 class BridgeStore:
@@ -90,9 +102,13 @@ class BridgeStore:
         message_id: str,
         body_hash: str,
         now_ms: int,
+        dedup_caller: str | None = None,
         terminal: bool = False,
     ) -> None:
-        """Store a new task and its idempotency row in one transaction."""
+        """Store a new task and its idempotency row in one transaction.
+
+        ``caller`` owns the task; ``dedup_caller`` (default ``caller``) keys
+        the idempotency row with ``message_id``."""
         db = self.db
         await db.execute("BEGIN IMMEDIATE")
         try:
@@ -104,7 +120,7 @@ class BridgeStore:
             await db.execute(
                 "INSERT OR REPLACE INTO a2a_idempotency"
                 " (agent, caller, message_id, task_id, body_hash, created_ms) VALUES (?, ?, ?, ?, ?, ?)",
-                (agent, caller, message_id, task["id"], body_hash, now_ms),
+                (agent, dedup_caller or caller, message_id, task["id"], body_hash, now_ms),
             )
             await db.execute("COMMIT")
         except BaseException:
@@ -117,16 +133,16 @@ class BridgeStore:
             (orjson.dumps(task), now_ms, int(terminal), task["id"]),
         )
 
-    async def get(self, task_id: str) -> tuple[str, dict[str, Any]] | None:
-        """(agent, task) for ``task_id``, or None."""
+    async def get(self, task_id: str) -> Stored | None:
+        """The task ``task_id`` with its agent and caller, or None."""
         async with self.db.execute(
-            "SELECT agent, task_json FROM a2a_tasks WHERE task_id = ?", (task_id,)
+            "SELECT agent, caller, task_json FROM a2a_tasks WHERE task_id = ?", (task_id,)
         ) as cur:
             row = await cur.fetchone()
         if row is None:
             return None
-        task: dict[str, Any] = orjson.loads(row[1])
-        return str(row[0]), task
+        task: dict[str, Any] = orjson.loads(row[2])
+        return Stored(agent=str(row[0]), caller=str(row[1]), task=task)
 
     async def remembered(
         self, *, agent: str, caller: str, message_id: str, not_before_ms: int
