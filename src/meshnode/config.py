@@ -55,6 +55,8 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "A2AConfig",
+    "A2APeerConfig",
     "CONFIG_ENV",
     "DATA_DIR_ENV",
     "EX_CONFIG",
@@ -808,6 +810,54 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
+_USD_DECIMAL = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _usd_decimal(value: object) -> str:
+    # Money is a decimal string in the mesh extension, never a float: a TOML
+    # float (0.1) would already have lost the amount it was meant to be.
+    if isinstance(value, str) and _USD_DECIMAL.fullmatch(value.strip()):
+        return value.strip()
+    raise ValueError(f'expected a USD amount as a decimal string like "0.05", got {value!r}')
+
+
+def _optional_verify_key(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    from meshnode.a2a.extension import parse_verify_key
+
+    if not isinstance(value, str):
+        raise ValueError(f"expected an Ed25519 public key string, got {value!r}")
+    parse_verify_key(value)  # raises ValueError naming the accepted forms
+    return value.strip()
+
+
+class A2APeerConfig(BaseModel):
+    """``[a2a.peers.<name>]``: an external A2A agent hosted agents may call as ``a2a:<name>``."""
+
+    model_config = _FORBID
+
+    url: Annotated[str, BeforeValidator(_url(("http", "https"), "A2A agent card or base")),
+                   WithJsonSchema({"type": "string"})]
+    """The peer's Agent Card URL (``…/agent-card.json``) or its base URL (the card is
+    then read from ``/.well-known/agent-card.json`` below it)."""
+    contract_price: Annotated[str, BeforeValidator(_usd_decimal), WithJsonSchema({"type": "string"})]
+    """What one completed call costs at least, in USD (``"0.05"``): the charge is
+    max(verified reported spend, contract_price)."""
+    audience: str | None = None
+    """The peer's application name for the envelope's ``audience``; default from its
+    card (the extension's ``params.application``, else the card's name)."""
+    issuer_key: Annotated[str | None, BeforeValidator(_optional_verify_key),
+                          WithJsonSchema({"type": "string"})] = None
+    """The Ed25519 key that signs the peer's run reports (``U…`` nkey or base64url);
+    default from its card (the extension's ``params.issuerKey``)."""
+    timeout: Duration = timedelta(seconds=30)
+    """How long one HTTP attempt may take before it counts as ambiguous."""
+    card_ttl: Duration = timedelta(minutes=10)
+    """How long a fetched Agent Card is reused before it is read again."""
+
+
+
 _AGENT_KEYS = ("plugin", "enabled", "interaction")
 
 
@@ -914,6 +964,31 @@ class A2AConfig(BaseModel):
     ``[a2a.issuers]``. A list: the names or nkey ids listed; ``"*"`` admits
     every configured issuer and every mesh agent id (nkey) issuer."""
     issuers: dict[str, A2AIssuerConfig] = Field(default_factory=dict)
+    signing: Annotated[
+        Literal["agent", "node", "none"],
+        _choice("agent", "node", "none", fold_case=True),
+        _choice_schema("agent", "node", "none"),
+    ] = "agent"
+    """Who signs outbound envelopes: ``agent`` — the calling agent's key, issuer its id
+    (verifiable from the id itself); ``node`` — the node key, issuer ``application``
+    (the peer configures the node's public key for it); ``none`` — an unsecured claim."""
+    peers: dict[str, A2APeerConfig] = Field(default_factory=dict)
+    """External A2A agents by local name (``[a-z0-9][a-z0-9_-]{0,63}``)."""
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peer_names(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        problems = [
+            (f"a2a.peers.{_toml_key(str(name))}",
+             "peer name must match [a-z0-9][a-z0-9_-]{0,63} (lower-case letters, digits, '_' and '-')")
+            for name in value
+            if not isinstance(name, str) or not _AGENT_NAME.fullmatch(name)
+        ]
+        if problems:
+            raise _Problems(problems)
+        return value
 
 
 class _EnvSource(PydanticBaseSettingsSource):

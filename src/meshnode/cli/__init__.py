@@ -19,7 +19,7 @@ from .exitcodes import EX_USAGE
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
     # (the admin client uses it) without pulling in every command module.
-    from . import artifacts, daemon, envelope, inbox, mesh, ops
+    from . import a2a, artifacts, daemon, envelope, inbox, mesh, ops
 
     parser = argparse.ArgumentParser(
         prog="meshnode",
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     inbox.register(commands)
     ops.register(commands)
     artifacts.register(commands)
+    a2a.register(commands)
     _plugin_commands(commands)
     return parser
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import meshnode
+from meshnode.a2a.extension import EXTENSION_URI as A2A_URI
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import AdminServer, CallContext, MethodRegistry
 from meshnode.config import Config
@@ -92,6 +93,7 @@ class Daemon:
         self.failed_agents: dict[str, str] = {}
         self.inbox: Any = None
         self.a2a: Any = None  # meshnode.a2a.server.A2ABridge when [a2a] listen is set
+        self.a2a_charges: Any = None  # meshnode.a2a.charges.ChargeStore when [a2a.peers] is set
         self._sweep_job: PeriodicJob | None = None
         self._jwt = ""
         self._jwt_job: PeriodicJob | None = None
@@ -466,6 +468,7 @@ class Daemon:
             "inbox-sweep", lambda: self._sweep(inbox), 3600.0, jitter=0.1, first_delay=60.0
         )
         self._sweep_job.start()
+        await self._open_a2a_outbound()
         await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
         if self.config.a2a.listen is not None:
             await self._host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None)
@@ -474,6 +477,36 @@ class Daemon:
                 continue
             await self._host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction)
         self.node.start_heartbeat()
+
+    async def _open_a2a_outbound(self) -> None:
+        """The outbound A2A bridge, when ``[a2a.peers]`` names any peer (issue #8)."""
+        assert self.node is not None and self.node_key is not None
+        cfg = self.config.a2a
+        if not cfg.peers:
+            return
+        try:
+            from meshnode.a2a.outbound import A2AOutbound
+        except ImportError as exc:
+            raise RuntimeError(f"[a2a.peers] needs the a2a-sdk: install meshnode[a2a] ({exc})") from exc
+        from meshnode.a2a.charges import ChargeStore
+
+        self.a2a_charges = ChargeStore(self.data_dir / "a2a-charges.sqlite3")
+        await self.a2a_charges.open()
+        self.node.a2a = A2AOutbound.from_config(
+            cfg, default_application=self.config.node.name, charges=self.a2a_charges, node_key=self.node_key
+        )
+
+    async def _admin_a2a_charges(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.a2a_charges is None:
+            return {"charges": [], "totals": {}}
+        peer = params.get("peer")
+        if peer is not None and not isinstance(peer, str):
+            raise InvalidParameter("peer must be a string")
+        limit = params.get("limit", 200)
+        if not isinstance(limit, int) or not 0 < limit <= 10_000:
+            raise InvalidParameter("limit must be an integer in (0, 10000]")
+        rows = await self.a2a_charges.recent(peer=peer, limit=limit)
+        return {"charges": [r.to_object() for r in rows], "totals": await self.a2a_charges.totals()}
 
     async def _host(self, name: str, kind: str, settings: dict[str, Any], interaction: str | None) -> None:
         assert self.node is not None
@@ -546,6 +579,10 @@ class Daemon:
         methods.add("Inbox.Show", self._admin_inbox_show, level="operator", doc="one inbox message in full")
         methods.add("Inbox.Reply", self._admin_inbox_reply, level="operator", doc="answer a held request as its agent")
         methods.add("Inbox.Ack", self._admin_inbox_ack, level="operator", doc="dismiss a held message")
+        methods.add(
+            "A2A.Charges", self._admin_a2a_charges, level="operator",
+            doc="params {peer?, limit?} -> charges recorded for calls to external A2A agents, newest first, and totals per peer",
+        )
         methods.add("Mesh.Info", self._admin_mesh_info, level="operator", doc="NATS URLs and control-plane URL")
         methods.add(
             "Mesh.Nodes", self._admin_mesh_nodes, level="operator",
@@ -640,8 +677,10 @@ class Daemon:
             raise InvalidParameter("timeout must be a number of seconds in (0, 3600]")
         local = self.node.agents.get(target)
         target_id = local.agent_id if local is not None else target
-        if local is None and not is_valid_public(target):
-            raise InvalidParameter(f"{target!r} is neither a local agent name nor an agent id (U...)")
+        if local is None and not is_valid_public(target) and not target.startswith("a2a:"):
+            raise InvalidParameter(
+                f"{target!r} is neither a local agent name, an agent id (U...) nor an A2A peer (a2a:<name>)"
+            )
         cli: HostedAgent = self.node.agents[CLI_AGENT_NAME]
         from meshnode.node.context import AgentContext
         from meshnode.protocol.envelope import new_root_trace
@@ -678,6 +717,9 @@ class Daemon:
             "task_id": reply.task_id,
             # Deliverables (§7.5), e.g. an output too large for one message (§18.9).
             **({"artifacts": reply.envelope["artifacts"]} if reply.envelope.get("artifacts") else {}),
+            # An A2A peer's answer (a2a:<name>): mesh, report, charge, message/task ids.
+            **({"a2a": reply.envelope["meta"][A2A_URI]}
+               if isinstance(reply.envelope.get("meta"), dict) and A2A_URI in reply.envelope["meta"] else {}),
         }
 
     async def _refresh_credential(self) -> None:
@@ -1071,6 +1113,8 @@ class Daemon:
             await self.a2a.close()
         if self.inbox is not None:
             await self.inbox.close()
+        if self.a2a_charges is not None:
+            await self.a2a_charges.close()
 
     async def _shutdown_connection(self) -> None:
         if self._jwt_job is not None:

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnode.a2a.extension import EXTENSION_URI
+from meshnode.a2a.routing import chain_meta_of, peer_name_of
 from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
 from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
@@ -106,6 +108,17 @@ class AgentContext:
         files: Sequence[Mapping[str, Any]] | None = None,
         resources: Sequence[Mapping[str, Any]] | None = None,
     ) -> Reply:
+        peer = peer_name_of(target)
+        if peer is not None:
+            # An external A2A agent (``a2a:<peer>``, [a2a.peers.<peer>]): the bridge
+            # carries this work's trace, chain, budget and deadline across (#8).
+            return await self._hosted.node.call_a2a(
+                self._hosted, peer, offering, input, envelope=self._envelope or None,
+                trace=self._child_trace(), timeout=timeout, budget=budget,
+            )
+        # Work that entered by A2A carries its call chain into mesh sub-requests,
+        # so an A2A -> mesh -> A2A loop is seen by the peer's chain check.
+        chain = chain_meta_of(self._envelope)
         reply = await self._hosted.node.send_request(
             self._hosted,
             target,
@@ -118,6 +131,7 @@ class AgentContext:
             context_id=self._envelope.get("context_id") if self._envelope else None,
             files=files,
             resources=resources,
+            meta={EXTENSION_URI: chain} if chain is not None else None,
         )
         if self.task is not None and reply.task is not None:
             # A delegate of this task: a cancel of ours is forwarded to it (§10.8).

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import orjson
@@ -55,6 +55,9 @@ from meshnode.protocol.preflight import (
 )
 from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
 from meshnode.transport.connection import MeshConnection, Msg
+
+if TYPE_CHECKING:
+    from meshnode.a2a.outbound import A2AOutbound
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -122,6 +125,8 @@ class Node:
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = 60.0
+        # The outbound A2A bridge ([a2a.peers]); None until the daemon configures it.
+        self.a2a: A2AOutbound | None = None
         connection.on_reconnect(self._on_reconnect)
 
     @property
@@ -557,6 +562,30 @@ class Node:
             sign_chunks = bool(config and config.get("sign_chunks"))
             reply = dataclasses.replace(reply, task=RequesterTask(hosted, reply.envelope, sign_chunks=sign_chunks))
         return reply
+
+    async def call_a2a(
+        self,
+        hosted: HostedAgent,
+        peer: str,
+        offering: str,
+        input: Any,
+        *,
+        envelope: Mapping[str, Any] | None,
+        trace: Mapping[str, Any],
+        timeout: float,
+        budget: Mapping[str, Any] | None = None,
+    ) -> Reply:
+        """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted`` (the
+        outbound A2A bridge, :mod:`meshnode.a2a.outbound`)."""
+        if self.a2a is None:
+            raise ProtocolError("NOT_FOUND", f"no A2A peer {peer!r} is configured ([a2a.peers.{peer}])",
+                                {"peer": peer})
+        from meshnode.a2a.outbound import CallContext
+
+        call = CallContext(agent_id=hosted.agent_id, agent_key=hosted.key, trace=trace,
+                           envelope=envelope, budget=budget)
+        self.counters["a2a.calls"] += 1
+        return await self.a2a.call(peer, offering, input, call, timeout=timeout)
 
     async def _throttle(self, hosted: HostedAgent, target: str, manifest: Mapping[str, Any], timeout: float) -> None:
         """Keep to the recipient's published rate_limits (§6.4b): wait our turn, or
