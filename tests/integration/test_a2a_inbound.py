@@ -179,7 +179,12 @@ def test_cards(bridge: Bridge) -> None:
             "uri": EXTENSION_URI,
             "description": ext[0]["description"],
             "required": False,
-            "params": {"idempotencyRetention": "PT3600S"},
+            "params": {
+                "idempotencyRetention": "PT3600S",
+                # what a calling meshnode addresses and verifies reports with
+                "application": APP,
+                "issuerKey": bridge.daemon.agent_id("a2a-bridge"),
+            },
         }
     ]
     # §8.12: the http scheme is projected, the mesh-identity one never.

@@ -53,13 +53,11 @@ def acme(weather: Peer) -> Iterator[tuple[DaemonProcess, int]]:
                                       "issuer_key": weather.issuer_key},
             },
         )
-        # acme as its own peer too (meshnode -> meshnode): its run reports are
-        # signed by the bridge identity, whose id is known once it has started.
-        bridge_id = daemon.agent_id("a2a-bridge")
+        # acme as its own peer too (meshnode -> meshnode). No audience or issuer
+        # key configured: a meshnode card publishes both in the extension's params.
         daemon.stop()
         daemon.config["a2a.peers.self"] = {
             "url": f"http://127.0.0.1:{port}/agents/entry", "contract_price": "0.05",
-            "audience": "acme", "issuer_key": bridge_id,
         }
         daemon.config["a2a"]["allow_issuers"] = ["*"]  # trust agent-id issuers: reports for them
         daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")

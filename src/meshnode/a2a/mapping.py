@@ -208,6 +208,17 @@ def project_security(public: Mapping[str, Any]) -> tuple[dict[str, Any], list[di
     return out, requirements
 
 
+def _extension_params(
+    retention_s: float, application: str | None, issuer_key: str | None
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"idempotencyRetention": format_duration(round(retention_s))}
+    if application:
+        params["application"] = application
+    if issuer_key:
+        params["issuerKey"] = issuer_key
+    return params
+
+
 def agent_card(
     manifest: Mapping[str, Any],
     *,
@@ -215,10 +226,18 @@ def agent_card(
     url: str,
     idempotency_retention_s: float,
     streaming: bool = True,
+    application: str | None = None,
+    issuer_key: str | None = None,
 ) -> dict[str, Any]:
     """The A2A v1.0 Agent Card (ProtoJSON) of a hosted agent, from its manifest:
     advertised offerings as skills, modes, the §8.12 projection, and the mesh
-    extension declaration."""
+    extension declaration.
+
+    ``application`` and ``issuer_key`` (the nkey that signs run reports) are
+    published in the declaration's params beside ``idempotencyRetention``, so a
+    calling meshnode knows the audience to address and the key to verify
+    reports with without per-peer configuration. A caller that wants the key
+    pinned rather than read from the card sets it in its own peer config."""
     advertised = public.get("offerings")
     advertised_ids = set(advertised) if isinstance(advertised, list) else None
     skills: list[dict[str, Any]] = []
@@ -252,7 +271,9 @@ def agent_card(
                     "uri": EXTENSION_URI,
                     "description": "AGBoss mesh: call chains, budgets, deadlines, signed run reports",
                     "required": False,
-                    "params": {"idempotencyRetention": format_duration(round(idempotency_retention_s))},
+                    "params": _extension_params(
+                        idempotency_retention_s, application, issuer_key
+                    ),
                 }
             ],
         },

@@ -397,6 +397,8 @@ class A2ABridge:
             url=f"{self.settings.base_url}/agents/{name}",
             idempotency_retention_s=self.settings.idempotency_retention_s,
             streaming=True,
+            application=self.settings.application,
+            issuer_key=self.bridge.agent_id,
         )
 
     async def _card(self, request: Request) -> Response:
