@@ -50,6 +50,7 @@ class DrainStats:
     last_error: str | None = None
     running: bool = False
     idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
+    quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -66,6 +67,7 @@ class InboxDrain:
         batch: int = 128,
         fetch_timeout_s: float = 0.5,
         dispatch_concurrency: int = 16,
+        full_every: int = 10,
     ) -> None:
         self.node = node
         self.hosted = hosted
@@ -78,9 +80,17 @@ class InboxDrain:
         # The buffer's last sequence when a pass last found nothing left to do:
         # while it is unchanged an idle pass costs one JetStream call, not four.
         self._settled_through: int | None = None
+        # Whether the buffer may hold something no pass has seen: set at start,
+        # on reconnect and whenever the live subscription receives mail (the
+        # buffer captures that very subject, so it grew too). A periodic pass
+        # while it is clear costs nothing; every ``full_every``-th one still
+        # reads the buffer's last sequence, in case something slipped past.
+        self._maybe_new = True
+        self.full_every = full_every
+        self._quiet_passes = 0
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
-            self.run_pass,
+            self._periodic_pass,
             interval_s,
             jitter=0.5,  # spread N agents' passes over the interval
             # Start-up passes matter (mail waited while we were away) but N agents
@@ -94,7 +104,29 @@ class InboxDrain:
 
     def trigger(self) -> None:
         """Run a pass soon (reconnect); never two at once."""
+        self._maybe_new = True
         self.job.trigger()
+
+    def note_live_mail(self) -> None:
+        """The live subscription received mail: the buffer captured it too."""
+        self._maybe_new = True
+
+    async def _periodic_pass(self) -> None:
+        """The job's pass (§16.4 "periodically"): skipped without a broker call
+        while nothing can have reached the buffer since the last settled pass."""
+        if not self._maybe_new and self._settled_through is not None and self._quiet_passes + 1 < self.full_every:
+            self._quiet_passes += 1
+            self.stats.quiet_skips += 1
+            return
+        self._quiet_passes = 0
+        # Cleared before the pass reads its bound: mail arriving during the pass
+        # sets it again and the next pass looks.
+        self._maybe_new = False
+        try:
+            await self.run_pass()
+        except BaseException:
+            self._maybe_new = True
+            raise
 
     async def stop(self) -> None:
         await self.job.stop()

@@ -127,6 +127,7 @@ class Node:
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = 60.0
         connection.on_reconnect(self._on_reconnect)
+        connection.on_error(self._on_connection_error)
 
     @property
     def trusted_operators(self) -> frozenset[str]:
@@ -143,6 +144,13 @@ class Node:
         # nothing dispatched: drain now (§16.4), each agent's pass as it can.
         for drain in self.drains.values():
             drain.trigger()
+
+    def _on_connection_error(self, message: str) -> None:
+        if "slow consumer" in message:
+            # The client dropped messages before a live handler saw them; the
+            # buffers hold them: every drain looks on its next pass.
+            for drain in self.drains.values():
+                drain.note_live_mail()
 
     # -- basics --------------------------------------------------------------
 
@@ -271,6 +279,9 @@ class Node:
 
     async def _subscribe_inbox(self, hosted: HostedAgent) -> None:
         async def on_message(msg: Msg) -> None:
+            drain = self.drains.get(hosted.name)
+            if drain is not None:
+                drain.note_live_mail()
             try:
                 await hosted.receive(msg.data, source="live", reply=msg.reply or None)
             except Exception:  # the pipeline must never kill the subscription
@@ -870,6 +881,7 @@ class Node:
             "dispatched": st.dispatched,
             "last_bound": st.last_bound,
             "idle_skips": st.idle_skips,
+            "quiet_skips": st.quiet_skips,
             "running": st.running,
             "failing": drain.job.failing,
             "last_error": drain.job.last_error,
