@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
     from meshnode.node.inbox import InboxStore
     from meshnode.node.runtime import Node
 
-__all__ = ["DrainStats", "InboxDrain"]
+__all__ = ["FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
+
+#: Node-wide budget of unconditional idle checks (JetStream calls per second).
+FULL_CHECKS_PER_S = 1.0
 
 log = logging.getLogger("meshnode.drain")
 
@@ -76,6 +80,7 @@ class InboxDrain:
         self.fetch_timeout_s = fetch_timeout_s
         self.dispatch_concurrency = dispatch_concurrency
         self.stats = DrainStats()
+        self.interval_s = interval_s
         self._pass_lock = asyncio.Lock()
         # The buffer's last sequence when a pass last found nothing left to do:
         # while it is unchanged an idle pass costs one JetStream call, not four.
@@ -107,6 +112,15 @@ class InboxDrain:
         self._maybe_new = True
         self.job.trigger()
 
+    def _full_every(self) -> int:
+        """How many periodic passes apart the unconditional checks are: at least
+        ``full_every``, and further apart on a node with so many agents that
+        their checks together would exceed FULL_CHECKS_PER_S (the node-wide
+        idle broker load then stays flat as the roster grows)."""
+        agents = len(getattr(self.node, "drains", ()))
+        interval = max(1.0, self.interval_s)
+        return max(self.full_every, math.ceil(agents / (FULL_CHECKS_PER_S * interval)))
+
     def note_live_mail(self) -> None:
         """The live subscription received mail: the buffer captured it too."""
         self._maybe_new = True
@@ -114,7 +128,7 @@ class InboxDrain:
     async def _periodic_pass(self) -> None:
         """The job's pass (§16.4 "periodically"): skipped without a broker call
         while nothing can have reached the buffer since the last settled pass."""
-        if not self._maybe_new and self._settled_through is not None and self._quiet_passes + 1 < self.full_every:
+        if not self._maybe_new and self._settled_through is not None and self._quiet_passes + 1 < self._full_every():
             self._quiet_passes += 1
             self.stats.quiet_skips += 1
             return
