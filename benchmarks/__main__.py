@@ -1,24 +1,96 @@
-"""``python -m benchmarks [NAME ...] [--quick]``: run the benchmark suite."""
+"""``python -m benchmarks [NAME ...] [--quick] [--agents 100,1000,10000]``: run the suite.
+
+Each benchmark prints its own table and writes ``benchmarks/results/NAME.json``;
+a run of more than one ends with a summary of the performance targets (issue
+#9) against what this run measured, also written as ``summary.json``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
-from . import bench_canonical, bench_drain, bench_residual, bench_roundtrip, bench_stream
+from . import (
+    bench_canonical,
+    bench_drain,
+    bench_residual,
+    bench_roundtrip,
+    bench_scale,
+    bench_stream,
+)
+from .harness import print_table, write_result
 
-BENCHMARKS = {"canonical": bench_canonical.run, "drain": bench_drain.run, "residual": bench_residual.run, "stream": bench_stream.run, "roundtrip": bench_roundtrip.run}
+BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
+    "canonical": bench_canonical.run,
+    "roundtrip": bench_roundtrip.run,
+    "drain": bench_drain.run,
+    "stream": bench_stream.run,
+    "scale": bench_scale.run,
+    "residual": bench_residual.run,
+}
+
+
+def _agents(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--agents takes counts like 100,1000,10000, not {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError("--agents takes positive counts")
+    return counts
+
+
+def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each issue-#9 target with this run's figure and whether it is met."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, value: float, limit: float, *, at_most: bool, shown: str) -> None:
+        met = value <= limit if at_most else value >= limit
+        rows.append({"target": target, "value": value, "limit": limit, "shown": shown, "met": met})
+
+    if "canonical" in results:
+        r = results["canonical"]
+        add("canonical JSON ≥ 10x rfc8785", r["canonical_speedup_vs_rfc8785"], 10, at_most=False,
+            shown=f"{r['canonical_speedup_vs_rfc8785']:.1f}x")
+    if "roundtrip" in results:
+        r = results["roundtrip"]
+        add("two-node latency ≤ 2.5x raw nats-py", r["latency_ratio"], 2.5, at_most=True, shown=f"{r['latency_ratio']:.2f}x")
+        add("two-node throughput @64 ≥ 40% raw", r["throughput_ratio"], 0.40, at_most=False, shown=f"{r['throughput_ratio']:.0%}")
+        add("CPU per round trip ≤ 2x crypto floor", r["cpu_vs_floor"], 2.0, at_most=True, shown=f"{r['cpu_vs_floor']:.2f}x")
+    if "scale" in results:
+        for r in results["scale"]["results"]:
+            if r["agents"] != 1000:
+                continue
+            add("1,000 agents registered ≤ 30 s", r["startup_s"], 30, at_most=True, shown=f"{r['startup_s']:.1f} s")
+            add("1,000 agents RSS ≤ 250 MB", r["rss_mb"], 250, at_most=True, shown=f"{r['rss_mb']:.0f} MB")
+            add("1,000 agents idle CPU ≤ 5% core", r["idle_cpu_pct"], 5, at_most=True, shown=f"{r['idle_cpu_pct']:.1f}%")
+            add("1,000 agents idle JS API ≤ 20/s", r["idle_js_api_per_s"], 20, at_most=True,
+                shown=f"{r['idle_js_api_per_s']:.1f}/s")
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("names", nargs="*", help=f"which to run: {', '.join(BENCHMARKS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    parser.add_argument("--agents", type=_agents, default=None,
+                        help="agent counts for the scale benchmark (default 100,1000,10000; quick: 100,1000)")
     args = parser.parse_args()
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    results: dict[str, dict[str, Any]] = {}
     for name in args.names or list(BENCHMARKS):
-        BENCHMARKS[name](quick=args.quick)
+        if name == "scale":
+            results[name] = bench_scale.run(quick=args.quick, agents=args.agents)
+        else:
+            results[name] = BENCHMARKS[name](quick=args.quick)
+    targets = summary(results)
+    if targets:
+        print_table("targets (issue #9), this run, 2 cores shared", [("target", "measured", "met"), *(
+            (t["target"], t["shown"], "yes" if t["met"] else "NO") for t in targets)])
+        print(f"written {write_result('summary', {'targets': targets, 'quick': args.quick})}")
     return 0
 
 

@@ -27,7 +27,7 @@ from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
 
-from .harness import print_table, write_result
+from .harness import print_table, run_loop, write_result
 
 
 async def _drain_once(mesh: EmbeddedNatsServer, workdir: Path, count: int, batch: int) -> float:
@@ -96,4 +96,4 @@ def run(quick: bool = False) -> dict[str, Any]:
         print(f"written {write_result('drain', result)}")
         return result
 
-    return asyncio.run(main())
+    return run_loop(main())

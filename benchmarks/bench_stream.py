@@ -8,7 +8,6 @@ chunk). Both variants run in the same process, same broker, same machine.
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
 
-from .harness import print_table, write_result
+from .harness import print_table, run_loop, write_result
 
 
 async def _measure(node: Node, requester: Any, target: str, words: int, sign: bool) -> float:
@@ -76,4 +75,4 @@ def run(quick: bool = False) -> dict[str, Any]:
         print(f"written {write_result('stream', result)}")
         return result
 
-    return asyncio.run(main())
+    return run_loop(main())

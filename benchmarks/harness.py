@@ -7,12 +7,24 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``main`` on the event loop the daemon runs on (uvloop where installed,
+    as ``meshnode run`` does), so figures are the daemon's, baselines alike."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        import asyncio
+
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 @dataclass

@@ -625,6 +625,9 @@ class EmbeddedMeshConfig(BaseModel):
     max_payload: ByteSize = 1024**2
     jetstream_max_store: ByteSize = 1024**3
     credential_ttl: Duration = timedelta(hours=24)
+    monitor_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    """nats-server's HTTP monitoring (/varz, /jsz) on ``host``; off unless set (it is
+    unauthenticated and shows every connection); 0 picks a free port."""
     tenants: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]] = Field(
         default_factory=list
     )

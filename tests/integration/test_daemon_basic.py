@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from meshnode.testing import DaemonSet
+from meshnode.testing import DaemonSet, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +36,13 @@ def test_embedded_node_serves_and_stops_cleanly(meshnode_daemons: DaemonSet) -> 
     assert by_name["echo"]["registered"] and by_name["echo"]["state"] == "running"
     assert by_name["bad"]["state"] == "failed" and "cannot start" in by_name["bad"]["failure"]
     assert status["mesh"]["connected"] and status["mesh"]["mode"] == "embedded"
+    # The brief form (what a 10,000-agent node can answer): counts, no per-agent list.
+    brief = node.admin("Status", {"agents": False})
+    assert brief["agents"] == [] and brief["agent_summary"] == status["agent_summary"]
+    assert status["agent_summary"]["registered"] == sum(1 for a in status["agents"] if a.get("registered"))
+    assert status["agent_summary"]["failed"] >= 1  # "bad" failed to start
+    text = run_cli("status", "--brief", "--socket", node.socket_path).stdout
+    assert f"{status['agent_summary']['hosted']} hosted" in text and by_name["echo"]["id"] not in text
 
     result = node.call("echo", "echo", {"x": [1, 2]})
     assert result == {"status": "completed", "output": {"ok": {"x": [1, 2]}}, "from": by_name["echo"]["id"],

@@ -109,3 +109,48 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
     finally:
         await store.close()
         await conn.close()
+
+
+async def test_periodic_passes_skip_the_broker_until_mail_is_seen(mesh: EmbeddedNatsServer, tmp_path: Path) -> None:
+    """Idle periodic passes cost no JetStream call while the live subscription saw
+    no mail; mail seen live (or the full-check cadence) makes the next pass look."""
+    node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
+                          inbox_prefix=node_inbox_prefix(node_key.public_key))
+    await conn.connect()
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        await ensure_inbox_stream(conn.js, agent.public_key)
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store, full_every=3)  # type: ignore[arg-type]
+        js = conn.js
+        original = js.stream_info
+        calls: list[str] = []
+
+        async def counting(name: str, *args: Any, **kw: Any) -> Any:
+            calls.append(name)
+            return await original(name, *args, **kw)
+
+        js.stream_info = counting  # type: ignore[method-assign]
+        await drain._periodic_pass()  # the start-up pass always looks
+        assert len(calls) == 1
+        await drain._periodic_pass()
+        await drain._periodic_pass()
+        assert len(calls) == 1 and drain.stats.quiet_skips == 2
+        await drain._periodic_pass()  # every third pass reads the bound regardless
+        assert len(calls) == 2
+
+        env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NodeStandIn(conn).now_ms(),
+                                           to=agent.public_key, payload={"offering": "echo"}), sender)
+        await conn.publish(subjects.agent_inbox(agent.public_key), encode_envelope(env))
+        await conn.flush()
+        drain.note_live_mail()  # what the node's live subscription does on every message
+        await drain._periodic_pass()
+        assert len(calls) == 3
+        assert [r[0] for r in recorder.received] == [env["id"]]
+        js.stream_info = original  # type: ignore[method-assign]
+    finally:
+        await store.close()
+        await conn.close()

@@ -81,6 +81,7 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert emb.max_payload == 1024**2
     assert emb.jetstream_max_store == 1024**3
     assert emb.credential_ttl == timedelta(hours=24)
+    assert emb.monitor_port is None  # unauthenticated monitoring is off unless asked for
     assert config.registry.require_connection_bound is True
     assert config.admin.socket == home / ".local/share/meshnode/admin.sock"
     assert config.admin.group is None

@@ -26,6 +26,7 @@ from meshnode.transport.jwt import (
 )
 from meshnode.transport.permissions import (
     LEGACY_INBOX_PREFIX,
+    SERVICE_WILDCARD_ROSTER,
     node_inbox_prefix,
     node_permissions,
 )
@@ -377,6 +378,22 @@ def test_service_role_adds_service_subjects(roster: tuple[str, list[str]]) -> No
     assert "$JS.API.>" in pub and "$KV.>" in pub
     participant_pub, participant_sub = node_permissions(node, agents)
     assert set(participant_sub) <= set(sub)
+
+
+def test_a_service_roster_too_large_for_a_credential_gets_wildcard_agent_grants() -> None:
+    """Above SERVICE_WILDCARD_ROSTER the per-agent grants would not fit the broker's
+    JWT limit; the service node gets the wildcard forms, participants never do."""
+    node = KeyPair.generate(Prefix.USER).public_key
+    agents = [KeyPair.generate(Prefix.USER).public_key for _ in range(SERVICE_WILDCARD_ROSTER + 1)]
+    pub, sub = node_permissions(node, agents, role="service")
+    assert "mesh.agent.*.inbox" in sub and not any(s == f"mesh.agent.{agents[0]}.inbox" for s in sub)
+    assert {"mesh.feed.*.>", "mesh.metrics.*", "mesh.log.*.>"} <= set(pub)
+    assert len(pub) + len(sub) < 100  # constant in the roster
+    assert "mesh.feed.get" in sub and "mesh.feed.>" not in sub  # the lookup subject stays as it was
+    participant_pub, participant_sub = node_permissions(node, agents[:3])
+    assert "mesh.agent.*.inbox" not in participant_sub and "mesh.metrics.*" not in participant_pub
+    at_limit_pub, at_limit_sub = node_permissions(node, agents[:SERVICE_WILDCARD_ROSTER], role="service")
+    assert "mesh.agent.*.inbox" not in at_limit_sub and f"mesh.agent.{agents[0]}.inbox" in at_limit_sub
 
 
 def test_options_and_validation(roster: tuple[str, list[str]]) -> None:

@@ -28,6 +28,8 @@ def register(commands: Any) -> None:
 
     status = commands.add_parser("status", help="node, mesh and agent status from a running daemon")
     _client_args(status)
+    status.add_argument("--brief", action="store_true",
+                        help="agent counts instead of the per-agent list (a node with thousands of agents)")
     status.set_defaults(handler=cmd_status)
 
     call = commands.add_parser("call", help="call an agent's offering as this node's CLI identity")
@@ -120,7 +122,7 @@ def _admin(args: argparse.Namespace, method: str, params: dict[str, Any] | None 
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    code, status = _admin(args, "Status")
+    code, status = _admin(args, "Status", {"agents": False} if args.brief else None)
     if code != EX_OK:
         return code
     if args.json:
@@ -143,7 +145,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"attested  {cred['role']}, trust tier {cred['trust_tier']}, tenant {cred['tenant']}"
             )
     print(f"keys      {status['keystore']}")
-    print("agents")
+    summary = status.get("agent_summary") or {}
+    print(f"agents    {summary.get('hosted', len(status['agents']))} hosted, {summary.get('registered', '?')} registered, "
+          f"{summary.get('failed', '?')} failed")
     for agent in status["agents"]:
         if agent.get("state") == "failed" and "id" not in agent:
             print(f"  {agent['name']:<16} FAILED: {agent.get('failure')}")

@@ -65,6 +65,10 @@ def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
     return profile
 
 
+#: Agents started at once at start-up (see _stage_agents).
+HOST_CONCURRENCY = 32
+
+
 def _ms(td: Any) -> int:
     return int(td.total_seconds() * 1000)
 
@@ -112,13 +116,16 @@ class Daemon:
         return not self.config.mesh.servers
 
     async def start(self) -> None:
+        # Budgets guard against hangs; the per-agent stages grow with the roster
+        # (a first start of 10,000 agents writes 10,000 keys and registrations).
+        n_agents = len(self.config.agents)
         stages = [
-            Stage("keys", 30.0, self._stage_keys),
+            Stage("keys", 30.0 + 0.01 * n_agents, self._stage_keys),
             Stage("plugins", 30.0, self._stage_plugins),
             Stage("mesh", 60.0, self._stage_mesh),
             Stage("connect", 30.0, self._stage_connect),
             Stage("services", 30.0, self._stage_services),
-            Stage("agents", 120.0, self._stage_agents),
+            Stage("agents", 120.0 + 0.05 * n_agents, self._stage_agents),
             Stage("a2a", 30.0, self._stage_a2a),
             Stage("admin", 10.0, self._stage_admin),
         ]
@@ -147,8 +154,9 @@ class Daemon:
         names = [CLI_AGENT_NAME, *(n for n, a in self.config.agents.items() if a.enabled)]
         if self.config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
-        for name in names:
-            self.agent_keys[name] = await asyncio.to_thread(store.get_or_create, f"agent.{name}")
+        # One worker-thread hop for the whole roster, not one per agent.
+        keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
+        self.agent_keys.update(zip(names, keys, strict=True))
         if self.embedded_mode:
             for name in ("registry", "presence", "tasks", "artifacts", "feeds"):
                 self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
@@ -190,6 +198,7 @@ class Daemon:
                 exports=[
                     TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports
                 ],
+                monitor_port=cfg.monitor_port,
             )
             await self.embedded.start()
             self._jwt = self._mint_own_jwt()
@@ -472,10 +481,20 @@ class Daemon:
         await self._host(CLI_AGENT_NAME, "builtin:cli", {}, None)
         if self.config.a2a.listen is not None:
             await self._host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None)
-        for name, agent_cfg in self.config.agents.items():
-            if not agent_cfg.enabled or name in self.failed_agents:
-                continue
-            await self._host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction)
+        # Agents start side by side, a bounded number at a time: each start is
+        # mostly waiting (the registry's answer, the mailbox stream it creates),
+        # so one after another made a 1,000-agent node take minutes to register.
+        gate = asyncio.Semaphore(HOST_CONCURRENCY)
+
+        async def host_one(name: str, agent_cfg: Any) -> None:
+            async with gate:
+                await self._host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction)
+
+        await asyncio.gather(*(
+            host_one(name, agent_cfg)
+            for name, agent_cfg in self.config.agents.items()
+            if agent_cfg.enabled and name not in self.failed_agents
+        ))
         self.node.start_heartbeat()
 
     async def _open_a2a_outbound(self) -> None:
@@ -608,13 +627,23 @@ class Daemon:
 
     # -- admin methods -------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, agents_listed: bool = True) -> dict[str, Any]:
+        """Node and agent status. ``agents_listed=False`` leaves out the per-agent
+        list (the counts in ``agent_summary`` remain): at 10,000 agents the list
+        is larger than an admin reply may be."""
         node = self.node
         agents: list[dict[str, Any]] = []
-        if node is not None:
-            agents = [node.agent_status(h) for h in node.agents.values()]
-        for name, why in self.failed_agents.items():
-            agents.append({"name": name, "state": "failed", "failure": why})
+        hosted = list(node.agents.values()) if node is not None else []
+        if agents_listed and node is not None:
+            agents = [node.agent_status(h) for h in hosted]
+        if agents_listed:
+            for name, why in self.failed_agents.items():
+                agents.append({"name": name, "state": "failed", "failure": why})
+        summary = {
+            "hosted": len(hosted),
+            "registered": sum(1 for h in hosted if h.registered),
+            "failed": len(set(self.failed_agents) | {h.name for h in hosted if h.state == "failed"}),
+        }
         return {
             "product": "meshnode",
             "version": meshnode.__version__,
@@ -636,6 +665,7 @@ class Daemon:
             "credential": self._credential_status(),
             "keystore": self.keystore.describe() if self.keystore else None,
             "agents": agents,
+            "agent_summary": summary,
             "services": [type(s).__name__ for s in self.services],
             "observability": self.node.observability.status() if self.node and self.node.observability else None,
             "a2a": self.a2a.status() if self.a2a is not None else None,
@@ -663,7 +693,10 @@ class Daemon:
         }
 
     async def _admin_status(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        return self.status()
+        listed = params.get("agents", True)
+        if not isinstance(listed, bool):
+            raise InvalidParameter("agents must be true or false")
+        return self.status(agents_listed=listed)
 
     async def _admin_call(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.node is None:
@@ -985,6 +1018,8 @@ class Daemon:
             "nats_urls": self.mesh_urls(),
             "control_plane": self.control_plane_url(),
             "node_id": self.node_key.public_key if self.node_key else None,
+            # Set only when [mesh.embedded] monitor_port asks for it.
+            "monitor_url": self.embedded.monitor_url if self.embedded is not None else None,
         }
 
     async def _admin_mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:

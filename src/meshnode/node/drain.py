@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
     from meshnode.node.inbox import InboxStore
     from meshnode.node.runtime import Node
 
-__all__ = ["DrainStats", "InboxDrain"]
+__all__ = ["FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
+
+#: Node-wide budget of unconditional idle checks (JetStream calls per second).
+FULL_CHECKS_PER_S = 1.0
 
 log = logging.getLogger("meshnode.drain")
 
@@ -50,6 +54,7 @@ class DrainStats:
     last_error: str | None = None
     running: bool = False
     idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
+    quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -66,6 +71,7 @@ class InboxDrain:
         batch: int = 128,
         fetch_timeout_s: float = 0.5,
         dispatch_concurrency: int = 16,
+        full_every: int = 10,
     ) -> None:
         self.node = node
         self.hosted = hosted
@@ -74,13 +80,22 @@ class InboxDrain:
         self.fetch_timeout_s = fetch_timeout_s
         self.dispatch_concurrency = dispatch_concurrency
         self.stats = DrainStats()
+        self.interval_s = interval_s
         self._pass_lock = asyncio.Lock()
         # The buffer's last sequence when a pass last found nothing left to do:
         # while it is unchanged an idle pass costs one JetStream call, not four.
         self._settled_through: int | None = None
+        # Whether the buffer may hold something no pass has seen: set at start,
+        # on reconnect and whenever the live subscription receives mail (the
+        # buffer captures that very subject, so it grew too). A periodic pass
+        # while it is clear costs nothing; every ``full_every``-th one still
+        # reads the buffer's last sequence, in case something slipped past.
+        self._maybe_new = True
+        self.full_every = full_every
+        self._quiet_passes = 0
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
-            self.run_pass,
+            self._periodic_pass,
             interval_s,
             jitter=0.5,  # spread N agents' passes over the interval
             # Start-up passes matter (mail waited while we were away) but N agents
@@ -94,7 +109,38 @@ class InboxDrain:
 
     def trigger(self) -> None:
         """Run a pass soon (reconnect); never two at once."""
+        self._maybe_new = True
         self.job.trigger()
+
+    def _full_every(self) -> int:
+        """How many periodic passes apart the unconditional checks are: at least
+        ``full_every``, and further apart on a node with so many agents that
+        their checks together would exceed FULL_CHECKS_PER_S (the node-wide
+        idle broker load then stays flat as the roster grows)."""
+        agents = len(getattr(self.node, "drains", ()))
+        interval = max(1.0, self.interval_s)
+        return max(self.full_every, math.ceil(agents / (FULL_CHECKS_PER_S * interval)))
+
+    def note_live_mail(self) -> None:
+        """The live subscription received mail: the buffer captured it too."""
+        self._maybe_new = True
+
+    async def _periodic_pass(self) -> None:
+        """The job's pass (§16.4 "periodically"): skipped without a broker call
+        while nothing can have reached the buffer since the last settled pass."""
+        if not self._maybe_new and self._settled_through is not None and self._quiet_passes + 1 < self._full_every():
+            self._quiet_passes += 1
+            self.stats.quiet_skips += 1
+            return
+        self._quiet_passes = 0
+        # Cleared before the pass reads its bound: mail arriving during the pass
+        # sets it again and the next pass looks.
+        self._maybe_new = False
+        try:
+            await self.run_pass()
+        except BaseException:
+            self._maybe_new = True
+            raise
 
     async def stop(self) -> None:
         await self.job.stop()

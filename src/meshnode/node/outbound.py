@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from meshnode.protocol.errors import ProtocolError
@@ -101,9 +101,13 @@ class RequestQueued(Exception):
 class _Pending:
     target: str
     future: asyncio.Future[Reply]
-    accepted: asyncio.Event = field(default_factory=asyncio.Event)
+    accepted: bool = False
     queued: bool = False
     unavailable: bool = False
+    # The wait is one timer, re-armed once by the first accept: no task or
+    # asyncio.wait per request (they were a visible share of a round trip).
+    timeout: float = 0.0
+    timer: asyncio.TimerHandle | None = None
 
 
 class PendingRequests:
@@ -138,10 +142,14 @@ class PendingRequests:
         payload = envelope.get("payload")
         status = payload.get("status") if isinstance(payload, Mapping) else None
         if status == "accepted" and envelope.get("error") is None:
-            pending.accepted.set()
+            if not pending.accepted:
+                pending.accepted = True
+                if pending.timer is not None:  # being waited on: the wait restarts, once
+                    pending.timer.cancel()
+                    pending.timer = self._arm(pending, in_reply_to)
             return True
         if not pending.future.done():
-            pending.future.set_result(Reply(envelope, pending.accepted.is_set()))
+            pending.future.set_result(Reply(envelope, pending.accepted))
         return True
 
     def mark_queued(self, requester: str, request_id: str, inbox_id: str | None = None, *, acked: bool = False) -> None:
@@ -164,25 +172,30 @@ class PendingRequests:
                 )
 
     async def wait(self, requester: str, request_id: str, timeout: float) -> Reply:
-        """Wait for the substantive reply; each accept restarts the wait."""
+        """Wait for the substantive reply; the first accept restarts the wait."""
         pending = self._pending[(requester, request_id)]
-        accepted_seen = False
+        pending.timeout = timeout
+        # An accept that arrived before the wait began (local delivery) is the
+        # same reset: the wait runs its full length from here.
+        pending.timer = self._arm(pending, request_id)
         try:
-            while True:
-                waiter = asyncio.ensure_future(pending.accepted.wait()) if not accepted_seen else None
-                wait_for: set[asyncio.Future[Any]] = {pending.future}
-                if waiter is not None:
-                    wait_for.add(waiter)
-                done, _ = await asyncio.wait(wait_for, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if waiter is not None and not waiter.done():
-                    waiter.cancel()
-                if pending.future in done:
-                    return pending.future.result()
-                if waiter is not None and waiter in done:
-                    accepted_seen = True  # reset the wait once: the handler is running
-                    continue
-                raise RequestTimeout(
-                    request_id, accepted=accepted_seen, possibly_queued=pending.queued or not accepted_seen
-                )
+            return await pending.future
         finally:
+            if pending.timer is not None:
+                pending.timer.cancel()
+                pending.timer = None
             self.close(requester, request_id)
+
+    @staticmethod
+    def _arm(pending: _Pending, request_id: str) -> asyncio.TimerHandle:
+        def expire() -> None:
+            if not pending.future.done():
+                pending.future.set_exception(
+                    RequestTimeout(
+                        request_id,
+                        accepted=pending.accepted,
+                        possibly_queued=pending.queued or not pending.accepted,
+                    )
+                )
+
+        return asyncio.get_running_loop().call_later(pending.timeout, expire)

@@ -111,7 +111,11 @@ class Node:
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
         self._jobs: dict[str, PeriodicJob] = {}
-        self._liveness_tasks: set[asyncio.Task[None]] = set()
+        # Delivery-status signals of requests in flight (§18.7): request id ->
+        # (requester, whether the target has a buffer), under one subscription.
+        self._status_waiters: dict[str, tuple[str, bool]] = {}
+        self._status_prefix: str | None = None
+        self._status_lock = asyncio.Lock()
         self.inbox: InboxStore | None = None
         self._sent: dict[tuple[str, str], list[int]] = {}
         self.trust: VouchMemo | None = None
@@ -128,6 +132,7 @@ class Node:
         # The outbound A2A bridge ([a2a.peers]); None until the daemon configures it.
         self.a2a: A2AOutbound | None = None
         connection.on_reconnect(self._on_reconnect)
+        connection.on_error(self._on_connection_error)
 
     @property
     def trusted_operators(self) -> frozenset[str]:
@@ -144,6 +149,13 @@ class Node:
         # nothing dispatched: drain now (§16.4), each agent's pass as it can.
         for drain in self.drains.values():
             drain.trigger()
+
+    def _on_connection_error(self, message: str) -> None:
+        if "slow consumer" in message:
+            # The client dropped messages before a live handler saw them; the
+            # buffers hold them: every drain looks on its next pass.
+            for drain in self.drains.values():
+                drain.note_live_mail()
 
     # -- basics --------------------------------------------------------------
 
@@ -272,6 +284,9 @@ class Node:
 
     async def _subscribe_inbox(self, hosted: HostedAgent) -> None:
         async def on_message(msg: Msg) -> None:
+            drain = self.drains.get(hosted.name)
+            if drain is not None:
+                drain.note_live_mail()
             try:
                 await hosted.receive(msg.data, source="live", reply=msg.reply or None)
             except Exception:  # the pipeline must never kill the subscription
@@ -549,11 +564,11 @@ class Node:
                 inbox = inbox if isinstance(inbox, str) else manifest.get("endpoint")
                 if not isinstance(inbox, str):
                     raise ProtocolError("AGENT_UNAVAILABLE", "the target's manifest names no inbox")
-                self._watch_liveness(hosted, env["id"], inbox, data, manifest, timeout)
-        except BaseException:
+                await self._publish_watched(hosted, env["id"], inbox, data, manifest)
+            reply = await self.pending.wait(hosted.agent_id, env["id"], timeout)
+        finally:
             self.pending.close(hosted.agent_id, env["id"])
-            raise
-        reply = await self.pending.wait(hosted.agent_id, env["id"], timeout)
+            self._status_waiters.pop(env["id"], None)
         if reply.error is not None or reply.status == "failed":
             raise RemoteError(reply.envelope)
         if reply.task_id is not None and reply.status not in ("completed", "rejected", "canceled", "exhausted"):
@@ -611,45 +626,55 @@ class Node:
         if len(self._sent) > 10_000:  # bounded: forget the oldest pairs
             self._sent.pop(next(iter(self._sent)))
 
-    def _watch_liveness(
+    async def _publish_watched(
         self,
         hosted: HostedAgent,
         request_id: str,
         inbox: str,
         data: bytes,
         manifest: Mapping[str, Any],
-        timeout: float,
     ) -> None:
-        """Publish with a reply subject used only as a delivery-status signal (§18.7)."""
+        """Publish with a reply subject used only as a delivery-status signal (§18.7).
+
+        The reply subject is ``{status prefix}.{request id}`` under one wildcard
+        subscription the node holds for all requests: no task, future or timer
+        per request (each request used to keep a nats-py request alive until its
+        timeout). The entry is dropped when the request's wait ends.
+        """
         buffered = not manifest.get("sandbox", False)
+        prefix = self._status_prefix or await self._open_status_inbox()
+        self._status_waiters[request_id] = (hosted.agent_id, buffered)
+        await self.connection.publish(inbox, data, reply=f"{prefix}.{request_id}")
 
-        async def watch() -> None:
-            try:
-                msg = await self.connection.request(inbox, data, timeout=timeout)
-            except nats.errors.NoRespondersError:
-                if buffered:
-                    self.pending.mark_queued(hosted.agent_id, request_id)
-                else:
-                    self.pending.mark_unavailable(hosted.agent_id, request_id)
-                return
-            except (nats.errors.TimeoutError, asyncio.CancelledError):
-                return
-            except Exception as exc:
-                log.debug("liveness watch for %s ended: %s", request_id, exc)
-                return
-            try:
-                ack = orjson.loads(msg.data)
-            except orjson.JSONDecodeError:
-                return
-            if is_queued_ack(ack):
-                inbox_id = ack.get("inbox_id")
-                self.pending.mark_queued(
-                    hosted.agent_id, request_id, str(inbox_id) if inbox_id is not None else None, acked=True
-                )
+    async def _open_status_inbox(self) -> str:
+        async with self._status_lock:
+            if self._status_prefix is None:
+                prefix = self.connection.new_inbox()
+                await self.connection.subscribe(f"{prefix}.*", self._on_status)
+                self._status_prefix = prefix
+            return self._status_prefix
 
-        task = asyncio.get_running_loop().create_task(watch())
-        self._liveness_tasks.add(task)
-        task.add_done_callback(self._liveness_tasks.discard)
+    async def _on_status(self, msg: Msg) -> None:
+        """A delivery-status signal: no responders, or a node's queued ack."""
+        request_id = msg.subject.rpartition(".")[2]
+        waiter = self._status_waiters.pop(request_id, None)
+        if waiter is None:
+            return  # the request's wait already ended
+        requester, buffered = waiter
+        headers = msg.headers
+        if headers and headers.get("Status") == "503":  # the server's no-responders signal
+            if buffered:
+                self.pending.mark_queued(requester, request_id)
+            else:
+                self.pending.mark_unavailable(requester, request_id)
+            return
+        try:
+            ack = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            return
+        if is_queued_ack(ack):
+            inbox_id = ack.get("inbox_id")
+            self.pending.mark_queued(requester, request_id, str(inbox_id) if inbox_id is not None else None, acked=True)
 
     async def emit(
         self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
@@ -848,8 +873,6 @@ class Node:
         self._jobs.clear()
         for drain in self.drains.values():
             await drain.stop()
-        for task in list(self._liveness_tasks):
-            task.cancel()
         if self.observability is not None:
             await self.observability.stop()
         await self.pubsub.stop()
@@ -887,6 +910,7 @@ class Node:
             "dispatched": st.dispatched,
             "last_bound": st.last_bound,
             "idle_skips": st.idle_skips,
+            "quiet_skips": st.quiet_skips,
             "running": st.running,
             "failing": drain.job.failing,
             "last_error": drain.job.last_error,

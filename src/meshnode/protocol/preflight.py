@@ -152,10 +152,11 @@ def check_content_type(
     No manifest, an empty ``accepted_output``, or unstated modes refuse nothing.
     Raises CONTENT_TYPE_NOT_SUPPORTED (not retryable).
     """
-    if not isinstance(manifest, Mapping):
-        return
-    modes = resolve_modes(manifest, offering_id)
     wanted = list(accepted_output or ())
+    input_types = list(input_types)
+    if not isinstance(manifest, Mapping) or (not wanted and not input_types):
+        return  # nothing asked for, nothing to refuse: skip the §8.5 resolution (every request pays it)
+    modes = resolve_modes(manifest, offering_id)
     output_modes = modes.output_modes
     if (
         wanted

@@ -25,6 +25,30 @@ def parse_rfc3339(text: str) -> int:
     """
     if not isinstance(text, str):
         raise ValueError("timestamp is not a string")
+    # Every inbound envelope's ts is parsed; nearly all are in the form this
+    # implementation writes (``...SS.mmmZ``) and share their second with the
+    # previous one, whose fully parsed value is kept.
+    short = len(text) == 24 and text[19] == "." and text[23] == "Z"
+    if short:
+        cached_prefix, cached_us = _last_prefix
+        millis = text[20:23]
+        if text[:19] == cached_prefix and millis.isascii() and millis.isdigit():
+            return cached_us + int(millis) * 1000
+    us = _parse_full(text)
+    if short:
+        _remember_prefix(text[:19], us - int(text[20:23]) * 1000)
+    return us
+
+
+_last_prefix: tuple[str, int] = ("", 0)
+
+
+def _remember_prefix(prefix: str, us: int) -> None:
+    global _last_prefix
+    _last_prefix = (prefix, us)
+
+
+def _parse_full(text: str) -> int:
     m = _RFC3339.fullmatch(text)
     if m is None:
         raise ValueError(f"not an RFC 3339 date-time: {text!r}")
@@ -67,8 +91,16 @@ def ms_to_us(ms: int) -> int:
     return ms * 1000
 
 
+_last_second: tuple[int, str] = (-1, "")
+
+
 def format_ts(epoch_ms: int) -> str:
     """Format epoch milliseconds as ``YYYY-MM-DDTHH:MM:SS.mmmZ`` (UTC)."""
+    global _last_second
     seconds, millis = divmod(int(epoch_ms), 1000)
-    t = _EPOCH + _dt.timedelta(seconds=seconds)
-    return f"{t:%Y-%m-%dT%H:%M:%S}.{millis:03d}Z"
+    # Every envelope is stamped: the date-time part is formatted once per second.
+    cached_second, prefix = _last_second
+    if cached_second != seconds:
+        prefix = f"{_EPOCH + _dt.timedelta(seconds=seconds):%Y-%m-%dT%H:%M:%S}"
+        _last_second = (seconds, prefix)
+    return f"{prefix}.{millis:03d}Z"

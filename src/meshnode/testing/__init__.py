@@ -119,7 +119,7 @@ class DaemonProcess:
                 )
             if os.path.exists(self.socket_path):
                 try:
-                    call_sync(self.socket_path, "Status", timeout=5.0)
+                    call_sync(self.socket_path, "Status", {"agents": False}, timeout=5.0)
                     return self
                 except Exception:
                     pass

@@ -38,6 +38,7 @@ from meshnode.protocol.nkeys import Prefix, is_valid_public
 __all__ = [
     "LEGACY_INBOX_PREFIX",
     "RESERVED_SUBJECTS",
+    "SERVICE_WILDCARD_ROSTER",
     "NodePermissions",
     "Role",
     "node_inbox_prefix",
@@ -93,6 +94,10 @@ LEGACY_INBOX_PREFIX = "_INBOX"
 """The shared reply prefix of §14.3's example; see the module note before using it."""
 
 AGENT_MAILBOX_STREAM = "MESH_INBOX_{agent}"
+
+SERVICE_WILDCARD_ROSTER = 2000
+"""Above this many agents a service-role node's agent grants are wildcards (see
+:func:`node_permissions`): the per-agent form would not fit the broker's JWT limit."""
 SHARED_STREAMS = ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED")
 
 JS_ACCOUNT_INFO = "$JS.API.INFO"
@@ -233,7 +238,15 @@ def node_permissions(
     ]
     if require_connection_bound is False:
         pub.insert(1, REGISTER_UNBOUND)
-    for agent in agents:
+    # A service node whose roster would not fit a credential (the broker takes
+    # a JWT of about 1 MiB: ~2,600 agents at ~0.4 KiB of grants each) holds the
+    # agent-scoped grants as wildcards. It loses nothing it could be kept from:
+    # with $JS.API.> it reads every mailbox stream (which captures the same
+    # inbox subjects), and feeds, metrics and logs are signed envelopes that
+    # consumers verify against their owner. Participants never get this: their
+    # rosters are capped (control_plane.MAX_ROSTER) instead.
+    wide = role == "service" and len(agents) > SERVICE_WILDCARD_ROSTER
+    for agent in [] if wide else agents:
         pub += [
             # Feeds are owner-rooted: only the owning agent's node publishes (§6.6a).
             AGENT_FEED.format(agent=agent),
@@ -241,6 +254,8 @@ def node_permissions(
             AGENT_METRICS.format(agent=agent),
             AGENT_LOG.format(agent=agent),
         ]
+    if wide:
+        pub += [AGENT_FEED.format(agent="*"), AGENT_METRICS.format(agent="*"), AGENT_LOG.format(agent="*")]
     pub += [
         # Trace spans and artifact traffic are not owner-bound subjects.
         TRACES,
@@ -249,7 +264,7 @@ def node_permissions(
 
     sub: list[str] = [
         # A node reads its own agents' inboxes and nobody else's.
-        *(AGENT_INBOX.format(agent=agent) for agent in agents),
+        *([ANY_AGENT_INBOX] if wide else (AGENT_INBOX.format(agent=agent) for agent in agents)),
         # Requesters follow the tasks they started (§7).
         TASK_UPDATE,
         TASK_STREAM,

@@ -1,0 +1,121 @@
+"""Node scale: one real daemon on the embedded mesh hosting N agents.
+
+For each N the benchmark starts ``meshnode run`` with N generated ``echo``
+agents (one ``[agents.*]`` table each, as a person would write them) and the
+embedded nats-server's monitoring port on, then measures:
+
+* start-up: from spawning the process until the admin Status reports every
+  agent registered;
+* RSS of the daemon process (and, separately, of its nats-server);
+* idle CPU of the daemon (percent of one core) over a quiet window after a
+  settling period;
+* JetStream API calls per second while idle, from nats-server's own counter
+  (``/jsz`` ``api.total``) over the same window: what drains, heartbeats and
+  renewals cost the broker when nothing is happening.
+
+No traffic is sent: this is what hosting costs by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from typing import Any
+
+from meshnode.testing import DaemonSet
+
+from .harness import print_table, write_result
+
+DEFAULT_AGENTS = (100, 1000, 10000)
+BUFFER_BYTES = "1MiB"  # per-agent mailbox buffer ([inbox] buffer_max_bytes), see measure()
+
+
+def _proc_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+def _jsz_api_total(monitor_url: str) -> int:
+    with urllib.request.urlopen(f"{monitor_url}/jsz", timeout=10) as resp:
+        data = json.load(resp)
+    return int(data.get("api", {}).get("total", 0))
+
+
+def measure(n: int, *, settle_s: float, window_s: float) -> dict[str, Any]:
+    daemons = DaemonSet()
+    try:
+        agents = {f"a{i:05d}": {"plugin": "echo"} for i in range(n)}
+        daemon = daemons.embedded(
+            "scale",
+            agents=agents,
+            # Every mailbox stream reserves its max_bytes in the JetStream store:
+            # 10,000 x the 25 MiB default is more disk than this machine has.
+            extra={"mesh.embedded": {"monitor_port": 0}, "inbox": {"buffer_max_bytes": BUFFER_BYTES}},
+            start=False,
+        )
+        t0 = time.monotonic()
+        daemon.start(timeout=600.0)
+        while True:
+            summary = daemon.admin("Status", {"agents": False})["agent_summary"]
+            registered = int(summary["registered"])  # n agents plus the node's own cli agent (hosted first)
+            if registered >= n:
+                break
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"only {registered} of {n} agents registered after 600 s")
+            time.sleep(0.2)
+        startup_s = time.monotonic() - t0
+        pid = daemon.pid
+        assert pid is not None
+        monitor = daemon.admin("Mesh.Info")["monitor_url"]
+        time.sleep(settle_s)
+        cpu0, api0, w0 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
+        time.sleep(window_s)
+        cpu1, api1, w1 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
+        servers = _children(pid)
+        return {
+            "agents": n,
+            "startup_s": startup_s,
+            "rss_mb": _proc_rss_mb(pid),
+            "nats_server_rss_mb": sum(_proc_rss_mb(c) for c in servers),
+            "idle_cpu_pct": 100 * (cpu1 - cpu0) / (w1 - w0),
+            "idle_js_api_per_s": (api1 - api0) / (w1 - w0),
+            "window_s": w1 - w0,
+        }
+    finally:
+        daemons.close()
+
+
+def run(quick: bool = False, agents: tuple[int, ...] | None = None) -> dict[str, Any]:
+    counts = agents or ((100, 1000) if quick else DEFAULT_AGENTS)
+    settle, window = (5.0, 10.0) if quick else (15.0, 30.0)
+    results = [measure(n, settle_s=settle, window_s=window) for n in counts]
+    rows = [("agents", "start-up s", "daemon RSS MB", "nats-server RSS MB", "idle CPU % core", "idle JS API/s")]
+    for r in results:
+        rows.append((f"{r['agents']:,}", f"{r['startup_s']:.1f}", f"{r['rss_mb']:.0f}", f"{r['nats_server_rss_mb']:.0f}",
+                     f"{r['idle_cpu_pct']:.1f}", f"{r['idle_js_api_per_s']:.1f}"))
+    print_table(f"node scale: one daemon, N echo agents, idle window {window:.0f} s after {settle:.0f} s settling", rows)
+    print("targets at 1,000 agents: start-up <= 30 s, RSS <= 250 MB, idle CPU <= 5 %, idle JS API <= 20/s; "
+          f"mailbox buffer {BUFFER_BYTES} per agent")
+    result = {"results": results, "settle_s": settle, "window_s": window, "buffer_max_bytes": BUFFER_BYTES}
+    print(f"written {write_result('scale', result)}")
+    return result
