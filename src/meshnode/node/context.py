@@ -115,6 +115,7 @@ class AgentContext:
             return await self._hosted.node.call_a2a(
                 self._hosted, peer, offering, input, envelope=self._envelope or None,
                 trace=self._child_trace(), timeout=timeout, budget=budget,
+                stream=bool(config and config.get("stream") is True),
             )
         # Work that entered by A2A carries its call chain into mesh sub-requests,
         # so an A2A -> mesh -> A2A loop is seen by the peer's chain check.
