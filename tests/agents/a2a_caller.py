@@ -63,6 +63,15 @@ class A2ACaller(Agent):
         return {"opened": opened, "chunks": chunks, "status": payload.get("status"),
                 "output": payload.get("output"), "a2a": (final.get("meta") or {}).get(EXTENSION_URI)}
 
+    @offering("follow", framing=False)
+    async def follow(self, ctx: Context, input: Any) -> Any:
+        """Pick up a peer's task a call's wait ended on, and wait for its end."""
+        handle = await ctx.a2a_task(f"a2a:{input['peer']}", input["task_id"], timeout=30)
+        final = await handle.result(timeout=30)
+        payload = final.get("payload") or {}
+        return {"status": payload.get("status"), "output": payload.get("output"),
+                "a2a": (final.get("meta") or {}).get(EXTENSION_URI)}
+
     @offering("relay", framing=False)
     async def relay(self, ctx: Context, input: Any) -> Any:
         """A mesh hop in between: ask agent ``input.target`` (its ``call``) to call the peer."""

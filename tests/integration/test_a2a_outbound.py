@@ -303,3 +303,21 @@ def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
     row = next(r for r in charges(daemon, name) if r["message_id"] == message_id)
     assert row["report"] == "canceled" and row["charged"] == "0" and "CancelTask sent" in row["note"]
     poll_until(lambda: row["task_id"] in peer.canceled)
+
+
+def test_a_task_still_working_at_the_timeout_can_be_followed_later(
+    daemon: DaemonProcess, peers: dict[str, Peer]
+) -> None:
+    peers["weather"].behaviour.answer_working_for = 3.0
+    out = daemon.call("caller", "call", {"peer": "weather", "input": {"city": "Oslo"}, "timeout": 1},
+                      timeout=60)["output"]
+    error = out["error"]
+    assert error["code"] == "TRANSPORT_TIMEOUT" and error["details"]["ambiguous"] is False
+    task_id = error["details"]["task_id"]
+    followed = daemon.call("caller", "follow", {"peer": "weather", "task_id": task_id}, timeout=60)
+    assert followed["status"] == "completed", followed
+    result = followed["output"]
+    assert result["status"] == "completed" and result["output"]["forecast"] == "sunny"
+    # The node remembered the call that opened it: the report is verified, charged once.
+    assert result["a2a"]["report"] == "verified" and result["a2a"]["charge"]["charged"] == "0.3"
+    assert [r["task_id"] for r in charges(daemon, "weather")].count(task_id) == 1

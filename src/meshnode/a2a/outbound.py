@@ -288,6 +288,9 @@ class A2AOutbound:
     _card_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     #: (peer, task id) of peer tasks a CancelTask went out for: sent once.
     _cancels_sent: set[tuple[str, str]] = field(default_factory=set)
+    #: Calls whose wait ended with the peer's task still open, by (peer, task id):
+    #: what :meth:`resume` needs to verify the task's report later (bounded, in memory).
+    _open_tasks: dict[tuple[str, str], _Sent] = field(default_factory=dict)
     #: Cancels in flight, held so the loop does not collect them mid-send.
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -609,9 +612,12 @@ class A2AOutbound:
                 sent_state.finished = True
                 break
             if time.monotonic() >= overall_deadline:
+                self._remember_open(sent_state)
                 raise ProtocolError("TRANSPORT_TIMEOUT",
-                                    f"A2A task {task_id} of peer {name!r} did not finish before the wait ended",
-                                    {"peer": name, "task_id": task_id, "state": state, "ambiguous": False})
+                                    f"A2A task {task_id} of peer {name!r} did not finish before the wait ended"
+                                    " (follow it with ctx.a2a_task)",
+                                    {"peer": name, "task_id": task_id, "state": state, "ambiguous": False,
+                                     "message_id": message_id})
             await asyncio.sleep(self.poll_interval_s)
             polled = await self._poll(peer, task_id, headers, overall_deadline, settings)
             if polled:
@@ -658,6 +664,8 @@ class A2AOutbound:
             report = "missing"
         elif peer.issuer_key is None:
             report, note = "unverifiable", "no key for the peer's reports (set issuer_key)"
+        elif not sent_hash:
+            report, note = "unverifiable", "the call that opened this task is not remembered (a restart?)"
         elif task_id is None:
             report, note = "invalid", "a report without a task"
         else:
@@ -684,6 +692,47 @@ class A2AOutbound:
             return charge
         stands = await self.charges.get(name, task_key)
         return stands if stands is not None else charge
+
+    # -- a task the call's wait left behind ----------------------------------------------
+
+    def _remember_open(self, sent: _Sent) -> None:
+        if sent.task_id:
+            self._open_tasks[(sent.name, sent.task_id)] = sent
+            while len(self._open_tasks) > 1000:  # oldest first out
+                self._open_tasks.pop(next(iter(self._open_tasks)))
+
+    async def resume(self, name: str, task_id: str, call: CallContext, *, timeout: float) -> A2AStreamTask:
+        """A handle on task ``task_id`` of peer ``name`` — typically one a call's
+        wait ended on (``TRANSPORT_TIMEOUT`` with ``details.task_id``) — followed by
+        GetTask polls for up to ``timeout`` seconds: ``result()``, ``cancel()``.
+
+        Its completion is charged once like any other pass; the run report is
+        verified when this node still remembers the call that opened the task
+        (not across a restart: then the report is ``unverifiable`` and the
+        contract price is charged)."""
+        settings = self._peer(name)
+        peer = await self.card(name)
+        known = self._open_tasks.pop((name, task_id), None)
+        headers: dict[str, str] = {}
+        if valid_trace(call.trace):
+            headers["traceparent"] = trace_to_traceparent(call.trace)
+        if peer.mesh:
+            headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
+        if known is not None:
+            sent = _Sent(name, settings, peer, known.call, known.message_id, known.sent_hash, headers,
+                         mesh=known.mesh, task_id=task_id)
+        else:
+            sent = _Sent(name, settings, peer, call, "", "", headers, mesh=peer.mesh, task_id=task_id)
+        handle = A2AStreamTask(self, sent)
+        handle._watch_until = time.monotonic() + timeout
+        handle._pump = asyncio.get_running_loop().create_task(
+            self._pump(sent, handle, None), name=f"a2a-resume:{name}:{task_id}")
+        try:
+            await handle._wait_first(timeout)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     # -- cancel (§10.8 across the bridge) ----------------------------------------------
 
@@ -763,6 +812,7 @@ class A2AOutbound:
     async def _open_stream(self, sent: _Sent, build: Callable[[], Awaitable[Message]],
                            overall_deadline: float) -> Reply:
         handle = A2AStreamTask(self, sent)
+        handle._watch_until = overall_deadline
         handle._pump = asyncio.get_running_loop().create_task(
             self._pump(sent, handle, build), name=f"a2a-stream:{sent.name}:{sent.message_id}")
         try:
@@ -781,8 +831,27 @@ class A2AOutbound:
             return Reply(final, accepted=True)
         return Reply(handle.last_update, accepted=True, task=handle)
 
-    async def _pump(self, sent: _Sent, handle: A2AStreamTask, build: Callable[[], Awaitable[Message]]) -> None:
-        """Read the peer's event stream into ``handle`` (one task owns the HTTP stream)."""
+    async def _read_stream(self, sent: _Sent, handle: A2AStreamTask, msg: Message, echoed: list[str],
+                           on_response: Callable[[httpx.Response], Awaitable[None]]) -> None:
+        settings = sent.settings
+        async with self._http(timeout=settings.timeout_s, event_hooks={"response": [on_response]}) as http:
+            client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(sent.peer.card)
+            ctx = ClientCallContext(service_parameters=dict(sent.headers), timeout=settings.timeout_s)
+            request = SendMessageRequest(message=msg, configuration=SendMessageConfiguration())
+            try:
+                async for event in client.send_message(request, context=ctx):
+                    sent.mesh = sent.peer.mesh and EXTENSION_URI in get_requested_extensions(echoed)
+                    await handle._event(self._answer_dict(event))
+                    if handle.final is not None:
+                        return
+            except Exception as exc:
+                self._classify(exc)
+                raise
+
+    async def _pump(self, sent: _Sent, handle: A2AStreamTask,
+                    build: Callable[[], Awaitable[Message]] | None) -> None:
+        """Read the peer's event stream into ``handle`` (one task owns the HTTP stream);
+        with no ``build`` (a resumed task) only follow the task by GetTask."""
         echoed: list[str] = []
 
         async def on_response(response: httpx.Response) -> None:
@@ -790,26 +859,24 @@ class A2AOutbound:
 
         settings = sent.settings
         try:
-            msg = await build()
-            async with self._http(timeout=settings.timeout_s, event_hooks={"response": [on_response]}) as http:
-                client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(sent.peer.card)
-                ctx = ClientCallContext(service_parameters=dict(sent.headers), timeout=settings.timeout_s)
-                request = SendMessageRequest(message=msg, configuration=SendMessageConfiguration())
-                try:
-                    async for event in client.send_message(request, context=ctx):
-                        sent.mesh = sent.peer.mesh and EXTENSION_URI in get_requested_extensions(echoed)
-                        await handle._event(self._answer_dict(event))
-                        if handle.final is not None:
-                            return
-                except Exception as exc:
-                    self._classify(exc)
-                    raise
-            # The stream ended (or the peer does not stream and answered once)
-            # with the task still open: follow it by GetTask like a plain call.
+            if build is not None:
+                await self._read_stream(sent, handle, await build(), echoed, on_response)
+            # The stream ended (or the peer does not stream and answered once, or
+            # this is a resumed task) with the task still open: follow it by GetTask.
+            first = True
             while handle.final is None and sent.task_id:
-                await asyncio.sleep(self.poll_interval_s)
-                deadline = time.monotonic() + settings.timeout_s
-                polled = await self._poll(sent.peer, sent.task_id, sent.headers, deadline, settings)
+                if time.monotonic() >= handle._watch_until:
+                    self._remember_open(sent)
+                    raise ProtocolError(
+                        "TRANSPORT_TIMEOUT",
+                        f"A2A task {sent.task_id} of peer {sent.name!r} did not finish before the wait ended"
+                        " (follow it with ctx.a2a_task)",
+                        {"peer": sent.name, "task_id": sent.task_id, "ambiguous": False,
+                         "message_id": sent.message_id})
+                if not first or build is not None:
+                    await asyncio.sleep(self.poll_interval_s)
+                first = False
+                polled = await self._poll(sent.peer, sent.task_id, sent.headers, handle._watch_until, settings)
                 if polled:
                     await handle._event({"task": polled})
             if handle.final is None:
@@ -927,6 +994,8 @@ class A2AStreamTask:
         self._first = asyncio.Event()
         self._changed = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
+        #: When following the task by GetTask stops (monotonic seconds).
+        self._watch_until = time.monotonic() + 300.0
 
     @property
     def task_id(self) -> str | None:
