@@ -28,6 +28,15 @@ What happens (A2A v1.0 over JSON-RPC, the official ``a2a-sdk`` client):
    none declared nothing is resent: the caller gets ``TRANSPORT_TIMEOUT`` with
    ``details.ambiguous``.
 
+5. ``config={"stream": True}`` streams (SendStreamingMessage): ``reply.task`` is
+   an :class:`A2AStreamTask` (chunks per artifact update; the last status
+   update's report verified and charged once).
+6. Cancelling the handler while it waits on a call (§10.8 ``task.cancel``)
+   sends CancelTask for the peer's task once, best-effort, and records the call
+   as ``canceled`` at zero (reports belong to completed tasks only).
+7. A task still open when the wait ends: ``TRANSPORT_TIMEOUT`` with
+   ``details.task_id``; :meth:`A2AOutbound.resume` (``ctx.a2a_task``) follows it.
+
 The reply is a :class:`meshnode.node.outbound.Reply` whose envelope is
 synthesized (``from: "a2a:<name>"``); ``envelope["meta"][EXTENSION_URI]`` says
 what the bridge knows: ``mesh``, ``report``, ``charge``, ``message_id``,
