@@ -44,6 +44,8 @@ class A2ACaller(Agent):
         reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=120,
                                   config={"stream": True} if input.get("stream") else None)
         if reply.task is not None:
+            if ctx.task is not None:
+                await ctx.task.progress("a2a-stream-open")  # the test waits for this before canceling
             async for _ in reply.task.stream(timeout=120):
                 pass
         return reply.output

@@ -11,6 +11,7 @@ set before the call.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from meshnode.admin.protocol import Refused
 from meshnode.testing import DaemonProcess, DaemonSet
 from tests.integration.a2a_peer import Behaviour, Peer
 
@@ -290,7 +292,13 @@ def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
     # The peer has the message and the bridge knows its task (a poll, or a streamed chunk).
     poll_until(lambda: len(peer.received) > sends_before)
     if streamed:
-        time.sleep(1.2)  # at least one chunk has gone out
+        def stream_open() -> bool:  # the handler says so once the bridge knows the peer's task
+            try:
+                return "a2a-stream-open" in json.dumps(daemon.admin("Tasks.Show", {"task_id": opened["task_id"]}))
+            except Refused:  # not recorded yet
+                return False
+
+        poll_until(stream_open)
     else:
         poll_until(lambda: "GetTask" in peer.methods[methods_before:])
     answer = daemon.admin("Tasks.Cancel", {"task_id": opened["task_id"], "agent": "caller",
