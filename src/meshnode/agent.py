@@ -288,6 +288,17 @@ class Context(Protocol):
         access: "read"|"read-write", name?, description?}``. A large answer
         may arrive as a pointer in ``output`` and a ref part in
         ``reply.envelope["artifacts"]``; fetch it with :meth:`fetch_artifact`.
+
+        ``target`` ``a2a:<peer>`` calls an external A2A agent (README, "A2A
+        bridge (outbound)"); ``config={"stream": True}`` streams from it.
+        """
+
+    async def a2a_task(self, target: str, task_id: str, *, timeout: float = 30.0) -> Any:
+        """A handle on task ``task_id`` of the A2A peer ``target`` (``a2a:<peer>``),
+        e.g. one an ``a2a:`` request's wait ended on (``TRANSPORT_TIMEOUT`` with
+        ``details.task_id``): followed by GetTask for up to ``timeout`` seconds;
+        ``await handle.result()`` is its closing envelope, ``await
+        handle.cancel(reason)`` cancels it (:class:`meshnode.a2a.outbound.A2AStreamTask`).
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:

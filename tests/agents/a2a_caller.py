@@ -36,6 +36,44 @@ class A2ACaller(Agent):
         }
 
 
+    @offering("slow", framing=False)
+    async def slow(self, ctx: Context, input: Any) -> Any:
+        """Defer (so the mesh caller can cancel it), then call the peer and wait —
+        by GetTask polls, or in the peer's stream when ``input.stream``."""
+        await ctx.defer()
+        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=120,
+                                  config={"stream": True} if input.get("stream") else None)
+        if reply.task is not None:
+            if ctx.task is not None:
+                await ctx.task.progress("a2a-stream-open")  # the test waits for this before canceling
+            async for _ in reply.task.stream(timeout=120):
+                pass
+        return reply.output
+
+    @offering("stream", framing=False)
+    async def stream(self, ctx: Context, input: Any) -> Any:
+        """Stream from the peer; report the chunks and the closing envelope."""
+        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=20,
+                                  config={"stream": True})
+        if reply.task is None:
+            return {"opened": reply.status, "chunks": [], "status": reply.status, "output": reply.output,
+                    "a2a": (reply.envelope.get("meta") or {}).get(EXTENSION_URI)}
+        opened = reply.task.state
+        chunks = [chunk async for chunk in reply.task.stream(timeout=20)]
+        final = await reply.task.result(timeout=20)
+        payload = final.get("payload") or {}
+        return {"opened": opened, "chunks": chunks, "status": payload.get("status"),
+                "output": payload.get("output"), "a2a": (final.get("meta") or {}).get(EXTENSION_URI)}
+
+    @offering("follow", framing=False)
+    async def follow(self, ctx: Context, input: Any) -> Any:
+        """Pick up a peer's task a call's wait ended on, and wait for its end."""
+        handle = await ctx.a2a_task(f"a2a:{input['peer']}", input["task_id"], timeout=30)
+        final = await handle.result(timeout=30)
+        payload = final.get("payload") or {}
+        return {"status": payload.get("status"), "output": payload.get("output"),
+                "a2a": (final.get("meta") or {}).get(EXTENSION_URI)}
+
     @offering("relay", framing=False)
     async def relay(self, ctx: Context, input: Any) -> Any:
         """A mesh hop in between: ask agent ``input.target`` (its ``call``) to call the peer."""

@@ -85,6 +85,12 @@ class Behaviour:
     answer_working_for: float = 0.0
     #: maxMeshHops of the chain check every envelope gets.
     max_hops: int = 8
+    #: The card declares streaming (card fact: set before start).
+    streaming: bool = False
+    #: Stream the answer: a working task, this many artifact updates (text
+    #: ``w<i> ``, ``chunk_delay`` apart), then the completed status with the report.
+    stream_chunks: int = 0
+    chunk_delay: float = 0.05
 
 
 @dataclass
@@ -103,6 +109,7 @@ class Peer:
     report_key: nacl.signing.SigningKey = field(default_factory=nacl.signing.SigningKey.generate)
     received: list[Received] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)  # JSON-RPC methods called, in order
+    canceled: list[str] = field(default_factory=list)  # task ids a CancelTask reached the executor for
     port: int = 0
     _answers: dict[str, asyncio.Future[tuple[int, list[tuple[bytes, bytes]], bytes]]] = field(default_factory=dict)
     _activated: dict[str, str] = field(default_factory=dict)  # messageId -> verified bodyHash
@@ -138,7 +145,7 @@ class Peer:
             description="a test peer",
             version="1.0.0",
             supported_interfaces=[AgentInterface(url=self.url + "/", protocol_binding="JSONRPC", protocol_version="1.0")],
-            capabilities=AgentCapabilities(streaming=False, extensions=extensions),
+            capabilities=AgentCapabilities(streaming=b.streaming, extensions=extensions),
             default_input_modes=["application/json", "text/plain"],
             default_output_modes=["application/json"],
             skills=[AgentSkill(id="forecast", name="forecast", description="weather", tags=["weather"])],
@@ -173,7 +180,7 @@ class Peer:
             if rpc.get("method") == "SendMessage" and self.behaviour.answer_working_for:
                 rpc["params"].setdefault("configuration", {})["returnImmediately"] = True
                 body = json.dumps(rpc).encode()
-            if rpc.get("method") != "SendMessage":
+            if rpc.get("method") not in ("SendMessage", "SendStreamingMessage"):
                 await inner(scope, _replay(body), self._echoing(send, activated=True))
                 return
             headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -311,6 +318,21 @@ class _Executor(AgentExecutor):
                 signing_key=key,
             )
             task.metadata.update({EXTENSION_URI: {"report": report}})
+        if b.stream_chunks:
+            await event_queue.enqueue_event(Task(
+                id=task_id, context_id=context.context_id, status=TaskStatus(state=TaskState.TASK_STATE_WORKING),
+            ))
+            for i in range(b.stream_chunks):
+                await asyncio.sleep(b.chunk_delay)
+                await event_queue.enqueue_event(TaskArtifactUpdateEvent(
+                    task_id=task_id, context_id=context.context_id,
+                    artifact=Artifact(artifact_id=f"w{i}", name="words", parts=[Part(text=f"w{i} ")]),
+                    last_chunk=i == b.stream_chunks - 1,
+                ))
+            await event_queue.enqueue_event(TaskStatusUpdateEvent(
+                task_id=task_id, context_id=context.context_id, status=task.status, metadata=task.metadata,
+            ))
+            return
         if b.answer_working_for:
             # The task exists already: its artifact, then the terminal status
             # (whose metadata the SDK merges into the task's).
@@ -324,7 +346,12 @@ class _Executor(AgentExecutor):
         await event_queue.enqueue_event(task)
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
-        raise NotImplementedError
+        assert context.task_id and context.context_id
+        self.peer.canceled.append(context.task_id)
+        await event_queue.enqueue_event(TaskStatusUpdateEvent(
+            task_id=context.task_id, context_id=context.context_id,
+            status=TaskStatus(state=TaskState.TASK_STATE_CANCELED),
+        ))
 
 
 def _replay(body: bytes) -> Receive:

@@ -11,12 +11,15 @@ set before the call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import time
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
+from meshnode.admin.protocol import Refused
 from meshnode.testing import DaemonProcess, DaemonSet
 from tests.integration.a2a_peer import Behaviour, Peer
 
@@ -31,6 +34,7 @@ def peers() -> Iterator[dict[str, Peer]]:
         "weather": Peer(Behaviour()).start(),
         "plain": Peer(Behaviour(declare_extension=False)).start(),
         "noretain": Peer(Behaviour(retention=None)).start(),
+        "streamer": Peer(Behaviour(streaming=True)).start(),
     }
     try:
         yield started
@@ -63,6 +67,7 @@ def fresh_behaviour(peers: dict[str, Peer]) -> None:
         peer.behaviour.echo, peer.behaviour.report = True, "good"
         peer.behaviour.first_attempt_delay = peer.behaviour.answer_working_for = 0.0
         peer.behaviour.max_hops = 8
+        peer.behaviour.stream_chunks, peer.behaviour.chunk_delay = 0, 0.05
 
 
 def call(daemon: DaemonProcess, peer: str, **extra: Any) -> dict[str, Any]:
@@ -70,6 +75,13 @@ def call(daemon: DaemonProcess, peer: str, **extra: Any) -> dict[str, Any]:
     assert result["status"] == "completed", result
     output: dict[str, Any] = result["output"]
     return output
+
+
+def poll_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
 
 
 def charges(daemon: DaemonProcess, peer: str) -> list[dict[str, Any]]:
@@ -220,3 +232,100 @@ def test_chain_refusal_comes_back_as_rejected_with_the_peers_code(
     assert refusal["code"] == "limit.hops" and refusal["details"]["maxMeshHops"] == 1
     assert refusal["details"]["chain"][-1]["application"] == "acme"
     assert out["a2a"]["charge"] is None  # nothing ran, nothing charged
+
+
+# -- streaming (SendStreamingMessage) ------------------------------------------------
+
+
+def stream(daemon: DaemonProcess) -> dict[str, Any]:
+    result = daemon.call("caller", "stream", {"peer": "streamer", "input": {"city": "Oslo"}}, timeout=60)
+    assert result["status"] == "completed", result
+    output: dict[str, Any] = result["output"]
+    return output
+
+
+def test_stream_chunks_arrive_in_order_and_the_last_updates_report_is_charged_once(
+    daemon: DaemonProcess, peers: dict[str, Peer]
+) -> None:
+    streamer = peers["streamer"]
+    streamer.behaviour.stream_chunks = 3
+    before = len(streamer.received)
+    out = stream(daemon)
+    assert streamer.methods[-1] == "SendStreamingMessage" and streamer.received[before].trusted
+    assert out["opened"] == "working" and out["chunks"] == ["w0 ", "w1 ", "w2 "]
+    assert out["status"] == "completed" and out["output"] == "w0 w1 w2 "
+    info = out["a2a"]
+    assert info["streamed"] is True and info["mesh"] is True and info["report"] == "verified"
+    assert info["charge"]["charged"] == "0.3"
+    rows = [r for r in charges(daemon, "streamer") if r["task_id"] == info["task_id"]]
+    assert len(rows) == 1
+
+
+def test_stream_with_a_forged_report_is_charged_the_contract_price(
+    daemon: DaemonProcess, peers: dict[str, Peer]
+) -> None:
+    streamer = peers["streamer"]
+    streamer.behaviour.stream_chunks, streamer.behaviour.report = 2, "bad_signature"
+    out = stream(daemon)
+    assert out["chunks"] == ["w0 ", "w1 "]
+    info = out["a2a"]
+    assert info["report"] == "invalid" and Decimal(info["charge"]["charged"]) == Decimal(CONTRACT)
+
+
+# -- cancel (§10.8 across the bridge) -----------------------------------------------
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
+    daemon: DaemonProcess, peers: dict[str, Peer], streamed: bool
+) -> None:
+    name = "streamer" if streamed else "weather"
+    peer = peers[name]
+    if streamed:
+        peer.behaviour.stream_chunks, peer.behaviour.chunk_delay = 40, 0.5
+    else:
+        peer.behaviour.answer_working_for = 30.0  # a working task, followed by GetTask
+    methods_before, sends_before = len(peer.methods), len(peer.received)
+    opened = daemon.admin("Call", {"agent": "caller", "offering": "slow", "wait_task": False, "timeout": 30,
+                                   "input": {"peer": name, "input": {"city": "Oslo"}, "stream": streamed}})
+    assert opened["status"] == "working", opened
+    # The peer has the message and the bridge knows its task (a poll, or a streamed chunk).
+    poll_until(lambda: len(peer.received) > sends_before)
+    if streamed:
+        def stream_open() -> bool:  # the handler says so once the bridge knows the peer's task
+            try:
+                return "a2a-stream-open" in json.dumps(daemon.admin("Tasks.Show", {"task_id": opened["task_id"]}))
+            except Refused:  # not recorded yet
+                return False
+
+        poll_until(stream_open)
+    else:
+        poll_until(lambda: "GetTask" in peer.methods[methods_before:])
+    answer = daemon.admin("Tasks.Cancel", {"task_id": opened["task_id"], "agent": "caller",
+                                           "reason": "user_requested"})
+    assert answer["status"] == "canceled"
+    poll_until(lambda: "CancelTask" in peer.methods[methods_before:])
+    assert peer.methods[methods_before:].count("CancelTask") == 1
+    message_id = peer.received[sends_before].message_id
+    poll_until(lambda: any(r["message_id"] == message_id for r in charges(daemon, name)))
+    row = next(r for r in charges(daemon, name) if r["message_id"] == message_id)
+    assert row["report"] == "canceled" and row["charged"] == "0" and "CancelTask sent" in row["note"]
+    poll_until(lambda: row["task_id"] in peer.canceled)
+
+
+def test_a_task_still_working_at_the_timeout_can_be_followed_later(
+    daemon: DaemonProcess, peers: dict[str, Peer]
+) -> None:
+    peers["weather"].behaviour.answer_working_for = 3.0
+    out = daemon.call("caller", "call", {"peer": "weather", "input": {"city": "Oslo"}, "timeout": 1},
+                      timeout=60)["output"]
+    error = out["error"]
+    assert error["code"] == "TRANSPORT_TIMEOUT" and error["details"]["ambiguous"] is False
+    task_id = error["details"]["task_id"]
+    followed = daemon.call("caller", "follow", {"peer": "weather", "task_id": task_id}, timeout=60)
+    assert followed["status"] == "completed", followed
+    result = followed["output"]
+    assert result["status"] == "completed" and result["output"]["forecast"] == "sunny"
+    # The node remembered the call that opened it: the report is verified, charged once.
+    assert result["a2a"]["report"] == "verified" and result["a2a"]["charge"]["charged"] == "0.3"
+    assert [r["task_id"] for r in charges(daemon, "weather")].count(task_id) == 1

@@ -16,9 +16,11 @@ from meshnode.a2a.charges import Charge, ChargeStore, charge_amount
 from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.a2a.outbound import (
     A2AOutbound,
+    A2AStreamTask,
     CallContext,
     PeerSettings,
     _Ambiguous,
+    _Sent,
     _Unsent,
     card_url_of,
     input_parts,
@@ -244,4 +246,49 @@ async def test_onward_a2a_call_extends_the_incoming_chain(tmp_path: Path) -> Non
                                    {"application": "acme", "start": "relay", "executionId": "req-9"}]
     assert claims["origin"] == {"rootExecutionId": "root-0", "executionId": "req-9"}
     assert claims["audience"] == "peer-app" and claims["issuer"] == agent.public_key
+    await store.close()
+
+
+async def _stream_fixture(tmp_path: Path) -> tuple[ChargeStore, A2AOutbound, _Sent]:
+    store = ChargeStore(tmp_path / "a2a.sqlite3")
+    await store.open()
+    out = A2AOutbound("acme", "agent", {"w": SETTINGS}, store, KeyPair.generate(), clock=lambda: 1_000.0)
+    raw = _card(None)
+    raw["supportedInterfaces"][0]["url"] = "http://127.0.0.1:9/"  # nothing listens: sends fail fast
+    peer = read_card(raw, SETTINGS, now=0.0)
+    call = CallContext(agent_id="UCALLER", agent_key=KeyPair.generate(), trace=new_root_trace())
+    return store, out, _Sent("w", SETTINGS, peer, call, "m-1", "sha256:00", {})
+
+
+async def test_stream_events_map_to_chunks_and_a_charged_result(tmp_path: Path) -> None:
+    store, out, sent = await _stream_fixture(tmp_path)
+    handle = A2AStreamTask(out, sent)
+    await handle._event({"task": {"id": "t-1", "status": {"state": "TASK_STATE_WORKING"}}})
+    assert handle.task_id == "t-1" and handle.state == "working" and handle.final is None
+    for word in ("a ", "b "):
+        await handle._event({"artifactUpdate": {"taskId": "t-1", "artifact": {"parts": [{"text": word}]}}})
+    await handle._event({"statusUpdate": {"taskId": "t-1", "status": {"state": "TASK_STATE_COMPLETED"}}})
+    assert [c async for c in handle.stream(timeout=1)] == ["a ", "b "]
+    final = await handle.result(timeout=1)
+    assert final["payload"] == {"status": "completed", "output": "a b "}
+    info = final["meta"][EXTENSION_URI]
+    assert info["report"] == "not_expected" and info["charge"]["charged"] == "0.1" and info["chunks"] == 2
+    await store.close()
+
+
+async def test_cancel_is_sent_once_and_recorded_at_zero(tmp_path: Path) -> None:
+    store, out, sent = await _stream_fixture(tmp_path)
+    sent.task_id = "t-2"
+    handle = A2AStreamTask(out, sent)
+    assert await handle.cancel("user_requested") == {"task_id": "t-2", "status": "canceled"}
+    assert (await handle.result(timeout=1))["payload"]["status"] == "canceled"
+    assert await out._cancel_peer(sent, "again") is None  # once
+    row = await store.get("w", "task:t-2")
+    assert row is not None and row.report == "canceled" and row.charged == "0"
+    assert row.note is not None and "not confirmed" in row.note
+    # Abandoned before the peer named a task: nothing to cancel, still recorded.
+    early = _Sent("w", SETTINGS, sent.peer, sent.call, "m-1", "sha256:00", {})
+    await out._cancel_peer(early, "the calling mesh work was canceled")
+    first = await store.get("w", "message:m-1")
+    assert first is not None and first.task_id is None and "no CancelTask" in (first.note or "")
     await store.close()

@@ -27,8 +27,10 @@ __all__ = ["Charge", "ChargeStore", "REPORT_STATES"]
 #: ``invalid``: a report that must not be believed (contract price charged);
 #: ``missing``: the peer activated the extension but sent no report;
 #: ``unverifiable``: a report, but no key to check it against is known;
-#: ``not_expected``: the answer did not echo the extension (mesh: false).
-REPORT_STATES = ("verified", "invalid", "missing", "unverifiable", "not_expected")
+#: ``not_expected``: the answer did not echo the extension (mesh: false);
+#: ``canceled``: the calling mesh work was canceled and CancelTask went out —
+#: recorded at zero, since only a completed task carries a run report.
+REPORT_STATES = ("verified", "invalid", "missing", "unverifiable", "not_expected", "canceled")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS a2a_charges (

@@ -14,6 +14,7 @@ from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace
+from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.rests_on import Verdict
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ class AgentContext:
             return await self._hosted.node.call_a2a(
                 self._hosted, peer, offering, input, envelope=self._envelope or None,
                 trace=self._child_trace(), timeout=timeout, budget=budget,
+                stream=bool(config and config.get("stream") is True),
             )
         # Work that entered by A2A carries its call chain into mesh sub-requests,
         # so an A2A -> mesh -> A2A loop is seen by the peer's chain check.
@@ -137,6 +139,21 @@ class AgentContext:
             # A delegate of this task: a cancel of ours is forwarded to it (§10.8).
             self.task.delegates.append((target, reply.task.task_id))
         return reply
+
+    async def a2a_task(self, target: str, task_id: str, *, timeout: float = 30.0) -> Any:
+        peer = peer_name_of(target)
+        node = self._hosted.node
+        if peer is None:
+            raise ProtocolError("INVALID_ENVELOPE", f"{target!r} is not an A2A peer (a2a:<name>)",
+                                {"target": target})
+        if node.a2a is None:
+            raise ProtocolError("NOT_FOUND", f"no A2A peer {peer!r} is configured ([a2a.peers.{peer}])",
+                                {"peer": peer})
+        from meshnode.a2a.outbound import CallContext
+
+        call = CallContext(agent_id=self._hosted.agent_id, agent_key=self._hosted.key,
+                           trace=self._child_trace(), envelope=self._envelope or None)
+        return await node.a2a.resume(peer, task_id, call, timeout=timeout)
 
     async def subscribe(self, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
         return await self._hosted.node.subscribe_events(

@@ -589,6 +589,7 @@ class Node:
         trace: Mapping[str, Any],
         timeout: float,
         budget: Mapping[str, Any] | None = None,
+        stream: bool = False,
     ) -> Reply:
         """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted`` (the
         outbound A2A bridge, :mod:`meshnode.a2a.outbound`)."""
@@ -600,7 +601,7 @@ class Node:
         call = CallContext(agent_id=hosted.agent_id, agent_key=hosted.key, trace=trace,
                            envelope=envelope, budget=budget)
         self.counters["a2a.calls"] += 1
-        return await self.a2a.call(peer, offering, input, call, timeout=timeout)
+        return await self.a2a.call(peer, offering, input, call, timeout=timeout, stream=stream)
 
     async def _throttle(self, hosted: HostedAgent, target: str, manifest: Mapping[str, Any], timeout: float) -> None:
         """Keep to the recipient's published rate_limits (§6.4b): wait our turn, or
