@@ -66,3 +66,14 @@ def test_service_keys_are_shared_from_a_directory(tmp_path: Path) -> None:
     again = load_service_keys(tmp_path / "keys")
     assert {n: k.public_key for n, k in again.items()} == {n: k.public_key for n, k in made.items()}
     assert oct((tmp_path / "keys" / "registry.nk").stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_shipped_cluster_configs_validate() -> None:
+    from meshnode.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "config" / "cluster"
+    service = load_config(str(root / "service-node.toml"))
+    participant = load_config(str(root / "participant-node.toml"))
+    assert service.services.run is True and service.services.key_dir is not None
+    assert len(service.mesh.servers) == 3 and participant.mesh.servers == service.mesh.servers
+    assert participant.services.run is None  # joined: runs no services

@@ -184,6 +184,12 @@ class Daemon:
                 for name, key in shared.items():
                     self.agent_keys[f"service.{name}"] = key
             else:
+                if not self.embedded_mode:
+                    log.warning(
+                        "[services] run = true without [services] key_dir: this node's services "
+                        "sign with keys of their own, so a second service node on this mesh "
+                        "would be refused by callers that pinned these (set key_dir on each)"
+                    )
                 for name in SERVICE_NAMES:
                     self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
                         store.get_or_create, f"service.{name}"
@@ -708,6 +714,7 @@ class Daemon:
             "agents": agents,
             "agent_summary": summary,
             "services": [type(s).__name__ for s in self.services],
+            "replicas": self.services[0].ctx.replicas if self.services else None,
             "observability": self.node.observability.status() if self.node and self.node.observability else None,
             "a2a": self.a2a.status() if self.a2a is not None else None,
         }
