@@ -6,8 +6,8 @@ JetStream in operator/JWT mode, plus the control plane), loopback only.
 * Killing one server of three under steady load: every request is answered
   exactly once or reported failed to its caller; none is dispatched twice;
   every JetStream publish the cluster acknowledged is stored exactly once.
-* Killing a service node: the other service node keeps answering discovery
-  and registration.
+* Killing a service node: the other service node keeps answering discovery,
+  registration and task lookups.
 * Restarting the whole cluster: registrations, task records and buffered
   mail survive.
 
@@ -275,7 +275,8 @@ def test_killing_a_service_node_leaves_discovery_and_registration_to_the_other(
     root, daemons = daemon_root
     s1 = _daemon(nats_cluster, root, "svc-a", service=True)
     s2 = _daemon(nats_cluster, root, "svc-b", service=True)
-    p = _daemon(nats_cluster, root, "part", service=False, agents={"echo": {"plugin": "echo"}})
+    p = _daemon(nats_cluster, root, "part", service=False,
+                agents={"echo": {"plugin": "echo"}, "counter": {"plugin": "longtask"}})
     daemons += [s1, s2, p]
     for daemon in (s1, s2, p):
         daemon.start()
@@ -294,8 +295,13 @@ def test_killing_a_service_node_leaves_discovery_and_registration_to_the_other(
     assert added["registered"] is True, added
     late = p.agent_id("late")
     _wait(lambda: late in _discover_ids(p), what="the new agent being discoverable")
-    # An agent call across the mesh still works with one service node gone.
+    # An agent call across the mesh still works with one service node gone, and
+    # so does the task manager: a Task's record reaches its final state.
     assert s2.call(echo, "echo", {"text": "still here"})["status"] == "completed"
+    done = s2.call(p.agent_id("counter"), "count", {"to": 1, "every": 0})
+    assert done["status"] == "completed", done
+    _wait(lambda: s2.admin("Tasks.Show", {"task_id": done["task_id"]})["state"] == "completed",
+          what="the task record reaching completed")
 
     # The killed node comes back and serves again beside the other.
     s1.start()
