@@ -401,6 +401,11 @@ class Daemon:
         assert self.node_key is not None
         replicas = self.replicas()
         log.info("platform services (%s): JetStream objects with %d replica(s)", tenant, replicas)
+        if not self.embedded_mode:
+            # A cluster (re)started moments ago answers before its streams have leaders.
+            from meshnode.services.streams import wait_jetstream_ready
+
+            await wait_jetstream_ready(connection.js, timeout=20.0)
         await ensure_mesh_streams(connection.js, replicas)
         node_id = self.node_key.public_key
 
