@@ -11,6 +11,7 @@ for ``meshnode run``.
 Layout under ``root``::
 
     cluster.json          ports of the NATS members (kept across restarts)
+    control-port          the control plane's port (likewise kept)
     mesh/                 operator and account seeds (0600)
     n1/ n2/ n3/           each member's config, log and JetStream store
     control/              the control plane's enrolment state
@@ -27,7 +28,7 @@ from typing import Any
 
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
-from meshnode.transport.cluster import NatsCluster
+from meshnode.transport.cluster import NatsCluster, free_port
 from meshnode.transport.control_plane import ControlPlaneServer
 from meshnode.transport.permissions import Role
 
@@ -62,6 +63,7 @@ class LocalCluster:
             route_ports=route_ports,
             restart_backoff_s=restart_backoff_s,
         )
+        control_port = self._control_port(host, control_port)
         self.service_key_dir = self.root / "service-keys"
         load_service_keys(self.service_key_dir, create=True)
         self.control = ControlPlaneServer(
@@ -73,6 +75,19 @@ class LocalCluster:
             mesh_name=mesh_name,
             role_of=self._role_of,
         )
+
+    def _control_port(self, host: str, asked: int) -> int:
+        # 0 picks a free port once; like the NATS ports it is then kept, so the
+        # node configurations written on the first run stay valid on the next.
+        path = self.root / "control-port"
+        port = asked
+        if port == 0:
+            try:
+                port = int(path.read_text(encoding="ascii").strip())
+            except (OSError, ValueError):
+                port = free_port(host)
+        path.write_text(f"{port}\n", encoding="ascii")
+        return port
 
     # -- roles --
 
