@@ -59,7 +59,10 @@ from .streams import ensure_key_value, ensure_stream, feed_state_bucket_config, 
 __all__ = ["WRITER_CONSUMER", "FeedService"]
 
 WRITER_CONSUMER = "mesh_feed_state_writer"
-_FETCH_BATCH = 32
+# One message per pull: nats-py's fetch of a larger batch waits for the whole
+# batch (or the timeout) once the first message is in, which would delay a
+# state value by up to the timeout; one at a time it is written on arrival.
+_FETCH_BATCH = 1
 _FETCH_TIMEOUT_S = 1.0
 _CAS_ATTEMPTS = 5
 
