@@ -40,7 +40,7 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import Envelope, ServiceContext
 from meshnode.services.identity import load_service_keys
 from meshnode.services.registry import RegistryService
-from meshnode.services.streams import ensure_mesh_streams
+from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
 from meshnode.testing import DaemonProcess
 from meshnode.transport.connection import MeshConnection, Msg
 from meshnode.transport.permissions import node_inbox_prefix
@@ -191,7 +191,16 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
 
         # Every acknowledged publish is in the R3 stream exactly once.
         reader = conns[0]  # a service-role connection may read the whole stream
-        consumer = await reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
+        # The rejoined member may still be catching up: let the streams settle first.
+        assert await wait_jetstream_ready(reader.js, timeout=30)
+        consumer = None
+        for _ in range(6):
+            try:
+                consumer = await reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
+                break
+            except (nats.errors.Error, TimeoutError):
+                await asyncio.sleep(1.0)
+        assert consumer is not None, "could not read MESH_TASKS back"
         seen: Counter[str] = Counter()
         acked = {m for m, o in stored.items() if o == "acked"}
 
