@@ -77,6 +77,7 @@ __all__ = [
     "ObservabilityConfig",
     "ProtectionsConfig",
     "RegistryConfig",
+    "ServicesConfig",
     "default_config_path",
     "default_data_dir",
     "default_admin_socket",
@@ -396,6 +397,12 @@ def _optional_file_path(value: object) -> Path | None:
     return _resolve_path(value, what="file")
 
 
+def _optional_dir_path(value: object) -> Path | None:
+    if value is None or value == "":
+        return None
+    return _resolve_path(value, what="directory")
+
+
 _PATH_SCHEMA = WithJsonSchema({"type": "string"})
 
 DirPath = Annotated[Path, BeforeValidator(_dir_path), _PATH_SCHEMA]
@@ -655,12 +662,25 @@ class EmbeddedMeshConfig(BaseModel):
         return value
 
 
+def _server_list(value: object) -> object:
+    # One URL, or a comma-separated string of them, reads as a list: a
+    # single-server config keeps working when the mesh grows into a cluster.
+    if isinstance(value, str):
+        return [part for part in (p.strip() for p in value.split(",")) if part]
+    return value
+
+
 class MeshConfig(BaseModel):
     """``[mesh]``: which NATS to use. No servers means the embedded mesh."""
 
     model_config = _FORBID
 
-    servers: list[NatsUrl] = Field(default_factory=list)
+    servers: Annotated[list[NatsUrl], BeforeValidator(_server_list)] = Field(default_factory=list)
+    """The mesh's NATS servers (one URL, or every server of a cluster); the
+    connection fails over across them and any the cluster announces."""
+    replicas: Annotated[int, Field(ge=1, le=5)] | None = None
+    """JetStream replicas of the streams and buckets this node's services create;
+    None (absent) means ``min(3, servers in the cluster)`` (1 on the embedded mesh)."""
     credentials: OptionalFilePath = None
     """NATS ``.creds`` file of a joining node; None when unset."""
     control_plane: OptionalHttpUrl = None
@@ -681,6 +701,23 @@ class RegistryConfig(BaseModel):
     rate_limit: Annotated[int, Field(ge=1)] = 60
     """Requests per sender per window across every platform-service subject (§16.1)."""
     rate_window: Duration = timedelta(seconds=60)
+
+
+class ServicesConfig(BaseModel):
+    """``[services]``: the platform services (registry, presence, task manager,
+    artifacts, feeds) this node runs."""
+
+    model_config = _FORBID
+
+    run: bool | None = None
+    """Run them on this node. None (absent) means: only with the embedded mesh.
+    ``true`` on a node joined to an external mesh (a cluster's service node)
+    needs a credential with the service role."""
+    key_dir: Annotated[Path | None, BeforeValidator(_optional_dir_path), _PATH_SCHEMA] = None
+    """Directory of the services' shared signing keys (``registry.nk``,
+    ``presence.nk``, ...). Every service node of one mesh must sign with the
+    same keys, because callers pin a service's key on first use; None keeps
+    per-node keys in the keystore (fine for a single service node)."""
 
 
 class AdminConfig(BaseModel):
@@ -1023,6 +1060,7 @@ class Config(BaseSettings):
     node: NodeConfig = Field(default_factory=NodeConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     protections: ProtectionsConfig = Field(default_factory=ProtectionsConfig)
     inbox: InboxConfig = Field(default_factory=InboxConfig)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import nats
 import pytest
@@ -18,6 +21,8 @@ from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import nats_auth_callbacks
 from meshnode.transport.permissions import Role, node_inbox_prefix
+
+T = TypeVar("T")
 
 
 def process_alive(pid: int) -> bool:
@@ -168,3 +173,79 @@ async def node_factory(mesh: EmbeddedNatsServer) -> AsyncIterator[NodeFactory]:
 
 def _public_keys(keys: Iterable[KeyPair]) -> list[str]:
     return [key.public_key for key in keys]
+
+
+# --------------------------------------------------------------------------- a NATS cluster
+
+
+class ClusterThread:
+    """A :class:`~meshnode.testing.cluster.LocalCluster` (3 routed nats-servers with
+    JetStream + control plane) whose event loop runs in a thread of its own.
+
+    The members' supervisors therefore keep working while a synchronous test
+    drives daemon processes, and a killed member is restarted by its
+    supervisor (after ``restart_backoff_s``) whatever the test is doing.
+    Tests in any loop reach the cluster over TCP only.
+    """
+
+    def __init__(self, root: Path, *, restart_backoff_s: tuple[float, float]) -> None:
+        from meshnode.testing.cluster import LocalCluster
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="nats-cluster", daemon=True)
+        self.thread.start()
+
+        async def make() -> LocalCluster:
+            cluster = LocalCluster(root, restart_backoff_s=restart_backoff_s)
+            await cluster.start()
+            return cluster
+
+        self.cluster = self.run(make())
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run ``coro`` on the cluster's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def urls(self) -> list[str]:
+        return self.cluster.urls
+
+    def member_index(self, url: str | None) -> int:
+        """Which member serves client URL ``url`` (``nats://host:port``)."""
+        port = int(str(url).rsplit(":", 1)[1])
+        return next(i for i, m in enumerate(self.cluster.nats.members) if m.port == port)
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one nats-server; its supervisor restarts it after the backoff."""
+        pid = self.cluster.nats.members[index].pid
+        assert pid is not None, f"member {index} is not running"
+        os.kill(pid, signal.SIGKILL)
+
+    def all_ready(self) -> bool:
+        return all(m.is_ready for m in self.cluster.nats.members)
+
+    def restart_all(self) -> None:
+        """Stop every member (SIGTERM) and start the cluster again from its stores."""
+        self.run(self.cluster.nats.stop())
+        self.run(self.cluster.nats.start())
+
+    def close(self) -> None:
+        try:
+            self.run(self.cluster.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterThread]:
+    """One 3-server cluster per test module (it takes seconds to form).
+
+    A killed member stays down 3 s before its supervisor restarts it, so a
+    fault test sees both the outage and the rejoin.
+    """
+    cluster = ClusterThread(tmp_path_factory.mktemp("cluster"), restart_backoff_s=(3.0, 10.0))
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -298,6 +298,7 @@ def test_schema_export_names_every_table() -> None:
         "node",
         "mesh",
         "registry",
+        "services",
         "admin",
         "protections",
         "inbox",

@@ -115,6 +115,23 @@ class Daemon:
     def embedded_mode(self) -> bool:
         return not self.config.mesh.servers
 
+    @property
+    def runs_services(self) -> bool:
+        """Whether this node serves the platform services: ``[services] run``,
+        by default only the embedded-mesh node."""
+        run = self.config.services.run
+        return self.embedded_mode if run is None else run
+
+    def replicas(self) -> int:
+        """JetStream replicas for what the services create: ``[mesh] replicas``, else
+        ``min(3, cluster size)`` (§9.4, §18.3: R3 in production); 1 when embedded."""
+        if self.embedded_mode:
+            return 1
+        if self.config.mesh.replicas is not None:
+            return self.config.mesh.replicas
+        size = self.connection.cluster_size() if self.connection is not None else 1
+        return min(3, size)
+
     async def start(self) -> None:
         # Budgets guard against hangs; the per-agent stages grow with the roster
         # (a first start of 10,000 agents writes 10,000 keys and registrations).
@@ -157,11 +174,26 @@ class Daemon:
         # One worker-thread hop for the whole roster, not one per agent.
         keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
         self.agent_keys.update(zip(names, keys, strict=True))
-        if self.embedded_mode:
-            for name in ("registry", "presence", "tasks", "artifacts", "feeds"):
-                self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
-                    store.get_or_create, f"service.{name}"
-                )
+        if self.runs_services:
+            from meshnode.services.identity import SERVICE_NAMES, load_service_keys
+
+            key_dir = self.config.services.key_dir
+            if key_dir is not None:
+                # Shared with the mesh's other service nodes: callers pin these keys.
+                shared = await asyncio.to_thread(load_service_keys, key_dir)
+                for name, key in shared.items():
+                    self.agent_keys[f"service.{name}"] = key
+            else:
+                if not self.embedded_mode:
+                    log.warning(
+                        "[services] run = true without [services] key_dir: this node's services "
+                        "sign with keys of their own, so a second service node on this mesh "
+                        "would be refused by callers that pinned these (set key_dir on each)"
+                    )
+                for name in SERVICE_NAMES:
+                    self.agent_keys[f"service.{name}"] = await asyncio.to_thread(
+                        store.get_or_create, f"service.{name}"
+                    )
         log.info("keys held by %s", store.describe())
 
     async def _stage_plugins(self) -> None:
@@ -316,7 +348,7 @@ class Daemon:
             await self.connection.reconnect()
 
     async def _stage_services(self) -> None:
-        if not self.embedded_mode:
+        if not self.runs_services:
             return
         from meshnode.protocol.ratelimit import SlidingWindowLimiter
 
@@ -330,7 +362,7 @@ class Daemon:
         # task records, feeds and artifacts (streams and KV are account-scoped).
         # The services keep the same keys in every tenant: one platform, whose
         # replies an exported discovery query can pin like any other.
-        for tenant in self.embedded.tenants:
+        for tenant in self.embedded.tenants if self.embedded is not None else ():
             connection = await self._connect_tenant(tenant)
             self.services += await self._start_services(connection, limiter, tenant)
             log.info("platform services serve tenant %s", tenant)
@@ -367,7 +399,14 @@ class Daemon:
         from meshnode.transport.embedded import imported_agents
 
         assert self.node_key is not None
-        await ensure_mesh_streams(connection.js, 1)
+        replicas = self.replicas()
+        log.info("platform services (%s): JetStream objects with %d replica(s)", tenant, replicas)
+        if not self.embedded_mode:
+            # A cluster (re)started moments ago answers before its streams have leaders.
+            from meshnode.services.streams import wait_jetstream_ready
+
+            await wait_jetstream_ready(connection.js, timeout=20.0)
+        await ensure_mesh_streams(connection.js, replicas)
         node_id = self.node_key.public_key
 
         def context(name: str) -> ServiceContext:
@@ -378,7 +417,7 @@ class Daemon:
                 now_ms=lambda: time.time_ns() // 1_000_000,
                 ids=self._ids(),
                 log=logging.getLogger(f"meshnode.service.{name}"),
-                replicas=1,
+                replicas=replicas,
                 limiter=limiter,
             )
 
@@ -397,9 +436,9 @@ class Daemon:
             # control plane: the sandbox clamp and discovery's tier filter.
             trust_tier_of=self.control_plane.trust_tier_of if self.control_plane is not None else None,
             # Portable attestations (§9.7) are believed from this mesh's operator only.
-            trusted_issuers=(self.embedded.operator_public_key,),
+            trusted_issuers=self._trusted_issuers(),
             # Agents other tenants exported here resolve through their own registry.
-            imported=imported_agents(tenant, self.embedded.exports),
+            imported=imported_agents(tenant, self.embedded.exports) if self.embedded is not None else {},
         )
         presence.vouched_by = registry.vouched_by
         await registry.start()
@@ -422,6 +461,18 @@ class Daemon:
         await feeds.start()
         services.append(feeds)
         return services
+
+    def _trusted_issuers(self) -> tuple[str, ...]:
+        """Whose §9.7 attestations the registry believes: this mesh's operator. A
+        joined service node learns that key from the attestation issued with its
+        own credential (none stored: it believes none and applies no tier)."""
+        if self.embedded is not None:
+            return (self.embedded.operator_public_key,)
+        from meshnode.daemon.credentials import stored_trust_attestation
+
+        own = stored_trust_attestation(self.data_dir)
+        issuer = own.get("issuer") if isinstance(own, dict) else None
+        return (issuer,) if isinstance(issuer, str) else ()
 
     def _ids(self) -> Any:
         from meshnode.protocol.envelope import IdGenerator
@@ -660,6 +711,7 @@ class Daemon:
                 "tenants": list(self.embedded.tenants) if self.embedded is not None else [],
                 "connected": bool(self.connection and self.connection.is_connected),
                 "connected_url": self.connection.connected_url if self.connection else None,
+                "known_servers": self.connection.known_servers if self.connection else [],
                 "last_error": self.connection.last_error if self.connection else None,
             },
             "credential": self._credential_status(),
@@ -667,6 +719,7 @@ class Daemon:
             "agents": agents,
             "agent_summary": summary,
             "services": [type(s).__name__ for s in self.services],
+            "replicas": self.services[0].ctx.replicas if self.services else None,
             "observability": self.node.observability.status() if self.node and self.node.observability else None,
             "a2a": self.a2a.status() if self.a2a is not None else None,
         }

@@ -262,7 +262,7 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
                 daemon.config.agents[name] = new_agents[name]
                 await daemon.restart_agent(name, new_agents[name])
                 report["restarted"].append(name)
-        for section in ("node", "mesh", "registry", "admin", "protections", "inbox", "keystore", "a2a"):
+        for section in ("node", "mesh", "registry", "services", "admin", "protections", "inbox", "keystore", "a2a"):
             if getattr(old, section) != getattr(new, section):
                 report["requires_restart"].append(section)
         if old.logging != new.logging:

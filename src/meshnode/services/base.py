@@ -161,6 +161,27 @@ class ServiceBase:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def open_watch(self, kv: KeyValue, what: str) -> KeyValue.KeyWatcher:
+        """``kv.watchall()``, retried with backoff while the service runs.
+
+        Right after a reconnect to a cluster whose streams are still electing
+        leaders, creating the watch's consumer times out; without a retry the
+        watch task would end there and the service would answer from a copy
+        that never updates again.
+        """
+        delay = 0.5
+        while True:
+            try:
+                return await kv.watchall()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not self._running:
+                    raise
+                self.log.warning("watching %s failed (%s); retrying in %.1fs", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     # -- subscriptions -------------------------------------------------------
 
     async def subscribe(
@@ -361,7 +382,7 @@ class KVMirror:
         self._task = self.service.spawn(self._watch, f"{self.name}-watch")
 
     async def _watch(self) -> None:
-        watcher = await self.kv.watchall()
+        watcher = await self.service.open_watch(self.kv, self.name)
         snapshot: dict[str, dict[str, Any]] = {}
         revisions: dict[str, int] = {}
         syncing = True

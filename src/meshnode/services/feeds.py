@@ -8,8 +8,8 @@ Three duties, all on the service node:
 
 **The state writer.** The platform keeps the latest emit envelope of each
 *state* feed under ``{agent_id}.{topic}``, written on delivery. It is a
-durable consumer (``mesh_feed_state_writer``, a deliver group so several
-service nodes share it) on MESH_FEED rather than a core subscription, so a
+durable pull consumer (``mesh_feed_state_writer``, which several service
+nodes share: each message reaches one of them) on MESH_FEED rather than a core subscription, so a
 service node that was briefly disconnected catches up instead of leaving a
 stale value; and it is the platform rather than the publisher's node because
 (a) one writer applies one ordering rule for every SDK's publishers, (b)
@@ -28,12 +28,16 @@ subscribes to the feed first (subscribe before snapshot, §9.6).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+import nats.errors
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
@@ -55,6 +59,11 @@ from .streams import ensure_key_value, ensure_stream, feed_state_bucket_config, 
 __all__ = ["WRITER_CONSUMER", "FeedService"]
 
 WRITER_CONSUMER = "mesh_feed_state_writer"
+# One message per pull: nats-py's fetch of a larger batch waits for the whole
+# batch (or the timeout) once the first message is in, which would delay a
+# state value by up to the timeout; one at a time it is written on arrival.
+_FETCH_BATCH = 1
+_FETCH_TIMEOUT_S = 1.0
 _CAS_ATTEMPTS = 5
 
 
@@ -64,6 +73,7 @@ class FeedService(ServiceBase):
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx, name="feeds", queue="mesh_feed")
         self._kv: KeyValue | None = None
+        self._pull: JetStreamContext.PullSubscription | None = None
         self.stats: Counter[str] = Counter()
 
     async def start(self) -> None:
@@ -75,38 +85,70 @@ class FeedService(ServiceBase):
         self._kv = await js.key_value(subjects.KV_FEED_STATE)
         self._running = True
 
-        async def on_feed(msg: Msg) -> None:
-            try:
-                await self.record(msg.subject, msg.data)
-            except Exception:
-                self.log.exception("recording a feed value from %s failed", msg.subject)
-                # Let JetStream redeliver (max_deliver bounds it): the value may be newer.
-                return
-            await msg.ack()
-
-        config = ConsumerConfig(
-            durable_name=WRITER_CONSUMER,
-            deliver_group=WRITER_CONSUMER,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=5,
-            filter_subject=subjects.FEED_GRAMMAR,
-        )
-        sub = await js.subscribe(
+        # A pull consumer, not a push consumer with a deliver group: a push
+        # consumer's deliver subject is fixed when the first service node creates
+        # it, under that node's private reply prefix, which no other service node
+        # may subscribe to. Pulled, every service node shares the one durable.
+        await self._retire_push_writer()
+        self._pull = await js.pull_subscribe(
             subjects.FEED_GRAMMAR,
-            queue=WRITER_CONSUMER,
             durable=WRITER_CONSUMER,
             stream=subjects.FEED_STREAM,
-            config=config,
-            cb=on_feed,
-            manual_ack=True,
+            config=ConsumerConfig(
+                durable_name=WRITER_CONSUMER,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30,
+                max_deliver=5,
+                filter_subject=subjects.FEED_GRAMMAR,
+            ),
         )
-        self._subs.append(sub)
+        self.spawn(self._consume, "state-writer")
         await self.serve(subjects.FEED_GET, self._get)
         await self.ctx.connection.flush()
 
     # -- the writer --------------------------------------------------------------
+
+    async def _retire_push_writer(self) -> None:
+        """Delete the writer consumer if an earlier version created it as a push
+        consumer (it cannot be turned into a pull consumer in place)."""
+        js = self.ctx.connection.js
+        try:
+            info = await js.consumer_info(subjects.FEED_STREAM, WRITER_CONSUMER)
+        except NotFoundError:
+            return
+        if info.config.deliver_subject:
+            self.log.info("replacing the push consumer %s with a pull consumer", WRITER_CONSUMER)
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(subjects.FEED_STREAM, WRITER_CONSUMER)
+
+    async def _consume(self) -> None:
+        while self.running:
+            pull = self._pull
+            if pull is None:
+                return
+            try:
+                msgs = await pull.fetch(_FETCH_BATCH, timeout=_FETCH_TIMEOUT_S)
+            except nats.errors.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a disconnect: the durable cursor resumes where it was
+                self.log.warning("fetching feed messages failed: %s", exc)
+                await asyncio.sleep(_FETCH_TIMEOUT_S)
+                continue
+            for msg in msgs:
+                await self._on_feed(msg)
+
+    async def _on_feed(self, msg: Msg) -> None:
+        try:
+            await self.record(msg.subject, msg.data)
+        except Exception:
+            self.log.exception("recording a feed value from %s failed", msg.subject)
+            # Let JetStream redeliver (max_deliver bounds it): the value may be newer.
+            return
+        with contextlib.suppress(Exception):  # unacked: redelivered, and judged again
+            await msg.ack()
 
     async def record(self, subject: str, data: bytes) -> str:
         """Judge one delivered feed message and keep it when it is a newer state value.
@@ -175,6 +217,10 @@ class FeedService(ServiceBase):
 
     async def stop(self) -> None:
         await super().stop()
+        pull, self._pull = self._pull, None
+        if pull is not None:
+            with contextlib.suppress(Exception):
+                await pull.unsubscribe()
         self._kv = None
 
 

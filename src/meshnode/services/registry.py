@@ -64,7 +64,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import orjson
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
@@ -326,17 +326,50 @@ class RegistryService(ServiceBase):
                 max_bytes=self.inbox_max_bytes,
                 replicas=self.ctx.replicas,
             )
-        assert self._kv is not None
-        revision = await self._kv.put(agent_id, _dumps(stored))
+        revision, kept = await self._store(agent_id, stored)
+        if kept is not None:
+            # Another instance stored a registration with a newer vouch while
+            # this one was in flight: that one stands (see _store).
+            self.log.info("registration of %s superseded by a newer one; kept it", agent_id)
+            stored = kept
         # Read-your-writes on this instance; the watch confirms it (and tells the others).
         assert self._mirror is not None
-        self._mirror.wrote(agent_id, revision, stored)  # read-your-writes on this instance
+        self._mirror.wrote(agent_id, revision, stored)
         self.log.info("registered %s on node %s (%s)", agent_id, node_id, binding)
         await self.emit("registry", "agent_registered", {"agent_id": agent_id, "node": node_id})
         reply: dict[str, Any] = {"status": "registered", "agent_id": agent_id, "node_binding": binding}
         if result.dropped:
             reply["dropped"] = result.dropped
         return reply
+
+    async def _store(
+        self, agent_id: str, stored: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | None]:
+        """Write ``stored`` revision-checked; return (revision, the record kept instead or None).
+
+        With several registry instances (§9.4) two registrations of one agent
+        can be in flight at once, e.g. a node's retry landing on the second
+        instance while the first is still writing. A blind put lets whichever
+        write lands last win, which may be the older vouch. Here each write
+        names the revision it read (compare-and-set); on a lost race it re-reads,
+        and a stored record whose vouch was issued later than ours is kept.
+        """
+        assert self._kv is not None and self._mirror is not None
+        data = _dumps(stored)
+        for _ in range(_CAS_ATTEMPTS):
+            current, revision = await self._mirror.get(agent_id)
+            if current is not None and _vouch_issued(current) > _vouch_issued(stored):
+                return revision, current
+            try:
+                if revision == 0:
+                    # Absent or deleted: create() also reuses a deletion marker's revision.
+                    return await self._kv.create(agent_id, data), None
+                return await self._kv.update(agent_id, data, last=revision), None
+            except KeyWrongLastSequenceError:
+                continue  # another instance wrote in between: read again
+        raise ProtocolError(
+            "INTERNAL_ERROR", "the registration kept losing concurrent writes; retry", {"agent_id": agent_id}
+        )
 
     async def _deregister(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
         payload = env.get("payload")
@@ -489,6 +522,19 @@ class RegistryService(ServiceBase):
 
 #: What a non-owner learns of a private agent by id: identity, where to answer, the vouch.
 _PRIVATE_FACTS = ("id", "endpoint", "endpoints", "node", "visibility", "protocol_version")
+
+
+#: Compare-and-set rounds before a registration gives up (each lost round means
+#: another instance wrote the same agent in between).
+_CAS_ATTEMPTS = 8
+
+
+def _vouch_issued(manifest: Mapping[str, Any]) -> int:
+    """The vouch's issue time (microseconds; 0 when absent or unreadable)."""
+    node = manifest.get("node")
+    attestation = node.get("attestation") if isinstance(node, Mapping) else None
+    issued = attestation.get("issued_at") if isinstance(attestation, Mapping) else None
+    return (try_parse_rfc3339(issued) or 0) if isinstance(issued, str) else 0
 
 
 def _manifest_node_id(payload: object) -> str | None:

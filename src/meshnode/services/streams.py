@@ -20,8 +20,10 @@ Two stream settings are deliberate rather than defaults:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any, Literal
 
 from nats.js import JetStreamContext
@@ -50,6 +52,7 @@ __all__ = [
     "mesh_stream_configs",
     "registry_bucket_config",
     "tasks_bucket_config",
+    "wait_jetstream_ready",
 ]
 
 log = logging.getLogger("meshnode.services.streams")
@@ -338,3 +341,33 @@ async def ensure_mesh_streams(js: JetStreamContext, replicas: int) -> dict[str, 
     for bucket in (registry_bucket_config(replicas), tasks_bucket_config(replicas)):
         outcomes[bucket.bucket] = await ensure_key_value(js, bucket)
     return outcomes
+
+
+async def wait_jetstream_ready(js: JetStreamContext, *, timeout: float = 20.0) -> bool:
+    """Wait until JetStream answers and every stream has a leader; False on timeout.
+
+    A cluster that was just (re)started answers clients before its streams
+    have elected leaders, and a service that creates or opens them in that
+    window gets timeouts. Returns False (logged) when ``timeout`` passes first,
+    e.g. because an R1 stream's only server is down for good; the caller then
+    starts anyway and the objects it cannot reach fail on their own.
+    """
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while True:
+        try:
+            infos = await js.streams_info()
+        except Exception as exc:  # timeouts and 503s while the cluster recovers
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            leaderless = [
+                str(info.config.name) for info in infos
+                if info.cluster is not None and not info.cluster.leader
+            ]
+            if not leaderless:
+                return True
+            last = f"no leader yet for {', '.join(sorted(leaderless)[:5])}"
+        if time.monotonic() >= deadline:
+            log.warning("JetStream not ready after %.0fs (%s); starting anyway", timeout, last)
+            return False
+        await asyncio.sleep(0.5)

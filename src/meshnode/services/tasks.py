@@ -259,7 +259,7 @@ class TaskManagerService(ServiceBase):
 
     async def _watch(self) -> None:
         assert self._kv is not None
-        watcher = await self._kv.watchall()
+        watcher = await self.open_watch(self._kv, "task records")
         try:
             async for entry in watcher:
                 if entry is None:  # the end of the initial replay

@@ -48,6 +48,7 @@ class MeshConnection:
         inbox_prefix: str | None = None,
         connect_timeout: float = 5.0,
         reconnect_wait: float = 1.0,
+        reconnect_buffer_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         self.servers = list(servers)
         self._node_key = node_key
@@ -58,6 +59,7 @@ class MeshConnection:
         self._inbox_prefix = inbox_prefix
         self._connect_timeout = connect_timeout
         self._reconnect_wait = reconnect_wait
+        self._reconnect_buffer_bytes = reconnect_buffer_bytes
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._reconnect_listeners: list[ConnectionListener] = []
@@ -71,6 +73,11 @@ class MeshConnection:
     # -- lifecycle ---------------------------------------------------------
 
     async def connect(self) -> None:
+        # With several servers (a cluster) nats-py fails over across the list and
+        # every server the cluster announces, forever, waiting reconnect_wait
+        # between rounds; publishes made while it is between servers are held in
+        # a bounded buffer and flushed on reconnect (a full buffer raises to the
+        # publisher rather than dropping silently).
         options: dict[str, Any] = {
             "servers": self.servers,
             "name": self._name,
@@ -82,7 +89,7 @@ class MeshConnection:
             "disconnected_cb": self._on_disconnected,
             "reconnected_cb": self._on_reconnected,
             "closed_cb": self._on_closed,
-            "pending_size": 8 * 1024 * 1024,
+            "pending_size": self._reconnect_buffer_bytes,
         }
         if self._inbox_prefix:
             options["inbox_prefix"] = self._inbox_prefix
@@ -133,6 +140,27 @@ class MeshConnection:
             return None
         url = self._nc.connected_url
         return f"{url.scheme}://{url.hostname}:{url.port}"
+
+    @property
+    def known_servers(self) -> list[str]:
+        """Every server this client can fail over to: the configured ones plus
+        those the cluster announced (INFO ``connect_urls``), as ``host:port``."""
+        if self._nc is None:
+            return []
+        pool = [f"{u.hostname}:{u.port}" for u in self._nc.servers]
+        info = getattr(self._nc, "_server_info", None) or {}
+        announced = [str(u) for u in info.get("connect_urls") or []]
+        return list(dict.fromkeys([*pool, *announced]))
+
+    def cluster_size(self) -> int:
+        """How many servers the mesh has, as far as this client can tell (at least 1).
+
+        A lower bound while a cluster is still forming its routes: the replica
+        count derived from it (``min(3, size)``) can be pinned with ``[mesh] replicas``.
+        """
+        from .cluster import cluster_size_of
+
+        return cluster_size_of(self.servers, self.known_servers)
 
     @property
     def max_payload(self) -> int:

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Protocol, Self
 from urllib.parse import urlsplit
 
 from meshnode.protocol.attestations import TRUST_TIERS, make_trust_attestation
@@ -69,7 +69,7 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from .embedded import (
     DEFAULT_TENANT,
     EmbeddedMeshError,
-    EmbeddedNatsServer,
+    MeshKeys,
     _read_private_file,
     _write_private_file,
     check_tenant_name,
@@ -858,6 +858,33 @@ def _participant(node_id: str) -> Role:
 # --- the server ----------------------------------------------------------------------
 
 
+class CredentialIssuer(Protocol):
+    """What the control plane needs from a mesh: where it listens and a way to mint
+    node credentials (an :class:`EmbeddedNatsServer` or a
+    :class:`~meshnode.transport.cluster.NatsCluster`)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    @property
+    def keys(self) -> MeshKeys: ...
+
+    @property
+    def tenants(self) -> tuple[str, ...]: ...
+
+    def mint_node_credential(
+        self,
+        node_id: str,
+        agent_ids: Iterable[str],
+        expires_in_s: int,
+        *,
+        role: Role = "participant",
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str: ...
+
+
 class ControlPlaneServer:
     """The control plane of an embedded mesh: enrols nodes, renews and refuses credentials.
 
@@ -873,7 +900,7 @@ class ControlPlaneServer:
 
     def __init__(
         self,
-        embedded: EmbeddedNatsServer,
+        embedded: CredentialIssuer,
         state_dir: str | os.PathLike[str],
         *,
         host: str = "127.0.0.1",

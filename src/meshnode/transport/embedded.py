@@ -66,6 +66,7 @@ from .permissions import (
 )
 
 __all__ = [
+    "ClusterRoutes",
     "DEFAULT_MAX_CONTROL_LINE",
     "DEFAULT_MAX_PAYLOAD",
     "DEFAULT_TENANT",
@@ -333,6 +334,20 @@ def load_or_create_mesh_keys(mesh_dir: Path, tenants: Iterable[str] = ()) -> Mes
 # --- config -----------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterRoutes:
+    """Where one cluster member listens for routes, and the routes it dials.
+
+    ``routes`` are ``nats-route://host:port`` URLs of the other members (a
+    member may list itself too; nats-server ignores a route to itself).
+    """
+
+    name: str
+    host: str
+    port: int
+    routes: tuple[str, ...]
+
+
 def _conf_string(value: str) -> str:
     if any(c in value for c in '"\\\n\r'):
         raise EmbeddedMeshError(f"cannot place {value!r} in a nats-server config")
@@ -352,12 +367,15 @@ def render_server_config(
     account_jwts: dict[str, str],
     store_dir: Path,
     ports_file_dir: Path,
+    cluster: ClusterRoutes | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
     ``port=None`` (and ``monitor_port=None`` when monitoring is wanted, see
     :class:`EmbeddedNatsServer`) lets the server pick a free port; the chosen
     ports are then read from the ports file it writes into ``ports_file_dir``.
+    ``cluster`` makes the server one member of a routed cluster (JetStream
+    clustered: ``server_name`` must then be unique among the members).
     """
     preload = "\n".join(
         f"  {_conf_string(account)}: {_conf_string(jwt)}" for account, jwt in account_jwts.items()
@@ -380,6 +398,16 @@ def render_server_config(
         f"  store_dir: {_conf_string(str(store_dir))}",
         "}",
     ]
+    if cluster is not None:
+        lines += [
+            "cluster {",
+            f"  name: {_conf_string(cluster.name)}",
+            f"  listen: {_conf_string(f'{cluster.host}:{cluster.port}')}",
+            "  routes: [",
+            *(f"    {_conf_string(route)}" for route in cluster.routes),
+            "  ]",
+            "}",
+        ]
     if monitor_port is not None:
         lines.insert(6, f"http: {_conf_string(f'{host}:{monitor_port or -1}')}")
     return "\n".join(lines) + "\n"
@@ -488,6 +516,8 @@ class EmbeddedNatsServer:
         stable_after_s: float = 60.0,
         tenants: Sequence[str] = (),
         exports: Sequence[TenantExport] = (),
+        keys: MeshKeys | None = None,
+        cluster: ClusterRoutes | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
         if DEFAULT_TENANT in names or len(set(names)) != len(names):
@@ -501,6 +531,7 @@ class EmbeddedNatsServer:
         """The tenants beyond the mesh's own account, each its own NATS account (§15)."""
         self.exports: tuple[TenantExport, ...] = tuple(exports)
         self.mesh_dir = Path(data_dir).absolute() / "mesh"
+        self.cluster = cluster
         self.host = host
         self.server_name = server_name
         self.max_payload = max_payload
@@ -515,7 +546,8 @@ class EmbeddedNatsServer:
         self._port = port
         self._monitor_port = monitor_port
         self._monitor_url: str | None = None
-        self._keys: MeshKeys | None = None
+        # A cluster member is handed the cluster's keys rather than keeping its own.
+        self._keys: MeshKeys | None = keys
         self._process: asyncio.subprocess.Process | None = None
         self._started_at = 0.0
         self._supervisor: asyncio.Task[None] | None = None
@@ -754,6 +786,7 @@ class EmbeddedNatsServer:
             account_jwts=accounts,
             store_dir=self.mesh_dir / "jetstream",
             ports_file_dir=run_dir,
+            cluster=self.cluster,
         )
         path = self.mesh_dir / _CONFIG_FILE
         _write_private_file(path, config, replace=True)

@@ -1,0 +1,265 @@
+"""A routed cluster of nats-servers with JetStream, on one host (tests, demos, staging).
+
+:class:`NatsCluster` runs ``size`` supervised nats-servers (each an
+:class:`~meshnode.transport.embedded.EmbeddedNatsServer`) sharing one trust
+chain: the operator, system-account and mesh-account keys live once under
+``<data_dir>/mesh/`` and every member preloads the same accounts. Each member
+has its own directory (``<data_dir>/n<i>/mesh/``: config, log, JetStream store)
+and the members route to each other on loopback, so JetStream runs clustered
+and streams can be created with three replicas.
+
+Ports are chosen once (free ports, or the ones given) and recorded in
+``<data_dir>/cluster.json``, so a cluster started again from the same
+directory listens where its nodes' configurations say it does.
+
+The cluster offers what the control plane needs from a mesh (``urls`` and
+:meth:`mint_node_credential`), so a :class:`~meshnode.transport.control_plane.ControlPlaneServer`
+enrols and renews nodes against it exactly as against the embedded mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from meshnode.protocol.nkeys import KeyPair, Prefix
+
+from .embedded import (
+    ClusterRoutes,
+    EmbeddedMeshError,
+    EmbeddedNatsServer,
+    MeshKeys,
+    load_or_create_mesh_keys,
+)
+from .jwt import ResponsePermission
+from .permissions import Role
+
+__all__ = ["NatsCluster", "cluster_size_of", "free_port"]
+
+log = logging.getLogger(__name__)
+
+_PORTS_FILE = "cluster.json"
+_REPLY_ONCE = ResponsePermission()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _host_port(url: str) -> str:
+    """``host:port`` of a NATS URL (``nats://h:p``, ``h:p``), for comparing server lists."""
+    rest = url.split("://", 1)[-1].rstrip("/")
+    rest = rest.rsplit("@", 1)[-1]
+    return rest if ":" in rest.rsplit("]", 1)[-1] else f"{rest}:4222"
+
+
+def cluster_size_of(configured: Iterable[str], known: Iterable[str]) -> int:
+    """How many servers the mesh has, as far as a client can tell: the distinct
+    servers it was configured with and those the servers announced (INFO
+    ``connect_urls``), at least 1."""
+    return max(1, len({_host_port(u) for u in (*configured, *known)}))
+
+
+class NatsCluster:
+    """``size`` nats-servers routed into one JetStream cluster on ``host``.
+
+    Use ``async with NatsCluster(path) as cluster:`` or :meth:`start` and
+    :meth:`stop`. ``members[i]`` is each server, to stop, kill or restart one.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        name: str = "meshnode",
+        client_ports: Sequence[int] | None = None,
+        route_ports: Sequence[int] | None = None,
+        ready_timeout_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+        restart_backoff_s: tuple[float, float] = (0.5, 30.0),
+        binary: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError("a cluster has at least one server")
+        self.data_dir = Path(data_dir).absolute()
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.size = size
+        self.host = host
+        self.name = name
+        self.ready_timeout_s = ready_timeout_s
+        self.keys: MeshKeys = load_or_create_mesh_keys(self.data_dir / "mesh")
+        # Tenancy (§15) is an embedded-mesh feature; a cluster serves the mesh account.
+        self.tenants: tuple[str, ...] = ()
+        clients, routes = self._ports(client_ports, route_ports)
+        route_urls = tuple(f"nats-route://{host}:{port}" for port in routes)
+        self.members: list[EmbeddedNatsServer] = [
+            EmbeddedNatsServer(
+                self.data_dir / f"n{i + 1}",
+                host=host,
+                port=clients[i],
+                server_name=f"{name}-n{i + 1}",
+                keys=self.keys,
+                cluster=ClusterRoutes(
+                    name=name,
+                    host=host,
+                    port=routes[i],
+                    routes=tuple(u for j, u in enumerate(route_urls) if j != i),
+                ),
+                ready_timeout_s=ready_timeout_s,
+                stop_timeout_s=stop_timeout_s,
+                restart_backoff_s=restart_backoff_s,
+                binary=binary,
+            )
+            for i in range(size)
+        ]
+
+    def _ports(
+        self, client_ports: Sequence[int] | None, route_ports: Sequence[int] | None
+    ) -> tuple[list[int], list[int]]:
+        path = self.data_dir / _PORTS_FILE
+        recorded: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                recorded = loaded
+        clients = list(client_ports or recorded.get("client_ports") or [])
+        routes = list(route_ports or recorded.get("route_ports") or [])
+        if len(clients) != self.size:
+            clients = [free_port(self.host) for _ in range(self.size)]
+        if len(routes) != self.size:
+            routes = [free_port(self.host) for _ in range(self.size)]
+        path.write_text(
+            json.dumps({"client_ports": clients, "route_ports": routes}) + "\n", encoding="utf-8"
+        )
+        return clients, routes
+
+    # -- what clients and the control plane need --
+
+    @property
+    def urls(self) -> list[str]:
+        """Every member's client URL, in member order."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return [f"nats://{host}:{m.port}" for m in self.members]
+
+    @property
+    def operator_public_key(self) -> str:
+        return self.keys.operator.public_key
+
+    @property
+    def account_public_key(self) -> str:
+        return self.keys.mesh_account.public_key
+
+    def mint_user(
+        self,
+        name: str,
+        user_public_key: str,
+        pub_allow: Sequence[str],
+        sub_allow: Sequence[str],
+        expires_in_s: int,
+        *,
+        response: ResponsePermission | None = _REPLY_ONCE,
+        now: int | None = None,
+        tags: Sequence[str] = (),
+    ) -> str:
+        """A user JWT in the mesh account (see :meth:`EmbeddedNatsServer.mint_user`)."""
+        return self.members[0].mint_user(
+            name, user_public_key, pub_allow, sub_allow, expires_in_s,
+            response=response, now=now, tags=tags,
+        )
+
+    def mint_node_credential(
+        self,
+        node_id: str,
+        agent_ids: Iterable[str],
+        expires_in_s: int,
+        *,
+        role: Role = "participant",
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """A node credential valid on every member (one account, one operator)."""
+        return self.members[0].mint_node_credential(
+            node_id, agent_ids, expires_in_s, role=role, trust_tier=trust_tier, now=now, tenant=tenant
+        )
+
+    # -- lifecycle --
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start every member and return once JetStream answers (a meta leader exists)."""
+        try:
+            await asyncio.gather(*(m.start() for m in self.members))
+            await self.wait_jetstream()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop every member (SIGTERM, SIGKILL on overrun). Idempotent."""
+        await asyncio.gather(*(m.stop() for m in self.members), return_exceptions=True)
+
+    async def wait_jetstream(self, timeout: float | None = None) -> None:
+        """Return once the cluster's JetStream accepts API calls: a fresh cluster
+        (or one restarted whole) needs a moment to elect its meta leader, and a
+        stream created before that is refused."""
+        import nats
+
+        from .jwt import nats_auth_callbacks
+        from .permissions import node_inbox_prefix
+
+        key = KeyPair.generate(Prefix.USER)
+        jwt = self.mint_node_credential(key.public_key, [], 300, role="service")
+        user_jwt_cb, signature_cb = nats_auth_callbacks(lambda: jwt, key)
+        deadline = time.monotonic() + (timeout or self.ready_timeout_s)
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                nc = await nats.connect(
+                    self.urls,
+                    user_jwt_cb=user_jwt_cb,
+                    signature_cb=signature_cb,
+                    inbox_prefix=node_inbox_prefix(key.public_key),
+                    allow_reconnect=False,
+                    connect_timeout=2,
+                    max_reconnect_attempts=0,
+                )
+            except Exception as exc:
+                last = exc
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                await nc.jetstream().account_info()
+                return
+            except Exception as exc:
+                last = exc
+                await asyncio.sleep(0.2)
+            finally:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+        raise EmbeddedMeshError(f"the cluster's JetStream did not become available: {last}")
