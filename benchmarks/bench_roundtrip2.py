@@ -15,7 +15,8 @@ responder in its own (:mod:`benchmarks.raw_responder`). Batches of both
 alternate, so a busy neighbour on the shared machine hits both alike; figures
 are medians over the batches. CPU per round trip is the CPU time both ends'
 processes used over the latency batches (``/proc``; nats-server excluded on
-both sides), against the same crypto floor as ``roundtrip``.
+both sides), against the same crypto floor as ``roundtrip``; the same at
+concurrency 64 (``cpu_us_at_64``) says how many cores each side kept busy.
 """
 
 from __future__ import annotations
@@ -125,11 +126,15 @@ def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100) -> dict[str
                 p50, p99 = await time_sequential(raw_call, n_lat)
                 cpu_us = ((time.process_time() - cpu0) + (_proc_cpu_s(responder.pid) - rcpu0)) / n_lat * 1e6
                 lat = await asyncio.to_thread(_drive, node_a, mesh_pids, echo_id, "latency", n_lat)
+                cpu0, rcpu0 = time.process_time(), _proc_cpu_s(responder.pid)
                 tp_raw = await time_concurrent(raw_call, n_tp, CONCURRENCY)
+                cpu_tp_us = ((time.process_time() - cpu0) + (_proc_cpu_s(responder.pid) - rcpu0)) / n_tp * 1e6
                 tp = await asyncio.to_thread(_drive, node_a, mesh_pids, echo_id, "throughput", n_tp)
-                raw_runs.append({"p50_us": p50, "p99_us": p99, "throughput": tp_raw, "cpu_us": cpu_us})
+                raw_runs.append({"p50_us": p50, "p99_us": p99, "throughput": tp_raw, "cpu_us": cpu_us,
+                                 "cpu_us_at_64": cpu_tp_us})
                 mesh_runs.append({"p50_us": lat["p50_us"], "p99_us": lat["p99_us"], "throughput": tp["per_s"],
-                                  "cpu_us": lat["both_cpu_us"], "node_a_cpu_us": lat["cpu_us"]})
+                                  "cpu_us": lat["both_cpu_us"], "node_a_cpu_us": lat["cpu_us"],
+                                  "cpu_us_at_64": tp["both_cpu_us"]})
             await nc.close()
         finally:
             if responder.stdin is not None:
@@ -185,5 +190,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     print(f"CPU per round trip (node A + node B, nats-server excluded): {mesh['cpu_us']:.0f} µs "
           f"= {result['cpu_vs_floor']:.2f}x the {result['crypto_floor_us']:.0f} µs crypto floor; "
           f"node A alone {mesh['node_a_cpu_us']:.0f} µs")
+    # CPU per call at concurrency 64 (batched writes make it cheaper than at 1)
+    # times the rate: how many cores each side kept busy, i.e. whether it was CPU-bound.
+    print(f"at concurrency {CONCURRENCY}: meshnode {mesh['cpu_us_at_64']:.0f} µs CPU per round trip, "
+          f"{mesh['cpu_us_at_64'] * mesh['throughput'] / 1e6:.2f} cores busy (both daemons); raw nats-py "
+          f"{raw['cpu_us_at_64']:.0f} µs, {raw['cpu_us_at_64'] * raw['throughput'] / 1e6:.2f} cores busy")
     print(f"written {write_result('roundtrip2', result)}")
     return result
