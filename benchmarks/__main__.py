@@ -16,6 +16,7 @@ from . import (
     bench_drain,
     bench_residual,
     bench_roundtrip,
+    bench_roundtrip2,
     bench_scale,
     bench_stream,
 )
@@ -24,6 +25,7 @@ from .harness import print_table, write_result
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "canonical": bench_canonical.run,
     "roundtrip": bench_roundtrip.run,
+    "roundtrip2": bench_roundtrip2.run,
     "drain": bench_drain.run,
     "stream": bench_stream.run,
     "scale": bench_scale.run,
@@ -58,6 +60,14 @@ def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         add("two-node latency ≤ 2.5x raw nats-py", r["latency_ratio"], 2.5, at_most=True, shown=f"{r['latency_ratio']:.2f}x")
         add("two-node throughput @64 ≥ 40% raw", r["throughput_ratio"], 0.40, at_most=False, shown=f"{r['throughput_ratio']:.0%}")
         add("CPU per round trip ≤ 2x crypto floor", r["cpu_vs_floor"], 2.0, at_most=True, shown=f"{r['cpu_vs_floor']:.2f}x")
+    if "roundtrip2" in results:
+        r = results["roundtrip2"]
+        add("2 daemon processes: latency ≤ 2.5x raw", r["latency_ratio"], 2.5, at_most=True,
+            shown=f"{r['latency_ratio']:.2f}x")
+        add("2 daemon processes: throughput @64 ≥ 40% raw", r["throughput_ratio"], 0.40, at_most=False,
+            shown=f"{r['throughput_ratio']:.0%}")
+        add("2 daemon processes: CPU per rt ≤ 2x floor", r["cpu_vs_floor"], 2.0, at_most=True,
+            shown=f"{r['cpu_vs_floor']:.2f}x")
     if "scale" in results:
         for r in results["scale"]["results"]:
             if r["agents"] != 1000:
