@@ -7,15 +7,17 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` on the event loop the daemon runs on (uvloop where installed,
     as ``meshnode run`` does), so figures are the daemon's, baselines alike."""
     try:
@@ -59,7 +61,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-def print_table(title: str, rows: list[tuple[str, ...]]) -> None:
+def print_table(title: str, rows: Sequence[tuple[str, ...]]) -> None:
     print(f"\n== {title}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):

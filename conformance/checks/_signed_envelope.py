@@ -70,7 +70,7 @@ def check_signed_envelope(
         assert sign_object(env, ENVELOPE_TAG, key) == env["sig"], "re-signing gave another signature"
 
     with rec.case(f"{name}/tamper"):
-        raw = bytearray(prefix.encode("ascii") + canonical.encode("utf-8"))
+        raw = prefix.encode("ascii") + canonical.encode("utf-8")
         sig = b64url_decode(env["sig"])
         for index in (len(prefix), len(raw) // 2, len(raw) - 2):
             flipped = bytearray(raw)

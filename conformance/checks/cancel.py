@@ -111,14 +111,18 @@ def _check_shapes(fixture: dict[str, Any], rec: Recorder) -> None:
                     assert emitted == payload, emitted
             continue
         with rec.case(f"shapes/{name}"):
-            stop = stop_fields_of_update(payload)
-            assert stop is not None, "an ending payload must be recognised"
+            ending = stop_fields_of_update(payload)
+            assert ending is not None, "an ending payload must be recognised"
             status = payload["status"]
-            builder = build_canceled_update_payload if status == "canceled" else build_failed_update_payload
-            kwargs = {"note": stop.note, "unmet_need": stop.unmet_need, "dependency": stop.dependency}
-            rebuilt = builder(stop.reason, **kwargs)
+            kwargs = {"note": ending.note, "unmet_need": ending.unmet_need, "dependency": ending.dependency}
+            if status == "canceled":
+                # a cancel always names its reason; a failure may be bare
+                assert ending.reason is not None, "a canceled payload names its reason"
+                rebuilt = build_canceled_update_payload(ending.reason, **kwargs)
+            else:
+                rebuilt = build_failed_update_payload(ending.reason, **kwargs)
             assert rebuilt == payload, rebuilt
-            record = stop.record_fields(status)
+            record = ending.record_fields(status)
             reason_key = "cancel_reason" if status == "canceled" else "failure_reason"
             assert "reason" not in record
             assert record.get(reason_key) == payload.get("reason")

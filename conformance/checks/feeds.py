@@ -87,8 +87,8 @@ def run(fixture: dict[str, Any], rec: Recorder) -> None:
             assert feed_state_key(case["agent"], case["topic"]) == case["key"]
     for case in state["lookup_request_cases"]:
         with rec.case(f"state/lookup_request/{case['id']}"):
-            got = lookup_request(case["agent"], case["topic"])
-            assert canonical_text(got) == canonical_text(case["payload"]), got
+            request = lookup_request(case["agent"], case["topic"])
+            assert canonical_text(request) == canonical_text(case["payload"]), request
             assert parse_lookup_request(case["payload"]) == (case["agent"], case["topic"])
     with rec.case("state/lookup_response_members"):
         members = set(state["lookup_response_members"])

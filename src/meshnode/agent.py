@@ -46,7 +46,7 @@ Contract for handlers (stable):
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -145,7 +145,9 @@ class OfferingSpec:
         return entry
 
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# A handler is a coroutine function, or an async generator function for a
+# streaming offering (each yielded item is one chunk).
+F = TypeVar("F", bound=Callable[..., Awaitable[Any] | AsyncIterator[Any]])
 
 
 def offering(
