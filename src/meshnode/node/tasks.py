@@ -530,7 +530,8 @@ class RequesterTask:
             context_id=context_id if isinstance(context_id, str) else None,
             task_id=self.task_id,
         )
-        self.last_update = reply.envelope
+        if self.state not in _TERMINAL:  # an end seen meanwhile by updates() stands
+            self.last_update = reply.envelope
         return reply
 
     async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
