@@ -640,7 +640,7 @@ class Daemon:
     async def _stage_admin(self) -> None:
         methods = MethodRegistry()
         methods.add("Status", self._admin_status, level="operator", doc="node and agent status")
-        methods.add("Call", self._admin_call, level="operator", doc="call an agent's offering as the node's CLI identity")
+        methods.add("Call", self._admin_call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
         methods.add("Presence", self._admin_presence, level="operator", doc="presence of a node or agent (or all nodes)")
         methods.add("Discover", self._admin_discover, level="operator", doc="query the registry (§9.3 filters)")
         methods.add("Agents.Add", self._admin_agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
