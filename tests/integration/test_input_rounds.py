@@ -88,3 +88,24 @@ def test_auth_round_and_an_unanswered_round_ends_canceled(meshnode_daemons: Daem
     assert record.get("state") == "canceled", record
     late = call(a, "ask", {"name": "Ada"}, task_id=waiting["task_id"])
     assert late["status"] == "failed" and late["error"]["code"] == "TASK_NOT_FOUND"
+
+
+def test_a_follow_up_after_the_responder_crashed_is_answered_not_dropped(meshnode_daemons: DaemonSet) -> None:
+    a, b = both(meshnode_daemons)
+    target = b.agent_id("asker_b")
+    opened = a.admin("Call", {"agent": target, "offering": "ask", "input": {}, "timeout": 30}, timeout=45)
+    assert opened["status"] == "input_required", opened
+    b.kill()  # the paused handler dies with its process
+    b.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        agents = {x["name"]: x for x in b.status()["agents"]}
+        if agents.get("asker_b", {}).get("registered"):
+            break
+        time.sleep(0.2)
+    late = a.admin("Call", {"agent": target, "offering": "ask", "input": {"name": "Ada"}, "timeout": 30,
+                            "task_id": opened["task_id"]}, timeout=45)
+    assert late["status"] == "failed" and late["error"]["code"] == "TASK_NOT_FOUND", late
+    assert "restarted" in late["error"]["message"]
+    counters = next(x for x in b.status()["agents"] if x["name"] == "asker_b")["counters"]
+    assert not counters.get("dispatched"), counters  # no handler started for it
