@@ -42,6 +42,7 @@ from meshnode.protocol.offerings import normalize_request_payload, offering_id_o
 from meshnode.protocol.preflight import check_content_type
 from meshnode.protocol.protections import DeliverySource, FreshnessWindow, InboundGuard, Protection
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
+from meshnode.protocol.tasks import check_follow_up
 
 if TYPE_CHECKING:
     from meshnode.node.runtime import Node
@@ -593,8 +594,6 @@ class HostedAgent:
         original request's, to the waiting handler. Anything else is answered
         with the rule's error (a stranger, an unknown or ended task, and a task
         lost in a restart all get TASK_NOT_FOUND) and resumes nothing."""
-        from meshnode.protocol.tasks import check_follow_up
-
         task_id = str(env["task_id"])
         task = self.tasks.get(task_id)
         try:
