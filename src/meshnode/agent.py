@@ -258,7 +258,9 @@ class Context(Protocol):
 
         The returned handle sends ``progress()``, ``require_input(problems)``,
         ``require_auth()``, ``reject()``, ``pause_for_budget(spent, estimate)``
-        and ``exhaust()`` updates on ``mesh.task.{id}.update``; the handler's
+        and ``exhaust()`` updates on ``mesh.task.{id}.update``;
+        ``await task.ask_input(problems)`` (or ``ask_auth()``) pauses and returns
+        the input of the requester's follow-up once it arrives; the handler's
         return value completes the task and a raised Refusal fails it. A
         streaming offering (an async generator handler asked with
         ``config.stream``) becomes a Task without calling this.
@@ -275,6 +277,8 @@ class Context(Protocol):
         budget: Mapping[str, Any] | None = None,
         files: Sequence[Mapping[str, Any]] | None = None,
         resources: Sequence[Mapping[str, Any]] | None = None,
+        task_id: str | None = None,
+        context_id: str | None = None,
     ) -> Reply:
         """Send a request to agent ``target`` and await its substantive reply.
 
@@ -293,6 +297,12 @@ class Context(Protocol):
 
         ``target`` ``a2a:<peer>`` calls an external A2A agent (README, "A2A
         bridge (outbound)"); ``config={"stream": True}`` streams from it.
+
+        ``task_id`` answers a Task of ``target`` paused in ``input_required``
+        or ``auth_required`` (§6.5): ``input`` is what it asked for,
+        ``offering`` and ``context_id`` the Task's (``reply.task.provide_input``
+        fills them in). The reply is the Task ``working`` again. (Not for
+        ``a2a:`` targets: refused INVALID_ENVELOPE.)
         """
 
     async def a2a_task(self, target: str, task_id: str, *, timeout: float = 30.0) -> Any:

@@ -703,3 +703,61 @@ class A2ATargetPlugin:
 
 
 a2a_target_plugin = A2ATargetPlugin()
+
+
+class Asker(Agent):
+    """Input and auth rounds (§6.5, §7.3): pauses, and resumes with the follow-up."""
+
+    description = "asks its caller for more"
+
+    NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+    @offering("ask", framing=False)
+    async def ask(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        wait = float((input or {}).get("wait", 60))
+        answer = await task.ask_input(
+            [{"input": "name", "problem": "missing", "description": "whom shall I greet?"}],
+            "who?", schema=self.NAME_SCHEMA, timeout=wait,
+        )
+        return {"hello": answer["name"], "rounds": 1}
+
+    @offering("login", framing=False)
+    async def login(self, ctx: Context, input: Any) -> Any:
+        task = await ctx.defer("working")
+        creds = await task.ask_auth("sign in, please", timeout=60)
+        return {"user": (creds or {}).get("user")}
+
+    @offering("converse", framing=False)
+    async def converse(self, ctx: Context, input: Any) -> Any:
+        """The requester's side as an agent: open a task on ``target``, answer its
+        round with ``reply.task.provide_input``, and wait for the result."""
+        reply = await ctx.request(input["target"], "ask", {})
+        task = reply.task
+        paused = await task.result(timeout=30, until_paused=True)
+        asked = (paused.get("payload") or {}).get("problems")
+        resumed = await task.provide_input({"name": input.get("name", "Ada")})
+        final = await task.result(timeout=30)
+        return {"paused": (paused.get("payload") or {}).get("status"), "problems": asked,
+                "resumed": resumed.status, "final": (final.get("payload") or {}).get("status"),
+                "output": (final.get("payload") or {}).get("output"), "task_id": task.task_id}
+
+    @offering("butt-in", framing=False)
+    async def butt_in(self, ctx: Context, input: Any) -> Any:
+        """A stranger's follow-up to someone else's task: the refusal's code."""
+        from meshnode.node.outbound import RemoteError
+
+        try:
+            await ctx.request(input["target"], "ask", {"name": "Mallory"}, task_id=input["task_id"])
+        except RemoteError as exc:
+            return {"refused": exc.code}
+        return {"refused": None}
+
+
+class AskerPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-asker", Asker)
+
+
+asker_plugin = AskerPlugin()

@@ -79,12 +79,12 @@ def bridge() -> Iterator[Bridge]:
     try:
         daemon = daemons.embedded(
             "a2a",
-            agents={"target": {"plugin": "test-a2a"}, "echo": {"plugin": "echo"}},
-            node={"plugin_modules": ["tests.agents:a2a_target_plugin"]},
+            agents={"target": {"plugin": "test-a2a"}, "echo": {"plugin": "echo"}, "asker": {"plugin": "test-asker"}},
+            node={"plugin_modules": ["tests.agents:a2a_target_plugin", "tests.agents:asker_plugin"]},
             extra={
                 "a2a": {
                     "listen": f"127.0.0.1:{port}",
-                    "expose": ["target", "echo"],
+                    "expose": ["target", "echo", "asker"],
                     "application": APP,
                     "max_mesh_hops": 3,
                     "idempotency_retention": "1h",
@@ -519,6 +519,61 @@ def test_anonymous_idempotency_is_keyed_on_the_body(bridge: Bridge) -> None:
     assert theirs["id"] != first["id"] and theirs["artifacts"][0]["parts"][0]["data"] == {"ok": {"secret": "theirs"}}
     # A trusted caller's messageIds are its own: the same message signed is another task.
     assert send_echo(with_envelope(mine), ACTIVATE)["id"] != first["id"]
+
+
+# --- answering a paused task (input_required / auth_required) ------------------------------
+
+INVALID_PARAMS = -32602
+UNSUPPORTED = -32004  # A2A UnsupportedOperationError
+
+
+async def test_an_sdk_client_answers_input_required_and_the_task_completes(bridge: Bridge) -> None:
+    paused = task_of(await send(bridge.url("asker"), message(data={}, skill="ask")))
+    assert paused["status"]["state"] == "TASK_STATE_INPUT_REQUIRED", paused
+    answer = message(data={"name": "Ada"}, skill="ask")
+    answer.update(taskId=paused["id"], contextId=paused["contextId"])
+    done = task_of(await send(bridge.url("asker"), answer))
+    assert done["id"] == paused["id"] and done["status"]["state"] == "TASK_STATE_COMPLETED", done
+    assert done["artifacts"][0]["parts"][0]["data"] == {"hello": "Ada", "rounds": 1}
+    # Streamed, the answer is followed to the end the same way (an auth round here).
+    # Streamed, each turn's stream closes at the pause; the answer's runs to the end.
+    opening = await send(bridge.url("asker"), message(data={}, skill="login"), streaming=True)
+    opened = task_of(opening)
+    assert MessageToDict(opening[-1].status_update)["status"]["state"] == "TASK_STATE_AUTH_REQUIRED"
+    creds = message(data={"user": "ada"}, skill="login")
+    creds["taskId"] = opened["id"]
+    events = await send(bridge.url("asker"), creds, streaming=True)
+    last = MessageToDict(events[-1].status_update)
+    assert last["status"]["state"] == "TASK_STATE_COMPLETED", [MessageToDict(e) for e in events]
+
+
+def test_only_the_owner_answers_a_paused_task_and_only_while_paused(bridge: Bridge) -> None:
+    def send_to(msg: dict[str, Any], headers: dict[str, str] = ACTIVATE) -> httpx.Response:
+        return rpc(bridge.url("asker"), "SendMessage", {"message": msg}, headers)
+
+    paused = send_to(with_envelope(message(data={}, skill="ask"))).json()["result"]["task"]
+    assert paused["status"]["state"] == "TASK_STATE_INPUT_REQUIRED", paused
+    task_id, context_id = paused["id"], paused["contextId"]
+
+    def answer(data: Any, **over: Any) -> dict[str, Any]:
+        msg = message(data=data, skill="ask")
+        msg.update({"taskId": task_id, "contextId": context_id, **over})
+        return msg
+
+    before = bridge.received("asker")
+    # Anyone but its trusted caller: an unknown task, and nothing reaches the agent.
+    for headers in (HEADERS, ACTIVATE):
+        assert error_of(send_to(answer({"name": "Mallory"}), headers))["code"] == NOT_FOUND
+    assert bridge.received("asker") == before
+    assert error_of(send_to(with_envelope(answer({"name": "Ada"}, contextId="other"))))["code"] == INVALID_PARAMS
+    # Input the agent's round refuses: InvalidParams, and the task is still paused.
+    assert error_of(send_to(with_envelope(answer({"nom": "Ada"}))))["code"] == INVALID_PARAMS
+    owned = rpc(bridge.url("asker"), "GetTask", {"id": task_id}, proof("GetTask", task_id)).json()["result"]
+    assert owned["status"]["state"] == "TASK_STATE_INPUT_REQUIRED", owned
+    done = send_to(with_envelope(answer({"name": "Ada"}))).json()["result"]["task"]
+    assert done["status"]["state"] == "TASK_STATE_COMPLETED" and done["id"] == task_id, done
+    # Ended: it takes no further message.
+    assert error_of(send_to(with_envelope(answer({"name": "Ada"}))))["code"] == UNSUPPORTED
 
 
 # --- idempotency (restarts the module's daemon: keep last) --------------------------------

@@ -34,6 +34,11 @@ refused; callers without a trusted envelope are told apart by nothing, so
 theirs is keyed on (messageId, body hash): the very same message gets the same
 task, another message under a reused messageId a task of its own.
 
+Answering a paused task: a SendMessage whose ``message.taskId`` names a
+task in INPUT_REQUIRED / AUTH_REQUIRED, sent by the caller that owns it (the
+rule below) with its ``contextId`` (or none), is forwarded to the agent as the
+mesh follow-up request (same task_id, §6.5); the task goes on as before.
+
 Task ownership: a task belongs to the caller that created it. A trusted
 caller's task is answered (GetTask, CancelTask, SubscribeToTask) only to a
 request proving the same issuer — a task-operation envelope in the
@@ -216,6 +221,7 @@ class _Live:
     mesh_task: Any = None
     cancel_requested: bool = False
     cost_micro: int | None = None
+    answering: bool = False  # a caller's answer to a paused task is being forwarded
 
     def publish(self, event: dict[str, Any] | None) -> None:
         for queue in list(self.subscribers):
@@ -617,9 +623,7 @@ class A2ABridge:
         if not msg.message_id:
             raise InvalidParamsError(message="message.messageId is required")
         if msg.task_id:
-            raise UnsupportedOperationError(
-                message="continuing a task is not supported by this bridge: send a new message"
-            )
+            return await self._answer_paused(agent, hosted, params, inbound)
         async with self._submit_lock:
             return await self._submit(agent, hosted, params, inbound, streaming=streaming)
 
@@ -708,6 +712,63 @@ class A2ABridge:
             self._execute(live, hosted, offering, handler_input, inbound, config),
             name=f"a2a:{task_id}",
         )
+        return live, task
+
+    async def _answer_paused(
+        self, agent: str, hosted: HostedAgent, params: SendMessageRequest, inbound: _Inbound
+    ) -> tuple[_Live, dict[str, Any]]:
+        """A message naming ``taskId``: the caller's answer to its task paused in
+        INPUT_REQUIRED / AUTH_REQUIRED, forwarded to the agent as the mesh
+        follow-up (§6.5: same task_id) by the bridge identity that opened it.
+        The runner already following the task carries on with its updates.
+
+        Only the task's caller may answer (the ownership rule of GetTask:
+        anyone else, and an unknown task, get TaskNotFound); a ``contextId``
+        must be the task's (InvalidParams); a task not paused, or ended, takes
+        no message (UnsupportedOperation). Input the agent refuses
+        (INPUT_INVALID) is InvalidParams and the task stays paused."""
+        msg = params.message
+        caller = self._caller(inbound)
+        live = self.live.get(msg.task_id)
+        if live is None or live.agent != agent or not self.may_see(live.caller, caller):
+            ended = await self.get_task(agent, msg.task_id, caller)  # TaskNotFound: unknown or not theirs
+            raise UnsupportedOperationError(
+                message=f"the task is {ended['status'].get('state')}: it takes no further message"
+            )
+        task = live.task
+        if msg.context_id and msg.context_id != task["contextId"]:
+            raise InvalidParamsError(message="message.contextId is not the task's contextId")
+        state = task["status"].get("state")
+        mesh_task = live.mesh_task
+        if state not in INTERRUPTED_A2A or mesh_task is None or live.answering:
+            raise UnsupportedOperationError(message=f"the task is {state}, not waiting for input")
+        # The round's own schema (the agent is hosted here) decides how text parts map.
+        performing = hosted.tasks.get(mesh_task.task_id)
+        schema = performing.round_schema if performing is not None else None
+        try:
+            raw_parts = inbound.message.get("parts")
+            if isinstance(raw_parts, list) and all(isinstance(p, dict) for p in raw_parts):
+                parts = raw_parts
+            else:
+                parts = [MessageToDict(p) for p in msg.parts]
+            answer = input_from_parts(parts, schema)
+        except PartsRefused as exc:
+            raise InvalidParamsError(message=str(exc)) from None
+        live.answering = True
+        # A blocking send returns at the next pause or the end, not at this one.
+        live.settled.clear()
+        try:
+            await mesh_task.provide_input(answer, timeout=self.settings.send_wait_s)
+        except ProtocolError as exc:
+            if task["status"].get("state") in INTERRUPTED_A2A or live.done.is_set():
+                live.settled.set()
+            if exc.code == "INPUT_INVALID":
+                raise InvalidParamsError(message="the input does not match what the task asked for") from None
+            raise UnsupportedOperationError(message=f"the task did not take the input ({exc.code})") from None
+        finally:
+            live.answering = False
+        if task["status"].get("state") in INTERRUPTED_A2A and not live.done.is_set():
+            await self._status(live, "working")
         return live, task
 
     # -- execution ---------------------------------------------------------------
@@ -990,16 +1051,22 @@ def _task_proto(task: Mapping[str, Any]) -> Task:
 
 
 async def _follow(live: _Live, queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncGenerator[Any]:
-    """The task as it stands, then its updates until it ends (``queue`` is
-    already subscribed, so nothing between the two is missed)."""
+    """The task as it stands, then its updates until it ends or pauses for the
+    caller (INPUT_REQUIRED / AUTH_REQUIRED: the stream closes, as A2A streams
+    do, and the caller's answering message opens the next one). ``queue`` is
+    already subscribed, so nothing between the two is missed."""
     try:
         yield _task_proto(live.task)
+        if live.task["status"].get("state") in INTERRUPTED_A2A and not live.answering:
+            return
         while True:
             event = await queue.get()
             if event is None:
                 return
             if "statusUpdate" in event:
                 yield ParseDict(event["statusUpdate"], TaskStatusUpdateEvent(), ignore_unknown_fields=True)
+                if event["statusUpdate"].get("status", {}).get("state") in INTERRUPTED_A2A:
+                    return
             elif "artifactUpdate" in event:
                 yield ParseDict(event["artifactUpdate"], TaskArtifactUpdateEvent(), ignore_unknown_fields=True)
     finally:

@@ -40,6 +40,8 @@ def register(commands: Any) -> None:
     call.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
     call.add_argument("--stream", action="store_true", help="ask for a streamed answer (config.stream)")
     call.add_argument("--no-wait", action="store_true", help="return as soon as a task is opened (prints its id)")
+    call.add_argument("--task-id", help="answer this task, paused in input_required/auth_required, with INPUT")
+    call.add_argument("--context-id", help="the context of the task answered with --task-id (when it has one)")
     _client_args(call)
     call.set_defaults(handler=cmd_call)
 
@@ -199,6 +201,10 @@ def cmd_call(args: argparse.Namespace) -> int:
         params["wait_task"] = False
     if payload_input is not None:
         params["input"] = payload_input
+    if args.task_id:
+        params["task_id"] = args.task_id
+    if args.context_id:
+        params["context_id"] = args.context_id
     code, result = _admin(args, "Call", params)
     if code != EX_OK:
         return code
@@ -210,6 +216,15 @@ def cmd_call(args: argparse.Namespace) -> int:
     elif result.get("status") == "failed":
         error = result.get("error") or {}
         print(f"failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
+    elif result.get("status") in ("input_required", "auth_required"):
+        # Paused for the caller (§6.5): say what is asked and how to answer.
+        print(f"{result['status']}: task {result.get('task_id')}"
+              + (f": {result['message']}" if result.get("message") else ""))
+        for problem in result.get("problems") or []:
+            if isinstance(problem, dict):
+                print(f"  {problem.get('input')}: {problem.get('problem')}: {problem.get('description')}")
+        print(f"answer with: meshnode call {args.agent} {args.offering} INPUT --task-id {result.get('task_id')}"
+              + (f" --context-id {result['context_id']}" if result.get("context_id") else ""))
     else:
         output = result.get("output")
         if isinstance(output, dict) and set(output) <= {"text", "truncated"} and isinstance(output.get("text"), str):

@@ -640,7 +640,7 @@ class Daemon:
     async def _stage_admin(self) -> None:
         methods = MethodRegistry()
         methods.add("Status", self._admin_status, level="operator", doc="node and agent status")
-        methods.add("Call", self._admin_call, level="operator", doc="call an agent's offering as the node's CLI identity")
+        methods.add("Call", self._admin_call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
         methods.add("Presence", self._admin_presence, level="operator", doc="presence of a node or agent (or all nodes)")
         methods.add("Discover", self._admin_discover, level="operator", doc="query the registry (§9.3 filters)")
         methods.add("Agents.Add", self._admin_agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
@@ -773,15 +773,22 @@ class Daemon:
 
         ctx = AgentContext(cli, trace=new_root_trace())
         config = params.get("config") if isinstance(params.get("config"), dict) else None
+        task_id = params.get("task_id")
+        if task_id is not None and not isinstance(task_id, str):
+            raise InvalidParameter("task_id must be a string (the task to answer)")
+        context_id = params.get("context_id") if isinstance(params.get("context_id"), str) else None
         try:
             budget = params.get("budget") if isinstance(params.get("budget"), dict) else None
             reply = await ctx.request(
-                target_id, offering, params.get("input"), timeout=float(timeout), config=config, budget=budget
+                target_id, offering, params.get("input"), timeout=float(timeout), config=config, budget=budget,
+                task_id=task_id, context_id=context_id,
             )
             if reply.task is not None and params.get("wait_task", True):
-                final = await reply.task.result(timeout=float(timeout))
+                # A task paused for input or auth comes back as such, with its
+                # problems: answer it with another Call naming its task_id (§6.5).
+                final = await reply.task.result(timeout=float(timeout), until_paused=True)
                 payload = final.get("payload") if isinstance(final.get("payload"), dict) else {}
-                return {
+                answer: dict[str, Any] = {
                     "status": payload.get("status"),
                     "output": payload.get("output"),
                     "error": final.get("error"),
@@ -789,6 +796,12 @@ class Daemon:
                     "accepted": reply.accepted,
                     "task_id": reply.task.task_id,
                 }
+                for key in ("message", "problems"):
+                    if payload.get(key) is not None:
+                        answer[key] = payload[key]
+                if final.get("context_id") is not None:
+                    answer["context_id"] = final["context_id"]
+                return answer
         except RemoteError as exc:
             return {"status": "failed", "error": exc.to_object(), "from": exc.envelope.get("from")}
         except RequestQueued as exc:

@@ -108,8 +108,17 @@ class AgentContext:
         budget: Mapping[str, Any] | None = None,
         files: Sequence[Mapping[str, Any]] | None = None,
         resources: Sequence[Mapping[str, Any]] | None = None,
+        task_id: str | None = None,
+        context_id: str | None = None,
     ) -> Reply:
         peer = peer_name_of(target)
+        if peer is not None and task_id is not None:
+            # Not carried to external A2A agents yet: refused, never silently dropped.
+            raise ProtocolError(
+                "INVALID_ENVELOPE",
+                f"answering a paused task of an external A2A agent ({target}) is not supported",
+                {"member": "task_id"},
+            )
         if peer is not None:
             # An external A2A agent (``a2a:<peer>``, [a2a.peers.<peer>]): the bridge
             # carries this work's trace, chain, budget and deadline across (#8).
@@ -130,12 +139,16 @@ class AgentContext:
             timeout=timeout,
             config=config,
             budget=budget,
-            context_id=self._envelope.get("context_id") if self._envelope else None,
+            # A follow-up names its Task's context (or none), never the one being handled.
+            context_id=context_id if task_id is not None or context_id else (
+                self._envelope.get("context_id") if self._envelope else None
+            ),
             files=files,
             resources=resources,
             meta={EXTENSION_URI: chain} if chain is not None else None,
+            task_id=task_id,
         )
-        if self.task is not None and reply.task is not None:
+        if self.task is not None and reply.task is not None and task_id is None:
             # A delegate of this task: a cancel of ours is forwarded to it (§10.8).
             self.task.delegates.append((target, reply.task.task_id))
         return reply

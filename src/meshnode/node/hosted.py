@@ -38,10 +38,11 @@ from meshnode.protocol.envelope import build_envelope, child_trace, decode_envel
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.protocol.offerings import normalize_request_payload
+from meshnode.protocol.offerings import normalize_request_payload, offering_id_of
 from meshnode.protocol.preflight import check_content_type
 from meshnode.protocol.protections import DeliverySource, FreshnessWindow, InboundGuard, Protection
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
+from meshnode.protocol.tasks import check_follow_up
 
 if TYPE_CHECKING:
     from meshnode.node.runtime import Node
@@ -334,6 +335,12 @@ class HostedAgent:
                 await self.node.reply_plain(reply, build_queued_ack(str(inbox_id)))
             self.counters["held"] += 1
             return "held"
+        if env.get("task_id") is not None:
+            # A follow-up answering a paused task (§6.5, §7.3): it resumes the
+            # handler already waiting in ask_input()/wait_for_input(); no second
+            # handler runs, no accept is sent (see _on_follow_up).
+            await self._on_follow_up(env, payload, offering_id, now_ms, source)
+            return "answered"
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
             await self._admit_budget(env, spec, handler_input)
@@ -575,6 +582,39 @@ class HostedAgent:
                        f"{self.name}:propagate:{child_task}")
         self.counters["tasks.canceled"] += 1
         await self._answer(env, status="completed", output={"task_id": task.task_id, "status": "canceled"}, path=source)
+
+    async def _on_follow_up(
+        self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int, source: Source
+    ) -> None:
+        """A request naming a ``task_id``: the requester's answer to an input or
+        auth round. It has passed everything above it in the pipeline (signature,
+        §22 guard, the sender's vouch); here it is matched to a Task of this agent
+        by :func:`check_follow_up` (same sender as the Task's requester, Task
+        paused, same context and offering) and hands its input, framed like the
+        original request's, to the waiting handler. Anything else is answered
+        with the rule's error (a stranger, an unknown or ended task, and a task
+        lost in a restart all get TASK_NOT_FOUND) and resumes nothing."""
+        task_id = str(env["task_id"])
+        task = self.tasks.get(task_id)
+        try:
+            check_follow_up(
+                task.paused() if task is not None else None,
+                task_id=task_id,
+                sender=str(env["from"]),
+                context_id=env.get("context_id"),
+                offering=offering_id,
+            )
+            assert task is not None
+            handler_input = payload.get("input") if isinstance(payload, Mapping) else None
+            spec = self.offerings.get(str(offering_id_of(task.request.get("payload"))))
+            if spec is not None and spec.framing:
+                handler_input = frame_payload(handler_input, FrameProvenance.from_envelope(env, now_ms)).payload
+            await task.take_follow_up(env, handler_input)
+        except ProtocolError as exc:
+            self.counters[f"refused.follow_up.{exc.code}"] += 1
+            await self._answer(env, status="failed", error=exc.to_object(), path=source)
+            return
+        self.counters["follow_ups"] += 1
 
     async def _describe(self, env: Mapping[str, Any], now_ms: int, source: Source) -> None:
         """§10.14: a document, not a conversation — never the agent's code."""

@@ -54,6 +54,7 @@ from meshnode.protocol.preflight import (
     prune_history,
 )
 from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
+from meshnode.protocol.tasks import check_task_id
 from meshnode.transport.connection import MeshConnection, Msg
 
 if TYPE_CHECKING:
@@ -515,8 +516,15 @@ class Node:
         files: Sequence[Mapping[str, Any]] | None = None,
         resources: Sequence[Mapping[str, Any]] | None = None,
         meta: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
     ) -> Reply:
         """Pre-flight, sign and send a request; await the substantive reply.
+
+        ``task_id`` makes it a follow-up answering a Task paused in
+        ``input_required``/``auth_required`` (§6.5): ``input`` is the input
+        asked for, ``offering`` and ``context_id`` the Task's. Its answer is
+        the Task ``working`` again (a Reply with ``task``), or an error
+        (TASK_NOT_FOUND, TASK_INVALID_TRANSITION, INPUT_INVALID).
 
         ``files`` and ``resources`` ride in the payload beside the input
         (§7.5.3, §7.5.5), checked here as the recipient would check them.
@@ -547,6 +555,7 @@ class Node:
             budget=budget,
             context_id=context_id if isinstance(context_id, str) else None,
             meta=meta,
+            task_id=check_task_id(task_id) if task_id is not None else None,
             ids=self.ids,
         )
         sign_envelope(env, hosted.key)

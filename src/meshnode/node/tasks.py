@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +31,13 @@ from meshnode.protocol.envelope import (
     verify_envelope,
 )
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.tasks import TaskState, check_state_update
+from meshnode.protocol.offerings import offering_id_of
+from meshnode.protocol.tasks import PausedTask, TaskState, check_state_update
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
 
-__all__ = ["RequesterTask", "ResponderTask", "StreamBroken", "new_task_id"]
+__all__ = ["FollowUp", "InputTimeout", "RequesterTask", "ResponderTask", "StreamBroken", "new_task_id"]
 
 log = logging.getLogger("meshnode.tasks")
 
@@ -44,6 +45,21 @@ log = logging.getLogger("meshnode.tasks")
 def new_task_id() -> str:
     """An unguessable task id that is one subject token (``^[A-Za-z0-9_-]{1,128}$``)."""
     return "t" + os.urandom(16).hex()
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """The requester's answer to an input or auth round: its (framed) input and
+    the verified request envelope that carried it."""
+
+    input: Any
+    envelope: Mapping[str, Any]
+
+
+class InputTimeout(asyncio.CancelledError):
+    """No follow-up arrived within the wait: the Task was canceled (§7.3, paused →
+    canceled). A CancelledError, so an uncaught one ends the handler the way a
+    requester's cancel does, quietly; catch it to clean up."""
 
 
 @dataclass
@@ -63,10 +79,25 @@ class ResponderTask:
     delegates: list[tuple[str, str]] = field(default_factory=list)  # (agent, task_id) of sub-tasks
     _revision: asyncio.Event = field(default_factory=asyncio.Event)
     _update_sub: Any = None
+    # The open input/auth round (§7.3): resolved by the requester's follow-up.
+    _round: asyncio.Future[FollowUp] | None = None
+    _answered: FollowUp | None = None
+    round_schema: Mapping[str, Any] | None = None
 
     @property
     def requester(self) -> str:
         return str(self.request["from"])
+
+    def paused(self) -> PausedTask:
+        """This Task as the follow-up rule judges it (:func:`check_follow_up`)."""
+        context_id = self.request.get("context_id")
+        return PausedTask(
+            task_id=self.task_id,
+            requester=self.requester,
+            state=self.state,
+            context_id=context_id if isinstance(context_id, str) else None,
+            offering=offering_id_of(self.request.get("payload")),
+        )
 
     async def _send(
         self,
@@ -78,6 +109,7 @@ class ResponderTask:
         extra: Mapping[str, Any] | None = None,
         first: bool = False,
         artifacts: list[dict[str, Any]] | None = None,
+        reply_to: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         # A task is born submitted; the first update may already say working (§10.5).
         check_state_update(self.state, state)  # raises TASK_INVALID_TRANSITION
@@ -99,14 +131,16 @@ class ResponderTask:
             if isinstance(self.request.get("budget"), Mapping):
                 budget = self.request["budget"]
         node = self.hosted.node
+        # A follow-up's answer replies to the follow-up (``reply_to``), not the opening request.
+        answering = reply_to if reply_to is not None else self.request
         env = build_envelope(
             "respond",
             self.hosted.agent_id,
             now_ms=node.now_ms(),
             to=self.requester,
-            in_reply_to=self.request["id"],
+            in_reply_to=answering["id"],
             task_id=self.task_id,
-            trace=child_trace(self.request.get("trace")),
+            trace=child_trace(answering.get("trace")),
             context_id=self.request.get("context_id"),
             payload=payload,
             error=error,
@@ -116,8 +150,9 @@ class ResponderTask:
         )
         sign_envelope(env, self.hosted.key)
         self.state = state
-        if first:
-            # The Task-creating reply goes where every direct respond goes (§6.5).
+        if first or reply_to is not None:
+            # The Task-creating reply, and the answer to a follow-up, go where
+            # every direct respond goes (§6.5).
             await node.deliver(self.hosted, env, self.requester)
         await node.publish_task(subjects.task_update(self.task_id), env)
         return env
@@ -139,12 +174,148 @@ class ResponderTask:
             extra["cost"] = cost.to_object()
         await self._send("working", message=message, extra=extra or None)
 
-    async def require_input(self, problems: list[Mapping[str, Any]], message: str | None = None) -> None:
-        """Pause in ``input_required`` with §6.5 problem reports."""
-        await self._send("input_required", message=message, extra={"problems": [dict(p) for p in problems]})
+    async def require_input(
+        self,
+        problems: list[Mapping[str, Any]],
+        message: str | None = None,
+        *,
+        schema: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Pause in ``input_required`` with §6.5 problem reports and return at once.
 
-    async def require_auth(self, message: str | None = None) -> None:
-        await self._send("auth_required", message=message)
+        The requester's follow-up (a request with this task_id) is then taken
+        by :meth:`wait_for_input`; :meth:`ask_input` does both. ``schema``, when
+        given, is the JSON Schema the follow-up's input must match: one that
+        does not is refused INPUT_INVALID at the door and the Task stays paused.
+        """
+        self._open_round(schema)
+        try:
+            await self._send("input_required", message=message, extra={"problems": [dict(p) for p in problems]})
+        except BaseException:
+            self._close_round()
+            raise
+
+    async def require_auth(self, message: str | None = None, *, schema: Mapping[str, Any] | None = None) -> None:
+        """Pause in ``auth_required`` and return at once (see :meth:`require_input`)."""
+        self._open_round(schema)
+        try:
+            await self._send("auth_required", message=message)
+        except BaseException:
+            self._close_round()
+            raise
+
+    async def ask_input(
+        self,
+        problems: list[Mapping[str, Any]],
+        message: str | None = None,
+        *,
+        schema: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Pause in ``input_required`` and return the input of the requester's
+        follow-up, the Task ``working`` again (§6.5, §7.3). On ``timeout``
+        (seconds; None waits until a cancel) the Task is canceled and
+        :class:`InputTimeout` raised."""
+        await self.require_input(problems, message, schema=schema)
+        return await self.wait_for_input(timeout)
+
+    async def ask_auth(
+        self, message: str | None = None, *, schema: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> Any:
+        """Pause in ``auth_required`` and return the requester's follow-up input
+        (its credentials), as :meth:`ask_input` does."""
+        await self.require_auth(message, schema=schema)
+        return await self.wait_for_input(timeout)
+
+    @property
+    def follow_up(self) -> FollowUp | None:
+        """The latest follow-up taken (its envelope, e.g. for its ``files``)."""
+        return self._answered
+
+    async def wait_for_input(self, timeout: float | None = None) -> Any:
+        """The input of the follow-up answering the round opened by
+        :meth:`require_input`/:meth:`require_auth` (already taken, or awaited).
+        On ``timeout`` the Task is canceled (reason ``policy``: the responder's
+        wait ended, §10.8) and :class:`InputTimeout` raised."""
+        round_ = self._round
+        if round_ is None:
+            if self._answered is not None:
+                return self._answered.input
+            raise RuntimeError("no input round is open: call require_input() or require_auth() first")
+        try:
+            follow = await asyncio.wait_for(asyncio.shield(round_), timeout)
+        except asyncio.CancelledError:
+            self._close_round()  # canceled while waiting (a task.cancel, the node stopping)
+            raise
+        except TimeoutError:
+            if self._answered is None:
+                # Unanswered: a paused Task may only move on to canceled (or
+                # exhausted), never fail (§7.3). Claim the round first, so a
+                # follow-up arriving meanwhile is refused, not half-taken.
+                self._close_round()
+                note = f"no input arrived within {timeout:g} s"
+                await self._send("canceled", extra={"reason": "policy", "note": note})
+                raise InputTimeout(note) from None
+            follow = await round_  # taken just now; its working update is on its way
+        return follow.input
+
+    def _open_round(self, schema: Mapping[str, Any] | None) -> None:
+        if schema is not None:
+            import jsonschema
+
+            jsonschema.validators.validator_for(dict(schema)).check_schema(dict(schema))
+        self._round = asyncio.get_running_loop().create_future()
+        self._answered = None
+        self.round_schema = schema
+
+    def _close_round(self) -> None:
+        if self._round is not None and not self._round.done():
+            self._round.cancel()
+        self._round = None
+        self.round_schema = None
+
+    async def take_follow_up(self, envelope: Mapping[str, Any], handler_input: Any) -> None:
+        """Resume the Task with a follow-up the pipeline verified and matched
+        (:func:`check_follow_up`): ``working`` goes to the requester's inbox as
+        the answer to the follow-up and on the update subject, then the waiting
+        handler gets the input. Raises INPUT_INVALID (Task still paused) when the
+        round declared a schema the input does not match."""
+        if self._round is None:
+            # Paused at the cost ceiling: §7.7 resolves that by a budget
+            # revision (or a cancel), not by a follow-up request.
+            raise ProtocolError(
+                "TASK_INVALID_TRANSITION",
+                f"task {self.task_id} waits for a budget revision (§7.7), not for input",
+                {"task_id": self.task_id, "from": self.state, "to": "working"},
+            )
+        if self.round_schema is not None:
+            import jsonschema
+
+            schema = dict(self.round_schema)
+            validator = jsonschema.validators.validator_for(schema)(schema)
+            error = jsonschema.exceptions.best_match(validator.iter_errors(handler_input))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "(input)"
+                raise ProtocolError(
+                    "INPUT_INVALID",
+                    f"the follow-up's input does not match what task {self.task_id} asked for at {where}: "
+                    f"{error.message}",
+                    {"path": where, "task_id": self.task_id},
+                )
+        follow = FollowUp(handler_input, envelope)
+        # Claimed before any await: a timeout firing during the send sees the
+        # round answered, and a second follow-up sees the Task working.
+        self._answered = follow
+        round_ = self._round
+        self._round = None
+        self.round_schema = None
+        try:
+            await self._send("working", reply_to=envelope)
+        finally:
+            # Only now does the handler go on: its next update cannot overtake
+            # the working one.
+            if round_ is not None and not round_.done():
+                round_.set_result(follow)
 
     async def fail(
         self,
@@ -286,7 +457,7 @@ class RequesterTask:
         payload = self.last_update.get("payload")
         return str(payload.get("status")) if isinstance(payload, Mapping) else "submitted"
 
-    async def updates(self, timeout: float) -> AsyncIterator[Mapping[str, Any]]:
+    async def updates(self, timeout: float) -> AsyncGenerator[Mapping[str, Any]]:
         """Every signed update from the responder, in order, until a terminal one."""
         queue, sub = await self._replay(subjects.task_update(self.task_id), "u")
         seen: set[str] = set()
@@ -312,13 +483,56 @@ class RequesterTask:
         finally:
             await sub.unsubscribe()
 
-    async def result(self, timeout: float = 300.0) -> Mapping[str, Any]:
-        """The terminal update (completed, failed, canceled, rejected, exhausted)."""
-        if self.state in _TERMINAL:
+    async def result(self, timeout: float = 300.0, *, until_paused: bool = False) -> Mapping[str, Any]:
+        """The terminal update (completed, failed, canceled, rejected, exhausted);
+        with ``until_paused`` also an ``input_required``/``auth_required`` one,
+        to be answered with :meth:`provide_input` before waiting again."""
+        stop = _TERMINAL | _PAUSED if until_paused else _TERMINAL
+        if self.state in stop:
             return self.last_update
-        async for _ in self.updates(timeout):
-            pass
+        # The updates replay from the Task's start: a pause is news only once
+        # the update this handle already holds (the opening reply, or the
+        # working that answered a follow-up) has gone by.
+        start_id = self.last_update.get("id")
+        reached = False
+        updates = self.updates(timeout)
+        try:
+            async for env in updates:
+                reached = reached or env.get("id") == start_id
+                if reached and env is self.last_update and self.state in stop:
+                    break
+        finally:
+            await updates.aclose()
         return self.last_update
+
+    async def provide_input(self, input: Any, *, timeout: float = 30.0, offering: str | None = None) -> Any:
+        """Answer this Task's ``input_required``/``auth_required`` (§6.5): a new
+        request with the same task_id and context_id carrying ``input``.
+
+        Returns the Reply (the Task ``working`` again; this handle follows it
+        on: ``result()``, ``updates()``). Raises RemoteError when the responder
+        refuses it (TASK_NOT_FOUND, TASK_INVALID_TRANSITION, INPUT_INVALID).
+        ``offering`` defaults to the one the Task's first update named.
+        """
+        payload = self.opening.get("payload")
+        named = payload.get("offering") if isinstance(payload, Mapping) else None
+        offering = offering or (named if isinstance(named, str) else None)
+        if offering is None:
+            raise ValueError("the task's first update names no offering: pass offering=")
+        context_id = self.opening.get("context_id")
+        reply = await self.hosted.node.send_request(
+            self.hosted,
+            self.responder,
+            offering,
+            input,
+            trace=child_trace(self.opening.get("trace")),
+            timeout=timeout,
+            context_id=context_id if isinstance(context_id, str) else None,
+            task_id=self.task_id,
+        )
+        if self.state not in _TERMINAL:  # an end seen meanwhile by updates() stands
+            self.last_update = reply.envelope
+        return reply
 
     async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
         """Chunk data in order; raises StreamBroken on a gap, an injection, a
@@ -386,6 +600,7 @@ class RequesterTask:
 
 
 _TERMINAL = {"completed", "failed", "canceled", "rejected", "exhausted"}
+_PAUSED = {"input_required", "auth_required"}
 
 
 def propagated(reason: str, note: str | None) -> tuple[str, str]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from .errors import ProtocolError
 
 __all__ = [
+    "PAUSED_STATES",
     "PROBLEM_CODES",
     "TASK_ID_PATTERN",
     "TERMINAL_STATES",
@@ -23,6 +25,8 @@ __all__ = [
     "TaskState",
     "check_state_update",
     "check_task_id",
+    "PausedTask",
+    "check_follow_up",
     "check_transition",
     "is_terminal",
     "is_valid_problem",
@@ -227,3 +231,75 @@ def validate_problems(reports: object) -> list[dict[str, Any]]:
     if complaints:
         raise ValueError("; ".join(complaints))
     return [dict(report) for report in reports]
+
+
+# --- follow-ups: answering input_required / auth_required (§6.5, §7.3) --------
+
+#: The states a requester's follow-up request moves back to ``working``.
+PAUSED_STATES: frozenset[TaskState] = frozenset({TaskState.INPUT_REQUIRED, TaskState.AUTH_REQUIRED})
+
+
+@dataclass(frozen=True)
+class PausedTask:
+    """What the follow-up rule needs to know of a Task the responder holds."""
+
+    task_id: str
+    requester: str
+    state: str
+    context_id: str | None = None
+    offering: str | None = None
+
+
+def check_follow_up(
+    task: PausedTask | None,
+    *,
+    task_id: str,
+    sender: str,
+    context_id: object = None,
+    offering: object = None,
+) -> None:
+    """Judge a request carrying ``task_id``: the requester answering a paused Task.
+
+    §6.5: "the requester SHOULD send a new request with the same task_id and
+    context_id"; §7.3: that follow-up is the one trigger of
+    ``input_required``/``auth_required`` → ``working``. The rules, in order:
+
+    * unknown task (never here, ended, or lost when the node restarted) →
+      TASK_NOT_FOUND;
+    * a sender other than the Task's requester → the very same TASK_NOT_FOUND,
+      so a stranger learns nothing about which task ids exist (the A2A
+      bridge's ownership rule, on the mesh);
+    * a ``context_id`` other than the Task's → TASK_NOT_FOUND (the named task
+      is not in the named context, CAS §5.6); an absent one is accepted (SHOULD);
+    * an ``offering`` other than the Task's → INVALID_ENVELOPE naming
+      ``payload.offering`` (absent is accepted);
+    * a Task not paused (submitted, working, or terminal) →
+      TASK_INVALID_TRANSITION ``{from: <state>, to: working}``.
+
+    Returns None when the follow-up may resume the Task.
+    """
+    if task is None or sender != task.requester:
+        raise ProtocolError(
+            "TASK_NOT_FOUND",
+            f"no task {task_id} waits here for this sender "
+            "(it never existed, has ended, or was lost when the responder's node restarted)",
+            {"task_id": task_id},
+        )
+    if context_id is not None and context_id != task.context_id:
+        raise ProtocolError(
+            "TASK_NOT_FOUND",
+            f"task {task_id} is not in context {context_id!s}",
+            {"task_id": task_id, "context_id": context_id if isinstance(context_id, str) else None},
+        )
+    if offering is not None and offering != task.offering:
+        raise ProtocolError(
+            "INVALID_ENVELOPE",
+            f"a follow-up to task {task_id} names offering {offering!s}, the task's is {task.offering!s}",
+            {"member": "payload.offering", "task_id": task_id},
+        )
+    if parse_state(task.state) not in PAUSED_STATES:
+        raise ProtocolError(
+            "TASK_INVALID_TRANSITION",
+            f"task {task_id} is {task.state}, not waiting for input: {task.state} -> working",
+            {"task_id": task_id, "from": task.state, "to": "working"},
+        )
