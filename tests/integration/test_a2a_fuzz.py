@@ -35,7 +35,7 @@ import httpx
 import nacl.signing
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from meshnode.a2a.extension import (
@@ -363,8 +363,17 @@ def _check(answer: httpx.Response) -> bool:
 def test_a2a_endpoint_survives_hostile_bodies(target: Target) -> None:
     tally: Counter[str] = Counter()
 
+    # Two fixed cases, so both refusal paths are exercised in every run whatever
+    # the generator draws: a garbled envelope (401) and a method that is not one.
+    garbled = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {"message": {
+        "messageId": "fixed-401", "role": "ROLE_USER", "parts": [{"text": "hi"}],
+        "metadata": {EXTENSION_URI: {"envelope": "not.a.jws"}}}}}
+    unknown = {"jsonrpc": "2.0", "id": 2, "method": "NoSuchMethod", "params": {}}
+
     @fuzz_settings(200)
     @given(case=bodies())
+    @example(case=(json.dumps(garbled).encode(), ACTIVATED))
+    @example(case=(json.dumps(unknown).encode(), ACTIVATED))
     def case(case: tuple[bytes, dict[str, str]]) -> None:
         body, headers = case
         # Whatever an earlier case started has ended: count from here.
