@@ -80,3 +80,26 @@ raw_bytes = st.one_of(
 envelope_like = st.dictionaries(keys, json_values, max_size=12)
 
 envelope_types = st.sampled_from(sorted(ENVELOPE_TYPES))
+
+
+def _as_received(value: Any) -> Any:
+    from meshnode.protocol.canonical import parse_json
+
+    return parse_json(json.dumps(value))
+
+
+def _signable(value: Any) -> bool:
+    from meshnode.protocol.canonical import CanonicalJSONError, canonicalize
+
+    try:
+        canonicalize(value)
+    except CanonicalJSONError:
+        return False
+    return True
+
+
+#: JSON values as they can sit in a verified envelope: integers beyond
+#: ±(2^53 − 1) arrive as doubles (as an ECMAScript peer reads them), and a
+#: literal too large for a double (read as infinity) has no canonical form, so
+#: no signature can cover it.
+wire_values: st.SearchStrategy[Any] = json_values.map(_as_received).filter(_signable)
