@@ -78,6 +78,7 @@ CREATE TABLE IF NOT EXISTS seen (
     PRIMARY KEY (agent, sender, msg_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS seen_by_age ON seen (agent, seen_ms);
+CREATE TABLE IF NOT EXISTS probe (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 """
 
 
@@ -208,6 +209,7 @@ class InboxStore:
         """
         async with self._lock:
             db = self.db
+            changes = db.total_changes
             try:
                 await db.execute("BEGIN IMMEDIATE")
                 yield db
@@ -221,7 +223,9 @@ class InboxStore:
                     raise InboxUnwritable(self.path, str(exc)) from exc
                 raise
             self.commits += 1
-            if self.fault is not None:
+            # Only a commit that wrote something proves the disk takes writes
+            # again (a drain pass with nothing to claim commits nothing).
+            if self.fault is not None and db.total_changes != changes:
                 log.warning(
                     "the node inbox %s is writable again (%d writes failed since the fault began); "
                     "buffered mail is taken on the next drain pass", self.path, self.failed_writes,
@@ -239,6 +243,12 @@ class InboxStore:
                 self.path, exc,
             )
         self.fault = str(exc)
+
+    async def probe(self) -> None:
+        """One tiny real write: clears :attr:`fault` when it commits, raises
+        :class:`InboxUnwritable` while the inbox still cannot be written."""
+        async with self._write() as db:
+            await db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
 
     def health(self) -> dict[str, Any]:
         """For status: whether the inbox can commit, and since when it cannot."""
