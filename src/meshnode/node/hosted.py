@@ -542,6 +542,9 @@ class HostedAgent:
             await task._send(state, output=output, error=error, artifacts=artifacts)
         except ProtocolError as exc:
             self.agent.log.warning("task %s could not end as %s: %s", task.task_id, state, exc)
+        except Exception as exc:  # the transport: logged here, never an unretrieved task exception
+            self.agent.log.error("task %s could not publish its %s update: %s: %s",
+                                 task.task_id, state, type(exc).__name__, exc)
 
     async def _run_streaming(
         self, ctx: AgentContext, handler: Any, handler_input: Any, wants_stream: bool, config: Any
