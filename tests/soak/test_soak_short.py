@@ -1,0 +1,33 @@
+"""The short soak in CI: ~40 s of mixed traffic and agent churn on two real daemons.
+
+Asserts that nothing leaked and nothing went wrong, with bounds generous
+enough for a shared, slow machine: asyncio tasks and open file descriptors
+return to the baseline (± a few), RSS grows by less than 64 MiB after the
+warm-up, every operation had its expected outcome, and both daemons live.
+``MESHNODE_SOAK_SECONDS`` lengthens it; the hour-long run is
+``python -m benchmarks soak --minutes 60`` (see README).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.soak import report, soak
+
+pytestmark = pytest.mark.integration
+
+SECONDS = float(os.environ.get("MESHNODE_SOAK_SECONDS", "30"))
+
+
+def test_short_soak_keeps_tasks_fds_and_memory_flat() -> None:
+    result = soak(SECONDS, warmup_s=10.0)
+    print(report(result))
+    assert sum(result.operations.values()) > 20 and result.churn_cycles >= 2, report(result)
+    assert result.unexpected == [], report(result)
+    for node in ("hub", "node"):
+        assert result.growth(node, "asyncio_tasks") <= 8, report(result)
+        assert result.growth(node, "open_fds") <= 6, report(result)
+        assert result.growth(node, "threads") <= 4, report(result)
+        assert result.growth(node, "rss_bytes") < 64 * 1024 * 1024, report(result)
