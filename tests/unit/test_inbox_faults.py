@@ -135,3 +135,20 @@ async def test_an_interactive_request_the_inbox_cannot_hold_is_left_to_the_buffe
     finally:
         await store.db.execute("PRAGMA query_only = 0")
         await store.close()
+
+
+async def test_the_write_behind_backlog_is_bounded_during_a_long_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshnode.node.inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "_MAX_BEHIND", 10)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        await store.db.execute("PRAGMA query_only = 1")
+        for i in range(25):
+            store.remember("A", "s", f"live-{i}", NOW)
+        health = store.health()
+        assert health["write_behind_pending"] == 10 and health["write_behind_dropped"] == 15
+    finally:
+        await store.db.execute("PRAGMA query_only = 0")
+        await store.close()

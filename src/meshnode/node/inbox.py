@@ -99,6 +99,10 @@ class InboxRow:
 
 HeldMessage = InboxRow
 
+#: Remembered pairs held for the write-behind at most (they pile up only while the
+#: inbox cannot be written).
+_MAX_BEHIND = 100_000
+
 _COLUMNS = "inbox_id, agent, sender, msg_id, kind, envelope, stream_seq, received_ms, state, state_ms, note"
 
 
@@ -150,6 +154,7 @@ class InboxStore:
         self.fault: str | None = None
         self.fault_since_ms: int | None = None
         self.failed_writes = 0
+        self.dropped_behind = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -218,7 +223,9 @@ class InboxStore:
                 if db.in_transaction:
                     with contextlib.suppress(Exception):
                         await db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
+                # Full, read-only, I/O error, locked, corrupt: the file cannot take
+                # the write. (A constraint or programming error is a bug: raised as is.)
+                if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
                     self._failed(exc)
                     raise InboxUnwritable(self.path, str(exc)) from exc
                 raise
@@ -260,6 +267,7 @@ class InboxStore:
             "failed_writes": self.failed_writes,
             "commits": self.commits,
             "write_behind_pending": len(self._seen_pending) + len(self._state_pending),
+            "write_behind_dropped": self.dropped_behind,
         }
 
     async def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
@@ -398,6 +406,13 @@ class InboxStore:
     def remember(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
         """Write-behind: remember a pair handled on the live path."""
         self._seen_pending.append((agent, sender, msg_id, now_ms))
+        if len(self._seen_pending) > _MAX_BEHIND:
+            # Only while writes fail for long: bound the backlog, oldest out. The
+            # in-memory §22.2 memory still refuses their buffered copies in this
+            # process; only a restart before recovery could dispatch one twice.
+            excess = len(self._seen_pending) - _MAX_BEHIND
+            del self._seen_pending[:excess]
+            self.dropped_behind += excess
         if len(self._seen_pending) >= 256:
             self._wake.set()
 
