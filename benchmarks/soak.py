@@ -237,8 +237,9 @@ def soak(
 
 
 def report(result: SoakResult) -> str:
+    unexpected = sum(n for op, n in result.operations.items() if op.endswith(":unexpected"))
     lines = [f"soak {result.seconds:.0f} s: {sum(result.operations.values())} operations, "
-             f"{result.churn_cycles} add/remove cycles, {len(result.unexpected)} unexpected outcomes"]
+             f"{result.churn_cycles} add/remove cycles, {unexpected} unexpected outcomes"]
     for name in result.baseline:
         parts = []
         for g in GAUGES:
