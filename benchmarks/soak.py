@@ -16,7 +16,9 @@ descriptors, RSS and threads (``Metrics`` → ``runtime``). The baseline is
 taken after a warm-up, with traffic paused and the churned agent removed;
 the final sample the same way after the run. A leak shows as a final value
 well above the baseline. The run also counts every operation's outcome:
-``unexpected`` are outcomes other than the one the operation must produce.
+``unexpected`` are outcomes other than the one the operation must produce;
+``timeout`` are calls reported failed to the caller for want of an answer in
+time (TRANSPORT_TIMEOUT), which the churn's reconnects can cause.
 
 The short variant runs in CI (tests/soak/test_soak_short.py); results of a
 run are written to ``benchmarks/results/soak.json``.
@@ -45,6 +47,7 @@ class SoakResult:
     seconds: float
     operations: Counter[str] = field(default_factory=Counter)
     unexpected: list[str] = field(default_factory=list)
+    timeouts: list[str] = field(default_factory=list)
     churn_cycles: int = 0
     baseline: dict[str, dict[str, float]] = field(default_factory=dict)
     final: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -53,6 +56,10 @@ class SoakResult:
 
     def growth(self, node: str, gauge: str) -> float:
         return self.final[node][gauge] - self.baseline[node][gauge]
+
+    def count(self, suffix: str) -> int:
+        """Operations that ended ``:unexpected`` or ``:timeout``."""
+        return sum(n for op, n in self.operations.items() if op.endswith(f":{suffix}"))
 
 
 def _gauges(daemon: DaemonProcess) -> dict[str, float]:
@@ -89,10 +96,20 @@ class _Traffic:
         self.churn_every_s = 4.0
 
     def _record(self, op: str, ok: bool, detail: Any) -> None:
+        timed_out = isinstance(detail, dict) and (detail.get("error") or {}).get("code") == "TRANSPORT_TIMEOUT"
         with self.lock:
-            self.result.operations[op if ok else f"{op}:unexpected"] += 1
-            if not ok and len(self.result.unexpected) < 50:
-                self.result.unexpected.append(f"{op}: {str(detail)[:300]}")
+            if ok:
+                self.result.operations[op] += 1
+            elif timed_out:
+                # Reported failed to its caller (no answer within its timeout), which
+                # the churn's reconnects make possible: counted apart from the wrong answers.
+                self.result.operations[f"{op}:timeout"] += 1
+                if len(self.result.timeouts) < 50:
+                    self.result.timeouts.append(f"{op}: {str(detail)[:300]}")
+            else:
+                self.result.operations[f"{op}:unexpected"] += 1
+                if len(self.result.unexpected) < 50:
+                    self.result.unexpected.append(f"{op}: {str(detail)[:300]}")
 
     def _ops(self) -> list[tuple[str, Callable[[], tuple[bool, Any]]]]:
         hub, node, ids = self.hub, self.node, self.ids
@@ -231,15 +248,16 @@ def soak(
         for name, daemon in both.items():
             if daemon.process is None or daemon.process.poll() is not None:
                 result.unexpected.append(f"daemon {name} exited")
+                result.operations["daemon-exit:unexpected"] += 1
     finally:
         daemons.close()
     return result
 
 
 def report(result: SoakResult) -> str:
-    unexpected = sum(n for op, n in result.operations.items() if op.endswith(":unexpected"))
     lines = [f"soak {result.seconds:.0f} s: {sum(result.operations.values())} operations, "
-             f"{result.churn_cycles} add/remove cycles, {unexpected} unexpected outcomes"]
+             f"{result.churn_cycles} add/remove cycles, {result.count('unexpected')} unexpected outcomes, "
+             f"{result.count('timeout')} reported to the caller as timed out"]
     for name in result.baseline:
         parts = []
         for g in GAUGES:
@@ -250,6 +268,8 @@ def report(result: SoakResult) -> str:
         lines.append(f"  {name}: " + ", ".join(parts) + ("  [rss in MiB]" if parts else ""))
     for line in result.unexpected[:10]:
         lines.append(f"  unexpected: {line}")
+    for line in result.timeouts[:5]:
+        lines.append(f"  timed out: {line}")
     return "\n".join(lines)
 
 
