@@ -1,7 +1,5 @@
 """Hostile-input property tests (issue #10); case budgets in :mod:`tests.fuzz.profile`.
 
-Not covered yet: the A2A gateway (being built on its own branch). Its place is
-``tests/fuzz/test_fuzz_a2a.py``: the same invariants against its HTTP/JSON-RPC
-intake (nothing raises, nothing unauthenticated reaches an agent, refusals as
-its spec pins them), reusing :mod:`tests.fuzz.strategies`.
+The A2A gateway is fuzzed next to its own tests, in
+``tests/integration/test_a2a_fuzz.py`` (same MESHNODE_FUZZ_LONG / _EXAMPLES knobs).
 """
