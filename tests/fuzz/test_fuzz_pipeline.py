@@ -95,6 +95,9 @@ class RecordingConnection:
     def on_reconnect(self, callback: Any) -> None:
         pass
 
+    def on_error(self, callback: Any) -> None:
+        pass
+
     async def publish(self, subject: str, data: bytes, **_: Any) -> None:
         self.published.append((subject, bytes(data)))
 

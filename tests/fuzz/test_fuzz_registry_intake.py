@@ -54,6 +54,9 @@ class _Conn:
     def on_reconnect(self, callback: Any) -> None:
         pass
 
+    def on_error(self, callback: Any) -> None:
+        pass
+
 
 def _valid() -> tuple[dict[str, Any], str, str]:
     """A manifest exactly as a node registers it: (manifest, agent id, node id)."""
