@@ -3,6 +3,9 @@
 Each benchmark prints its own table and writes ``benchmarks/results/NAME.json``;
 a run of more than one ends with a summary of the performance targets (issue
 #9) against what this run measured, also written as ``summary.json``.
+
+``python -m benchmarks soak --minutes N`` is the long leak run (not part of the
+default set); see :mod:`benchmarks.soak`.
 """
 
 from __future__ import annotations
@@ -86,7 +89,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     parser.add_argument("--agents", type=_agents, default=None,
                         help="agent counts for the scale benchmark (default 100,1000,10000; quick: 100,1000)")
+    parser.add_argument("--minutes", type=float, default=60.0, help="soak only: how long to run (default 60)")
     args = parser.parse_args()
+    if "soak" in args.names:
+        from . import soak
+
+        soak.run(quick=args.quick, minutes=args.minutes)
+        args.names = [n for n in args.names if n != "soak"]
+        if not args.names:
+            return 0
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(unknown)}")

@@ -1014,3 +1014,23 @@ def test_exit_codes() -> None:
     for exc, code in cases:
         assert exit_code_for(exc) == code, exc
     assert len({exitcodes.EX_NOT_RUNNING, exitcodes.EX_NOPERM, exitcodes.EX_API_MISMATCH}) == 3
+
+
+async def test_a_parameter_with_no_canonical_form_is_invalid_parameter_not_internal(sock_path: Path) -> None:
+    """Found by the admin fuzzer: ``Artifacts.Put {"name": 2**53}`` answered Internal."""
+    from meshnode.protocol.canonical import canonicalize
+
+    async def forward(params: dict[str, Any], call: CallContext) -> Any:
+        return canonicalize(params).decode()  # what signing a forwarded parameter does
+
+    registry = registry_with_basics()
+    registry.add("Forward", forward)
+    async with AdminServer(sock_path, methods=registry):
+        raw = await Raw.connect(sock_path)
+        await raw.send(encode({"id": 1, "method": "Forward", "params": {"name": 2**53}}))
+        reply = await raw.recv()
+        assert reply["error"]["name"] == "InvalidParameter"
+        assert reply["error"]["params"]["path"] == "$.name"
+        await raw.send(encode({"id": 2, "method": "Echo", "params": {"x": 1}}))
+        assert await raw.recv() == {"id": 2, "result": {"x": 1}}
+        await raw.close()

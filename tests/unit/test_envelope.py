@@ -205,3 +205,12 @@ def test_traceparent_round_trip(tid: bytes, sid: bytes) -> None:
 @pytest.mark.parametrize("header", ["", "00-xyz", "ff-" + "a" * 32 + "-" + "b" * 16 + "-01", "00-" + "0" * 32 + "-" + "b" * 16 + "-01"])
 def test_bad_traceparent_is_none(header: str) -> None:
     assert trace_from_traceparent(header) is None
+
+
+def test_nesting_beyond_the_bound_is_an_invalid_envelope_not_a_recursion_error() -> None:
+    from meshnode.protocol.envelope import MAX_NESTING
+
+    for text in (b"[" * 100_000, b'{"a":' * 900 + b"1" + b"}" * 900, b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1)):
+        with pytest.raises(ProtocolError) as info:
+            decode_envelope(text)
+        assert info.value.code == "INVALID_ENVELOPE"

@@ -58,7 +58,8 @@ def test_rfc3339_any_form(text: str, us: int) -> None:
     assert parse_rfc3339(text) == us
 
 
-@pytest.mark.parametrize("bad", ["", "2026-07-26", "2026-07-26 12:00:00Z", "2026-13-01T00:00:00Z", "2026-07-26T12:00:00", "x"])
+@pytest.mark.parametrize("bad", ["", "2026-07-26", "2026-07-26 12:00:00Z", "2026-13-01T00:00:00Z", "2026-07-26T12:00:00", "x",
+                                 "9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+00:01"])
 def test_rfc3339_refuses_everything_else(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_rfc3339(bad)

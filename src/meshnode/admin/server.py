@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
+from meshnode.protocol.canonical import CanonicalJSONError
 from meshnode.protocol.errors import ProtocolError
 
 from .protocol import (
@@ -849,6 +850,18 @@ class AdminServer:
             await conn.send(error_reply(request.id, exc))
         except ProtocolError as exc:
             await conn.send(error_reply(request.id, Refused.from_protocol_error(exc)))
+        except CanonicalJSONError as exc:
+            # A parameter the method forwards into a signed envelope holds a value
+            # with no canonical form (an integer beyond ±(2^53-1)): the caller's
+            # to fix, not a daemon bug (was an Internal error).
+            await conn.send(
+                error_reply(
+                    request.id,
+                    InvalidParameter(
+                        f"a parameter cannot be carried in a signed message: {exc}", {"path": exc.path}
+                    ),
+                )
+            )
         except Exception:
             # The traceback stays here; the client gets a handle to find it.
             incident = secrets.token_hex(4)

@@ -147,6 +147,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"attested  {cred['role']}, trust tier {cred['trust_tier']}, tenant {cred['tenant']}"
             )
     print(f"keys      {status['keystore']}")
+    inbox = status.get("inbox")
+    if inbox and not inbox.get("writable", True):
+        print(f"inbox     NOT WRITABLE since {_when((inbox.get('fault_since_ms') or 0) // 1000)}: {inbox.get('fault')}"
+              " (nothing is acked; mail waits in the broker's buffer)")
     summary = status.get("agent_summary") or {}
     print(f"agents    {summary.get('hosted', len(status['agents']))} hosted, {summary.get('registered', '?')} registered, "
           f"{summary.get('failed', '?')} failed")

@@ -715,6 +715,8 @@ class Daemon:
                 "last_error": self.connection.last_error if self.connection else None,
             },
             "credential": self._credential_status(),
+            # writable false: disk full or read-only; nothing is acked until it clears.
+            "inbox": self.inbox.health() if self.inbox is not None else None,
             "keystore": self.keystore.describe() if self.keystore else None,
             "agents": agents,
             "agent_summary": summary,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -215,12 +217,17 @@ class _Operations:
     async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()
         fmt = params.get("format", "json")
+        runtime = runtime_gauges()
         if fmt == "prometheus":
             agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
-            return {"content_type": "text/plain; version=0.0.4", "text": prometheus_text(agents, node.counters)}
+            text = prometheus_text(agents, node.counters) + "".join(
+                f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
+            )
+            return {"content_type": "text/plain; version=0.0.4", "text": text}
         if fmt != "json":
             raise InvalidParameter("format is json or prometheus")
         return {
+            "runtime": runtime,
             "node": dict(node.counters),
             "agents": {
                 h.name: {"id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict()}
@@ -272,3 +279,26 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+def runtime_gauges() -> dict[str, int | None]:
+    """The process's own resource gauges, for leak watching (soak runs):
+    asyncio tasks alive, open file descriptors, resident memory and threads.
+    None where the platform does not say (no /proc)."""
+    fds: int | None
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = None
+    rss: int | None = None
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            rss = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "open_fds": fds,
+        "rss_bytes": rss,
+        "threads": threading.active_count(),
+    }

@@ -14,6 +14,7 @@ and a failed pass is logged once and never stops the next one or the agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -26,6 +27,7 @@ import nats.js.errors
 import orjson
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol import subjects
 
@@ -160,6 +162,12 @@ class InboxDrain:
                 self.stats.running = False
 
     async def _drain(self) -> None:
+        if self.store.fault is not None:
+            # Take nothing from the broker while the inbox cannot hold it (disk
+            # full, read-only): it is safe where it is, and every fetch spends a
+            # delivery. A tiny real write says when the inbox takes writes again;
+            # until then this raises and the pass counts as failing (§16.4).
+            await self.store.probe()
         js = self.node.connection.js
         agent = self.hosted.agent_id
         stream = subjects.inbox_stream_name(agent)
@@ -187,7 +195,12 @@ class InboxDrain:
                 deliver_policy=DeliverPolicy.ALL,
                 ack_policy=AckPolicy.EXPLICIT,
                 ack_wait=30,
-                max_deliver=5,
+                # Unbounded: every message fetched is either committed and acked
+                # or (its batch failing, e.g. a full inbox disk) handed back, and
+                # an unreadable one is acked too, so there is no poison message to
+                # bound; a bound only turned a long inbox fault into lost mail.
+                # (A durable created earlier with max_deliver=5 keeps its config.)
+                max_deliver=-1,
             ),
         )
         try:
@@ -209,7 +222,16 @@ class InboxDrain:
                     break
                 within = [m for m in msgs if m.metadata.sequence.stream <= bound]
                 beyond = [m for m in msgs if m.metadata.sequence.stream > bound]
-                await self._commit_and_ack(within)
+                try:
+                    await self._commit_and_ack(within)
+                except InboxUnwritable:
+                    # Not committed, so not acked: hand the batch straight back
+                    # (redelivered on the pass after the inbox recovers, not
+                    # after ack_wait) and fail this pass.
+                    for m in msgs:
+                        with contextlib.suppress(Exception):
+                            await m.nak()
+                    raise
                 floor = max([floor, *(int(m.metadata.sequence.stream) for m in msgs)])
                 if beyond:
                     # Past the bound belongs to the live path: hand it back untouched.
@@ -217,8 +239,11 @@ class InboxDrain:
                     for m in beyond:
                         await m.nak()
                     break
-            if floor >= bound:
-                self._settled_through = bound  # everything through the bound is acked
+            if floor >= bound and not (await psub.consumer_info()).num_ack_pending:
+                # Everything through the bound is acked. With deliveries still
+                # unacked (a failed pass before this one) the buffer is not
+                # settled, or idle passes would skip them until new mail came.
+                self._settled_through = bound
         finally:
             try:
                 await psub.unsubscribe()

@@ -28,6 +28,7 @@ import jsonschema
 from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
+from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.tasks import ResponderTask, new_task_id, propagated
 from meshnode.protocol.accept import build_queued_ack
@@ -330,7 +331,17 @@ class HostedAgent:
         if self.interaction == "interactive" and self.node.inbox is not None:
             # §8.3a: a person's session answers; nothing runs now, so no accept.
             if inbox_id is None:
-                inbox_id = await self.node.inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
+                try:
+                    inbox_id = await self.node.inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
+                except InboxUnwritable as exc:
+                    # Not held, so not handled: no queued ack, and the pair is taken
+                    # back from the duplicate memories, so the copy the broker still
+                    # buffers (nothing acked it) is held by a drain once the disk
+                    # takes writes again (§16.4). Nothing is lost.
+                    self.guard.memory.forget(env["from"], env["id"])
+                    self.node.inbox.forget(self.agent_id, env["from"], env["id"])
+                    self.signal("inbox_unwritable", env, exc.cause)
+                    return "refused"
             if reply:
                 await self.node.reply_plain(reply, build_queued_ack(str(inbox_id)))
             self.counters["held"] += 1
@@ -531,6 +542,9 @@ class HostedAgent:
             await task._send(state, output=output, error=error, artifacts=artifacts)
         except ProtocolError as exc:
             self.agent.log.warning("task %s could not end as %s: %s", task.task_id, state, exc)
+        except Exception as exc:  # the transport: logged here, never an unretrieved task exception
+            self.agent.log.error("task %s could not publish its %s update: %s: %s",
+                                 task.task_id, state, type(exc).__name__, exc)
 
     async def _run_streaming(
         self, ctx: AgentContext, handler: Any, handler_input: Any, wants_stream: bool, config: Any

@@ -29,14 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 
-__all__ = ["HeldMessage", "InboxStore", "InboxRow", "STATES"]
+__all__ = ["HeldMessage", "InboxStore", "InboxRow", "InboxUnwritable", "STATES"]
 
 log = logging.getLogger("meshnode.inbox")
 
@@ -76,6 +78,7 @@ CREATE TABLE IF NOT EXISTS seen (
     PRIMARY KEY (agent, sender, msg_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS seen_by_age ON seen (agent, seen_ms);
+CREATE TABLE IF NOT EXISTS probe (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 """
 
 
@@ -96,11 +99,28 @@ class InboxRow:
 
 HeldMessage = InboxRow
 
+#: Remembered pairs held for the write-behind at most (they pile up only while the
+#: inbox cannot be written).
+_MAX_BEHIND = 100_000
+
 _COLUMNS = "inbox_id, agent, sender, msg_id, kind, envelope, stream_seq, received_ms, state, state_ms, note"
 
 
 def _row(values: Sequence[Any]) -> InboxRow:
     return InboxRow(*values)
+
+
+class InboxUnwritable(RuntimeError):
+    """The inbox cannot commit (disk full, read-only, I/O error).
+
+    Nothing that needed the commit happened: the caller must not ack the
+    broker, so the message stays in the redelivery buffer (§16.4) until the
+    inbox can take it. ``cause`` is SQLite's own message.
+    """
+
+    def __init__(self, path: Path, cause: str) -> None:
+        super().__init__(f"the node inbox {path} cannot be written: {cause}")
+        self.cause = cause
 
 
 class InboxStore:
@@ -130,6 +150,11 @@ class InboxStore:
         self._wake = asyncio.Event()
         self._closing = False
         self.commits = 0
+        #: Why writes fail now (SQLite's message), None while the inbox is writable.
+        self.fault: str | None = None
+        self.fault_since_ms: int | None = None
+        self.failed_writes = 0
+        self.dropped_behind = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -160,7 +185,12 @@ class InboxStore:
                     await self._flusher
             self._flusher = None
         if self._db is not None:
-            await self.flush()
+            try:
+                await self.flush()
+            except InboxUnwritable as exc:
+                # Only the persisted duplicate memory loses these pairs: after a
+                # restart their buffered copies may be dispatched a second time.
+                log.error("stopping with %d remembered pairs unwritten: %s", len(self._seen_pending), exc.cause)
             with contextlib.suppress(Exception):
                 await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             await self._db.close()
@@ -172,19 +202,79 @@ class InboxStore:
             raise RuntimeError("inbox store is not open")
         return self._db
 
-    async def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
-        """One transaction, one commit (one fsync)."""
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction (one commit, one fsync), under the store's lock.
+
+        A failure anywhere, the COMMIT included, leaves no transaction open
+        (SQLite rolls some back by itself on SQLITE_FULL; the rest are rolled
+        back here), so the store works again as soon as the disk does. A
+        SQLite error is raised as :class:`InboxUnwritable` and recorded in
+        :attr:`fault` (logged once when it starts and once when it ends).
+        """
         async with self._lock:
             db = self.db
-            await db.execute("BEGIN IMMEDIATE")
+            changes = db.total_changes
             try:
-                for sql, params in statements:
-                    await db.execute(sql, params)
-            except BaseException:
-                await db.execute("ROLLBACK")
+                await db.execute("BEGIN IMMEDIATE")
+                yield db
+                await db.execute("COMMIT")
+            except BaseException as exc:
+                if db.in_transaction:
+                    with contextlib.suppress(Exception):
+                        await db.execute("ROLLBACK")
+                # Full, read-only, I/O error, locked, corrupt: the file cannot take
+                # the write. (A constraint or programming error is a bug: raised as is.)
+                if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
+                    self._failed(exc)
+                    raise InboxUnwritable(self.path, str(exc)) from exc
                 raise
-            await db.execute("COMMIT")
             self.commits += 1
+            # Only a commit that wrote something proves the disk takes writes
+            # again (a drain pass with nothing to claim commits nothing).
+            if self.fault is not None and db.total_changes != changes:
+                log.warning(
+                    "the node inbox %s is writable again (%d writes failed since the fault began); "
+                    "buffered mail is taken on the next drain pass", self.path, self.failed_writes,
+                )
+                self.fault = None
+                self.fault_since_ms = None
+
+    def _failed(self, exc: sqlite3.Error) -> None:
+        self.failed_writes += 1
+        if self.fault is None:
+            self.fault_since_ms = time.time_ns() // 1_000_000
+            log.error(
+                "the node inbox %s cannot be written: %s. Nothing is acked to the broker while this "
+                "lasts: messages stay in the redelivery buffer and are taken when space returns",
+                self.path, exc,
+            )
+        self.fault = str(exc)
+
+    async def probe(self) -> None:
+        """One tiny real write: clears :attr:`fault` when it commits, raises
+        :class:`InboxUnwritable` while the inbox still cannot be written."""
+        async with self._write() as db:
+            await db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
+
+    def health(self) -> dict[str, Any]:
+        """For status: whether the inbox can commit, and since when it cannot."""
+        return {
+            "path": str(self.path),
+            "writable": self.fault is None,
+            "fault": self.fault,
+            "fault_since_ms": self.fault_since_ms,
+            "failed_writes": self.failed_writes,
+            "commits": self.commits,
+            "write_behind_pending": len(self._seen_pending) + len(self._state_pending),
+            "write_behind_dropped": self.dropped_behind,
+        }
+
+    async def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """One transaction, one commit (one fsync)."""
+        async with self._write() as db:
+            for sql, params in statements:
+                await db.execute(sql, params)
 
     # -- the drain: durable intake -----------------------------------------------
 
@@ -201,61 +291,45 @@ class InboxStore:
             return []
         # Pairs the live path handled moments ago may still wait in the write-behind.
         pending = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
-        async with self._lock:
-            db = self.db
-            await db.execute("BEGIN IMMEDIATE")
-            fresh: list[bool] = []
-            try:
-                for sender, msg_id, kind, raw, seq in items:
-                    if (sender, msg_id) in pending:
-                        fresh.append(False)
-                        continue
-                    async with db.execute(
-                        "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-                    ) as cur:
-                        seen_live = await cur.fetchone() is not None
-                    if seen_live:
-                        fresh.append(False)
-                        continue
-                    cur2 = await db.execute(
-                        "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
-                        " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
-                        (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
-                    )
-                    fresh.append(cur2.rowcount == 1)
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
-            await db.execute("COMMIT")
-            self.commits += 1
+        fresh: list[bool] = []
+        async with self._write() as db:
+            for sender, msg_id, kind, raw, seq in items:
+                if (sender, msg_id) in pending:
+                    fresh.append(False)
+                    continue
+                async with db.execute(
+                    "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
+                ) as cur:
+                    seen_live = await cur.fetchone() is not None
+                if seen_live:
+                    fresh.append(False)
+                    continue
+                cur2 = await db.execute(
+                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
+                    " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
+                    (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
+                )
+                fresh.append(cur2.rowcount == 1)
         return fresh
 
     async def claim_pending(self, agent: str, limit: int, now_ms: int) -> list[InboxRow]:
         """Mark up to ``limit`` pending rows dispatched (committed) and return them."""
-        async with self._lock:
-            db = self.db
-            await db.execute("BEGIN IMMEDIATE")
-            try:
-                async with db.execute(
-                    f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
-                    (agent, limit),
-                ) as cur:
-                    rows = [_row(r) for r in await cur.fetchall()]
-                if rows:
-                    await db.executemany(
-                        "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=?",
-                        [(now_ms, r.inbox_id) for r in rows],
-                    )
-                    # The claimed pairs join the persisted duplicate memory now.
-                    await db.executemany(
-                        "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
-                        [(agent, r.sender, r.msg_id, now_ms) for r in rows],
-                    )
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
-            await db.execute("COMMIT")
-            self.commits += 1
+        async with self._write() as db:
+            async with db.execute(
+                f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
+                (agent, limit),
+            ) as cur:
+                rows = [_row(r) for r in await cur.fetchall()]
+            if rows:
+                await db.executemany(
+                    "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=?",
+                    [(now_ms, r.inbox_id) for r in rows],
+                )
+                # The claimed pairs join the persisted duplicate memory now.
+                await db.executemany(
+                    "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
+                    [(agent, r.sender, r.msg_id, now_ms) for r in rows],
+                )
         return rows
 
     async def recover_interrupted(self, now_ms: int) -> int:
@@ -272,24 +346,16 @@ class InboxStore:
 
     async def hold(self, agent: str, sender: str, msg_id: str, kind: str, raw: bytes, now_ms: int) -> int:
         """Keep a message for a person's live session; returns its inbox id."""
-        async with self._lock:
-            db = self.db
-            await db.execute("BEGIN IMMEDIATE")
-            try:
-                await db.execute(
-                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, received_ms,"
-                    " state, state_ms) VALUES (?,?,?,?,?,?,'held',?)",
-                    (agent, sender, msg_id, kind, raw, now_ms, now_ms),
-                )
-                async with db.execute(
-                    "SELECT inbox_id FROM messages WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-                ) as cur:
-                    row = await cur.fetchone()
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
-            await db.execute("COMMIT")
-            self.commits += 1
+        async with self._write() as db:
+            await db.execute(
+                "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, received_ms,"
+                " state, state_ms) VALUES (?,?,?,?,?,?,'held',?)",
+                (agent, sender, msg_id, kind, raw, now_ms, now_ms),
+            )
+            async with db.execute(
+                "SELECT inbox_id FROM messages WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
+            ) as cur:
+                row = await cur.fetchone()
         assert row is not None
         return int(row[0])
 
@@ -340,8 +406,21 @@ class InboxStore:
     def remember(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
         """Write-behind: remember a pair handled on the live path."""
         self._seen_pending.append((agent, sender, msg_id, now_ms))
+        if len(self._seen_pending) > _MAX_BEHIND:
+            # Only while writes fail for long: bound the backlog, oldest out. The
+            # in-memory §22.2 memory still refuses their buffered copies in this
+            # process; only a restart before recovery could dispatch one twice.
+            excess = len(self._seen_pending) - _MAX_BEHIND
+            del self._seen_pending[:excess]
+            self.dropped_behind += excess
         if len(self._seen_pending) >= 256:
             self._wake.set()
+
+    def forget(self, agent: str, sender: str, msg_id: str) -> None:
+        """Take back a pair :meth:`remember` was given and that is not yet written:
+        the live path could not handle the message after all (the inbox could
+        not hold it), so the buffered copy must still be taken by a drain."""
+        self._seen_pending = [p for p in self._seen_pending if p[:3] != (agent, sender, msg_id)]
 
     async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
         """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
@@ -381,11 +460,18 @@ class InboxStore:
 
     async def _flush_loop(self) -> None:
         while not self._closing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval)
+            if self.fault is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval)
+            else:
+                # The inbox cannot be written: retry once a second, not on every
+                # wake-up (each live message would be one more failing write).
+                await asyncio.sleep(1.0)
             self._wake.clear()
             try:
                 await self.flush()
+            except InboxUnwritable:
+                pass  # recorded in self.fault; the next flush carries the backlog
             except Exception as exc:  # keep trying; the next flush carries the backlog
                 log.warning("inbox write-behind failed: %s", exc)
 

@@ -711,7 +711,23 @@ class Node:
         ``Nats-Msg-Id`` = envelope id (§18.8), recorded by MESH_TASKS."""
         data = encode_envelope(env)
         check_envelope_size(len(data), self.connection.max_payload)
-        await self.connection.js.publish(subject, data, headers={"Nats-Msg-Id": str(env["id"])})
+        headers = {"Nats-Msg-Id": str(env["id"])}
+        # A reconnect (an agent added or removed re-presents the credential)
+        # loses the ack of a publish in flight: the update was often stored, but
+        # raising here dropped a task's final answer (the soak found it). Retry
+        # with the same Nats-Msg-Id: MESH_TASKS deduplicates a stored repeat.
+        delay, deadline = 0.2, time.monotonic() + 20.0
+        while True:
+            try:
+                await self.connection.js.publish(subject, data, headers=headers)
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.errors.ConnectionReconnectingError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("task update %s not acked (%s); retrying", env.get("id"), type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def publish_chunk(
         self,

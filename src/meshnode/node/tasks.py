@@ -12,6 +12,7 @@ unsigned by default, the final chunk signed and carrying ``chunk_count``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -452,6 +453,18 @@ class RequesterTask:
         )
         return queue, sub
 
+    async def _release(self, sub: Any, subject: str, kind: str) -> None:
+        """Unsubscribe and delete the replay consumer now. Unsubscribing alone left
+        it on the server until its inactive threshold (120 s): at a few tasks a
+        second the account filled with idle consumers and every new task failed
+        ("maximum consumers limit reached", found by the soak)."""
+        try:
+            await sub.unsubscribe()
+        finally:
+            name = self._consumer(subject, kind).name
+            with contextlib.suppress(Exception):
+                await self.hosted.node.connection.js.delete_consumer("MESH_TASKS", str(name))
+
     @property
     def state(self) -> str:
         payload = self.last_update.get("payload")
@@ -481,7 +494,7 @@ class RequesterTask:
                 if env["from"] == self.responder and str(payload.get("status")) in _TERMINAL:
                     return
         finally:
-            await sub.unsubscribe()
+            await self._release(sub, subjects.task_update(self.task_id), "u")
 
     async def result(self, timeout: float = 300.0, *, until_paused: bool = False) -> Mapping[str, Any]:
         """The terminal update (completed, failed, canceled, rejected, exhausted);
@@ -568,7 +581,7 @@ class RequesterTask:
                         raise StreamBroken("the final chunk's chunk_count does not match what arrived")
                     return
         finally:
-            await sub.unsubscribe()
+            await self._release(sub, subjects.task_stream(self.task_id), "s")
 
     async def cancel(self, reason: str, note: str | None = None) -> Mapping[str, Any]:
         """Cancel with a reason from the closed enum (§10.8): the cancel request

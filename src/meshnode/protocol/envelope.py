@@ -330,11 +330,13 @@ def decode_envelope(
     envelope, INVALID_VERSION for an unsupported major version,
     IDENTITY_MISMATCH for a signature that does not verify.
     """
+    scanned: bool | str | None = None
     try:
         if isinstance(data, (bytes, bytearray, memoryview)):
             try:
                 obj = orjson.loads(data)
-                if _has_unsafe_int(obj):
+                scanned = _scan(obj)
+                if scanned is True:  # same shape, read with a peer's number semantics
                     obj = parse_json(data)
             except orjson.JSONDecodeError:
                 obj = parse_json(data)  # orjson refuses >64-bit ints; the stdlib path does not
@@ -342,6 +344,13 @@ def decode_envelope(
             obj = parse_json(data)
     except (ValueError, CanonicalJSONError) as exc:
         raise _invalid(f"not JSON: {exc}") from None
+    except RecursionError:
+        # The stdlib parser recurses per level: text nested thousands deep.
+        raise _too_deep() from None
+    if scanned is None:
+        scanned = _scan(obj)
+    if scanned is _TOO_DEEP:
+        raise _too_deep()
     env = validate_envelope(obj)
     if verify:
         verify_envelope(env, accept_legacy_untagged=accept_legacy_untagged)
@@ -350,13 +359,42 @@ def decode_envelope(
 
 _MAX_SAFE = 2**53 - 1
 
+#: How deeply an inbound envelope may nest (objects and arrays, the envelope
+#: itself being level 1). Far beyond any real message, far below what the
+#: recursive steps after decoding (canonical JSON for the signature, the §22.5
+#: measurement, schema validation, framing) can take: without it a stranger's
+#: 900-deep payload raised RecursionError out of signature verification.
+MAX_NESTING = 100
 
-def _has_unsafe_int(value: Any) -> bool:
-    t = type(value)
-    if t is int:
-        return not -_MAX_SAFE <= value <= _MAX_SAFE
-    if t is dict:
-        return any(_has_unsafe_int(v) for v in value.values() if type(v) is not str)
-    if t is list:
-        return any(_has_unsafe_int(v) for v in value if type(v) is not str)
-    return False
+_TOO_DEEP = "too deep"
+
+
+def _too_deep() -> ProtocolError:
+    return _invalid(f"nested deeper than {MAX_NESTING} levels", max_nesting=MAX_NESTING)
+
+
+def _scan(value: Any) -> bool | str:
+    """One iterative walk: ``_TOO_DEEP`` when nested beyond MAX_NESTING, else
+    True when an integer lies outside ±(2^53 − 1) (re-parse as a peer would)."""
+    unsafe = False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        t = type(item)
+        if t is int:
+            if not -_MAX_SAFE <= item <= _MAX_SAFE:
+                unsafe = True
+            continue
+        if t is dict:
+            children: Any = item.values()
+        elif t is list:
+            children = item
+        else:
+            continue
+        if depth > MAX_NESTING:
+            return _TOO_DEEP
+        for child in children:
+            tc = type(child)
+            if tc is dict or tc is list or tc is int:
+                stack.append((child, depth + 1))
+    return unsafe

@@ -136,6 +136,14 @@ class DedupMemory:
             self._seen.discard(self._order.popleft())
         return False
 
+    def forget(self, sender: str, msg_id: str) -> None:
+        """Drop one pair (O(n); for the rare envelope that was remembered and
+        then could not be handled at all, so a later delivery must still run it)."""
+        key = (sender, msg_id)
+        if key in self._seen:
+            self._seen.discard(key)
+            self._order.remove(key)
+
     def entries(self) -> list[tuple[str, str]]:
         """Every remembered pair, oldest (first seen) first."""
         return list(self._order)

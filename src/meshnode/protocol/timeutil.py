@@ -64,7 +64,12 @@ def _parse_full(text: str) -> int:
         oh, om = int(zone[1:3]), int(zone[4:6])
         if oh > 23 or om > 59:
             raise ValueError(f"bad UTC offset in {text!r}")
-        base -= sign * _dt.timedelta(hours=oh, minutes=om)
+        try:
+            base -= sign * _dt.timedelta(hours=oh, minutes=om)
+        except OverflowError:
+            # 9999-12-31T23:59:59-23:59 is well-formed text for an instant no
+            # datetime holds; it is refused like any other unreadable ts.
+            raise ValueError(f"date-time out of range: {text!r}") from None
     delta = base - _EPOCH
     us = (delta.days * 86400 + delta.seconds + (1 if leap else 0)) * 1_000_000
     if frac:

@@ -1,0 +1,154 @@
+"""The node inbox when SQLite cannot write: disk full (SQLITE_FULL) and read-only.
+
+These faults are produced by SQLite itself, on the store's own connection:
+``PRAGMA max_page_count`` caps the file at its current size (the real
+SQLITE_FULL path, as on a full disk) and ``PRAGMA query_only`` makes every
+write fail as on a read-only file. A real full filesystem (tmpfs) with a
+real daemon is tests/integration/test_disk_full.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from meshnode.node.inbox import InboxStore, InboxUnwritable
+from meshnode.node.runtime import Node, NodeSettings
+from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
+from meshnode.protocol.nkeys import KeyPair
+from tests.fuzz.test_fuzz_pipeline import Desk, RecordingConnection, _host
+
+NOW = 1_782_900_000_000
+
+
+async def _full(store: InboxStore) -> None:
+    async with store.db.execute("PRAGMA page_count") as cur:
+        row = await cur.fetchone()
+    assert row is not None
+    await store.db.execute(f"PRAGMA max_page_count = {int(row[0])}")
+
+
+async def _space_returns(store: InboxStore) -> None:
+    await store.db.execute("PRAGMA max_page_count = 1073741823")
+
+
+def _item(i: int, size: int = 20_000) -> tuple[str, str, str, bytes, int]:
+    return ("sender", f"m{i}", "request", os.urandom(size), i)
+
+
+async def test_a_full_inbox_refuses_to_commit_says_so_and_recovers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        assert await store.accept_batch("A", [_item(0, 10)], NOW) == [True]
+        await _full(store)
+        with pytest.raises(InboxUnwritable) as info:
+            for i in range(1, 50):  # until the pages in hand are used up
+                await store.accept_batch("A", [_item(i)], NOW)
+        assert "full" in info.value.cause
+        health = store.health()
+        assert health["writable"] is False and "full" in health["fault"]
+        assert not store.db.in_transaction, "a failed commit left a transaction open"
+        # Every other write path fails the same way, and no transaction is left open.
+        with pytest.raises(InboxUnwritable):
+            await store.hold("A", "sender", "held-1", "request", os.urandom(50_000), NOW)
+        assert [r.msg_id for r in await store.rows(states=["held"])] == []
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "cannot be written" in r.getMessage()]
+        assert len(errors) == 1, "the fault is logged once when it starts, not per failed write"
+        before = await store.counts()
+        await _space_returns(store)
+        assert await store.accept_batch("A", [_item(100)], NOW) == [True]
+        assert store.health()["writable"] is True and store.fault is None
+        after = await store.counts()
+        assert after["pending"] == before["pending"] + 1  # nothing committed was lost, nothing half-written
+        assert any("writable again" in r.getMessage() for r in caplog.records)
+    finally:
+        await _space_returns(store)
+        await store.close()
+
+
+async def test_a_read_only_inbox_refuses_and_recovers(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        await store.db.execute("PRAGMA query_only = 1")
+        with pytest.raises(InboxUnwritable) as info:
+            await store.accept_batch("A", [_item(1, 10)], NOW)
+        assert "readonly" in info.value.cause.replace("-", "").replace(" ", "")
+        with pytest.raises(InboxUnwritable):
+            await store.claim_pending("A", 10, NOW)
+        assert store.health()["writable"] is False
+        await store.db.execute("PRAGMA query_only = 0")
+        assert await store.accept_batch("A", [_item(1, 10)], NOW) == [True]
+        assert [r.msg_id for r in await store.claim_pending("A", 10, NOW)] == ["m1"]
+        assert store.health()["writable"] is True
+    finally:
+        await store.db.execute("PRAGMA query_only = 0")
+        await store.close()
+
+
+async def test_write_behind_keeps_its_backlog_while_unwritable(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        await store.db.execute("PRAGMA query_only = 1")
+        store.remember("A", "s", "live-1", NOW)
+        with pytest.raises(InboxUnwritable):
+            await store.flush()
+        assert store.health()["write_behind_pending"] == 1
+        # The drain still knows the pair was handled live (no second dispatch).
+        await store.db.execute("PRAGMA query_only = 0")
+        assert await store.accept_batch("A", [("s", "live-1", "request", b"{}", 1)], NOW) == [False]
+        await store.flush()
+        assert store.health()["write_behind_pending"] == 0
+    finally:
+        await store.db.execute("PRAGMA query_only = 0")
+        await store.close()
+
+
+async def test_an_interactive_request_the_inbox_cannot_hold_is_left_to_the_buffer(tmp_path: Path) -> None:
+    """Live: not held, so no queued ack and not remembered; the drained copy is then held."""
+    conn = RecordingConnection()
+    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+                connection=conn, clock=lambda: NOW)  # type: ignore[arg-type]
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    node.inbox = store
+    desk = _host(node, "desk", Desk)
+    sender = KeyPair.generate()
+    env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NOW, to=desk.agent_id,
+                                       payload={"offering": "work", "input": "hello"}), sender)
+    data = encode_envelope(env)
+    try:
+        await store.db.execute("PRAGMA query_only = 1")
+        assert await desk.receive(data, source="live", reply="_INBOX.r") == "refused"
+        assert conn.published == [], "a queued ack was sent for a message nobody holds"
+        assert desk.counters["refused.inbox_unwritable"] == 1
+        await store.db.execute("PRAGMA query_only = 0")
+        # The broker still buffers it (nothing acked): the drain takes it now.
+        assert await store.accept_batch(desk.agent_id, [(sender.public_key, env["id"], "request", data, 1)], NOW) == [True]
+        rows = await store.claim_pending(desk.agent_id, 10, NOW)
+        assert [r.msg_id for r in rows] == [env["id"]]
+        assert await desk.receive(data, source="mailbox", inbox_id=rows[0].inbox_id, wait=True) == "held"
+    finally:
+        await store.db.execute("PRAGMA query_only = 0")
+        await store.close()
+
+
+async def test_the_write_behind_backlog_is_bounded_during_a_long_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshnode.node.inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "_MAX_BEHIND", 10)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        await store.db.execute("PRAGMA query_only = 1")
+        for i in range(25):
+            store.remember("A", "s", f"live-{i}", NOW)
+        health = store.health()
+        assert health["write_behind_pending"] == 10 and health["write_behind_dropped"] == 15
+    finally:
+        await store.db.execute("PRAGMA query_only = 0")
+        await store.close()
