@@ -19,6 +19,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
@@ -110,14 +111,14 @@ async def test_nodes_exchange_within_their_permissions(node_factory: NodeFactory
     await requester.client.publish(
         f"mesh.agent.{responder_agent}.inbox", b"request", reply=liveness
     )
-    request = await inbox.next_msg(timeout=2)
+    request = await inbox.next_msg(timeout=10)
     assert request.data == b"request"
     await responder.client.publish(request.reply, b"queued")
-    assert (await signal_sub.next_msg(timeout=2)).data == b"queued"
+    assert (await signal_sub.next_msg(timeout=10)).data == b"queued"
 
     # Every respond goes to the requester's inbox (§6.5).
     await responder.client.publish(f"mesh.agent.{requester_agent}.inbox", b"respond")
-    assert (await replies.next_msg(timeout=2)).data == b"respond"
+    assert (await replies.next_msg(timeout=10)).data == b"respond"
 
     # Own heartbeat, own feed, shared event bus.
     events = await requester.client.subscribe("mesh.event.>")
@@ -125,7 +126,7 @@ async def test_nodes_exchange_within_their_permissions(node_factory: NodeFactory
     await responder.client.publish(f"mesh.heartbeat.{responder.node_id}", b"beat")
     await responder.client.publish(f"mesh.feed.{responder_agent}.status", b"feed")
     await responder.client.publish("mesh.event.demo.happened", b"event")
-    assert (await events.next_msg(timeout=2)).data == b"event"
+    assert (await events.next_msg(timeout=10)).data == b"event"
     await responder.client.flush()
     assert responder.errors.seen == []
     assert requester.errors.seen == []
@@ -142,14 +143,24 @@ async def test_services_answer_requests_through_the_response_permission(
 
     await registry.client.subscribe("mesh.registry.discover", cb=answer)
     await registry.client.flush()
-    reply = await node.client.request("mesh.registry.discover", b"query", timeout=2)
+    # The registry's flush (its SUB answered by a PONG) does not always make the
+    # interest visible to another connection's very next publish: about one run
+    # in fifty on nats-server 2.15 answers that publish "no responders", and the
+    # next one is delivered. Permissions are what this test is about, so allow
+    # that first miss.
+    for _ in range(20):
+        try:
+            reply = await node.client.request("mesh.registry.discover", b"query", timeout=10)
+            break
+        except NoRespondersError:
+            await asyncio.sleep(0.1)
     assert reply.data == b"discovered"
 
     # A participant's JetStream publish gets its PubAck on its private inbox.
-    await registry.client.jetstream(timeout=2).add_stream(
+    await registry.client.jetstream(timeout=10).add_stream(
         StreamConfig(name="MESH_EVENTS", subjects=["mesh.event.>"], duplicate_window=120)
     )
-    ack = await node.client.jetstream(timeout=2).publish(
+    ack = await node.client.jetstream(timeout=10).publish(
         "mesh.event.demo.happened", b"event", headers={"Nats-Msg-Id": "e1"}
     )
     assert (ack.stream, ack.seq) == ("MESH_EVENTS", 1)
@@ -186,7 +197,7 @@ async def test_broker_refuses_another_nodes_subjects(
 
     # Nothing forged reached a subscriber entitled to all of mesh.>.
     await mallory.client.publish(f"mesh.heartbeat.{mallory.node_id}", b"own beat")
-    message = await seen.next_msg(timeout=2)
+    message = await seen.next_msg(timeout=10)
     assert (message.subject, message.data) == (f"mesh.heartbeat.{mallory.node_id}", b"own beat")
     await observer.close()
 
@@ -209,7 +220,7 @@ async def test_jetstream_mailbox_for_its_node_only(node_factory: NodeFactory) ->
     agent = host.agent_ids[0]
 
     # The registry creates the agent's mailbox stream (§18.3) ...
-    admin = service.client.jetstream(timeout=2)
+    admin = service.client.jetstream(timeout=10)
     await admin.add_stream(_mailbox_stream(agent))
 
     # ... captures a request sent while nobody listens ...
@@ -222,14 +233,14 @@ async def test_jetstream_mailbox_for_its_node_only(node_factory: NodeFactory) ->
 
     # ... and the hosting node drains it through its durable consumer (§18.6),
     # with nothing but its participant grants.
-    host_js = host.client.jetstream(timeout=2)
+    host_js = host.client.jetstream(timeout=10)
     stream = await host_js.stream_info(f"MESH_INBOX_{agent}")
     assert stream.state.last_seq == 1
     await host_js.add_consumer(f"MESH_INBOX_{agent}", _inbox_consumer(agent))
     drain = await host_js.pull_subscribe_bind(f"inbox_{agent}", stream=f"MESH_INBOX_{agent}")
-    [mail] = await drain.fetch(1, timeout=2)
+    [mail] = await drain.fetch(1, timeout=10)
     assert mail.data == b"while you were out"
-    await mail.ack_sync(timeout=2)
+    await mail.ack_sync(timeout=10)
     assert host.errors.seen == []
 
     # Another node can neither attach a consumer to that mailbox nor manage streams.
@@ -249,7 +260,7 @@ async def test_jetstream_mailbox_for_its_node_only(node_factory: NodeFactory) ->
 
 async def test_jetstream_enabled_for_mesh_account(node_factory: NodeFactory) -> None:
     service = await node_factory(0, role="service")
-    js = service.client.jetstream(timeout=2)
+    js = service.client.jetstream(timeout=10)
     account = await js.account_info()
     assert account.limits.max_streams == -1
     await js.add_stream(StreamConfig(name="MESH_EVENTS", subjects=["mesh.event.>"]))
@@ -268,7 +279,7 @@ async def test_large_roster_credential_fits_the_connect_line(node_factory: NodeF
     last_agent = node.agent_ids[-1]
     inbox = await node.client.subscribe(f"mesh.agent.{last_agent}.inbox")
     await node.client.publish(f"mesh.agent.{last_agent}.inbox", b"hello")
-    assert (await inbox.next_msg(timeout=2)).data == b"hello"
+    assert (await inbox.next_msg(timeout=10)).data == b"hello"
 
 
 async def test_monitoring_is_opt_in(mesh: EmbeddedNatsServer, tmp_path: Path) -> None:
@@ -426,7 +437,7 @@ async def test_crashed_server_is_restarted_on_the_same_port(tmp_path: Path) -> N
             allow_reconnect=True, reconnect_time_wait=0.05, max_reconnect_attempts=-1,
         )
         try:
-            js = client.jetstream(timeout=2)
+            js = client.jetstream(timeout=10)
             await js.add_stream(StreamConfig(name="MESH_TASKS", subjects=["mesh.task.>"]))
             await js.publish("mesh.task.t1.update", b"before the crash")
 
