@@ -145,6 +145,11 @@ class InboxStore:
         self._db: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
         self._seen_pending: list[tuple[str, str, str, int]] = []
+        # Pairs taken back by forget(). A flush may hold such a pair in flight
+        # when forget() runs: re-queued after a failed write it must not come
+        # back, and written by a write that succeeded it must not make the drain
+        # take its buffered copy for a duplicate (that copy is the only one left).
+        self._forgotten: dict[tuple[str, str, str], None] = {}
         self._state_pending: list[tuple[str, str | None, int, int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -292,11 +297,19 @@ class InboxStore:
         # Pairs the live path handled moments ago may still wait in the write-behind.
         pending = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
         fresh: list[bool] = []
+        taken_back: list[tuple[str, str, str]] = []
         async with self._write() as db:
             for sender, msg_id, kind, raw, seq in items:
                 if (sender, msg_id) in pending:
                     fresh.append(False)
                     continue
+                if (agent, sender, msg_id) in self._forgotten:
+                    # Taken back by the live path (it could not hold the message);
+                    # a write-behind already in flight may have written it anyway.
+                    await db.execute(
+                        "DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
+                    )
+                    taken_back.append((agent, sender, msg_id))
                 async with db.execute(
                     "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
                 ) as cur:
@@ -310,6 +323,8 @@ class InboxStore:
                     (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
                 )
                 fresh.append(cur2.rowcount == 1)
+        for pair in taken_back:  # committed: the tombstones have done their work
+            self._forgotten.pop(pair, None)
         return fresh
 
     async def claim_pending(self, agent: str, limit: int, now_ms: int) -> list[InboxRow]:
@@ -405,6 +420,7 @@ class InboxStore:
 
     def remember(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
         """Write-behind: remember a pair handled on the live path."""
+        self._forgotten.pop((agent, sender, msg_id), None)
         self._seen_pending.append((agent, sender, msg_id, now_ms))
         if len(self._seen_pending) > _MAX_BEHIND:
             # Only while writes fail for long: bound the backlog, oldest out. The
@@ -421,6 +437,9 @@ class InboxStore:
         the live path could not handle the message after all (the inbox could
         not hold it), so the buffered copy must still be taken by a drain."""
         self._seen_pending = [p for p in self._seen_pending if p[:3] != (agent, sender, msg_id)]
+        self._forgotten[(agent, sender, msg_id)] = None
+        if len(self._forgotten) > _MAX_BEHIND:
+            self._forgotten.pop(next(iter(self._forgotten)))
 
     async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
         """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
@@ -440,8 +459,9 @@ class InboxStore:
         try:
             await self._write_behind(seen, states)
         except BaseException:
-            # Nothing taken is dropped: the next flush (or close) writes it.
-            self._seen_pending[:0] = seen
+            # Nothing taken is dropped: the next flush (or close) writes it —
+            # except a pair forget() took back while this write was in flight.
+            self._seen_pending[:0] = [p for p in seen if p[:3] not in self._forgotten]
             self._state_pending[:0] = states
             raise
 
