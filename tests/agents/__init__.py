@@ -189,6 +189,22 @@ class Tasks(Agent):
             await asyncio.sleep(0)
             yield word + " "
 
+    @offering("drip", streaming=True, framing=False)
+    async def drip(self, ctx: Context, input: Any) -> Any:
+        """A slow stream that records each run of its handler (fsynced) in the
+        file its input names, so a test can count runs across a crash."""
+        import os
+
+        fd = os.open(str(input["runs"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (ctx.envelope["id"] + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for i in range(int(input.get("n", 100))):
+            await asyncio.sleep(float(input.get("pause", 0.05)))
+            yield f"{i} "
+
     @offering("delegate")
     async def delegate(self, ctx: Context, input: Any) -> Any:
         await ctx.defer("working")

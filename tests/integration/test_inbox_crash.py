@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -76,3 +77,55 @@ def test_kill_9_during_drain_loses_nothing_and_never_dispatches_twice(meshnode_d
 def _held_full(node: Any) -> list[dict[str, Any]]:
     rows = node.admin("Inbox.List", {"agent": "cli", "states": ["held"], "limit": 1000})["messages"]
     return [node.admin("Inbox.Show", {"id": r["id"]}) for r in rows]
+
+
+def test_kill_9_during_a_stream_tells_the_requester_and_never_reruns_it(meshnode_daemons: DaemonSet) -> None:
+    """A responder killed in the middle of a stream: the requester is told the
+    stream failed (it does not wait forever, and never sees it completed), and
+    the restarted responder — whose drain finds the request's buffered copy —
+    does not run the handler a second time (at-most-once dispatch, §16.4)."""
+    plugins = {"plugin_modules": ["tests.agents:tasks_plugin"]}
+    a = meshnode_daemons.embedded("a", agents={}, node=plugins)
+    b = meshnode_daemons.joined("b", via=a, agents={"streamer": {"plugin": "test-tasks"}}, node=plugins)
+    runs = meshnode_daemons.root / "drip-runs.log"
+    target = b.agent_id("streamer")
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        params = {"agent": target, "offering": "drip", "input": {"runs": str(runs), "n": 400, "pause": 0.05},
+                  "config": {"stream": True}, "timeout": 8}
+        try:
+            outcome["result"] = a.admin("Call", params, timeout=40)
+        except Exception as exc:  # a refusal is an answer too
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (runs.exists() and runs.read_text().strip()):
+        time.sleep(0.05)
+    assert runs.exists() and len(runs.read_text().split()) == 1, "the stream never started"
+    time.sleep(0.5)  # some chunks are out, and the write-behind has recorded the request as handled
+    b.kill()
+
+    caller.join(timeout=60)
+
+    assert not caller.is_alive(), "the requester is still waiting on a dead stream"
+    # Told, in so many words: the task went quiet, with its id to follow up.
+    result = outcome.get("result")
+    assert result is not None, outcome
+    assert result["status"] == "failed" and result["error"]["code"] == "TRANSPORT_TIMEOUT", result
+    assert result["error"]["details"]["task_id"] == result["task_id"]
+    b.start()
+    # Let the restarted node drain its buffer (the request's copy is there) and settle.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        drains = [ag.get("drain") or {} for ag in b.status()["agents"] if ag["name"] == "streamer"]
+        if drains and int(drains[0].get("passes", 0)) >= 1 and not drains[0].get("running"):
+            break
+        time.sleep(0.2)
+    # The buffered copy was judged already handled, by this pass or by one
+    # before the kill (live mail wakes the drain): either way, not new work.
+    assert drains and drains[0]["dispatched"] == 0, drains
+    time.sleep(1.0)
+    assert len(runs.read_text().split()) == 1, "the handler ran again after the restart"

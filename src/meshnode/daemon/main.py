@@ -788,7 +788,24 @@ class Daemon:
             if reply.task is not None and params.get("wait_task", True):
                 # A task paused for input or auth comes back as such, with its
                 # problems: answer it with another Call naming its task_id (§6.5).
-                final = await reply.task.result(timeout=float(timeout), until_paused=True)
+                try:
+                    final = await reply.task.result(timeout=float(timeout), until_paused=True)
+                except TimeoutError:
+                    # No update for the whole wait (the responder may have died
+                    # mid-task, or is just slow): a plain answer, not an internal
+                    # error, naming the task so the caller can follow it up.
+                    return {
+                        "status": "failed",
+                        "error": {
+                            "code": "TRANSPORT_TIMEOUT",
+                            "message": f"no update of task {reply.task.task_id} within {float(timeout):g} s;"
+                            f" last known state {reply.task.state}",
+                            "retryable": True,
+                            "details": {"task_id": reply.task.task_id, "last_state": reply.task.state},
+                        },
+                        "accepted": reply.accepted,
+                        "task_id": reply.task.task_id,
+                    }
                 payload = final.get("payload") if isinstance(final.get("payload"), dict) else {}
                 answer: dict[str, Any] = {
                     "status": payload.get("status"),
