@@ -126,7 +126,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
     ("meshnode.node.drain", "nats-outside-transport", "nats.errors"),
     ("meshnode.node.drain", "nats-outside-transport", "nats.js.api"),
     ("meshnode.node.drain", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.node.pubsub", "function-local", "meshnode.node.context"),
     ("meshnode.node.runtime", "a2a-below-gateways", "meshnode.a2a.outbound"),
     ("meshnode.node.runtime", "function-local", "meshnode.a2a.outbound"),
     ("meshnode.node.runtime", "function-local", "meshnode.node.context"),

@@ -31,6 +31,7 @@ from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgen
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
 from meshnode.protocol.errors import ProtocolError
@@ -92,6 +93,8 @@ class Daemon:
         self.tenant_connections: dict[str, MeshConnection] = {}
         self._tenant_jwts: dict[str, str] = {}
         self.node: Node | None = None
+        #: Inbound refusals of the node and of the services it hosts: one counter.
+        self.refusals = RefusalCounter()
         self.services: list[Any] = []
         self.admin: AdminServer | None = None
         self.failed_agents: dict[str, str] = {}
@@ -419,6 +422,7 @@ class Daemon:
                 log=logging.getLogger(f"meshnode.service.{name}"),
                 replicas=replicas,
                 limiter=limiter,
+                refusals=self.refusals,
             )
 
         presence = PresenceService(
@@ -497,7 +501,8 @@ class Daemon:
             emit_limit=self.config.events.emit_limit,
             emit_window_ms=_ms(self.config.events.emit_window),
         )
-        self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection)
+        self.node = Node(settings=settings, node_key=self.node_key, connection=self.connection,
+                         refusals=self.refusals)
         self.node.trust_attestation = self._own_trust_attestation()
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         from meshnode.node.observe import ObservabilitySettings, install

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import Event
+from meshnode.node.pipeline import Intake, Path, Refused, decode_verified, guard
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import (
-    decode_envelope,
     encode_envelope,
     sign_envelope,
     validate_envelope,
@@ -53,7 +53,6 @@ from meshnode.protocol.feeds import (
 )
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.preflight import check_envelope_size
-from meshnode.protocol.protections import DeliverySource
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.connection import Msg
 
@@ -278,7 +277,7 @@ class PubSub:
         if not durable:
             async def on_live(msg: Msg) -> None:
                 try:
-                    await self.receive_feed(hosted, msg.data, subject=msg.subject, source="live")
+                    await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.LIVE)
                 except Exception:
                     hosted.agent.log.exception("feed pipeline failed")
 
@@ -289,7 +288,7 @@ class PubSub:
         name = subjects.feed_consumer_name(hosted.agent_id, subject)
 
         async def deliver(msg: Msg) -> None:
-            await self.receive_feed(hosted, msg.data, subject=msg.subject, source="mailbox")
+            await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.MAILBOX)
 
         sub = await node.durable_consume(
             hosted, subject, stream=subjects.FEED_STREAM, name=name, replay=replay, deliver=deliver
@@ -318,7 +317,7 @@ class PubSub:
                 verify_envelope(env)
                 check_feed_envelope(env, subject)
             except (ProtocolError, FeedRefused) as exc:
-                hosted.signal("feed.snapshot_refused", stored, str(exc))
+                hosted.refuse(Intake.FEED, "snapshot_refused", stored, str(exc))
                 env = None
         latest = self._latest.get((hosted.agent_id, owner, topic))
         if latest is not None and supersedes(latest, env):
@@ -329,35 +328,33 @@ class PubSub:
         hosted.counters["feeds.snapshots"] += 1
         return _feed_event(subject, env, payload)
 
-    async def receive_feed(self, hosted: HostedAgent, data: bytes, *, subject: str, source: str) -> bool:
+    async def receive_feed(self, hosted: HostedAgent, data: bytes, *, subject: str, source: Path | str) -> bool:
         """The feed delivery path: verify, owner check, §22 guard, then ``on_event``.
 
         Returns True when the delivery reached the handler. Feed deliveries
         are ambient: they go to ``on_event``, never to the request path or
         the inbox.
         """
+        path = source if isinstance(source, Path) else Path(source)
         node = self.node
         now_ms = node.now_ms()
         hosted.counters["feeds.received"] += 1
         try:
-            env = decode_envelope(data)
-            payload = check_feed_envelope(env, subject)
-        except ProtocolError as exc:
-            hosted.signal(f"feed.{exc.code.lower()}", None, exc.message)
-            return False
-        except FeedRefused as exc:
-            hosted.signal(f"feed.{exc.reason}", None, str(exc))
-            return False
-        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
-        verdict = hosted.event_guard.check(env, source=window, now_ms=now_ms)
-        if not verdict.accepted:
-            hosted.signal(f"feed.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
+            env = decode_verified(data)
+            try:
+                payload = check_feed_envelope(env, subject)
+            except FeedRefused as exc:  # the owner rule of owner-rooted subjects
+                raise Refused(exc.reason, str(exc)) from None
+            guard(hosted.event_guard, env, path, now_ms)
+        except Refused as refused:
+            hosted.refuse(Intake.FEED, refused.rule, refused.envelope, refused.detail)
             return False
         if payload.kind == "state" and not self._advance(hosted, env, payload):
             hosted.counters["feeds.superseded"] += 1
             return False
-        node.audit(hosted, env, direction="in", path=f"feed-{source}")
-        return await self._dispatch(hosted, env, _feed_event(subject, env, payload), "feeds")
+        node.audit(hosted, env, direction="in", path=f"feed-{path.value}")
+        await hosted.dispatch_event(env, _feed_event(subject, env, payload), "feeds")
+        return True
 
     def _advance(self, hosted: HostedAgent, env: Mapping[str, Any], payload: FeedPayload) -> bool:
         key = (hosted.agent_id, str(env["from"]), payload.topic)
@@ -367,26 +364,6 @@ class PubSub:
         self._latest.move_to_end(key)
         if len(self._latest) > _LATEST_CAP:
             self._latest.popitem(last=False)
-        return True
-
-    async def _dispatch(self, hosted: HostedAgent, env: dict[str, Any], event: Event, counter: str) -> bool:
-        from meshnode.node.context import AgentContext
-
-        obs = self.node.observability
-        ctx = AgentContext(hosted, envelope=env)
-        ok = True
-        try:
-            await hosted.agent.on_event(ctx, event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            ok = False
-            hosted.counters[f"{counter}.failed"] += 1
-            hosted.agent.log.exception("on_event failed for %s", event.subject)
-        else:
-            hosted.counters[f"{counter}.handled"] += 1
-        if obs is not None:
-            obs.event_done(hosted, env, ok)
         return True
 
     # -- telemetry (an observer's subscription) -----------------------------------------------
@@ -411,7 +388,7 @@ class PubSub:
 
         async def on_msg(msg: Msg) -> None:
             try:
-                await self._receive_telemetry(hosted, msg.data, msg.subject)
+                await self.receive_telemetry(hosted, msg.data, msg.subject)
             except Exception:
                 hosted.agent.log.exception("telemetry pipeline failed")
 
@@ -419,20 +396,19 @@ class PubSub:
         await self.record_subscription(hosted, kind="telemetry", subject=subject)
         return subject
 
-    async def _receive_telemetry(self, hosted: HostedAgent, data: bytes, subject: str) -> bool:
+    async def receive_telemetry(self, hosted: HostedAgent, data: bytes, subject: str) -> bool:
+        """The telemetry intake: decode ─► verify ─► kind and owner (an emit from the
+        agent the subject names) ─► §22 guard (live) ─► ``on_event``. Never audited,
+        so never traced: observing spans must not produce spans."""
         parts = subject.split(".")
         owner = parts[2] if len(parts) >= 3 else ""
         try:
-            env = decode_envelope(data)
-        except ProtocolError as exc:
-            hosted.signal(f"telemetry.{exc.code.lower()}", None, exc.message)
-            return False
-        if env["type"] != "emit" or env["from"] != owner:
-            hosted.signal("telemetry.not_owner", env, f"on {subject}")
-            return False
-        verdict = hosted.event_guard.check(env, source=DeliverySource.LIVE, now_ms=self.node.now_ms())
-        if not verdict.accepted:
-            hosted.signal(f"telemetry.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
+            env = decode_verified(data)
+            if env["type"] != "emit" or env["from"] != owner:
+                raise Refused("not_owner", f"on {subject}", envelope=env)
+            guard(hosted.event_guard, env, Path.LIVE, self.node.now_ms())
+        except Refused as refused:
+            hosted.refuse(Intake.TELEMETRY, refused.rule, refused.envelope, refused.detail)
             return False
         payload = env.get("payload")
         payload = payload if isinstance(payload, Mapping) else {}
@@ -445,18 +421,7 @@ class PubSub:
             data=payload.get("data") if "data" in payload else dict(payload),
             envelope=env,
         )
-        from meshnode.node.context import AgentContext
-
-        # Never audited, so never traced: observing spans must not produce spans.
-        try:
-            await hosted.agent.on_event(AgentContext(hosted, envelope=env), event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            hosted.counters["telemetry.failed"] += 1
-            hosted.agent.log.exception("on_event failed for %s", subject)
-            return True
-        hosted.counters["telemetry.handled"] += 1
+        await hosted.dispatch_event(env, event, "telemetry", observed=False)
         return True
 
     # -- housekeeping ----------------------------------------------------------------------

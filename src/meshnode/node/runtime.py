@@ -29,6 +29,7 @@ from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import Observability
 from meshnode.node.outbound import PendingRequests, RemoteError, Reply
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import Intake, Path, RefusalCounter, Refused, decode_verified
 from meshnode.node.pubsub import PubSub
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
@@ -39,7 +40,6 @@ from meshnode.protocol.envelope import (
     PROTOCOL_VERSION,
     IdGenerator,
     build_envelope,
-    decode_envelope,
     encode_envelope,
     new_root_trace,
     sign_envelope,
@@ -97,6 +97,7 @@ class Node:
         node_key: KeyPair,
         connection: MeshConnection,
         clock: Callable[[], int] = wall_clock_ms,
+        refusals: RefusalCounter | None = None,
     ) -> None:
         self.settings = settings
         self.key = node_key
@@ -109,6 +110,9 @@ class Node:
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
+        #: Every inbound refusal of every intake, counted the one way (shared
+        #: with the platform services the daemon hosts, when it passes one).
+        self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
         self._jobs: dict[str, PeriodicJob] = {}
@@ -289,7 +293,7 @@ class Node:
             if drain is not None:
                 drain.note_live_mail()
             try:
-                await hosted.receive(msg.data, source="live", reply=msg.reply or None)
+                await hosted.receive(msg.data, source=Path.LIVE, reply=msg.reply or None)
             except Exception:  # the pipeline must never kill the subscription
                 hosted.agent.log.exception("inbound pipeline failed")
 
@@ -425,15 +429,21 @@ class Node:
             raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
         except nats.errors.TimeoutError:
             raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
-        reply = decode_envelope(msg.data)
-        if reply.get("in_reply_to") != env["id"] or reply.get("to") != hosted.agent_id:
-            raise ProtocolError("IDENTITY_MISMATCH", "service reply is not bound to the request")
-        # Pin each service's key on first use (WIRE-NOTES): a later reply signed
-        # by another key is refused rather than trusted.
-        service = subject.split(".")[1] if subject.startswith("mesh.") else subject
-        pinned = self.service_keys.setdefault(service, reply["from"])
-        if reply["from"] != pinned:
-            raise ProtocolError("IDENTITY_MISMATCH", f"{service} reply signed by an unpinned key")
+        # The service-reply intake: decode ─► verify ─► bound to the request ─►
+        # the service's pinned key. A refusal is counted and fails the call.
+        try:
+            reply = decode_verified(msg.data)
+            if reply.get("in_reply_to") != env["id"] or reply.get("to") != hosted.agent_id:
+                raise Refused("unbound_reply", "service reply is not bound to the request", envelope=reply)
+            # Pin each service's key on first use (WIRE-NOTES): a later reply signed
+            # by another key is refused rather than trusted.
+            service = subject.split(".")[1] if subject.startswith("mesh.") else subject
+            pinned = self.service_keys.setdefault(service, reply["from"])
+            if reply["from"] != pinned:
+                raise Refused("unpinned_key", f"{service} reply signed by an unpinned key", envelope=reply)
+        except Refused as refused:
+            self.refusals.count(Intake.SERVICE_REPLY, refused.rule)
+            raise refused.as_error() from None
         if reply.get("error"):
             raise RemoteError(reply)
         payload_out = reply.get("payload")
@@ -482,7 +492,7 @@ class Node:
         target = self.by_id.get(to_agent)
         self.audit(sender, env, direction="out", path="local" if target else "live")
         if target is not None:
-            await target.receive(data, source="local")
+            await target.receive(data, source=Path.LOCAL)
             return
         check_envelope_size(len(data), self.connection.max_payload)
         await self.connection.publish(subjects.agent_inbox(to_agent), data)
@@ -565,7 +575,7 @@ class Node:
         self.audit(hosted, env, direction="out", path="local" if local else "live")
         try:
             if local is not None:
-                await local.receive(data, source="local")
+                await local.receive(data, source=Path.LOCAL)
             else:
                 check_envelope_size(len(data), self.connection.max_payload)
                 endpoints = manifest.get("endpoints")
@@ -812,7 +822,7 @@ class Node:
         if not durable:
             async def on_live(msg: Msg) -> None:
                 try:
-                    await hosted.receive_event(msg.data, subject=msg.subject, source="live")
+                    await hosted.receive_event(msg.data, subject=msg.subject, source=Path.LIVE)
                 except Exception:
                     hosted.agent.log.exception("event pipeline failed")
 
@@ -823,7 +833,7 @@ class Node:
         name = subjects.event_consumer_name(hosted.agent_id, pattern)
 
         async def deliver(msg: Msg) -> None:
-            await hosted.receive_event(msg.data, subject=msg.subject, source="mailbox")
+            await hosted.receive_event(msg.data, subject=msg.subject, source=Path.MAILBOX)
 
         sub = await self.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
         hosted.subscriptions.append(sub)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
 from meshnode.protocol.cancel import CANCEL_REASONS, build_failed_update_payload, propagated_note
@@ -474,18 +475,24 @@ class RequesterTask:
         """Every signed update from the responder, in order, until a terminal one."""
         queue, sub = await self._replay(subjects.task_update(self.task_id), "u")
         seen: set[str] = set()
+        refusals = self.hosted.node.refusals
         try:
             while True:
                 data = await asyncio.wait_for(queue.get(), timeout=timeout)
+                # The task-update intake: decode ─► verify ─► once each ─► this
+                # task ─► from one of its parties. Refusals are counted, silently.
                 try:
-                    env = decode_envelope(data)
-                except ProtocolError:
+                    env = decode_verified(data)
+                    if env["id"] in seen:
+                        raise Refused("duplicate")
+                    if env.get("task_id") != self.task_id:
+                        raise Refused("not_this_task")
+                    seen.add(env["id"])
+                    if env["from"] != self.responder and env["from"] != self.hosted.agent_id:
+                        raise Refused("not_a_party")  # only the task's parties speak on it
+                except Refused as refused:
+                    refusals.count(Intake.TASK_UPDATE, refused.rule)
                     continue
-                if env["id"] in seen or env.get("task_id") != self.task_id:
-                    continue
-                seen.add(env["id"])
-                if env["from"] != self.responder and env["from"] != self.hosted.agent_id:
-                    continue  # only the task's parties speak on it
                 raw_payload = env.get("payload")
                 payload: Mapping[str, Any] = raw_payload if isinstance(raw_payload, Mapping) else {}
                 if env["from"] == self.responder and "status" in payload:
