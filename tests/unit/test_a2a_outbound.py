@@ -28,9 +28,9 @@ from meshnode.a2a.outbound import (
     read_card,
 )
 from meshnode.a2a.routing import chain_meta_of, peer_name_of
+from meshnode.agent import Reply
 from meshnode.config import ConfigError, load_config
 from meshnode.node.context import AgentContext
-from meshnode.node.outbound import Reply
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair

@@ -128,8 +128,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
     ("meshnode.node.drain", "nats-outside-transport", "nats.js.errors"),
     ("meshnode.node.runtime", "a2a-below-gateways", "meshnode.a2a.outbound"),
     ("meshnode.node.runtime", "function-local", "meshnode.a2a.outbound"),
-    ("meshnode.node.runtime", "function-local", "meshnode.node.context"),
-    ("meshnode.node.runtime", "function-local", "meshnode.node.tasks"),
     ("meshnode.node.runtime", "layer", "meshnode.a2a.outbound"),
     ("meshnode.node.runtime", "nats-outside-transport", "nats.errors"),
     ("meshnode.node.runtime", "nats-outside-transport", "nats.js.api"),

@@ -37,7 +37,7 @@ What happens (A2A v1.0 over JSON-RPC, the official ``a2a-sdk`` client):
 7. A task still open when the wait ends: ``TRANSPORT_TIMEOUT`` with
    ``details.task_id``; :meth:`A2AOutbound.resume` (``ctx.a2a_task``) follows it.
 
-The reply is a :class:`meshnode.node.outbound.Reply` whose envelope is
+The reply is a :class:`meshnode.agent.Reply` whose envelope is
 synthesized (``from: "a2a:<name>"``); ``envelope["meta"][EXTENSION_URI]`` says
 what the bridge knows: ``mesh``, ``report``, ``charge``, ``message_id``,
 ``task_id``, ``attempts``.
@@ -87,7 +87,7 @@ from meshnode.a2a.extension import (
     verify_report,
 )
 from meshnode.a2a.routing import A2A_TARGET_PREFIX, chain_meta_of, peer_name_of
-from meshnode.node.outbound import RemoteError, Reply
+from meshnode.agent import RemoteError, Reply
 from meshnode.protocol.budget import parse_budget
 from meshnode.protocol.envelope import trace_to_traceparent, valid_trace
 from meshnode.protocol.errors import ProtocolError

@@ -126,7 +126,7 @@ from meshnode.a2a.mapping import (
     state_of,
 )
 from meshnode.a2a.store import BridgeStore
-from meshnode.node.outbound import RemoteError, RequestTimeout
+from meshnode.agent import RemoteError, RequestTimeout
 from meshnode.protocol.canonical import CanonicalJSONError, parse_json
 from meshnode.protocol.envelope import child_trace, new_root_trace, trace_from_traceparent
 from meshnode.protocol.errors import ProtocolError

@@ -23,13 +23,13 @@ import meshnode
 from meshnode.a2a.extension import EXTENSION_URI as A2A_URI
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import AdminServer, CallContext, MethodRegistry
+from meshnode.agent import RemoteError, RequestQueued
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import SHUTDOWN_BUDGETS, Stage, StageFailed, run_stage
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.keystore import KeyStore, open_keystore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.hosted import HostedAgent
-from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node, NodeSettings

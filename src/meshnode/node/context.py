@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.a2a.routing import chain_meta_of, peer_name_of
+from meshnode.agent import Reply
 from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
-from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace

@@ -29,6 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import Path
 from meshnode.protocol import subjects
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ class InboxDrain:
             async def one(row: Any) -> None:
                 async with semaphore:
                     outcome = await self.hosted.receive(
-                        row.envelope, source="mailbox", inbox_id=row.inbox_id, wait=True
+                        row.envelope, source=Path.MAILBOX, inbox_id=row.inbox_id, wait=True
                     )
                     await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
 

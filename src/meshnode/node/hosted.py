@@ -45,7 +45,7 @@ from meshnode.protocol.offerings import normalize_request_payload, offering_id_o
 from meshnode.protocol.preflight import check_content_type
 from meshnode.protocol.protections import FreshnessWindow, InboundGuard
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
-from meshnode.protocol.tasks import check_follow_up
+from meshnode.protocol.tasks import TERMINAL_STATES, check_follow_up
 
 if TYPE_CHECKING:
     from meshnode.node.runtime import Node
@@ -477,7 +477,7 @@ class HostedAgent:
         error: Mapping[str, Any] | None = None,
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
-        if task.state in ("completed", "failed", "canceled", "rejected", "exhausted"):
+        if task.state in TERMINAL_STATES:
             return
         try:
             await task._send(state, output=output, error=error, artifacts=artifacts)

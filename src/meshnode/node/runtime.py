@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 import nats.errors
 import orjson
 
-from meshnode.agent import Agent, AgentSettings
+from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
+from meshnode.node.context import AgentContext
 from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import Observability
-from meshnode.node.outbound import PendingRequests, RemoteError, Reply
+from meshnode.node.pending import PendingRequests
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import Intake, Path, RefusalCounter, Refused, decode_verified
 from meshnode.node.pubsub import PubSub
+from meshnode.node.tasks import RequesterTask
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
 from meshnode.protocol.accept import is_queued_ack
@@ -54,7 +56,7 @@ from meshnode.protocol.preflight import (
     prune_history,
 )
 from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
-from meshnode.protocol.tasks import check_task_id
+from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
 from meshnode.transport.connection import MeshConnection, Msg
 
 if TYPE_CHECKING:
@@ -235,8 +237,6 @@ class Node:
             hosted.vouch = self._vouch(hosted.agent_id)
             hosted.manifest = self.build_manifest(hosted)
             await self._subscribe_inbox(hosted)
-            from meshnode.node.context import AgentContext
-
             await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
             for pattern in agent_class.accepts:
                 # The manifest's accepts are the patterns the agent subscribes to.
@@ -590,9 +590,7 @@ class Node:
             self._status_waiters.pop(env["id"], None)
         if reply.error is not None or reply.status == "failed":
             raise RemoteError(reply.envelope)
-        if reply.task_id is not None and reply.status not in ("completed", "rejected", "canceled", "exhausted"):
-            from meshnode.node.tasks import RequesterTask
-
+        if reply.task_id is not None and reply.status not in TERMINAL_STATES:
             sign_chunks = bool(config and config.get("sign_chunks"))
             reply = dataclasses.replace(reply, task=RequesterTask(hosted, reply.envelope, sign_chunks=sign_chunks))
         return reply

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from meshnode.agent import FollowUp, InputTimeout, StreamBroken
 from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
@@ -34,7 +35,13 @@ from meshnode.protocol.envelope import (
 )
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.offerings import offering_id_of
-from meshnode.protocol.tasks import PausedTask, TaskState, check_state_update
+from meshnode.protocol.tasks import (
+    PAUSED_STATES,
+    TERMINAL_STATES,
+    PausedTask,
+    TaskState,
+    check_state_update,
+)
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -49,24 +56,9 @@ def new_task_id() -> str:
     return "t" + os.urandom(16).hex()
 
 
-@dataclass(frozen=True)
-class FollowUp:
-    """The requester's answer to an input or auth round: its (framed) input and
-    the verified request envelope that carried it."""
-
-    input: Any
-    envelope: Mapping[str, Any]
-
-
-class InputTimeout(asyncio.CancelledError):
-    """No follow-up arrived within the wait: the Task was canceled (§7.3, paused →
-    canceled). A CancelledError, so an uncaught one ends the handler the way a
-    requester's cancel does, quietly; catch it to clean up."""
-
-
 @dataclass
 class ResponderTask:
-    """The handler's side of a Task. Get one with ``await ctx.defer()``.
+    """The handler's side of a Task (implements :class:`meshnode.agent.ResponderTask`).
 
     Every method sends a signed update; only legal transitions are allowed
     (§7.3). When the handler returns, the node completes the task with its
@@ -396,16 +388,9 @@ class ResponderTask:
         self._revision.set()
 
 
-class StreamBroken(ProtocolError):
-    """A stream ended wrong: truncated, a chunk missing or injected, or from
-    someone other than the agent that opened it (§11.6)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("INVALID_ENVELOPE", message, {"stream": "broken"})
-
-
 class RequesterTask:
-    """The caller's side of a Task its request became (§7.0, §11.3).
+    """The caller's side of a Task its request became (§7.0, §11.3; implements
+    :class:`meshnode.agent.RequesterTask`).
 
     ``await task.result()`` waits for the terminal update (replaying the task's
     updates from the start, so nothing published before the wait is missed);
@@ -619,8 +604,8 @@ class RequesterTask:
         return record
 
 
-_TERMINAL = {"completed", "failed", "canceled", "rejected", "exhausted"}
-_PAUSED = {"input_required", "auth_required"}
+_TERMINAL: frozenset[str] = TERMINAL_STATES
+_PAUSED: frozenset[str] = PAUSED_STATES
 
 
 def propagated(reason: str, note: str | None) -> tuple[str, str]:
