@@ -30,6 +30,7 @@ from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.metrics import LatencyHistogram
+from meshnode.node.states import AgentState
 from meshnode.node.tasks import ResponderTask, new_task_id, propagated
 from meshnode.protocol.accept import build_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
@@ -95,7 +96,7 @@ class HostedAgent:
         self.vouch: dict[str, Any] = {}
         self.registered = False
         self.registration_error: str | None = None
-        self.state = "starting"
+        self.state: AgentState = AgentState.STARTING
         self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
