@@ -32,9 +32,12 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "meshnode"
 # enrolment HTTP service of an embedded mesh; a2a is a gateway; admin is the
 # socket protocol, server and client; daemon wires everything; cli and testing
 # sit on top.
-_BASE = {"protocol"}
+# aio (meshnode/aio.py: BackgroundTasks, backoff) is a leaf like protocol, importing
+# nothing of meshnode; unlike protocol it is about asyncio, so it is its own part.
+_BASE = {"protocol", "aio"}
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
+    "aio": set(),
     "transport": _BASE,
     "config": _BASE,
     "keystore": _BASE | {"config"},
@@ -70,6 +73,7 @@ ALLOWED["__main__"] = {"cli"}
 NO_NATS = {"node", "services"}
 BELOW_GATEWAYS = {
     "protocol",
+    "aio",
     "transport",
     "config",
     "keystore",

@@ -26,6 +26,7 @@ from typing import Any
 
 import meshnode
 from meshnode.admin.server import AdminServer, MethodRegistry
+from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
@@ -79,7 +80,7 @@ class Daemon:
         self._failed_agents: dict[str, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
-        self._signal_tasks: set[asyncio.Task[None]] = set()
+        self._signal_tasks = BackgroundTasks()
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
         self._force = 0
@@ -409,9 +410,7 @@ class Daemon:
         # Signal handlers only set things in motion; the reload runs as a task.
         if not self.started:
             return
-        task = asyncio.get_running_loop().create_task(self._reload_from_signal())
-        self._signal_tasks.add(task)
-        task.add_done_callback(self._signal_tasks.discard)
+        self._signal_tasks.spawn(self._reload_from_signal(), name="reload")
 
     async def _reload_from_signal(self) -> None:
         try:

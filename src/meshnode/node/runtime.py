@@ -23,6 +23,7 @@ import nats.errors
 import orjson
 
 from meshnode.agent import Agent, AgentSettings
+from meshnode.aio import backoff
 from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
@@ -724,8 +725,8 @@ class Node:
         # loses the ack of a publish in flight: the update was often stored, but
         # raising here dropped a task's final answer (the soak found it). Retry
         # with the same Nats-Msg-Id: MESH_TASKS deduplicates a stored repeat.
-        delay, deadline = 0.2, time.monotonic() + 20.0
-        while True:
+        deadline = time.monotonic() + 20.0
+        for delay in backoff(0.2, 2.0):
             try:
                 await self.connection.js.publish(subject, data, headers=headers)
                 return
@@ -735,7 +736,6 @@ class Node:
                     raise
                 log.info("task update %s not acked (%s); retrying", env.get("id"), type(exc).__name__)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     async def publish_chunk(
         self,
