@@ -4,6 +4,7 @@ place; this module only shapes what is logged."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -79,7 +80,7 @@ class LogBuffer(logging.Handler):
         import collections
 
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
-        self._followers: set[Any] = set()
+        self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._follower_queue = follower_queue
         self.dropped = 0
 
@@ -97,14 +98,12 @@ class LogBuffer(logging.Handler):
             except Exception:
                 self.dropped += 1
 
-    def follow(self) -> Any:
-        import asyncio
-
+    def follow(self) -> asyncio.Queue[dict[str, Any]]:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=self._follower_queue)
         self._followers.add(queue)
         return queue
 
-    def unfollow(self, queue: Any) -> None:
+    def unfollow(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self._followers.discard(queue)
 
 

@@ -10,7 +10,7 @@ The pieces live beside this module: :mod:`.mesh` (embedded server, control
 plane, credentials, connections), :mod:`.platform` (the platform services),
 :mod:`.hosting` (keys, plugins, the node and its agents), :mod:`.gateways`
 (A2A), :mod:`.methods`, :mod:`.operations` and :mod:`.artifacts` (the admin
-API), :mod:`.operations` also the reload.
+API; :mod:`.operations` also applies a reloaded configuration).
 """
 
 from __future__ import annotations
