@@ -217,3 +217,14 @@ def test_spend_counts_against_task_context_and_day_at_once() -> None:
     assert decision.binding.remaining_micro == 500
     tomorrow = policy.admit(ledger, estimate_micro=600, task_id="t", context_id="c", now_ms=NOW + 86_400_000)
     assert tomorrow.admitted and tomorrow.binding is not None and tomorrow.binding.scope is Scope.CONTEXT
+
+
+def test_headroom_is_the_mid_task_check() -> None:
+    policy = load_allowance(document(Ceiling(Scope.TASK, 5000), Ceiling(Scope.DAY, 3000)), agent=AGENT)
+    ledger = SpendLedger()
+    assert policy.headroom(ledger, task_id="t", context_id=None, now_ms=NOW) == 3000
+    ledger.record(task_id="t", context_id=None, at_ms=NOW, cost_micro=2900)
+    assert policy.headroom(ledger, task_id="t", context_id=None, now_ms=NOW) == 100
+    only_context = load_allowance(document(Ceiling(Scope.CONTEXT, 1)), agent=AGENT)
+    assert only_context.headroom(ledger, task_id="t", context_id=None, now_ms=NOW) is None
+    assert load_allowance({}).headroom(ledger, task_id="t", context_id=None, now_ms=NOW) == 0

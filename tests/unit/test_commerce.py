@@ -29,6 +29,7 @@ from meshnode.protocol.commerce import (
     agreement_applies,
     approval_url,
     check_agreement,
+    ledger_totals,
     make_agreement,
     package_charge,
     parse_agreement,
@@ -39,6 +40,7 @@ from meshnode.protocol.commerce import (
     period_key,
     public_sku,
     rate_events,
+    rate_stream,
     sign_agreement,
     sku_digest,
     sku_for,
@@ -428,3 +430,37 @@ def test_revocation_stops_future_charges_only() -> None:
                          event("tokens_out", 1000, 1, ts_ms=T0 + 3 * 3_600_000)], agreements=[record])
     assert [c.outcome for c in charges] == [ChargeOutcome.CHARGED, ChargeOutcome.NO_AGREEMENT]
     assert charges[0].to_object()["amount_micro"] == 1500 and charges[0].money == Money(1500, "USD")
+
+
+def test_rate_stream_routes_events_to_skus_owners_and_ceilings() -> None:
+    skus = parse_skus([
+        {"sku": "flat-all", "covers": {"agent": True}, "price": {"model": "flat", "currency": "USD",
+                                                              "amount_micro": 100},
+         "provider": {"id": "internal"}},
+        {"sku": "tokens", "covers": {"offerings": ["summary"]}, "price": PER_UNIT, "provider": {"id": "internal"}},
+    ])
+    consumer_agent = "UBMBH4BK6EIHQFVMHLSABFSQXB3JXUFZOXVZQTIERO33AD4HHAI3D7QP"
+    agreements = [agreement_to(skus[0]), agreement_to(skus[1])]
+    events = [
+        event("requests", 1, 0, offering="other"),
+        event("tokens_out", 4210, 1, offering="summary", task_id="t"),
+        event("tokens_out", 4210, 2, offering="summary", task_id="t"),
+        event("tokens_out", 10, 3, provider=OWNER.public_key),  # a seller with no SKUs: free, no line
+        event("requests", 1, 4, consumer="UNKNOWN"),
+    ]
+    kw: dict[str, Any] = {
+        "skus_of": {SELLER: skus},
+        "owner_of": {consumer_agent: OWNER.public_key},
+        "agreements": agreements,
+        "ceilings": {"t": Money(10_000, "USD")},
+    }
+    charges = rate_stream(events, **kw)
+    assert [(c.sku, c.amount_micro, c.outcome) for c in charges] == [
+        ("flat-all", 100, ChargeOutcome.CHARGED),
+        ("tokens", 6315, ChargeOutcome.CHARGED),
+        ("tokens", 3685, ChargeOutcome.CLAMPED),
+        ("flat-all", 0, ChargeOutcome.NO_AGREEMENT),
+    ]
+    assert rate_stream(events, **kw) == charges
+    totals = ledger_totals(charges)
+    assert totals == {(OWNER.public_key, SELLER, "USD", "2026-08"): 10_100, (None, SELLER, "USD", "2026-08"): 0}

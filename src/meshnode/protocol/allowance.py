@@ -541,6 +541,17 @@ class AllowancePolicy:
             if ceiling_applies(c, task_id=task_id, context_id=context_id)
         ]
 
+    def headroom(
+        self, ledger: SpendLedger, *, task_id: str | None, context_id: str | None, now_ms: int
+    ) -> int | None:
+        """What may still be spent on this work before a ceiling is crossed (the
+        binding ceiling's remaining amount): the mid-task check after each
+        metered invocation. 0 when failing closed; None when nothing applies."""
+        if self.allowance is None:
+            return 0
+        binding = binding_ceiling(self.standings(ledger, task_id=task_id, context_id=context_id, now_ms=now_ms))
+        return None if binding is None else binding.remaining_micro
+
     def admit(
         self,
         ledger: SpendLedger,
