@@ -250,6 +250,8 @@ def test_agreement_signature_binds_every_member() -> None:
         assert exc.details["reason"] == "bad_signature"
     exc = raises("IDENTITY_MISMATCH", lambda: verify_agreement(doc, consumer_owner=SELLER))
     assert exc.details["reason"] == "wrong_owner"
+    unsafe = doc | {"note": 2**60}  # no canonical form: it signs nothing, and is refused as such
+    assert raises("IDENTITY_MISMATCH", lambda: verify_agreement(unsafe)).details["reason"] == "bad_signature"
 
 
 def test_agreement_applies_only_inside_its_life() -> None:

@@ -709,7 +709,11 @@ def verify_agreement(doc: object, *, consumer_owner: str | None = None) -> Agree
         raise ProtocolError(
             "IDENTITY_MISMATCH", "the agreement belongs to another owner", {"reason": AgreementInvalid.WRONG_OWNER.value}
         )
-    if not verify_object(doc, AGREEMENT_TAG, agreement.consumer_owner):
+    try:
+        verified = verify_object(doc, AGREEMENT_TAG, agreement.consumer_owner)
+    except CanonicalJSONError:  # a member with no canonical form signs nothing
+        verified = False
+    if not verified:
         raise ProtocolError(
             "IDENTITY_MISMATCH",
             "the agreement's signature does not verify against consumer_owner (§19.5)",
@@ -805,7 +809,10 @@ def find_agreement(
     at_ms: int,
 ) -> Agreement | None:
     """The first held agreement covering ``sku`` at its current digest at
-    ``at_ms``; None for an unresolvable owner (it holds no agreements)."""
+    ``at_ms``; None for an unresolvable owner (it holds no agreements).
+
+    Hold only agreements that passed :func:`verify_agreement`; this matches
+    members and never checks signatures."""
     if consumer_owner is None:
         return None
     for held in agreements:
@@ -987,7 +994,8 @@ class Rater:
     * per_unit floors each event's billable quantity;
     * package and tiered rate the period aggregate: an event is charged the
       difference its quantity makes to the aggregate's cost, so a period's
-      charges sum to the cost of its aggregate however the usage was split;
+      charges sum to the cost of its aggregate however the usage was split
+      (every agreed unit counts toward the aggregate, clamped ones included);
     * ``included`` is consumed in stream order before anything is billable,
       per consumer owner × seller × SKU digest × UTC period (the agreement's
       grain; new terms start fresh);
