@@ -1,5 +1,5 @@
-"""The admin methods behind ``meshnode artifacts`` (the store itself is one of
-the platform services, :mod:`meshnode.daemon.platform`) (§7.5, §18.5, §18.7).
+"""The admin methods behind ``meshnode artifacts`` (§7.5, §18.5, §18.7); the
+store itself is one of the platform services (:mod:`meshnode.daemon.platform`).
 
 Every admin method speaks to the store as the node's CLI identity (``cli``),
 so the store sees an ordinary registered agent: the writer is ``cli``, the
