@@ -5,6 +5,7 @@ place; this module only shapes what is logged."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -77,8 +78,6 @@ class LogBuffer(logging.Handler):
 
     def __init__(self, capacity: int = 2000, follower_queue: int = 1000) -> None:
         super().__init__(level=logging.DEBUG)
-        import collections
-
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
         self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._follower_queue = follower_queue
