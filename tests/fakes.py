@@ -9,7 +9,6 @@ tasks, contexts and pub/sub depend on, recording what they ask of it.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -17,8 +16,10 @@ from typing import Any
 
 import orjson
 
+from meshnode.agent import Reply
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.protocol.envelope import IdGenerator
+from meshnode.protocol.protections import DedupMemory, InboundGuard
 
 __all__ = ["FakeConnection", "FakeMsg", "FakeNode", "FakeSettings"]
 
@@ -123,6 +124,12 @@ class FakeNode:
         self.a2a_calls: list[dict[str, Any]] = []
         self.service_calls: list[tuple[str, str, Any]] = []
         self.service_answers: dict[str, Callable[[Any], Awaitable[dict[str, Any]]]] = {}
+        self.pubsub: Any = None
+        self.responds: list[dict[str, Any]] = []
+        self.chunks: list[dict[str, Any]] = []
+        self.canceled: list[tuple[str, str, str]] = []
+        self.emitted: list[tuple[str, str, Any]] = []
+        self.subscribed: list[str] = []
 
     # -- the clock and bookkeeping ---------------------------------------------------
 
@@ -132,7 +139,39 @@ class FakeNode:
     def audit(self, hosted: Any, env: Mapping[str, Any], *, direction: str, path: str) -> None:
         self.counters[f"{direction}.{env.get('type')}.{path}"] += 1
 
+    def new_guard(self, agent_id: str, memory: DedupMemory | None = None) -> InboundGuard:
+        return InboundGuard(agent_id, memory=memory)
+
+    def describe_document(self, hosted: Any) -> dict[str, Any]:
+        return {"id": hosted.agent_id}
+
     # -- what agents ask of it -------------------------------------------------------
+
+    async def reply_plain(self, reply_subject: str, obj: Any) -> None:
+        await self.connection.publish(reply_subject, orjson.dumps(obj))
+
+    def on_respond(self, hosted: Any, env: Mapping[str, Any]) -> bool:
+        self.responds.append(dict(env))
+        return False
+
+    async def publish_chunk(self, hosted: Any, task: Any, index: int, data: Any, **kw: Any) -> None:
+        self.chunks.append({"task_id": task.task_id, "index": index, "data": data, **kw})
+
+    async def cancel_task(self, hosted: Any, responder: str, task_id: str, reason: str, note: str | None,
+                          *, wait: bool = True) -> dict[str, Any]:
+        self.canceled.append((responder, task_id, reason))
+        return {"task_id": task_id, "status": "canceled"}
+
+    async def emit(self, hosted: Any, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]) -> None:
+        self.emitted.append((domain, event_type, data))
+
+    async def subscribe_events(self, hosted: Any, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
+        self.subscribed.append(pattern)
+        return pattern
+
+    async def durable_consume(self, hosted: Any, subject: str, **kw: Any) -> Any:
+        self.subscribed.append(subject)
+        return _FakeSubscription()
 
     async def deliver(self, sender: Any, env: dict[str, Any], to_agent: str) -> None:
         self.delivered.append(env)
@@ -151,17 +190,10 @@ class FakeNode:
             return dict(self.manifests[payload["agent_id"]])
         raise AssertionError(f"no scripted answer on {subject}")
 
-    async def send_request(self, hosted: Any, target: str, offering: str, input: Any, **kw: Any) -> Any:
-        from meshnode.agent import Reply
-
+    async def send_request(self, hosted: Any, target: str, offering: str, input: Any, **kw: Any) -> Reply:
         self.sent.append({"target": target, "offering": offering, "input": input, **kw})
         return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
 
-    async def call_a2a(self, hosted: Any, peer: str, offering: str, input: Any, **kw: Any) -> Any:
-        from meshnode.agent import Reply
-
+    async def call_a2a(self, hosted: Any, peer: str, offering: str, input: Any, **kw: Any) -> Reply:
         self.a2a_calls.append({"peer": peer, "offering": offering, "input": input, **kw})
         return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)

@@ -50,7 +50,7 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.tasks import TERMINAL_STATES, check_follow_up
 
 if TYPE_CHECKING:
-    from meshnode.node.runtime import Node
+    from meshnode.node.port import NodePort
 
 __all__ = ["DESCRIBE_OFFERING", "HostedAgent"]
 
@@ -67,7 +67,7 @@ class HostedAgent:
 
     def __init__(
         self,
-        node: Node,
+        node: NodePort,
         *,
         name: str,
         kind: str,

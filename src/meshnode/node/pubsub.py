@@ -58,7 +58,7 @@ from meshnode.transport.connection import Msg
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
-    from meshnode.node.runtime import Node
+    from meshnode.node.port import NodePort
 
 __all__ = ["TELEMETRY_KINDS", "PubSub", "SubscriptionRecord"]
 
@@ -96,7 +96,7 @@ class SubscriptionRecord:
 class PubSub:
     """The node's publish/subscribe state (see the module docstring)."""
 
-    def __init__(self, node: Node, *, emit_limit: int = 600, emit_window_ms: int = 60_000) -> None:
+    def __init__(self, node: NodePort, *, emit_limit: int = 600, emit_window_ms: int = 60_000) -> None:
         self.node = node
         self.emit_limiter = SlidingWindowLimiter(emit_limit, emit_window_ms, max_keys=10_000)
         self._records: dict[str, list[SubscriptionRecord]] = {}
