@@ -124,7 +124,7 @@ class _Operations:
             if drain is None:
                 raise NotFound(f"agent {name!r} has no drain (not hosted, or no inbox)")
             await drain.job.run_once()
-            drained.append({"agent": name, **(node._drain_status(name) or {})})
+            drained.append({"agent": name, **(node.drain_status(name) or {})})
         return {"drained": drained}
 
     async def renew_now(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:

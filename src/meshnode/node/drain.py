@@ -145,6 +145,24 @@ class InboxDrain:
             self._maybe_new = True
             raise
 
+    def status(self) -> dict[str, Any]:
+        """This drain's counters and health, for ``meshnode status``."""
+        st = self.stats
+        return {
+            "passes": st.passes,
+            "fetched": st.fetched,
+            "committed": st.committed,
+            "duplicates": st.duplicates,
+            "beyond_bound": st.beyond_bound,
+            "dispatched": st.dispatched,
+            "last_bound": st.last_bound,
+            "idle_skips": st.idle_skips,
+            "quiet_skips": st.quiet_skips,
+            "running": st.running,
+            "failing": self.job.failing,
+            "last_error": self.job.last_error,
+        }
+
     async def stop(self) -> None:
         await self.job.stop()
 

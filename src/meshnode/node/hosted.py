@@ -34,7 +34,7 @@ from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
 from meshnode.node.states import AgentState
-from meshnode.node.tasks import ResponderTask, new_task_id, propagated
+from meshnode.node.tasks import ResponderTask, cancel_task, new_task_id, propagated
 from meshnode.protocol.accept import FirstReply, InboundOutcome, build_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.budget import check_admission, parse_budget
@@ -120,6 +120,24 @@ class HostedAgent:
         """Run work owned by this agent; cancelled when the agent stops."""
         task: asyncio.Task[None] = self._tasks.spawn(coro, name=name)
         return task
+
+    def status(self, drain: dict[str, Any] | None, subscriptions: list[dict[str, Any]]) -> dict[str, Any]:
+        """This agent for ``meshnode status``; ``drain`` and ``subscriptions`` are the node's."""
+        return {
+            "name": self.name,
+            "id": self.agent_id,
+            "plugin": self.kind,
+            "state": self.state,
+            "registered": self.registered,
+            "registration_error": self.registration_error,
+            "vouch_expires_at": self.vouch.get("expires_at"),
+            "interaction": self.interaction,
+            "offerings": sorted(self.offerings),
+            "active_tasks": self.active_tasks,
+            "counters": dict(self.counters),
+            "drain": drain,
+            "subscriptions": subscriptions,
+        }
 
     @property
     def active_tasks(self) -> int:
@@ -533,7 +551,7 @@ class HostedAgent:
             runner.cancel()
         for agent_id, child_task in list(task.delegates):
             reason, note = propagated(str(request.reason), stop.note)
-            self.spawn(self.node.cancel_task(self, agent_id, child_task, reason, note, wait=False),
+            self.spawn(cancel_task(self.node, self, agent_id, child_task, reason, note, wait=False),
                        f"{self.name}:propagate:{child_task}")
         self.counters["tasks.canceled"] += 1
         await self._answer(env, status="completed", output={"task_id": task.task_id, "status": "canceled"}, path=source)

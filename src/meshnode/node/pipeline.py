@@ -54,6 +54,7 @@ __all__ = [
     "guard",
     "receive",
     "receive_event",
+    "receive_service_reply",
     "validate",
     "verify",
 ]
@@ -352,3 +353,32 @@ async def receive_event(hosted: HostedAgent, data: bytes, *, subject: str, sourc
     )
     await hosted.dispatch_event(env, event, "events")
     return True
+
+
+# -- a platform service's reply -------------------------------------------------------
+
+
+def receive_service_reply(
+    data: bytes,
+    request: Mapping[str, Any],
+    subject: str,
+    service_keys: dict[str, str],
+    refusals: RefusalCounter,
+) -> dict[str, Any]:
+    """The service-reply intake (:meth:`Node.service_call`): decode ─► verify ─►
+    bound to ``request`` (its id, its sender) ─► signed by the service's key,
+    pinned on first use (WIRE-NOTES: a later reply signed by another key is
+    refused rather than trusted). A refusal is counted and raised as the
+    ProtocolError the caller's call fails with."""
+    try:
+        reply = decode_verified(data)
+        if reply.get("in_reply_to") != request["id"] or reply.get("to") != request["from"]:
+            raise Refused("unbound_reply", "service reply is not bound to the request", envelope=reply)
+        service = subject.split(".")[1] if subject.startswith("mesh.") else subject
+        pinned = service_keys.setdefault(service, reply["from"])
+        if reply["from"] != pinned:
+            raise Refused("unpinned_key", f"{service} reply signed by an unpinned key", envelope=reply)
+    except Refused as refused:
+        refusals.count(Intake.SERVICE_REPLY, refused.rule)
+        raise refused.as_error() from None
+    return reply

@@ -151,10 +151,6 @@ class NodePort(Protocol):
         chunk_count: int | None = None,
     ) -> None: ...
 
-    async def cancel_task(
-        self, hosted: HostedAgent, responder: str, task_id: str, reason: str, note: str | None, *, wait: bool = True
-    ) -> dict[str, Any]: ...
-
     async def emit(
         self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
     ) -> None: ...

@@ -36,6 +36,7 @@ from meshnode.aio import BackgroundTasks
 from meshnode.node.pipeline import Intake, Path, Refused, decode_verified, guard
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import (
+    build_envelope,
     encode_envelope,
     sign_envelope,
     validate_envelope,
@@ -123,6 +124,26 @@ class PubSub:
             retry_after_ms=decision.retry_after_ms,
         )
 
+    async def emit(
+        self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
+    ) -> None:
+        """Publish ``hosted``'s event on ``mesh.event.{domain}.{event_type}`` (§6.6):
+        size-checked, rate-limited per agent per subject, ``Nats-Msg-Id`` = its id."""
+        payload: dict[str, Any] = {"domain": domain, "event_type": event_type}
+        if data is not None:
+            payload["data"] = data
+        env = build_envelope(
+            "emit", hosted.agent_id, now_ms=self.node.now_ms(), payload=payload, trace=trace, ids=self.node.ids
+        )
+        sign_envelope(env, hosted.key)
+        raw = encode_envelope(env)
+        check_envelope_size(len(raw), self.node.connection.max_payload)
+        subject = subjects.event_subject(domain, event_type)
+        self.check_emit(hosted, subject)  # §6.6 per agent per subject; raises RATE_LIMITED
+        self.note_emit(hosted, domain)
+        self.node.audit(hosted, env, direction="out", path="live")
+        await self.node.connection.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
+
     def note_emit(self, hosted: HostedAgent, domain: str) -> None:
         """On an agent's first emit in ``domain``, check once that anything retains it."""
         key = (hosted.agent_id, domain)
@@ -148,6 +169,43 @@ class PubSub:
             )
 
     # -- subscriptions ---------------------------------------------------------------
+
+    async def subscribe_events(
+        self, hosted: HostedAgent, pattern: str, *, durable: bool = True, replay: bool = False
+    ) -> str:
+        """Subscribe ``hosted`` to ``mesh.event.{pattern}`` (§6.7, §18.6).
+
+        A durable subscription is a JetStream consumer on MESH_EVENTS named
+        ``mesh_event_{agent}_{hash}``: events published while the node is away
+        are delivered when it returns (at-least-once, acked after the handler;
+        judged with the mailbox window because they come out of a buffer). An
+        ephemeral one is a core subscription judged with the live window.
+        Returns the consumer name (durable) or the subject (ephemeral).
+        """
+        subject = subjects.event_filter(pattern)
+        if not durable:
+            async def on_live(msg: Msg) -> None:
+                try:
+                    await hosted.receive_event(msg.data, subject=msg.subject, source=Path.LIVE)
+                except Exception:
+                    hosted.agent.log.exception("event pipeline failed")
+
+            hosted.subscriptions.append(await self.node.connection.subscribe(subject, on_live))
+            await self.record_subscription(hosted, kind="event", subject=subject)
+            return subject
+
+        name = subjects.event_consumer_name(hosted.agent_id, pattern)
+
+        async def deliver(msg: Msg) -> None:
+            await hosted.receive_event(msg.data, subject=msg.subject, source=Path.MAILBOX)
+
+        sub = await self.node.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
+        hosted.subscriptions.append(sub)
+        await self.record_subscription(
+            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
+        )
+        return name
+
 
     async def record_subscription(
         self,

@@ -30,6 +30,7 @@ from meshnode.protocol.envelope import (
     build_envelope,
     child_trace,
     decode_envelope,
+    new_root_trace,
     sign_envelope,
     verify_envelope,
 )
@@ -45,6 +46,7 @@ from meshnode.protocol.tasks import (
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
+    from meshnode.node.port import NodePort
 
 __all__ = ["FollowUp", "InputTimeout", "RequesterTask", "ResponderTask", "StreamBroken", "new_task_id"]
 
@@ -580,8 +582,8 @@ class RequesterTask:
         to the responder, and the ``canceled`` update the task manager records."""
         if reason not in CANCEL_REASONS:
             raise ProtocolError("INVALID_ENVELOPE", f"cancel reason {reason!r} is not one of the eight", {"member": "reason"})
-        result: Mapping[str, Any] = await self.hosted.node.cancel_task(
-            self.hosted, self.responder, self.task_id, reason, note
+        result: Mapping[str, Any] = await cancel_task(
+            self.hosted.node, self.hosted, self.responder, self.task_id, reason, note
         )
         return result
 
@@ -606,6 +608,33 @@ class RequesterTask:
 
 _TERMINAL: frozenset[str] = TERMINAL_STATES
 _PAUSED: frozenset[str] = PAUSED_STATES
+
+
+async def cancel_task(
+    node: NodePort, hosted: HostedAgent, responder: str, task_id: str, reason: str, note: str | None, *, wait: bool = True
+) -> dict[str, Any]:
+    """Cancel a task this agent asked for (§10.8): the ``task.cancel`` request to
+    the performer and the ``canceled`` update the task manager records. The
+    cancel is effective for the caller when sent; the performer's answer is
+    awaited only with ``wait``."""
+    cancel_input: dict[str, Any] = {"task_id": task_id, "reason": reason}
+    if note:
+        cancel_input["note"] = note
+    update = build_envelope(
+        "respond", hosted.agent_id, now_ms=node.now_ms(), to=responder, task_id=task_id,
+        payload={"status": "canceled", "reason": reason, **({"note": note} if note else {})}, ids=node.ids,
+    )
+    sign_envelope(update, hosted.key)
+    await node.publish_task(subjects.task_update(task_id), update)
+    if not wait:
+        try:
+            await node.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+        except ProtocolError as exc:
+            log.info("forwarded cancel of %s: %s", task_id, exc)
+        return {"task_id": task_id, "status": "canceled"}
+    reply = await node.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+    out = reply.output
+    return out if isinstance(out, dict) else {"task_id": task_id, "status": "canceled"}
 
 
 def propagated(reason: str, note: str | None) -> tuple[str, str]:
