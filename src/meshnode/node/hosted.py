@@ -97,7 +97,6 @@ class HostedAgent:
         self.registered = False
         self.registration_error: str | None = None
         self.state: AgentState = AgentState.STARTING
-        self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self._signal_logged: dict[str, float] = {}

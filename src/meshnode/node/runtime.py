@@ -114,7 +114,6 @@ class Node:
         self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
-        self.drain_interval_s = settings.drain_interval_s
         # The outbound A2A bridge ([a2a.peers]); None when no peer is configured.
         self.a2a: A2AOutbound | None = a2a
         connection.on_reconnect(self._on_reconnect)
@@ -222,15 +221,14 @@ class Node:
                 tail = pattern.removeprefix("mesh.event.")
                 await self.pubsub.subscribe_events(hosted, tail, durable=True)
             hosted.state = AgentState.RUNNING
-        except Exception as exc:
+        except Exception:
             hosted.state = AgentState.FAILED
-            hosted.failure = f"{type(exc).__name__}: {exc}"
             await self._unsubscribe(hosted)
             raise
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
         if self.inbox is not None:
-            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.drain_interval_s)
+            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s)
             self.drains[name] = drain
             drain.start()
         return hosted

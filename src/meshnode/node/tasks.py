@@ -74,7 +74,6 @@ class ResponderTask:
     budget: Any = None
     delegates: list[tuple[str, str]] = field(default_factory=list)  # (agent, task_id) of sub-tasks
     _revision: asyncio.Event = field(default_factory=asyncio.Event)
-    _update_sub: Any = None
     # The open input/auth round (§7.3): resolved by the requester's follow-up.
     _round: asyncio.Future[FollowUp] | None = None
     _answered: FollowUp | None = None
