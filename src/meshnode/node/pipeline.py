@@ -13,6 +13,26 @@ some of the same stages, in this order, and nothing else judges the bytes::
 * audit is :meth:`Node.audit` (one audit path for local and remote, §4.7);
 * routing is the intake's own (the request path, ``on_event``, a waiter).
 
+Which intake runs which stages:
+
+==================  =========================================================
+inbox               decode, verify, guard (window by path), audit, route: a
+                    request to :meth:`HostedAgent.on_request`, a respond to
+                    the request waiting for it (:func:`receive`)
+event               decode, verify, kind (emit), guard (event memory), audit,
+                    ``on_event`` (:func:`receive_event`)
+feed                decode, verify, owner rule, guard (event memory), audit,
+                    ``on_event`` (:meth:`PubSub.receive_feed`)
+telemetry           decode, verify, kind and owner, guard (live), ``on_event``
+                    — never audited (:meth:`PubSub.receive_telemetry`)
+service             decode, verify, guard (live), kind (a request)
+                    (:meth:`ServiceBase.intake`)
+service_reply       decode, verify, bound to the request, pinned key
+                    (:func:`receive_service_reply`)
+task_update         decode, verify, once, this task, from a party
+                    (:meth:`RequesterTask.updates`)
+==================  =========================================================
+
 A stage that refuses raises :class:`Refused` naming its *rule* (the local
 signal); the intake catches it in one place and counts it with
 :meth:`RefusalCounter.count` — one counter for the whole node, labelled by
@@ -34,8 +54,14 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
 
 from meshnode.agent import Event
-from meshnode.protocol.accept import DeliveryPath, InboundOutcome, ReplyPlan, plan_first_reply
-from meshnode.protocol.envelope import decode_envelope, validate_envelope, verify_envelope
+from meshnode.protocol.accept import (
+    DeliveryPath,
+    FirstReply,
+    InboundOutcome,
+    ReplyPlan,
+    plan_first_reply,
+)
+from meshnode.protocol.envelope import decode_envelope, verify_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.protections import DeliverySource, InboundGuard, InboundVerdict, Protection
 
@@ -55,7 +81,6 @@ __all__ = [
     "receive",
     "receive_event",
     "receive_service_reply",
-    "validate",
     "verify",
 ]
 
@@ -187,14 +212,6 @@ def decode_verified(data: bytes | bytearray | memoryview | str) -> dict[str, Any
     return verify(decode(data))
 
 
-def validate(obj: Any) -> dict[str, Any]:
-    """Stage 1 for an envelope that arrived inside another (a snapshot, a record)."""
-    try:
-        return validate_envelope(obj)
-    except ProtocolError as exc:
-        raise Refused(exc.code.lower(), exc.message, error=exc) from None
-
-
 def check_kind(env: Mapping[str, Any], allowed: Collection[str], rule: str) -> None:
     """Stage 3: refuse (as ``rule``) an envelope type this intake never takes."""
     if env["type"] not in allowed:
@@ -295,8 +312,14 @@ async def receive(
             raise
     except Refused as refused:
         hosted.refuse(Intake.INBOX, refused.rule, refused.envelope, refused.detail)
-        if refused.answer is not None and refused.envelope is not None and refused.envelope["type"] == "request":
-            # §22.7: the size cap answers (CONTEXT_TOO_LARGE); the plan says so on every path.
+        if (
+            refused.answer is not None
+            and refused.envelope is not None
+            and refused.envelope["type"] == "request"
+            and first_reply(path, InboundOutcome.SIZE_REFUSAL).first_reply is FirstReply.ADMISSION_REFUSAL
+        ):
+            # §22.7: the size cap answers (CONTEXT_TOO_LARGE), on every path, and
+            # no accept precedes it; every other refusal is silent.
             await hosted.answer_refusal(refused.envelope, refused.answer, path)
         return "refused"
     if inbox is not None and path is not Path.MAILBOX:
