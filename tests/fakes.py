@@ -142,9 +142,6 @@ class FakeNode:
     def new_guard(self, agent_id: str, memory: DedupMemory | None = None) -> InboundGuard:
         return InboundGuard(agent_id, memory=memory)
 
-    def describe_document(self, hosted: Any) -> dict[str, Any]:
-        return {"id": hosted.agent_id}
-
     # -- what agents ask of it -------------------------------------------------------
 
     async def reply_plain(self, reply_subject: str, obj: Any) -> None:

@@ -31,6 +31,7 @@ from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
 from meshnode.node.states import AgentState
@@ -600,7 +601,7 @@ class HostedAgent:
             )
             return
         self.counters["describe"] += 1
-        await self._answer(env, status="completed", output=self.node.describe_document(self), path=source)
+        await self._answer(env, status="completed", output=describe(self.manifest), path=source)
 
     async def answer(
         self,

@@ -84,9 +84,6 @@ class NodePort(Protocol):
     def new_guard(self, agent_id: str, memory: DedupMemory | None = None) -> InboundGuard:
         """A §22 guard with the node's protections, for ``agent_id``."""
 
-    def describe_document(self, hosted: HostedAgent) -> dict[str, Any]:
-        """The §10.14 document of ``hosted``, from declared bytes."""
-
     # -- delivery and requests --------------------------------------------------------
 
     async def deliver(self, sender: HostedAgent, env: dict[str, Any], to_agent: str) -> None:

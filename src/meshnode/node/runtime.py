@@ -27,7 +27,7 @@ from meshnode.node.context import AgentContext
 from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
-from meshnode.node.manifests import build_manifest, describe
+from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import PeriodicJob
@@ -339,10 +339,6 @@ class Node:
     def build_manifest(self, hosted: HostedAgent) -> dict[str, Any]:
         """The manifest this node registers for ``hosted`` (:func:`meshnode.node.manifests.build_manifest`)."""
         return build_manifest(hosted, self._node_member(hosted), self.settings.max_inbound_chars)
-
-    def describe_document(self, hosted: HostedAgent) -> dict[str, Any]:
-        """The §10.14 document: served from declared bytes, never the agent."""
-        return describe(hosted.manifest)
 
     async def service_call(
         self, hosted: HostedAgent, subject: str, kind: str, payload: Any, *, timeout: float | None = None
