@@ -54,6 +54,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+# The extension's pure core (no SDK): config checks a key's form when it is read.
+from meshnode.protocol.a2a_extension import parse_verify_key
+
 __all__ = [
     "A2AConfig",
     "A2APeerConfig",
@@ -864,8 +867,6 @@ def _usd_decimal(value: object) -> str:
 def _optional_verify_key(value: object) -> str | None:
     if value is None or value == "":
         return None
-    from meshnode.a2a.extension import parse_verify_key
-
     if not isinstance(value, str):
         raise ValueError(f"expected an Ed25519 public key string, got {value!r}")
     parse_verify_key(value)  # raises ValueError naming the accepted forms
@@ -956,8 +957,6 @@ def _listen_address(value: object) -> str | None:
 
 
 def _verify_key_text(value: object) -> str:
-    from meshnode.a2a.extension import parse_verify_key
-
     if not isinstance(value, str):
         raise ValueError("expected an Ed25519 public key as a string")
     parse_verify_key(value)  # raises ValueError naming the accepted forms

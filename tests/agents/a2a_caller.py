@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.agent import Agent, Context, offering
 from meshnode.plugins import hookimpl
+from meshnode.protocol.a2a_extension import EXTENSION_URI
 from meshnode.protocol.errors import ProtocolError
 
 

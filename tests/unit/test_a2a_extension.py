@@ -13,7 +13,7 @@ import nacl.signing
 import pytest
 import rfc8785
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     ChainRefusal,
     IssuerTrust,
@@ -175,7 +175,7 @@ def test_malformed_token_is_signature_invalid(token: Any) -> None:
 
 
 def test_wrong_typ_or_alg_is_signature_invalid() -> None:
-    from meshnode.a2a import extension as ext
+    from meshnode.protocol import a2a_extension as ext
 
     bad_typ = ext._jws({"alg": "EdDSA", "typ": "JWT"}, _claims(), KEY)
     bad_alg = ext._jws({"alg": "HS256", "typ": "agboss-mesh"}, _claims(), KEY)

@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 from a2a.client.card_resolver import parse_agent_card
 
-from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.a2a.mapping import (
     PartsRefused,
     agent_card,
@@ -18,6 +17,7 @@ from meshnode.a2a.mapping import (
     select_offering,
     state_of,
 )
+from meshnode.protocol.a2a_extension import EXTENSION_URI
 
 TEXT_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}}
 

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshnode.a2a.extension import EXTENSION_URI, format_duration
+from meshnode.protocol.a2a_extension import EXTENSION_URI, format_duration
 
 __all__ = [
     "FAILED_STATES",

@@ -17,13 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.errors
 import orjson
 
 from meshnode.agent import Agent, AgentSettings
 from meshnode.node.drain import InboxDrain
+from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import Observability
@@ -56,9 +57,6 @@ from meshnode.protocol.preflight import (
 from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
 from meshnode.protocol.tasks import check_task_id
 from meshnode.transport.connection import MeshConnection, Msg
-
-if TYPE_CHECKING:
-    from meshnode.a2a.outbound import A2AOutbound
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -131,7 +129,7 @@ class Node:
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = 60.0
         # The outbound A2A bridge ([a2a.peers]); None until the daemon configures it.
-        self.a2a: A2AOutbound | None = None
+        self.a2a: OutboundGateway | None = None
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -600,13 +598,11 @@ class Node:
         budget: Mapping[str, Any] | None = None,
         stream: bool = False,
     ) -> Reply:
-        """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted`` (the
-        outbound A2A bridge, :mod:`meshnode.a2a.outbound`)."""
+        """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted``
+        through the outbound gateway the daemon plugged in (:class:`OutboundGateway`)."""
         if self.a2a is None:
             raise ProtocolError("NOT_FOUND", f"no A2A peer {peer!r} is configured ([a2a.peers.{peer}])",
                                 {"peer": peer})
-        from meshnode.a2a.outbound import CallContext
-
         call = CallContext(agent_id=hosted.agent_id, agent_key=hosted.key, trace=trace,
                            envelope=envelope, budget=budget)
         self.counters["a2a.calls"] += 1

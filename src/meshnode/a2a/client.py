@@ -1,0 +1,105 @@
+"""The outbound bridge's HTTP plumbing: one official a2a-sdk client per request,
+and what a failed request means (unsent, ambiguous, or the peer's refusal)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NoReturn
+
+import httpx
+from a2a.client import Client, ClientCallContext, ClientConfig, ClientFactory
+from a2a.extensions.common import HTTP_EXTENSION_HEADER
+from a2a.types.a2a_pb2 import AgentCard, StreamResponse
+from a2a.utils.constants import PROTOCOL_VERSION_CURRENT, VERSION_HEADER
+from google.protobuf import json_format
+
+from meshnode.protocol.errors import ProtocolError
+
+__all__ = ["Ambiguous", "Unsent", "answer_dict", "classify", "http_client", "peer_client"]
+
+
+class Ambiguous(Exception):
+    """The request may have reached the peer (the connection dropped or timed out after sending)."""
+
+
+class Unsent(Exception):
+    """The request surely did not reach the peer (no connection was made)."""
+
+
+def http_client(**kwargs: Any) -> httpx.AsyncClient:
+    """An httpx client that speaks A2A's current protocol version."""
+    return httpx.AsyncClient(headers={VERSION_HEADER: PROTOCOL_VERSION_CURRENT}, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def peer_client(
+    card: AgentCard,
+    headers: Mapping[str, str],
+    *,
+    timeout: float,
+    streaming: bool = False,
+    echoed: list[str] | None = None,
+) -> AsyncIterator[tuple[Client, ClientCallContext]]:
+    """An SDK client for ``card`` and the call context carrying ``headers`` (as
+    A2A service parameters). ``echoed`` collects the peer's ``A2A-Extensions``
+    answer headers (the extension's activation echo)."""
+
+    async def on_response(response: httpx.Response) -> None:
+        if echoed is not None:
+            echoed.extend(response.headers.get_list(HTTP_EXTENSION_HEADER))
+
+    async with http_client(timeout=timeout, event_hooks={"response": [on_response]}) as http:
+        client = ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
+        yield client, ClientCallContext(service_parameters=dict(headers), timeout=timeout)
+
+
+def answer_dict(event: StreamResponse) -> dict[str, Any]:
+    """An SDK answer as ProtoJSON (``{"task": …}``, ``{"message": …}``, …)."""
+    return dict(json_format.MessageToDict(event))
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def refusal_code(body: object) -> str | None:
+    """The stable code of a peer's HTTP refusal body: a top-level ``code`` or a
+    string ``error.code``."""
+    if not isinstance(body, Mapping):
+        return None
+    found = body.get("code")
+    err = body.get("error")
+    if found is None and isinstance(err, Mapping):
+        found = err.get("code")
+    return found if isinstance(found, str) else None
+
+
+def classify(exc: BaseException) -> NoReturn:
+    """Re-raise a failed request as :class:`Unsent`, :class:`Ambiguous` or the
+    peer's refusal (a ProtocolError: ``UNAUTHORIZED`` for 401/403 with the
+    stable code in ``details.code``, else ``DEPENDENCY_FAILED``)."""
+    for cause in _causes(exc):
+        if isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+            raise Unsent() from exc
+        if isinstance(cause, httpx.HTTPStatusError):
+            response = cause.response
+            try:
+                code = refusal_code(response.json())
+            except ValueError:
+                code = None
+            status = response.status_code
+            mapped = "UNAUTHORIZED" if status in (401, 403) else "DEPENDENCY_FAILED"
+            details: dict[str, Any] = {"http_status": status}
+            if code:
+                details["code"] = code
+            raise ProtocolError(mapped, f"the A2A peer refused the call (HTTP {status})", details) from exc
+        if isinstance(cause, (httpx.TimeoutException, httpx.TransportError)):
+            raise Ambiguous() from exc
+    raise ProtocolError("DEPENDENCY_FAILED", f"the A2A call failed: {type(exc).__name__}",
+                        {"a2a_error": type(exc).__name__}) from exc
