@@ -14,9 +14,10 @@ from a2a.types.a2a_pb2 import AgentCard, StreamResponse
 from a2a.utils.constants import PROTOCOL_VERSION_CURRENT, VERSION_HEADER
 from google.protobuf import json_format
 
+from meshnode.a2a.mapping import ints_as_sent
 from meshnode.protocol.errors import ProtocolError
 
-__all__ = ["Ambiguous", "Unsent", "answer_dict", "classify", "http_client", "peer_client"]
+__all__ = ["Ambiguous", "Unsent", "answer_dict", "classify", "http_client", "ints_from_wire", "peer_client"]
 
 
 class Ambiguous(Exception):
@@ -40,14 +41,20 @@ async def peer_client(
     timeout: float,
     streaming: bool = False,
     echoed: list[str] | None = None,
+    bodies: list[Any] | None = None,
 ) -> AsyncIterator[tuple[Client, ClientCallContext]]:
     """An SDK client for ``card`` and the call context carrying ``headers`` (as
     A2A service parameters). ``echoed`` collects the peer's ``A2A-Extensions``
-    answer headers (the extension's activation echo)."""
+    answer headers (the extension's activation echo); ``bodies`` the parsed
+    JSON of its (non-streamed) answers, for :func:`ints_from_wire`."""
 
     async def on_response(response: httpx.Response) -> None:
         if echoed is not None:
             echoed.extend(response.headers.get_list(HTTP_EXTENSION_HEADER))
+        if bodies is not None and response.headers.get("content-type", "").startswith("application/json"):
+            await response.aread()
+            with contextlib.suppress(ValueError):
+                bodies.append(response.json())
 
     async with http_client(timeout=timeout, event_hooks={"response": [on_response]}) as http:
         client = ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
@@ -57,6 +64,18 @@ async def peer_client(
 def answer_dict(event: StreamResponse) -> dict[str, Any]:
     """An SDK answer as ProtoJSON (``{"task": …}``, ``{"message": …}``, …)."""
     return dict(json_format.MessageToDict(event))
+
+
+def ints_from_wire(answer: dict[str, Any], bodies: list[Any]) -> dict[str, Any]:
+    """``answer`` (the SDK's parse, every Struct number a double) with the
+    numbers the peer sent as integers integers again, read from the last
+    JSON-RPC ``result`` among ``bodies``."""
+    for body in reversed(bodies):
+        result = body.get("result") if isinstance(body, Mapping) else None
+        if isinstance(result, Mapping):
+            fixed: dict[str, Any] = ints_as_sent(answer, result)
+            return fixed
+    return answer
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

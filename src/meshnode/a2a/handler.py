@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ class ContextBuilder(DefaultServerCallContextBuilder):
         context.state["a2a_agent"] = getattr(request.state, "a2a_agent", None)
         context.state["a2a_inbound"] = getattr(request.state, "a2a_inbound", None)
         context.state["a2a_requester"] = getattr(request.state, "a2a_requester", None)
+        context.state["a2a_answered"] = getattr(request.state, "a2a_answered", None)
         return context
 
 
@@ -56,6 +58,15 @@ def _task_proto(task: Mapping[str, Any]) -> Task:
     proto = Task()
     ParseDict(dict(task), proto, ignore_unknown_fields=True)
     return proto
+
+
+def _answer(context: ServerCallContext, task: Mapping[str, Any]) -> Task:
+    """The task as the SDK's answer, and as it stands for the HTTP layer, which
+    renders its integers as integers again (the proto's Struct made them doubles)."""
+    answered = context.state.get("a2a_answered")
+    if isinstance(answered, list):
+        answered.append(copy.deepcopy(dict(task)))
+    return _task_proto(task)
 
 
 async def _follow(live: Live, queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncGenerator[Any]:
@@ -103,14 +114,14 @@ class Handler(RequestHandler):
 
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task | None:
         requester = self._requester(context, "GetTask", params.id)
-        return _task_proto(await self.tasks.get_task(self._agent(context), params.id, requester))
+        return _answer(context, await self.tasks.get_task(self._agent(context), params.id, requester))
 
     async def on_list_tasks(self, params: ListTasksRequest, context: ServerCallContext) -> ListTasksResponse:
         raise UnsupportedOperationError(message="ListTasks is not supported by this bridge")
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
         requester = self._requester(context, "CancelTask", params.id)
-        return _task_proto(await self.tasks.cancel(self._agent(context), params.id, requester))
+        return _answer(context, await self.tasks.cancel(self._agent(context), params.id, requester))
 
     async def on_message_send(self, params: SendMessageRequest, context: ServerCallContext) -> Task | Message:
         live, task = await self.tasks.submit(
@@ -120,7 +131,7 @@ class Handler(RequestHandler):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(live.settled.wait(), timeout=self.tasks.settings.send_wait_s)
             task = live.task
-        return _task_proto(task)
+        return _answer(context, task)
 
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext

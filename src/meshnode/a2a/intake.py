@@ -4,6 +4,7 @@ mesh-extension envelope checked, before the a2a-sdk's dispatcher sees it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from meshnode.a2a.execution import InboundTasks
 from meshnode.a2a.handler import ContextBuilder, Handler
 from meshnode.a2a.inbound import ANONYMOUS, BridgeSettings, Inbound, Requester
-from meshnode.a2a.mapping import agent_card
+from meshnode.a2a.mapping import agent_card, ints_as_sent
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     SIGNATURE_INVALID,
@@ -85,6 +86,27 @@ class _QuietCallerErrors(logging.Filter):
 
 
 logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_QuietCallerErrors())
+
+
+def _with_ints(response: JSONResponse, task: Mapping[str, Any]) -> JSONResponse:
+    """The SDK's JSON answer with the task's integers rendered as integers: the
+    SDK renders a task from its proto, whose Struct holds every number as a
+    double (an agent's ``{"n": 2}`` would leave as ``{"n": 2.0}``)."""
+    try:
+        body = json.loads(bytes(response.body))
+    except ValueError:
+        return response
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, dict):
+        return response
+    inner = result.get("task")
+    rendered: dict[str, Any] = inner if isinstance(inner, dict) else result
+    if rendered.get("id") != task.get("id"):
+        return response
+    fixed = ints_as_sent(rendered, task)
+    body["result"] = {**result, "task": fixed} if rendered is not result else fixed
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
 class HttpIntake:
@@ -189,7 +211,11 @@ class HttpIntake:
         request.state.a2a_agent = name
         request.state.a2a_inbound = inbound
         request.state.a2a_requester = requester
+        answered: list[dict[str, Any]] = []
+        request.state.a2a_answered = answered
         response = await self._dispatcher.handle_requests(request)
+        if answered and isinstance(response, JSONResponse):
+            response = _with_ints(response, answered[-1])
         if activated:
             response.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
         return response

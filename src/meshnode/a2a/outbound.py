@@ -73,7 +73,15 @@ from a2a.types.a2a_pb2 import (
 from google.protobuf import json_format
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_amount
-from meshnode.a2a.client import Ambiguous, Unsent, answer_dict, classify, http_client, peer_client
+from meshnode.a2a.client import (
+    Ambiguous,
+    Unsent,
+    answer_dict,
+    classify,
+    http_client,
+    ints_from_wire,
+    peer_client,
+)
 from meshnode.a2a.peers import (
     INTERRUPTED_STATES,
     TERMINAL_STATES,
@@ -369,11 +377,12 @@ class A2AOutbound:
 
     async def _send_once(self, peer: PeerCard, msg: Message, headers: Mapping[str, str],
                          timeout: float, echoed: list[str]) -> dict[str, Any]:
-        async with peer_client(peer.card, headers, timeout=timeout, echoed=echoed) as (client, ctx):
+        bodies: list[Any] = []
+        async with peer_client(peer.card, headers, timeout=timeout, echoed=echoed, bodies=bodies) as (client, ctx):
             request = SendMessageRequest(message=msg, configuration=SendMessageConfiguration())
             try:
                 async for event in client.send_message(request, context=ctx):
-                    return answer_dict(event)
+                    return ints_from_wire(answer_dict(event), bodies)
             except Exception as exc:
                 classify(exc)
         raise ProtocolError("DEPENDENCY_FAILED", "the A2A peer answered nothing")
@@ -383,7 +392,8 @@ class A2AOutbound:
     async def _poll(self, peer: PeerCard, task_id: str, headers: Mapping[str, str],
                     overall_deadline: float, settings: PeerSettings) -> dict[str, Any]:
         left = max(0.1, overall_deadline - time.monotonic())
-        async with peer_client(peer.card, headers, timeout=min(settings.timeout_s, left)) as (client, ctx):
+        bodies: list[Any] = []
+        async with peer_client(peer.card, headers, timeout=min(settings.timeout_s, left), bodies=bodies) as (client, ctx):
             try:
                 task = await client.get_task(GetTaskRequest(id=task_id), context=ctx)
             except Exception as exc:
@@ -391,7 +401,7 @@ class A2AOutbound:
                     classify(exc)
                 except (Ambiguous, Unsent):
                     return {}  # a failed poll is retried by the caller's loop
-        return dict(json_format.MessageToDict(task))
+        return ints_from_wire(dict(json_format.MessageToDict(task)), bodies)
 
     async def _conclude(self, name: str, settings: PeerSettings, peer: PeerCard, call: CallContext,
                         outcome: _Outcome, headers: Mapping[str, str], overall_deadline: float,

@@ -1,0 +1,122 @@
+"""The edges an independent A2A client and peer found (issue #20), against a real
+daemon: the official a2a-sdk client, and meshnode calling its own bridge
+(meshnode -> meshnode, ``[a2a.peers.self]``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import ClientConfig, create_client
+from a2a.types.a2a_pb2 import GetTaskRequest, Message, SendMessageRequest, StreamResponse
+from google.protobuf.json_format import MessageToDict, ParseDict
+
+from meshnode.protocol.a2a_extension import EXTENSION_URI
+from meshnode.testing import DaemonProcess, DaemonSet, free_port
+
+pytestmark = pytest.mark.integration
+
+APP = "acme"
+HEADERS = {"A2A-Version": "1.0"}
+ACTIVATE = {**HEADERS, "A2A-Extensions": EXTENSION_URI}
+
+
+class Acme:
+    def __init__(self, daemon: DaemonProcess, port: int) -> None:
+        self.daemon = daemon
+        self.base = f"http://127.0.0.1:{port}"
+
+    def url(self, agent: str) -> str:
+        return f"{self.base}/agents/{agent}"
+
+    def call_peer(self, offering: str, input: Any, *, via: str = "call", timeout: float = 60) -> Any:
+        """The caller agent calls ``a2a:self`` (our own bridge) with ``input``."""
+        result = self.daemon.call(
+            "caller", via, {"peer": "self", "offering": offering, "input": input, "timeout": timeout},
+            timeout=timeout + 30,
+        )
+        return result["output"]
+
+
+@pytest.fixture(scope="module")
+def acme() -> Iterator[Acme]:
+    daemons = DaemonSet()
+    port = free_port()
+    try:
+        daemon = daemons.embedded(
+            APP,
+            agents={"longtask": {"plugin": "longtask"}, "caller": {"plugin": "test-a2a-caller"}},
+            node={"plugin_modules": ["tests.agents.a2a_caller:plugin"]},
+            extra={
+                "a2a": {
+                    "listen": f"127.0.0.1:{port}",
+                    "expose": ["longtask"],
+                    "application": APP,
+                    # Trust agent-id issuers: the outbound signs as the calling agent.
+                    "allow_issuers": ["*"],
+                    "send_wait": "2s",
+                },
+                "a2a.peers.self": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05"},
+            },
+        )
+        yield Acme(daemon, port)
+    finally:
+        daemons.close()
+
+
+def sdk_message(data: Any, *, skill: str | None = "count") -> Message:
+    msg: dict[str, Any] = {"messageId": str(uuid.uuid4()), "role": "ROLE_USER", "parts": [{"data": data}]}
+    if skill is not None:
+        msg["metadata"] = {"skill": skill}
+    return ParseDict(msg, Message())
+
+
+async def sdk_send(url: str, msg: Message, *, streaming: bool = False) -> list[StreamResponse]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(url, client_config=ClientConfig(streaming=streaming, httpx_client=http))
+        return [event async for event in client.send_message(SendMessageRequest(message=msg))]
+
+
+def rpc(url: str, method: str, params: dict[str, Any], headers: dict[str, str] = HEADERS) -> httpx.Response:
+    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+    return httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+# --- gap 2: integers arrive as floats ------------------------------------------------
+
+
+async def test_an_sdk_clients_integer_input_reaches_the_agent_as_an_integer(acme: Acme) -> None:
+    # The SDK's Struct sends {"to": 2} as {"to": 2.0}; the offering's schema says integer.
+    msg = sdk_message({"to": 2, "every": 0.01})
+    assert type(MessageToDict(msg)["parts"][0]["data"]["to"]) is float
+    events = await sdk_send(acme.url("longtask"), msg)
+    task = MessageToDict(events[0].task)
+    if task["status"]["state"] != "TASK_STATE_COMPLETED":
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = await create_client(acme.url("longtask"), client_config=ClientConfig(httpx_client=http))
+            for _ in range(200):
+                task = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"])))
+                if task["status"]["state"] == "TASK_STATE_COMPLETED":
+                    break
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    assert task["artifacts"][0]["parts"][0]["data"] == {"counted": 2}
+
+
+def test_integer_outputs_leave_as_integers(acme: Acme) -> None:
+    msg = MessageToDict(sdk_message({"to": 1, "every": 0}))
+    answer = rpc(acme.url("longtask"), "SendMessage", {"message": msg})
+    task = answer.json()["result"]["task"]
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    # On the wire: 1, not 1.0 (a JSON reader that tells them apart gets an int).
+    assert '"counted": 1}' in answer.text or '"counted":1}' in answer.text
+    got = rpc(acme.url("longtask"), "GetTask", {"id": task["id"]})
+    assert type(got.json()["result"]["artifacts"][0]["parts"][0]["data"]["counted"]) is int
+
+
+def test_meshnode_to_meshnode_integer_inputs_stay_integers(acme: Acme) -> None:
+    out = acme.call_peer("count", {"to": 2, "every": 0.01})
+    assert out.get("status") == "completed", out
+    assert out["output"] == {"counted": 2} and type(out["output"]["counted"]) is int
