@@ -4,17 +4,20 @@ daemon: the official a2a-sdk client, and meshnode calling its own bridge
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from a2a.client import ClientConfig, create_client
+from a2a.client import ClientCallContext, ClientConfig, create_client
+from a2a.client.errors import A2AClientError
+from a2a.client.service_parameters import ServiceParametersFactory, with_a2a_extensions
 from a2a.types.a2a_pb2 import GetTaskRequest, Message, SendMessageRequest, StreamResponse
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from meshnode.protocol.a2a_extension import EXTENSION_URI
+from meshnode.protocol.a2a_extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
 from meshnode.testing import DaemonProcess, DaemonSet, free_port
 
 pytestmark = pytest.mark.integration
@@ -32,10 +35,11 @@ class Acme:
     def url(self, agent: str) -> str:
         return f"{self.base}/agents/{agent}"
 
-    def call_peer(self, offering: str, input: Any, *, via: str = "call", timeout: float = 60) -> Any:
+    def call_peer(self, offering: str, input: Any, *, via: str = "call", timeout: float = 60,
+                  peer: str = "self") -> Any:
         """The caller agent calls ``a2a:self`` (our own bridge) with ``input``."""
         result = self.daemon.call(
-            "caller", via, {"peer": "self", "offering": offering, "input": input, "timeout": timeout},
+            "caller", via, {"peer": peer, "offering": offering, "input": input, "timeout": timeout},
             timeout=timeout + 30,
         )
         return result["output"]
@@ -60,6 +64,9 @@ def acme() -> Iterator[Acme]:
                     "send_wait": "2s",
                 },
                 "a2a.peers.self": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05"},
+                # Our own bridge, called with an envelope addressed to someone else: a 401.
+                "a2a.peers.wrong": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05",
+                                    "audience": "someone-else"},
             },
         )
         yield Acme(daemon, port)
@@ -120,3 +127,50 @@ def test_meshnode_to_meshnode_integer_inputs_stay_integers(acme: Acme) -> None:
     out = acme.call_peer("count", {"to": 2, "every": 0.01})
     assert out.get("status") == "completed", out
     assert out["output"] == {"counted": 2} and type(out["output"]["counted"]) is int
+
+
+# --- gap 3: the 401's shape ----------------------------------------------------------------
+
+
+def with_claim(msg: Message, **over: Any) -> Message:
+    """``msg`` carrying an unsigned envelope (a claim) with ``over`` in its claims."""
+    as_dict = MessageToDict(msg)
+    claims = build_envelope_claims(issuer="stranger", audience=APP, now=time.time(), message=as_dict)
+    claims.update(over)
+    as_dict.setdefault("metadata", {})[EXTENSION_URI] = {"envelope": unsecured_envelope(claims)}
+    return ParseDict(as_dict, Message())
+
+
+async def test_an_sdk_client_sees_the_401_with_its_code_and_challenge(acme: Acme) -> None:
+    msg = with_claim(sdk_message({"to": 1, "every": 0}), audience="someone-else")
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(httpx_client=http))
+        with pytest.raises(A2AClientError) as refused:
+            async for _ in client.send_message(SendMessageRequest(message=msg),
+                                               context=ClientCallContext(service_parameters=params)):
+                pass
+    status = next(c for c in causes(refused.value) if isinstance(c, httpx.HTTPStatusError))
+    assert status.response.status_code == 401
+    assert status.response.headers["WWW-Authenticate"].startswith('AGBoss-Mesh realm="acme"')
+    assert 'error="mesh.audience-mismatch"' in status.response.headers["WWW-Authenticate"]
+    body = status.response.json()
+    # The seed's {code}, and the JSON-RPC error meshnode always answered.
+    assert body["code"] == "mesh.audience-mismatch"
+    assert body["error"]["code"] == 401 and body["error"]["data"] == {"code": "mesh.audience-mismatch"}
+
+
+def test_meshnode_to_meshnode_a_401_keeps_its_code(acme: Acme) -> None:
+    out = acme.call_peer("count", {"to": 1, "every": 0}, peer="wrong")
+    error = out["error"]
+    assert error["code"] == "UNAUTHORIZED", out
+    assert error["details"] == {"http_status": 401, "code": "mesh.audience-mismatch"}
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen

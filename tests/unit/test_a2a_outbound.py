@@ -13,7 +13,7 @@ import nacl.signing
 import pytest
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_amount
-from meshnode.a2a.client import Ambiguous, Unsent, classify
+from meshnode.a2a.client import Ambiguous, Unsent, classify, refusal_code
 from meshnode.a2a.outbound import A2AOutbound, A2AStreamTask, CallContext
 from meshnode.a2a.peers import (
     PeerSettings,
@@ -288,3 +288,17 @@ async def test_cancel_is_sent_once_and_recorded_at_zero(tmp_path: Path) -> None:
     first = await store.get("w", "message:m-1")
     assert first is not None and first.task_id is None and "no CancelTask" in (first.note or "")
     await store.close()
+
+
+def test_a_refusals_code_is_read_wherever_a_peer_puts_it() -> None:
+    info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "MESH_BODY_MISMATCH",
+            "domain": "agboss.dev", "metadata": {"code": "mesh.body-mismatch"}}
+    assert refusal_code({"code": "mesh.audience-mismatch"}) == "mesh.audience-mismatch"
+    assert refusal_code({"error": {"code": "mesh.envelope-expired"}}) == "mesh.envelope-expired"
+    # meshnode's own 401: error.code is the number 401, the code sits in data.
+    assert refusal_code({"error": {"code": 401, "message": "x", "data": {"code": "mesh.signature-invalid"}}}) == (
+        "mesh.signature-invalid")
+    assert refusal_code({"error": {"code": 401, "data": [info]}}) == "mesh.body-mismatch"
+    assert refusal_code({"error": {"code": 401, "data": [{**info, "metadata": {}}]}}) == "MESH_BODY_MISMATCH"
+    assert refusal_code({"error": {"code": 401, "data": [{"reason": "not ErrorInfo"}]}}) is None
+    assert refusal_code(["not", "an", "object"]) is None and refusal_code({"error": "x"}) is None

@@ -88,15 +88,31 @@ def _causes(exc: BaseException) -> list[BaseException]:
 
 
 def refusal_code(body: object) -> str | None:
-    """The stable code of a peer's HTTP refusal body: a top-level ``code`` or a
-    string ``error.code``."""
+    """The stable code of a peer's HTTP refusal body, wherever a peer puts it:
+    a top-level ``code`` (the seed's ``401 {"code": …}``), a string
+    ``error.code``, ``error.data.code``, or, in A2A v1.0's error details (a
+    list of ``google.rpc.ErrorInfo`` in ``error.data``), an entry's
+    ``metadata.code`` or else its ``reason``."""
     if not isinstance(body, Mapping):
         return None
-    found = body.get("code")
+    if isinstance(body.get("code"), str):
+        return str(body["code"])
     err = body.get("error")
-    if found is None and isinstance(err, Mapping):
-        found = err.get("code")
-    return found if isinstance(found, str) else None
+    if not isinstance(err, Mapping):
+        return None
+    if isinstance(err.get("code"), str):
+        return str(err["code"])
+    data = err.get("data")
+    if isinstance(data, Mapping):
+        return str(data["code"]) if isinstance(data.get("code"), str) else None
+    for entry in data if isinstance(data, list) else ():
+        if isinstance(entry, Mapping) and str(entry.get("@type", "")).endswith("google.rpc.ErrorInfo"):
+            meta = entry.get("metadata")
+            if isinstance(meta, Mapping) and isinstance(meta.get("code"), str):
+                return str(meta["code"])
+            if isinstance(entry.get("reason"), str):
+                return str(entry["reason"])
+    return None
 
 
 def classify(exc: BaseException) -> NoReturn:

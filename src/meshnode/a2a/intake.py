@@ -88,6 +88,13 @@ class _QuietCallerErrors(logging.Filter):
 logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_QuietCallerErrors())
 
 
+def www_authenticate(application: str, code: str) -> str:
+    """The ``WWW-Authenticate`` challenge of a 401: the mesh extension's
+    envelope, for ``application``, and the stable code of what failed."""
+    quoted = application.replace("\\", "\\\\").replace('"', '\\"')
+    return f'AGBoss-Mesh realm="{quoted}", uri="{EXTENSION_URI}", error="{code}"'
+
+
 def _with_ints(response: JSONResponse, task: Mapping[str, Any]) -> JSONResponse:
     """The SDK's JSON answer with the task's integers rendered as integers: the
     SDK renders a task from its proto, whose Struct holds every number as a
@@ -231,8 +238,14 @@ class HttpIntake:
                 "jsonrpc": "2.0",
                 "id": rid,
                 "error": {"code": AUTH_ERROR_CODE, "message": exc.code, "data": {"code": exc.code}},
+                # The seed's own shape, 401 {"code": …}: what a reader that knows
+                # nothing of JSON-RPC (and meshnode's outbound, first) reads.
+                "code": exc.code,
             },
             status_code=401,
+            # RFC 9110 §11.6.1: a 401 names the challenge to meet, here the
+            # extension's envelope for this application.
+            headers={"WWW-Authenticate": www_authenticate(self.settings.application, exc.code)},
         )
         if activated:
             refusal.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
