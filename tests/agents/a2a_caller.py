@@ -53,8 +53,8 @@ class A2ACaller(Agent):
     @offering("stream", framing=False)
     async def stream(self, ctx: Context, input: Any) -> Any:
         """Stream from the peer; report the chunks and the closing envelope."""
-        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=20,
-                                  config={"stream": True})
+        reply = await ctx.request(f"a2a:{input['peer']}", input.get("offering", "forecast"), input.get("input"),
+                                  timeout=20, config={"stream": True})
         if reply.task is None:
             return {"opened": reply.status, "chunks": [], "status": reply.status, "output": reply.output,
                     "a2a": (reply.envelope.get("meta") or {}).get(EXTENSION_URI)}

@@ -52,18 +52,20 @@ def acme() -> Iterator[Acme]:
     try:
         daemon = daemons.embedded(
             APP,
-            agents={"longtask": {"plugin": "longtask"}, "caller": {"plugin": "test-a2a-caller"}},
-            node={"plugin_modules": ["tests.agents.a2a_caller:plugin"]},
+            agents={"longtask": {"plugin": "longtask"}, "caller": {"plugin": "test-a2a-caller"},
+                    "target": {"plugin": "test-a2a"}},
+            node={"plugin_modules": ["tests.agents.a2a_caller:plugin", "tests.agents:a2a_target_plugin"]},
             extra={
                 "a2a": {
                     "listen": f"127.0.0.1:{port}",
-                    "expose": ["longtask"],
+                    "expose": ["longtask", "target"],
                     "application": APP,
                     # Trust agent-id issuers: the outbound signs as the calling agent.
                     "allow_issuers": ["*"],
                     "send_wait": "2s",
                 },
                 "a2a.peers.self": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05"},
+                "a2a.peers.target": {"url": f"http://127.0.0.1:{port}/agents/target", "contract_price": "0.05"},
                 # Our own bridge, called with an envelope addressed to someone else: a 401.
                 "a2a.peers.wrong": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05",
                                     "audience": "someone-else"},
@@ -174,3 +176,24 @@ def causes(exc: BaseException) -> list[BaseException]:
         seen.append(cur)
         cur = cur.__cause__ or cur.__context__
     return seen
+
+
+# --- gap 5: lastChunk -----------------------------------------------------------------------
+
+
+async def test_the_last_streamed_chunk_says_so(acme: Acme) -> None:
+    msg = ParseDict({"messageId": str(uuid.uuid4()), "role": "ROLE_USER", "parts": [{"text": "one two three"}],
+                     "metadata": {"skill": "words"}}, Message())
+    events = await sdk_send(acme.url("target"), msg, streaming=True)
+    updates = [e.artifact_update for e in events if e.HasField("artifact_update")]
+    assert "".join(p.text for u in updates for p in u.artifact.parts) == "one two three "
+    assert [u.last_chunk for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert all(u.append for u in updates[1:]) and not updates[0].append
+    assert MessageToDict(events[-1].status_update)["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+def test_meshnode_to_meshnode_streams_the_chunks_and_nothing_else(acme: Acme) -> None:
+    out = acme.daemon.call("caller", "stream", {"peer": "target", "offering": "words", "input": "one two three"},
+                           timeout=60)["output"]
+    assert out["status"] == "completed", out
+    assert out["chunks"] == ["one ", "two ", "three "] and out["output"] == "one two three "

@@ -433,6 +433,22 @@ class InboundTasks:
                             }
                         )
                         first = False
+                    if not first:
+                        # The mesh closes a stream with a data-less final chunk, so the
+                        # last data chunk is not known as such when it arrives; holding
+                        # each chunk back until the next would delay them all. The
+                        # artifact is closed by an empty chunk with lastChunk instead.
+                        live.publish(
+                            {
+                                "artifactUpdate": {
+                                    "taskId": task_id,
+                                    "contextId": task["contextId"],
+                                    "artifact": {"artifactId": "output", "name": "output", "parts": []},
+                                    "append": True,
+                                    "lastChunk": True,
+                                }
+                            }
+                        )
 
                 # Chunks and state updates are read side by side: a stream that
                 # fails midway ends with its failed update, not a chunk timeout.

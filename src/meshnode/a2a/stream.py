@@ -115,6 +115,8 @@ class A2AStreamTask:
             token = report_of(task)
         elif "artifactUpdate" in event:
             parts = list((event["artifactUpdate"].get("artifact") or {}).get("parts") or [])
+            if not parts:
+                return  # a chunk that only closes the artifact (lastChunk) carries no data
             self._parts.extend(parts)
             self.chunks.append(output_of_parts(parts))
             self._notify()
