@@ -993,6 +993,10 @@ class A2AConfig(BaseModel):
     """A call chain this long is refused (REJECTED, ``limit.hops``)."""
     idempotency_retention: Duration = timedelta(hours=24)
     """How long a caller's messageId maps to its task (card ``idempotencyRetention``)."""
+    clock_skew: Duration = timedelta(seconds=30)
+    """How far two applications' clocks may disagree: an envelope issued this
+    far in the future counts, and an ``expiresIn`` may exceed the seed's PT60S
+    replay window by as much, never more."""
     send_wait: Duration = timedelta(seconds=30)
     """How long a blocking SendMessage waits for a terminal state before it
     answers with the task as it stands (GetTask follows it up)."""

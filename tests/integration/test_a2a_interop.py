@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import nacl.signing
 import pytest
 from a2a.client import ClientCallContext, ClientConfig, create_client
 from a2a.client.errors import A2AClientError
@@ -17,13 +18,23 @@ from a2a.client.service_parameters import ServiceParametersFactory, with_a2a_ext
 from a2a.types.a2a_pb2 import GetTaskRequest, Message, SendMessageRequest, StreamResponse
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from meshnode.protocol.a2a_extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
+from meshnode.protocol.a2a_extension import (
+    EXTENSION_URI,
+    build_envelope_claims,
+    format_instant,
+    sign_envelope,
+    unsecured_envelope,
+)
+from meshnode.protocol.nkeys import KeyPair, decode_seed
 from meshnode.testing import DaemonProcess, DaemonSet, free_port
 
 pytestmark = pytest.mark.integration
 
 APP = "acme"
 HEADERS = {"A2A-Version": "1.0"}
+# A trusted issuer: a mesh agent id, allowed by allow_issuers = ["*"], carries its own key.
+ISSUER = KeyPair.generate()
+ISSUER_KEY = nacl.signing.SigningKey(decode_seed(ISSUER.seed)[1])
 ACTIVATE = {**HEADERS, "A2A-Extensions": EXTENSION_URI}
 
 
@@ -80,13 +91,20 @@ def sdk_message(data: Any, *, skill: str | None = "count") -> Message:
     msg: dict[str, Any] = {"messageId": str(uuid.uuid4()), "role": "ROLE_USER", "parts": [{"data": data}]}
     if skill is not None:
         msg["metadata"] = {"skill": skill}
-    return ParseDict(msg, Message())
+    parsed: Message = ParseDict(msg, Message())
+    return parsed
 
 
-async def sdk_send(url: str, msg: Message, *, streaming: bool = False) -> list[StreamResponse]:
+async def sdk_send(url: str, msg: Message, *, streaming: bool = False, activate: bool = False,
+                   headers: dict[str, str] | None = None) -> list[StreamResponse]:
+    """SendMessage (or SendStreamingMessage) by the official SDK client;
+    ``activate`` asks for the mesh extension, ``headers`` are service parameters."""
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])]) if activate else {}
+    params.update(headers or {})
     async with httpx.AsyncClient(timeout=60) as http:
         client = await create_client(url, client_config=ClientConfig(streaming=streaming, httpx_client=http))
-        return [event async for event in client.send_message(SendMessageRequest(message=msg))]
+        context = ClientCallContext(service_parameters=params)
+        return [event async for event in client.send_message(SendMessageRequest(message=msg), context=context)]
 
 
 def rpc(url: str, method: str, params: dict[str, Any], headers: dict[str, str] = HEADERS) -> httpx.Response:
@@ -105,7 +123,7 @@ async def test_an_sdk_clients_integer_input_reaches_the_agent_as_an_integer(acme
     task = MessageToDict(events[0].task)
     if task["status"]["state"] != "TASK_STATE_COMPLETED":
         async with httpx.AsyncClient(timeout=60) as http:
-            client = await create_client(acme.url("longtask"), client_config=ClientConfig(httpx_client=http))
+            client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
             for _ in range(200):
                 task = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"])))
                 if task["status"]["state"] == "TASK_STATE_COMPLETED":
@@ -140,14 +158,15 @@ def with_claim(msg: Message, **over: Any) -> Message:
     claims = build_envelope_claims(issuer="stranger", audience=APP, now=time.time(), message=as_dict)
     claims.update(over)
     as_dict.setdefault("metadata", {})[EXTENSION_URI] = {"envelope": unsecured_envelope(claims)}
-    return ParseDict(as_dict, Message())
+    parsed: Message = ParseDict(as_dict, Message())
+    return parsed
 
 
 async def test_an_sdk_client_sees_the_401_with_its_code_and_challenge(acme: Acme) -> None:
     msg = with_claim(sdk_message({"to": 1, "every": 0}), audience="someone-else")
     params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
     async with httpx.AsyncClient(timeout=60) as http:
-        client = await create_client(acme.url("longtask"), client_config=ClientConfig(httpx_client=http))
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
         with pytest.raises(A2AClientError) as refused:
             async for _ in client.send_message(SendMessageRequest(message=msg),
                                                context=ClientCallContext(service_parameters=params)):
@@ -197,3 +216,55 @@ def test_meshnode_to_meshnode_streams_the_chunks_and_nothing_else(acme: Acme) ->
                            timeout=60)["output"]
     assert out["status"] == "completed", out
     assert out["chunks"] == ["one ", "two ", "three "] and out["output"] == "one two three "
+
+
+# --- gap 4: the replay window ------------------------------------------------------------
+
+
+def signed(msg: Message, **over: Any) -> Message:
+    """``msg`` carrying an envelope signed by the trusted ``ISSUER``."""
+    as_dict = MessageToDict(msg)
+    claims = build_envelope_claims(issuer=ISSUER.public_key, audience=APP, now=time.time(), message=as_dict)
+    claims.update(over)
+    as_dict.setdefault("metadata", {})[EXTENSION_URI] = {"envelope": sign_envelope(claims, ISSUER_KEY)}
+    parsed: Message = ParseDict(as_dict, Message())
+    return parsed
+
+
+async def sdk_refusal(url: str, msg: Message) -> httpx.Response:
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(url, client_config=ClientConfig(streaming=False, httpx_client=http))
+        with pytest.raises(A2AClientError) as refused:
+            async for _ in client.send_message(SendMessageRequest(message=msg),
+                                               context=ClientCallContext(service_parameters=params)):
+                pass
+    status = next(c for c in causes(refused.value) if isinstance(c, httpx.HTTPStatusError))
+    return status.response
+
+
+async def test_a_sender_cannot_widen_the_replay_window(acme: Acme) -> None:
+    # Issued 300 s ago with PT600S: the window is the seed's PT60S (plus the skew).
+    msg = signed(sdk_message({"to": 1, "every": 0}), issuedAt=format_instant(time.time() - 300),
+                 expiresIn="PT600S")
+    answer = await sdk_refusal(acme.url("longtask"), msg)
+    assert answer.status_code == 401 and answer.json()["code"] == "mesh.envelope-expired"
+
+
+async def test_a_replayed_envelope_is_refused(acme: Acme) -> None:
+    msg = signed(sdk_message({"to": 1, "every": 0}))
+    first = await sdk_send(acme.url("longtask"), msg, activate=True)
+    assert MessageToDict(first[0].task)["status"]["state"] == "TASK_STATE_COMPLETED"
+    # The very same request again (same token) inside the window: a replay.
+    answer = await sdk_refusal(acme.url("longtask"), msg)
+    assert answer.status_code == 401 and answer.json()["code"] == "mesh.envelope-expired"
+    # A resend of the same message under a new envelope is the idempotent resend: the same task.
+    again = await sdk_send(acme.url("longtask"), signed(strip_envelope(msg)), activate=True)
+    assert MessageToDict(again[0].task)["id"] == MessageToDict(first[0].task)["id"]
+
+
+def strip_envelope(msg: Message) -> Message:
+    as_dict = MessageToDict(msg)
+    del as_dict["metadata"][EXTENSION_URI]
+    parsed: Message = ParseDict(as_dict, Message())
+    return parsed

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from meshnode.protocol.a2a_extension import EnvelopeCheck, IssuerTrust
+from meshnode.protocol.a2a_extension import CLOCK_SKEW_S, EnvelopeCheck, IssuerTrust
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -68,6 +68,7 @@ class BridgeSettings:
     idempotency_retention_s: float = 86400.0
     send_wait_s: float = 30.0
     task_timeout_s: float = 600.0
+    clock_skew_s: float = CLOCK_SKEW_S
     trust: IssuerTrust = field(default_factory=IssuerTrust)
 
     @property

@@ -632,6 +632,7 @@ class Daemon:
             idempotency_retention_s=a2a.idempotency_retention.total_seconds(),
             send_wait_s=a2a.send_wait.total_seconds(),
             task_timeout_s=a2a.task_timeout.total_seconds(),
+            clock_skew_s=a2a.clock_skew.total_seconds(),
             trust=trust,
         )
         self.a2a = A2ABridge(node=self.node, bridge=bridge, settings=settings, data_dir=self.data_dir)

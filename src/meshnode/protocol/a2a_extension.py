@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_EXPIRES_IN",
     "ENVELOPE_TYP",
     "EXTENSION_URI",
+    "CLOCK_SKEW_S",
     "REPORT_TYP",
     "SCHEMA",
     "Budget",
@@ -54,6 +55,7 @@ __all__ = [
     "EnvelopeCheck",
     "IssuerTrust",
     "MeshAuthError",
+    "ReplayCache",
     "ReportClaims",
     "ReportInvalid",
     "body_hash",
@@ -62,6 +64,7 @@ __all__ = [
     "check_chain",
     "extend_chain",
     "format_duration",
+    "format_instant",
     "format_usd",
     "parse_duration",
     "parse_usd",
@@ -81,12 +84,10 @@ SCHEMA = 1
 DEFAULT_EXPIRES_IN = 60.0
 """The replay window when an envelope names none (``PT60S``)."""
 
-# An envelope issued this far in the future still counts (clocks of two
-# applications disagree a little); beyond it, it is outside the window.
+#: How far two applications' clocks may disagree by default: an envelope
+#: issued this far in the future still counts, and a sender's ``expiresIn``
+#: may exceed the seed's PT60S by as much, never more (``[a2a] clock_skew``).
 CLOCK_SKEW_S = 30.0
-# A sender cannot widen the replay window past this, whatever expiresIn says:
-# a long window is a long replay opportunity.
-MAX_EXPIRES_IN_S = 600.0
 
 # The 401 codes, in the order the checks run.
 AUDIENCE_MISMATCH = "mesh.audience-mismatch"
@@ -328,6 +329,10 @@ class EnvelopeCheck:
     call_chain: tuple[dict[str, Any], ...] = ()
     body_hash: str | None = None
     issued_at_s: float | None = None
+    #: The end of its replay window (epoch seconds), when it has one.
+    expires_at_s: float | None = None
+    #: What tells this token from any other (``sha256:`` of the compact JWS).
+    token_id: str = ""
 
 
 IssuerKeys = Callable[[str], nacl.signing.VerifyKey | None]
@@ -346,6 +351,7 @@ def verify_envelope(
     issuer_keys: IssuerKeys,
     now: float,
     message: Mapping[str, Any],
+    clock_skew_s: float = CLOCK_SKEW_S,
 ) -> EnvelopeCheck:
     """Check an envelope in the seed's order and return what it says.
 
@@ -356,9 +362,10 @@ def verify_envelope(
        (``mesh.signature-invalid``); a signature by an issuer it does not know
        (or ``alg: none``) makes the envelope a claim: accepted, never trusted;
        a malformed token or an unknown ``alg``/``typ`` is ``mesh.signature-invalid``;
-    3. the replay window ``issuedAt`` + ``expiresIn`` (default PT60S, at most
-       600 s, 30 s of skew tolerated) → ``mesh.envelope-expired``; required
-       when signed;
+    3. the replay window ``issuedAt`` + ``expiresIn`` (default and at most the
+       seed's PT60S, plus ``clock_skew_s``, which is also how far in the future
+       ``issuedAt`` may be) → ``mesh.envelope-expired``; required when signed
+       (a replay inside the window is the caller's :class:`ReplayCache`'s to refuse);
     4. ``bodyHash`` against :func:`body_hash` of ``message`` (the raw JSON as
        received) → ``mesh.body-mismatch``; required when signed.
 
@@ -404,6 +411,7 @@ def verify_envelope(
     # 3. Replay window.
     issued_raw = claims.get("issuedAt")
     issued_at: float | None = None
+    expires_at: float | None = None
     if issued_raw is not None or signed:
         issued_at = _instant_s(issued_raw)
         if issued_at is None:
@@ -413,8 +421,11 @@ def verify_envelope(
             expires_in = DEFAULT_EXPIRES_IN if expires_raw is None else parse_duration(expires_raw)
         except ValueError:
             raise MeshAuthError(ENVELOPE_EXPIRED, "expiresIn malformed") from None
-        expires_in = min(expires_in, MAX_EXPIRES_IN_S)
-        if not issued_at - CLOCK_SKEW_S <= now <= issued_at + expires_in:
+        # A sender cannot widen the window past the seed's: a long window is a
+        # long replay opportunity.
+        expires_in = min(expires_in, DEFAULT_EXPIRES_IN + clock_skew_s)
+        expires_at = issued_at + expires_in
+        if not issued_at - clock_skew_s <= now <= expires_at:
             raise MeshAuthError(ENVELOPE_EXPIRED, "outside the replay window")
 
     # 4. Body.
@@ -438,7 +449,42 @@ def verify_envelope(
         call_chain=_parse_chain(claims.get("callChain")),
         body_hash=claimed_hash if isinstance(claimed_hash, str) else None,
         issued_at_s=issued_at,
+        expires_at_s=expires_at,
+        token_id="sha256:" + hashlib.sha256(token.encode("ascii")).hexdigest(),
     )
+
+
+class ReplayCache:
+    """The trusted envelopes seen inside their replay window, so each is
+    accepted once: a replay (the very same token again) is refused
+    ``mesh.envelope-expired`` with reason "replayed". In memory and bounded
+    (``max_entries``; the oldest goes first): a restart forgets, and the
+    window is short (PT60S plus the skew)."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._until: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def check(self, check: EnvelopeCheck, *, now: float) -> None:
+        """Remember a trusted envelope; raise :class:`MeshAuthError` if it was seen.
+        Claims (untrusted) bind nothing and are not remembered."""
+        if not check.trusted or check.expires_at_s is None:
+            return
+        seen = self._until.get(check.token_id)
+        if seen is not None and seen >= now:
+            raise MeshAuthError(ENVELOPE_EXPIRED, "replayed: this envelope was already used")
+        if len(self._until) >= self.max_entries or len(self._until) % 1024 == 1023:
+            self._prune(now)
+        while len(self._until) >= self.max_entries:
+            self._until.pop(next(iter(self._until)))
+        self._until[check.token_id] = check.expires_at_s
+
+    def _prune(self, now: float) -> None:
+        for token_id in [t for t, until in self._until.items() if until < now]:
+            del self._until[token_id]
 
 
 def _parse_budget(value: object) -> Budget | None:
