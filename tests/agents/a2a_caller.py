@@ -41,8 +41,8 @@ class A2ACaller(Agent):
         """Defer (so the mesh caller can cancel it), then call the peer and wait —
         by GetTask polls, or in the peer's stream when ``input.stream``."""
         await ctx.defer()
-        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=120,
-                                  config={"stream": True} if input.get("stream") else None)
+        reply = await ctx.request(f"a2a:{input['peer']}", input.get("offering", "forecast"), input.get("input"),
+                                  timeout=120, config={"stream": True} if input.get("stream") else None)
         if reply.task is not None:
             if ctx.task is not None:
                 await ctx.task.progress("a2a-stream-open")  # the test waits for this before canceling

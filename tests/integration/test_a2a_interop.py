@@ -4,6 +4,7 @@ daemon: the official a2a-sdk client, and meshnode calling its own bridge
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,14 +16,24 @@ import pytest
 from a2a.client import ClientCallContext, ClientConfig, create_client
 from a2a.client.errors import A2AClientError
 from a2a.client.service_parameters import ServiceParametersFactory, with_a2a_extensions
-from a2a.types.a2a_pb2 import GetTaskRequest, Message, SendMessageRequest, StreamResponse
+from a2a.types.a2a_pb2 import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    SendMessageRequest,
+    StreamResponse,
+)
+from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
+from meshnode.admin.protocol import Refused
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
+    TASK_ENVELOPE_HEADER,
     build_envelope_claims,
     format_instant,
     sign_envelope,
+    task_operation,
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
@@ -268,3 +279,87 @@ def strip_envelope(msg: Message) -> Message:
     del as_dict["metadata"][EXTENSION_URI]
     parsed: Message = ParseDict(as_dict, Message())
     return parsed
+
+
+# --- gap 1: ownership proof on follow-up task operations ---------------------------------
+
+
+def ownership(method: str, task_id: str) -> dict[str, str]:
+    """The task-operation envelope proving ``ISSUER`` for ``method`` on ``task_id``."""
+    claims = build_envelope_claims(issuer=ISSUER.public_key, audience=APP, now=time.time(),
+                                   message=task_operation(method, task_id))
+    return {TASK_ENVELOPE_HEADER: sign_envelope(claims, ISSUER_KEY)}
+
+
+async def test_an_sdk_client_follows_its_trusted_task_with_the_ownership_proof(acme: Acme) -> None:
+    # Outlives the 2 s send wait: the blocking send answers with the task working.
+    first = await sdk_send(acme.url("longtask"), signed(sdk_message({"to": 3, "every": 1})), activate=True)
+    task = MessageToDict(first[0].task)
+    assert task["status"]["state"] in ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING"), task
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
+        # Without the proof a trusted caller's task is no one's to see (as if unknown).
+        with pytest.raises(TaskNotFoundError):
+            await client.get_task(GetTaskRequest(id=task["id"]), context=ClientCallContext(service_parameters=params))
+        deadline = time.monotonic() + 30
+        while task["status"]["state"] != "TASK_STATE_COMPLETED":
+            assert time.monotonic() < deadline, task
+            context = ClientCallContext(service_parameters={**params, **ownership("GetTask", task["id"])})
+            task = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"]), context=context))
+    assert task["artifacts"][0]["parts"][0]["data"] == {"counted": 3}
+
+
+async def test_an_sdk_client_cancels_its_trusted_task_with_the_ownership_proof(acme: Acme) -> None:
+    first = await sdk_send(acme.url("longtask"), signed(sdk_message({"to": 100, "every": 0.2})), activate=True)
+    task_id = MessageToDict(first[0].task)["id"]
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
+        context = ClientCallContext(service_parameters={**params, **ownership("CancelTask", task_id)})
+        canceled = MessageToDict(await client.cancel_task(CancelTaskRequest(id=task_id), context=context))
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+
+
+def test_meshnode_to_meshnode_a_task_outliving_the_send_wait_completes(acme: Acme) -> None:
+    out = acme.call_peer("count", {"to": 3, "every": 1})
+    assert out.get("status") == "completed", out
+    assert out["output"] == {"counted": 3}
+    assert out["a2a"]["mesh"] is True and out["a2a"]["report"] == "verified"
+
+
+def test_meshnode_to_meshnode_cancel_propagates_and_the_peer_task_stops(acme: Acme) -> None:
+    daemon = acme.daemon
+    opened = daemon.admin("Call", {"agent": "caller", "offering": "slow", "wait_task": False, "timeout": 30,
+                                   "input": {"peer": "self", "offering": "count", "stream": True,
+                                             "input": {"to": 600, "every": 0.1}}})
+    assert opened["status"] == "working", opened
+
+    def stream_open() -> bool:  # the caller's handler says so once the bridge knows the peer's task
+        try:
+            return "a2a-stream-open" in json.dumps(daemon.admin("Tasks.Show", {"task_id": opened["task_id"]}))
+        except Refused:  # not recorded yet
+            return False
+
+    eventually(stream_open)
+    assert daemon.status()["a2a"]["running_tasks"] >= 1
+    answer = daemon.admin("Tasks.Cancel", {"task_id": opened["task_id"], "agent": "caller",
+                                           "reason": "user_requested"})
+    assert answer["status"] == "canceled"
+
+    def charged() -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = daemon.admin("A2A.Charges", {"peer": "self"})["charges"]
+        return [r for r in rows if r["report"] == "canceled" and "CancelTask sent" in (r["note"] or "")]
+
+    eventually(lambda: bool(charged()))
+    row = charged()[0]
+    # The peer (our own bridge) took the proof: its task is canceled, not left running.
+    assert "TASK_STATE_CANCELED" in row["note"] and row["charged"] == "0", row
+    eventually(lambda: daemon.status()["a2a"]["running_tasks"] == 0)
+
+
+def eventually(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)

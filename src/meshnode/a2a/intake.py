@@ -24,10 +24,13 @@ from meshnode.a2a.mapping import agent_card, ints_as_sent
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     SIGNATURE_INVALID,
+    TASK_ENVELOPE_HEADER,
+    TASK_METHODS,
     EnvelopeCheck,
     MeshAuthError,
     ReplayCache,
     body_hash,
+    task_operation,
     verify_envelope,
 )
 from meshnode.protocol.canonical import CanonicalJSONError, parse_json
@@ -47,10 +50,6 @@ MAX_JSON_DEPTH = 64
 #: JSON-RPC's own error codes answered by the bridge before the SDK parses.
 PARSE_ERROR_CODE = -32700
 INVALID_REQUEST_CODE = -32600
-#: The HTTP header (an A2A service parameter) carrying a task-operation envelope.
-TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
-#: The JSON-RPC methods that act on an existing task, answered to its caller only.
-TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask")
 
 
 def deeper_than(value: Any, limit: int) -> bool:
@@ -274,7 +273,7 @@ class HttpIntake:
             raise MeshAuthError(SIGNATURE_INVALID, f"more than one {TASK_ENVELOPE_HEADER} header")
         if not isinstance(task_id, str):
             return anonymous  # the SDK refuses the request itself
-        check = self._verify(tokens[0], {"method": method, "id": task_id})
+        check = self._verify(tokens[0], task_operation(method, task_id))
         if check.trusted and check.issuer:
             return Requester(f"issuer:{check.issuer}", method, task_id)
         return anonymous

@@ -36,6 +36,10 @@ What happens (A2A v1.0 over JSON-RPC, the official ``a2a-sdk`` client):
    as ``canceled`` at zero (reports belong to completed tasks only).
 7. A task still open when the wait ends: ``TRANSPORT_TIMEOUT`` with
    ``details.task_id``; :meth:`A2AOutbound.resume` (``ctx.a2a_task``) follows it.
+8. Every task operation on an AGBoss peer (the GetTask polls, CancelTask)
+   proves the caller: a task-operation envelope by the message's issuer in the
+   ``AGBoss-Mesh-Envelope`` header, over ``{"method", "id"}`` (meshnode's
+   profile; a peer that does not know it ignores the header).
 
 The reply is a :class:`meshnode.node.outbound.Reply` whose envelope is
 synthesized (``from: "a2a:<name>"``); ``envelope["meta"][EXTENSION_URI]`` says
@@ -100,6 +104,7 @@ from meshnode.node.outbound import RemoteError, Reply
 from meshnode.protocol.a2a_extension import (
     A2A_TARGET_PREFIX,
     EXTENSION_URI,
+    TASK_ENVELOPE_HEADER,
     ReportInvalid,
     body_hash,
     build_envelope_claims,
@@ -107,6 +112,7 @@ from meshnode.protocol.a2a_extension import (
     extend_chain,
     format_usd,
     sign_envelope,
+    task_operation,
     unsecured_envelope,
     verify_report,
 )
@@ -232,9 +238,8 @@ class A2AOutbound:
             root = first if isinstance(first, str) else exec_id
         origin = {"rootExecutionId": root, "executionId": exec_id}
         remaining, deadline_s = await self._limits(call, execution_id, timeout)
-        issuer = call.agent_id if self.signing == "agent" else self.application
         return build_envelope_claims(
-            issuer=issuer, audience=peer.audience, now=self.clock(), message=message,
+            issuer=self._issuer(call), audience=peer.audience, now=self.clock(), message=message,
             call_chain=chain, origin=origin, budget_remaining=remaining,
             deadline_remaining_s=deadline_s,
         )
@@ -266,6 +271,24 @@ class A2AOutbound:
                     deadline_s = min(deadline_s, max(0.0, budget.deadline_ms / 1000 - self.clock()))
         # Whole milliseconds: the deadline is advice to the peer, not a stopwatch.
         return remaining, round(deadline_s, 3)
+
+    def _issuer(self, call: CallContext) -> str:
+        return call.agent_id if self.signing == "agent" else self.application
+
+    def _task_headers(self, sent: Sent, method: str) -> dict[str, str]:
+        """The headers of a task operation on ``sent``'s task: the call's own,
+        and, for an AGBoss peer, the proof that this is the task's caller — a
+        task-operation envelope by the same issuer that sent the message
+        (meshnode's profile of the extension; a peer that does not know it
+        ignores the header). Unsigned (``signing = "none"``) proves nothing."""
+        headers = dict(sent.headers)
+        if sent.peer.mesh and sent.task_id and self.signing != "none":
+            claims = build_envelope_claims(
+                issuer=self._issuer(sent.call), audience=sent.peer.audience, now=self.clock(),
+                message=task_operation(method, sent.task_id),
+            )
+            headers[TASK_ENVELOPE_HEADER] = self._token(claims, sent.call)
+        return headers
 
     def _token(self, claims: Mapping[str, Any], call: CallContext) -> str:
         if self.signing == "none":
@@ -324,7 +347,7 @@ class A2AOutbound:
         try:
             outcome = await self._send(name, settings, peer, build, headers, overall_deadline, message_id)
             sent_state.mesh = outcome.mesh
-            return await self._conclude(name, settings, peer, call, outcome, headers, overall_deadline,
+            return await self._conclude(name, settings, peer, call, outcome, overall_deadline,
                                         message_id, sent_hash, sent_state)
         except asyncio.CancelledError:
             await self._abandon(sent_state)
@@ -389,8 +412,11 @@ class A2AOutbound:
 
     # -- after the answer -------------------------------------------------------------
 
-    async def _poll(self, peer: PeerCard, task_id: str, headers: Mapping[str, str],
-                    overall_deadline: float, settings: PeerSettings) -> dict[str, Any]:
+    async def _poll(self, sent: Sent, overall_deadline: float) -> dict[str, Any]:
+        """GetTask for ``sent``'s task, proving its caller; {} when the poll failed
+        in a way the caller's loop retries."""
+        peer, settings, task_id = sent.peer, sent.settings, str(sent.task_id)
+        headers = self._task_headers(sent, "GetTask")
         left = max(0.1, overall_deadline - time.monotonic())
         bodies: list[Any] = []
         async with peer_client(peer.card, headers, timeout=min(settings.timeout_s, left), bodies=bodies) as (client, ctx):
@@ -404,7 +430,7 @@ class A2AOutbound:
         return ints_from_wire(dict(json_format.MessageToDict(task)), bodies)
 
     async def _conclude(self, name: str, settings: PeerSettings, peer: PeerCard, call: CallContext,
-                        outcome: _Outcome, headers: Mapping[str, str], overall_deadline: float,
+                        outcome: _Outcome, overall_deadline: float,
                         message_id: str, sent_hash: str, sent_state: Sent) -> Reply:
         answer = outcome.answer
         info: dict[str, Any] = {"peer": name, "mesh": outcome.mesh, "message_id": message_id,
@@ -434,7 +460,7 @@ class A2AOutbound:
                                     {"peer": name, "task_id": task_id, "state": state, "ambiguous": False,
                                      "message_id": message_id})
             await asyncio.sleep(self.poll_interval_s)
-            polled = await self._poll(peer, task_id, headers, overall_deadline, settings)
+            polled = await self._poll(sent_state, overall_deadline)
             if polled:
                 task = polled
         status = TERMINAL_STATES.get(state) or INTERRUPTED_STATES[state]
@@ -583,7 +609,8 @@ class A2AOutbound:
         self._cancels_sent.add(key)
         answer: dict[str, Any] | None = None
         try:
-            async with peer_client(sent.peer.card, sent.headers, timeout=self.cancel_timeout_s) as (client, ctx):
+            headers = self._task_headers(sent, "CancelTask")
+            async with peer_client(sent.peer.card, headers, timeout=self.cancel_timeout_s) as (client, ctx):
                 task = await asyncio.wait_for(
                     client.cancel_task(CancelTaskRequest(id=sent.task_id), context=ctx), self.cancel_timeout_s)
             answer = dict(json_format.MessageToDict(task))

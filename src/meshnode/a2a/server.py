@@ -39,12 +39,19 @@ task in INPUT_REQUIRED / AUTH_REQUIRED, sent by the caller that owns it (the
 rule below) with its ``contextId`` (or none), is forwarded to the agent as the
 mesh follow-up request (same task_id, §6.5); the task goes on as before.
 
-Task ownership: a task belongs to the caller that created it. A trusted
+Task ownership (meshnode's profile of the extension, which defines envelopes
+on messages only): a task belongs to the caller that created it. A trusted
 caller's task is answered (GetTask, CancelTask, SubscribeToTask) only to a
 request proving the same issuer — a task-operation envelope in the
-``AGBoss-Mesh-Envelope`` header, signed over ``{"method", "id"}``; an
-anonymous caller's task to whoever holds its unguessable id. Anyone else is
-answered exactly as for an unknown task (TaskNotFound).
+``AGBoss-Mesh-Envelope`` header (an A2A service parameter, with the extension
+activated), signed over ``{"method", "id"}`` and checked like a message's
+envelope; meshnode's outbound sends one on every task operation. An
+anonymous caller's task is answered to whoever holds its unguessable id.
+Anyone else is answered exactly as for an unknown task (TaskNotFound).
+
+The replay window is the seed's PT60S (a longer ``expiresIn`` is capped at it
+plus ``[a2a] clock_skew``) and a trusted envelope is accepted once inside it:
+the same token again answers 401 ``mesh.envelope-expired``.
 
 The parts: :mod:`meshnode.a2a.inbound` (settings, callers, ownership, the
 node view :class:`~meshnode.a2a.inbound.BridgeNode`),

@@ -180,7 +180,6 @@ class A2AStreamTask:
         """Read the peer's event stream into ``handle`` (one task owns the HTTP stream);
         with no ``build`` (a resumed task) only follow the task by GetTask."""
         sent, handle, bridge = self._sent, self, self._bridge
-        settings = sent.settings
         try:
             if build is not None:
                 await self._read(await build())
@@ -199,7 +198,7 @@ class A2AStreamTask:
                 if not first or build is not None:
                     await asyncio.sleep(bridge.poll_interval_s)
                 first = False
-                polled = await bridge._poll(sent.peer, sent.task_id, sent.headers, handle._watch_until, settings)
+                polled = await bridge._poll(sent, handle._watch_until)
                 if polled:
                     await handle._event({"task": polled})
             if handle.final is None:

@@ -50,6 +50,8 @@ __all__ = [
     "CLOCK_SKEW_S",
     "REPORT_TYP",
     "SCHEMA",
+    "TASK_ENVELOPE_HEADER",
+    "TASK_METHODS",
     "Budget",
     "ChainRefusal",
     "EnvelopeCheck",
@@ -72,6 +74,7 @@ __all__ = [
     "peer_name_of",
     "sign_envelope",
     "sign_report",
+    "task_operation",
     "unsecured_envelope",
     "verify_envelope",
     "verify_report",
@@ -88,6 +91,15 @@ DEFAULT_EXPIRES_IN = 60.0
 #: issued this far in the future still counts, and a sender's ``expiresIn``
 #: may exceed the seed's PT60S by as much, never more (``[a2a] clock_skew``).
 CLOCK_SKEW_S = 30.0
+
+#: The HTTP header (an A2A service parameter) carrying a task-operation
+#: envelope: meshnode's profile of the extension, which defines envelopes on
+#: messages only. GetTask, CancelTask and SubscribeToTask on a trusted
+#: caller's task prove the caller with an envelope whose ``bodyHash`` is over
+#: :func:`task_operation` (so it proves nothing for another task or method).
+TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
+#: The JSON-RPC methods that act on an existing task, answered to its caller only.
+TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask")
 
 # The 401 codes, in the order the checks run.
 AUDIENCE_MISMATCH = "mesh.audience-mismatch"
@@ -531,6 +543,11 @@ def _parse_chain(value: object) -> tuple[dict[str, Any], ...]:
             raise _malformed("a callChain entry names no application")
         out.append(dict(entry))
     return tuple(out)
+
+
+def task_operation(method: str, task_id: str) -> dict[str, str]:
+    """What a task-operation envelope's ``bodyHash`` is over: ``{"method", "id"}``."""
+    return {"method": method, "id": task_id}
 
 
 def build_envelope_claims(
