@@ -19,6 +19,7 @@ from a2a.client.service_parameters import ServiceParametersFactory, with_a2a_ext
 from a2a.types.a2a_pb2 import (
     CancelTaskRequest,
     GetTaskRequest,
+    ListTasksRequest,
     Message,
     SendMessageRequest,
     StreamResponse,
@@ -284,11 +285,12 @@ def strip_envelope(msg: Message) -> Message:
 # --- gap 1: ownership proof on follow-up task operations ---------------------------------
 
 
-def ownership(method: str, task_id: str) -> dict[str, str]:
-    """The task-operation envelope proving ``ISSUER`` for ``method`` on ``task_id``."""
-    claims = build_envelope_claims(issuer=ISSUER.public_key, audience=APP, now=time.time(),
+def ownership(method: str, task_id: str | None, *, issuer: KeyPair = ISSUER) -> dict[str, str]:
+    """The task-operation envelope proving ``issuer`` for ``method`` on ``task_id``."""
+    claims = build_envelope_claims(issuer=issuer.public_key, audience=APP, now=time.time(),
                                    message=task_operation(method, task_id))
-    return {TASK_ENVELOPE_HEADER: sign_envelope(claims, ISSUER_KEY)}
+    key = nacl.signing.SigningKey(decode_seed(issuer.seed)[1])
+    return {TASK_ENVELOPE_HEADER: sign_envelope(claims, key)}
 
 
 async def test_an_sdk_client_follows_its_trusted_task_with_the_ownership_proof(acme: Acme) -> None:
@@ -363,3 +365,60 @@ def eventually(predicate: Any, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "the condition never held"
         time.sleep(0.05)
+
+
+# --- gap 6: history, historyLength, ListTasks -----------------------------------------------
+
+
+async def test_history_holds_the_callers_messages_and_history_length_is_honoured(acme: Acme) -> None:
+    msg = signed(sdk_message({"to": 1, "every": 0}))
+    task = MessageToDict((await sdk_send(acme.url("longtask"), msg, activate=True))[0].task)
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    [entry] = task["history"]
+    assert entry["messageId"] == msg.message_id and entry["role"] == "ROLE_USER"
+    assert entry["taskId"] == task["id"] and entry["parts"] == [{"data": {"to": 1.0, "every": 0.0}}]
+    assert EXTENSION_URI not in entry.get("metadata", {})  # the envelope is a credential, not history
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
+
+        async def get(**kw: Any) -> dict[str, Any]:
+            context = ClientCallContext(service_parameters={**params, **ownership("GetTask", task["id"])})
+            out: dict[str, Any] = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"], **kw),
+                                                                      context=context))
+            return out
+
+        assert len((await get())["history"]) == 1
+        assert "history" not in await get(history_length=0)
+
+
+async def test_list_tasks_lists_the_callers_own_tasks_only(acme: Acme) -> None:
+    mine = MessageToDict((await sdk_send(acme.url("longtask"), signed(sdk_message({"to": 1, "every": 0})),
+                                         activate=True))[0].task)
+    other = KeyPair.generate()
+    theirs_msg = sdk_message({"to": 1, "every": 0})
+    as_dict = MessageToDict(theirs_msg)
+    claims = build_envelope_claims(issuer=other.public_key, audience=APP, now=time.time(), message=as_dict)
+    as_dict.setdefault("metadata", {})[EXTENSION_URI] = {
+        "envelope": sign_envelope(claims, nacl.signing.SigningKey(decode_seed(other.seed)[1]))}
+    theirs = MessageToDict((await sdk_send(acme.url("longtask"), ParseDict(as_dict, Message()),
+                                           activate=True))[0].task)
+    anonymous = MessageToDict((await sdk_send(acme.url("longtask"), sdk_message({"to": 1, "every": 0})))[0].task)
+    params = ServiceParametersFactory.create([with_a2a_extensions([EXTENSION_URI])])
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(acme.url("longtask"), client_config=ClientConfig(streaming=False, httpx_client=http))
+
+        async def listed(headers: dict[str, str], **kw: Any) -> dict[str, Any]:
+            context = ClientCallContext(service_parameters={**params, **headers})
+            out: dict[str, Any] = MessageToDict(await client.list_tasks(ListTasksRequest(**kw), context=context))
+            return out
+
+        found = await listed(ownership("ListTasks", None))
+        ids = [t["id"] for t in found["tasks"]]
+        assert mine["id"] in ids and theirs["id"] not in ids and anonymous["id"] not in ids
+        assert all("artifacts" not in t for t in found["tasks"])  # includeArtifacts defaults to false
+        with_artifacts = await listed(ownership("ListTasks", None), include_artifacts=True, page_size=1)
+        assert with_artifacts["tasks"][0]["artifacts"] and len(with_artifacts["tasks"]) == 1
+        assert (await listed(ownership("ListTasks", None, issuer=other)))["tasks"][0]["id"] == theirs["id"]
+        # Without a proof: nothing (anonymous tasks are capabilities, never handed out).
+        assert (await listed({})).get("tasks", []) == []

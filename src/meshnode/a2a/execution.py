@@ -76,6 +76,19 @@ def _now_iso() -> str:
     return format_ts(time.time_ns() // 1_000_000)
 
 
+def _history_entry(message: Mapping[str, Any], task_id: str, context_id: str) -> dict[str, Any]:
+    """A caller's message as the task's ``history`` keeps it: as received, named
+    by the task, without the extension's envelope (a credential, not content)."""
+    entry = {k: v for k, v in message.items() if k != "metadata"}
+    meta = message.get("metadata")
+    if isinstance(meta, Mapping):
+        rest = {k: v for k, v in meta.items() if k != EXTENSION_URI}
+        if rest:
+            entry["metadata"] = rest
+    entry["taskId"], entry["contextId"] = task_id, context_id
+    return entry
+
+
 def _parts_of(inbound: Inbound, msg: Message) -> list[dict[str, Any]]:
     """A message's parts as received: the raw JSON keeps numbers as sent (the
     SDK's Struct makes every number a float); what the SDK parsed otherwise."""
@@ -162,6 +175,15 @@ class InboundTasks:
             "timestamp": _now_iso(),
         }
 
+    async def list_tasks(self, agent: str, requester: str) -> list[dict[str, Any]]:
+        """``requester``'s own tasks on ``agent``, the newest first: a trusted
+        caller's alone. An anonymous requester lists nothing — anonymous tasks
+        are anyone's who holds the id, and listing them would hand the ids out."""
+        if requester == ANONYMOUS:
+            return []
+        found = await self.store.owned(agent=agent, caller=requester)
+        return [self.live[t["id"]].task if t["id"] in self.live else t for t in found]
+
     async def get_task(self, agent: str, task_id: str, requester: str = ANONYMOUS) -> dict[str, Any]:
         """The task as it stands; TaskNotFound when it is unknown, another
         agent's or not ``requester``'s to see (the three answer alike, so a
@@ -237,6 +259,7 @@ class InboundTasks:
             "id": task_id,
             "contextId": context_id,
             "status": {"state": "TASK_STATE_SUBMITTED", "timestamp": _now_iso()},
+            "history": [_history_entry(inbound.message, task_id, context_id)],
         }
         check = inbound.check
         if check is not None:
@@ -312,6 +335,7 @@ class InboundTasks:
             answer = input_from_parts(_parts_of(inbound, msg), schema)
         except PartsRefused as exc:
             raise InvalidParamsError(message=str(exc)) from None
+        task.setdefault("history", []).append(_history_entry(inbound.message, task["id"], task["contextId"]))
         live.answering = True
         # A blocking send returns at the next pause or the end, not at this one.
         live.settled.clear()

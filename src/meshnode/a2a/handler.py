@@ -29,15 +29,22 @@ from a2a.types.a2a_pb2 import (
     Task,
     TaskArtifactUpdateEvent,
     TaskPushNotificationConfig,
+    TaskState,
     TaskStatusUpdateEvent,
 )
-from a2a.utils.errors import PushNotificationNotSupportedError, UnsupportedOperationError
+from a2a.utils.errors import (
+    InvalidParamsError,
+    PushNotificationNotSupportedError,
+    UnsupportedOperationError,
+)
+from a2a.utils.task import apply_history_length
 from google.protobuf.json_format import ParseDict
 from starlette.requests import Request
 
 from meshnode.a2a.execution import InboundTasks, Live
 from meshnode.a2a.inbound import ANONYMOUS, Requester, may_see
 from meshnode.a2a.mapping import INTERRUPTED_A2A
+from meshnode.protocol.timeutil import try_parse_rfc3339
 
 __all__ = ["ContextBuilder", "Handler"]
 
@@ -60,13 +67,50 @@ def _task_proto(task: Mapping[str, Any]) -> Task:
     return proto
 
 
-def _answer(context: ServerCallContext, task: Mapping[str, Any]) -> Task:
-    """The task as the SDK's answer, and as it stands for the HTTP layer, which
+def _answer(context: ServerCallContext, task: Mapping[str, Any], config: Any = None) -> Task:
+    """The task as the SDK's answer (its ``history`` cut to the request's
+    ``historyLength``, when given), and as it stands for the HTTP layer, which
     renders its integers as integers again (the proto's Struct made them doubles)."""
     answered = context.state.get("a2a_answered")
     if isinstance(answered, list):
         answered.append(copy.deepcopy(dict(task)))
-    return _task_proto(task)
+    proto: Task = apply_history_length(_task_proto(task), config)
+    return proto
+
+
+#: ListTasks pages: the default and the largest page.
+LIST_PAGE = 50
+LIST_PAGE_MAX = 100
+
+
+def _listed(tasks: list[dict[str, Any]], params: ListTasksRequest) -> ListTasksResponse:
+    """One page of ``tasks`` (the newest first) filtered as ListTasks asks."""
+    if params.context_id:
+        tasks = [t for t in tasks if t.get("contextId") == params.context_id]
+    if params.status:
+        wanted = TaskState.Name(params.status)
+        tasks = [t for t in tasks if (t.get("status") or {}).get("state") == wanted]
+    if params.HasField("status_timestamp_after"):
+        after_us = params.status_timestamp_after.ToMicroseconds()
+        tasks = [t for t in tasks if (try_parse_rfc3339((t.get("status") or {}).get("timestamp")) or 0) > after_us]
+    size = params.page_size if params.HasField("page_size") else LIST_PAGE
+    if not 1 <= size <= LIST_PAGE_MAX:
+        raise InvalidParamsError(message=f"pageSize is 1 to {LIST_PAGE_MAX}")
+    try:
+        offset = int(params.page_token or 0)
+    except ValueError:
+        raise InvalidParamsError(message="pageToken is not one this bridge gave") from None
+    if offset < 0:
+        raise InvalidParamsError(message="pageToken is not one this bridge gave")
+    page: list[Task] = []
+    for task in tasks[offset:offset + size]:
+        proto = apply_history_length(_task_proto(task), params)
+        if not params.include_artifacts:
+            proto.ClearField("artifacts")
+        page.append(proto)
+    more = offset + size < len(tasks)
+    return ListTasksResponse(tasks=page, next_page_token=str(offset + size) if more else "", page_size=size,
+                             total_size=len(tasks))
 
 
 async def _follow(live: Live, queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncGenerator[Any]:
@@ -104,7 +148,7 @@ class Handler(RequestHandler):
         return str(context.state.get("a2a_agent") or "")
 
     @staticmethod
-    def _requester(context: ServerCallContext, method: str, task_id: str) -> str:
+    def _requester(context: ServerCallContext, method: str, task_id: str | None) -> str:
         """The proven caller of a task operation, when the proof is for exactly
         this method and task as the SDK parsed them; anonymous otherwise."""
         found = context.state.get("a2a_requester")
@@ -114,10 +158,13 @@ class Handler(RequestHandler):
 
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task | None:
         requester = self._requester(context, "GetTask", params.id)
-        return _answer(context, await self.tasks.get_task(self._agent(context), params.id, requester))
+        return _answer(context, await self.tasks.get_task(self._agent(context), params.id, requester), params)
 
     async def on_list_tasks(self, params: ListTasksRequest, context: ServerCallContext) -> ListTasksResponse:
-        raise UnsupportedOperationError(message="ListTasks is not supported by this bridge")
+        """The requester's own tasks on this agent (a trusted caller's, proven as
+        for GetTask; an anonymous requester's list is empty)."""
+        requester = self._requester(context, "ListTasks", None)
+        return _listed(await self.tasks.list_tasks(self._agent(context), requester), params)
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
         requester = self._requester(context, "CancelTask", params.id)
@@ -131,7 +178,7 @@ class Handler(RequestHandler):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(live.settled.wait(), timeout=self.tasks.settings.send_wait_s)
             task = live.task
-        return _answer(context, task)
+        return _answer(context, task, params.configuration)
 
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext

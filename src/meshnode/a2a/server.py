@@ -48,6 +48,15 @@ activated), signed over ``{"method", "id"}`` and checked like a message's
 envelope; meshnode's outbound sends one on every task operation. An
 anonymous caller's task is answered to whoever holds its unguessable id.
 Anyone else is answered exactly as for an unknown task (TaskNotFound).
+ListTasks lists the requester's own tasks on the agent (a trusted caller's,
+proven as above over ``{"method": "ListTasks"}``); an anonymous requester's
+list is empty, since anonymous task ids are capabilities. A task's ``history``
+holds the caller's messages (the first and each answer to a pause, without
+the envelope), cut to ``historyLength`` when a request gives one.
+
+Only the JSON-RPC binding is served: the intake's checks (body bounds, the
+envelope on the raw message, the 401s) are written against the JSON-RPC body
+before the SDK parses it; an HTTP+JSON (REST) binding needs its own intake.
 
 The replay window is the seed's PT60S (a longer ``expiresIn`` is capped at it
 plus ``[a2a] clock_skew``) and a trusted envelope is accepted once inside it:

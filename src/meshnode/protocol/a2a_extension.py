@@ -98,8 +98,9 @@ CLOCK_SKEW_S = 30.0
 #: caller's task prove the caller with an envelope whose ``bodyHash`` is over
 #: :func:`task_operation` (so it proves nothing for another task or method).
 TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
-#: The JSON-RPC methods that act on an existing task, answered to its caller only.
-TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask")
+#: The JSON-RPC methods that act on existing tasks, answered to their caller only
+#: (ListTasks names no task: its proof is over ``{"method": "ListTasks"}``).
+TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask", "ListTasks")
 
 # The 401 codes, in the order the checks run.
 AUDIENCE_MISMATCH = "mesh.audience-mismatch"
@@ -545,9 +546,10 @@ def _parse_chain(value: object) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def task_operation(method: str, task_id: str) -> dict[str, str]:
-    """What a task-operation envelope's ``bodyHash`` is over: ``{"method", "id"}``."""
-    return {"method": method, "id": task_id}
+def task_operation(method: str, task_id: str | None) -> dict[str, str]:
+    """What a task-operation envelope's ``bodyHash`` is over: ``{"method", "id"}``
+    (``{"method"}`` alone for ListTasks, which names no task)."""
+    return {"method": method} if task_id is None else {"method": method, "id": task_id}
 
 
 def build_envelope_claims(
