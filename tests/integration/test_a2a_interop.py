@@ -14,6 +14,7 @@ import httpx
 import nacl.signing
 import pytest
 from a2a.client import ClientCallContext, ClientConfig, create_client
+from a2a.client.card_resolver import parse_agent_card
 from a2a.client.errors import A2AClientError
 from a2a.client.service_parameters import ServiceParametersFactory, with_a2a_extensions
 from a2a.types.a2a_pb2 import (
@@ -422,3 +423,31 @@ async def test_list_tasks_lists_the_callers_own_tasks_only(acme: Acme) -> None:
         assert (await listed(ownership("ListTasks", None, issuer=other)))["tasks"][0]["id"] == theirs["id"]
         # Without a proof: nothing (anonymous tasks are capabilities, never handed out).
         assert (await listed({})).get("tasks", []) == []
+
+
+# --- gap 7: discovery ----------------------------------------------------------------------------
+
+
+def test_the_discovery_document_lists_every_exposed_agent_and_its_card(acme: Acme) -> None:
+    doc = httpx.get(acme.base + "/.well-known/agent-cards.json", timeout=30).json()
+    assert doc["application"] == APP
+    by_name = {a["name"]: a for a in doc["agents"]}
+    assert set(by_name) == {"longtask", "target"}
+    for name, entry in by_name.items():
+        assert entry["url"] == acme.url(name)
+        # The card listed is the agent's own card, as the SDK reads it.
+        own = httpx.get(entry["agentCardUrl"], timeout=30).json()
+        assert entry["card"] == own and parse_agent_card(dict(own)).name
+    # Two agents: the single well-known card still names neither, and says where they are.
+    root = httpx.get(acme.base + "/.well-known/agent-card.json", timeout=30)
+    assert root.status_code == 404 and "agent-cards.json" in root.text
+
+
+async def test_an_sdk_client_reaches_every_agent_from_the_discovery_document(acme: Acme) -> None:
+    doc = httpx.get(acme.base + "/.well-known/agent-cards.json", timeout=30).json()
+    entry = next(a for a in doc["agents"] if a["name"] == "longtask")
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = await create_client(parse_agent_card(dict(entry["card"])),
+                                     client_config=ClientConfig(streaming=False, httpx_client=http))
+        events = [e async for e in client.send_message(SendMessageRequest(message=sdk_message({"to": 1, "every": 0})))]
+    assert MessageToDict(events[0].task)["status"]["state"] == "TASK_STATE_COMPLETED"

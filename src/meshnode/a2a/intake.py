@@ -52,6 +52,10 @@ PARSE_ERROR_CODE = -32700
 INVALID_REQUEST_CODE = -32600
 
 
+#: Where the discovery document lists every exposed agent and its card.
+DISCOVERY_PATH = "/.well-known/agent-cards.json"
+
+
 def deeper_than(value: Any, limit: int) -> bool:
     """Whether parsed JSON nests more than ``limit`` arrays/objects deep (no recursion)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -132,6 +136,7 @@ class HttpIntake:
             Route("/agents/{name}/.well-known/agent-card.json", self._card, methods=["GET"]),
             Route("/agents/{name}", self._rpc, methods=["POST"]),
             Route("/.well-known/agent-card.json", self._default_card, methods=["GET"]),
+            Route(DISCOVERY_PATH, self._discovery, methods=["GET"]),
         ]
         return Starlette(routes=routes)
 
@@ -155,10 +160,33 @@ class HttpIntake:
     async def _card(self, request: Request) -> Response:
         return await self._card_for(request.path_params["name"])
 
+    def discovery(self) -> dict[str, Any]:
+        """The discovery document: every exposed, running agent with its
+        endpoint, its card's URL and the card itself (A2A defines one card per
+        well-known path; a host serving several agents lists them here)."""
+        agents: list[dict[str, Any]] = []
+        for name in self.settings.expose:
+            card = self.card(name)
+            if card is None:
+                continue
+            url = f"{self.settings.base_url}/agents/{name}"
+            agents.append({
+                "name": name,
+                "description": card.get("description", ""),
+                "url": url,
+                "agentCardUrl": f"{url}/.well-known/agent-card.json",
+                "card": card,
+            })
+        return {"application": self.settings.application, "agents": agents}
+
+    async def _discovery(self, request: Request) -> Response:
+        return JSONResponse(self.discovery())
+
     async def _default_card(self, request: Request) -> Response:
         if len(self.settings.expose) != 1:
             return JSONResponse(
-                {"error": "several agents are exposed: use /agents/<name>/.well-known/agent-card.json"},
+                {"error": "several agents are exposed: use /agents/<name>/.well-known/agent-card.json"
+                          f" (all of them are listed at {DISCOVERY_PATH})"},
                 status_code=404,
             )
         return await self._card_for(self.settings.expose[0])

@@ -3,7 +3,9 @@
 Served by the daemon (uvicorn inside its event loop) when ``[a2a] listen`` is
 set. Each exposed agent has its JSON-RPC endpoint at ``/agents/<name>`` and its
 Agent Card at ``/agents/<name>/.well-known/agent-card.json`` (and at
-``/.well-known/agent-card.json`` when it is the only one).
+``/.well-known/agent-card.json`` when it is the only one); the discovery
+document ``/.well-known/agent-cards.json`` lists every exposed agent with its
+endpoint and card.
 
 A SendMessage becomes a mesh request to the hosted agent, sent by the node's
 own bridge identity (the built-in ``a2a-bridge`` agent) and delivered locally
