@@ -156,6 +156,20 @@ def test_integer_outputs_leave_as_integers(acme: Acme) -> None:
     assert type(got.json()["result"]["artifacts"][0]["parts"][0]["data"]["counted"]) is int
 
 
+def test_integer_outputs_leave_a_stream_as_integers(acme: Acme) -> None:
+    msg = MessageToDict(sdk_message({"to": 1, "every": 0}))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": {"message": msg}}
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", acme.url("longtask"), json=body, headers=HEADERS, timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    artifacts = [e["result"]["artifactUpdate"] for e in events if "artifactUpdate" in e["result"]]
+    assert artifacts and artifacts[-1]["artifact"]["parts"][0]["data"] == {"counted": 1}
+    assert type(artifacts[-1]["artifact"]["parts"][0]["data"]["counted"]) is int
+    assert events[-1]["result"]["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
 def test_meshnode_to_meshnode_integer_inputs_stay_integers(acme: Acme) -> None:
     out = acme.call_peer("count", {"to": 2, "every": 0.01})
     assert out.get("status") == "completed", out

@@ -113,12 +113,23 @@ def _listed(tasks: list[dict[str, Any]], params: ListTasksRequest) -> ListTasksR
                              total_size=len(tasks))
 
 
-async def _follow(live: Live, queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncGenerator[Any]:
+def _record(context: ServerCallContext, event: Mapping[str, Any]) -> None:
+    """Note a streamed event (a StreamResponse as ProtoJSON) as it stands, for
+    the HTTP layer to render its integers as integers, in the order sent."""
+    answered = context.state.get("a2a_answered")
+    if isinstance(answered, list):
+        answered.append(copy.deepcopy(dict(event)))
+
+
+async def _follow(
+    live: Live, queue: asyncio.Queue[dict[str, Any] | None], context: ServerCallContext
+) -> AsyncGenerator[Any]:
     """The task as it stands, then its updates until it ends or pauses for the
     caller (INPUT_REQUIRED / AUTH_REQUIRED: the stream closes, as A2A streams
     do, and the caller's answering message opens the next one). ``queue`` is
     already subscribed, so nothing between the two is missed."""
     try:
+        _record(context, {"task": live.task})
         yield _task_proto(live.task)
         if live.task["status"].get("state") in INTERRUPTED_A2A and not live.answering:
             return
@@ -126,6 +137,7 @@ async def _follow(live: Live, queue: asyncio.Queue[dict[str, Any] | None]) -> As
             event = await queue.get()
             if event is None:
                 return
+            _record(context, event)
             if "statusUpdate" in event:
                 yield ParseDict(event["statusUpdate"], TaskStatusUpdateEvent(), ignore_unknown_fields=True)
                 if event["statusUpdate"].get("status", {}).get("state") in INTERRUPTED_A2A:
@@ -189,10 +201,11 @@ class Handler(RequestHandler):
             self._agent(context), params, context.state.get("a2a_inbound"), streaming=True
         )
         if live is None or live.done.is_set():
+            _record(context, {"task": task})
             yield _task_proto(task)
             return
         live.subscribers.append(queue)
-        async for event in _follow(live, queue):
+        async for event in _follow(live, queue, context):
             yield event
 
     async def on_subscribe_to_task(
@@ -211,7 +224,7 @@ class Handler(RequestHandler):
             raise UnsupportedOperationError(message="the task is in a terminal state")
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         live.subscribers.append(queue)
-        async for event in _follow(live, queue):
+        async for event in _follow(live, queue, context):
             yield event
 
     async def on_create_task_push_notification_config(

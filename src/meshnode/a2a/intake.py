@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from a2a.extensions.common import HTTP_EXTENSION_HEADER, get_requested_extensions
@@ -119,6 +119,22 @@ def _with_ints(response: JSONResponse, task: Mapping[str, Any]) -> JSONResponse:
     body["result"] = {**result, "task": fixed} if rendered is not result else fixed
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
     return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+async def _events_with_ints(events: AsyncIterator[Any], answered: list[dict[str, Any]]) -> AsyncIterator[Any]:
+    """The SDK's SSE events with each result's integers rendered as integers,
+    paired in order with the events the handler noted (see :func:`_with_ints`)."""
+    async for event in events:
+        data = event.get("data") if isinstance(event, dict) else None
+        if isinstance(data, str) and answered:
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and isinstance(body.get("result"), dict):
+                body["result"] = ints_as_sent(body["result"], answered.pop(0))
+                event = {**event, "data": json.dumps(body, ensure_ascii=False)}
+        yield event
 
 
 class HttpIntake:
@@ -253,6 +269,9 @@ class HttpIntake:
         response = await self._dispatcher.handle_requests(request)
         if answered and isinstance(response, JSONResponse):
             response = _with_ints(response, answered[-1])
+        elif isinstance(getattr(response, "body_iterator", None), AsyncIterator):
+            # A stream (SSE): its events, in the order the handler noted them.
+            response.body_iterator = _events_with_ints(response.body_iterator, answered)  # type: ignore[attr-defined]
         if activated:
             response.headers[HTTP_EXTENSION_HEADER] = EXTENSION_URI
         return response
