@@ -28,6 +28,7 @@ from a2a.types.a2a_pb2 import (
 from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
+from meshnode.a2a.client import causes
 from meshnode.admin.protocol import Refused
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
@@ -213,15 +214,6 @@ def test_meshnode_to_meshnode_a_401_keeps_its_code(acme: Acme) -> None:
     error = out["error"]
     assert error["code"] == "UNAUTHORIZED", out
     assert error["details"] == {"http_status": 401, "code": "mesh.audience-mismatch"}
-
-
-def causes(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in seen:
-        seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return seen
 
 
 # --- gap 5: lastChunk -----------------------------------------------------------------------

@@ -178,10 +178,10 @@ def test_malformed_token_is_signature_invalid(token: Any) -> None:
 
 
 def test_wrong_typ_or_alg_is_signature_invalid() -> None:
-    from meshnode.protocol import a2a_extension as ext
+    from meshnode.protocol.a2a_jws import jws
 
-    bad_typ = ext._jws({"alg": "EdDSA", "typ": "JWT"}, _claims(), KEY)
-    bad_alg = ext._jws({"alg": "HS256", "typ": "agboss-mesh"}, _claims(), KEY)
+    bad_typ = jws({"alg": "EdDSA", "typ": "JWT"}, _claims(), KEY)
+    bad_alg = jws({"alg": "HS256", "typ": "agboss-mesh"}, _claims(), KEY)
     none_with_sig = unsecured_envelope(_claims(audience=None)) + "AAAA"
     for token in (bad_typ, bad_alg, none_with_sig):
         assert _code(token) == "mesh.signature-invalid"

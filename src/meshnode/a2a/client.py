@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from meshnode.a2a.mapping import ints_as_sent
 from meshnode.protocol.errors import ProtocolError
 
-__all__ = ["Ambiguous", "Unsent", "answer_dict", "classify", "http_client", "ints_from_wire", "peer_client"]
+__all__ = ["Ambiguous", "Unsent", "answer_dict", "causes", "classify", "http_client", "ints_from_wire", "peer_client"]
 
 
 class Ambiguous(Exception):
@@ -78,7 +78,8 @@ def ints_from_wire(answer: dict[str, Any], bodies: list[Any]) -> dict[str, Any]:
     return answer
 
 
-def _causes(exc: BaseException) -> list[BaseException]:
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from, the outermost first."""
     seen: list[BaseException] = []
     cur: BaseException | None = exc
     while cur is not None and cur not in seen:
@@ -119,7 +120,7 @@ def classify(exc: BaseException) -> NoReturn:
     """Re-raise a failed request as :class:`Unsent`, :class:`Ambiguous` or the
     peer's refusal (a ProtocolError: ``UNAUTHORIZED`` for 401/403 with the
     stable code in ``details.code``, else ``DEPENDENCY_FAILED``)."""
-    for cause in _causes(exc):
+    for cause in causes(exc):
         if isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
             raise Unsent() from exc
         if isinstance(cause, httpx.HTTPStatusError):

@@ -14,7 +14,9 @@ I/O, no asyncio, no a2a-sdk, and the clock is always passed in. What lives here
 - the chain checks every envelope gets (:func:`check_chain`);
 - the signed run report of type ``agboss-mesh-report`` (:func:`sign_report`,
   :func:`verify_report`);
-- ISO 8601 durations of seconds and USD decimal strings;
+- ISO 8601 durations of seconds and USD decimal strings (encoded in
+  :mod:`meshnode.protocol.a2a_jws`, with the compact JWS, and re-exported here
+  as part of the extension's vocabulary);
 - how mesh work addresses an A2A peer (``a2a:<peer>``, :func:`peer_name_of`)
   and carries an A2A call chain in ``meta[uri]`` (:func:`chain_meta_of`).
 
@@ -25,22 +27,28 @@ given (only the bytes are signed).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
-import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
-import nacl.exceptions
 import nacl.signing
 
+from meshnode.protocol.a2a_jws import (
+    format_duration,
+    format_instant,
+    format_usd,
+    instant_s,
+    jws,
+    parse_duration,
+    parse_jws,
+    parse_usd,
+    parse_verify_key,
+    verify_signature,
+)
 from meshnode.protocol.canonical import CanonicalJSONError, canonicalize
 from meshnode.protocol.nkeys import NkeyError, decode_public, is_valid_public
-from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 
 __all__ = [
     "A2A_TARGET_PREFIX",
@@ -128,58 +136,7 @@ class ReportInvalid(ValueError):
     body, malformed). The caller then charges the contract price alone."""
 
 
-# --- small value helpers -------------------------------------------------------
-
-_DURATION = re.compile(
-    r"P(?:(?P<d>\d+(?:\.\d+)?)D)?"
-    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?"
-)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of an ISO 8601 duration of days/hours/minutes/seconds
-    (``PT60S``, ``PT1.5S``, ``P1DT2H``). Years, months and weeks have no fixed
-    length and are refused. Raises ValueError."""
-    if not isinstance(text, str):
-        raise ValueError("a duration is a string")
-    m = _DURATION.fullmatch(text)
-    if m is None or text in ("P", "PT") or text.endswith("T"):
-        raise ValueError(f"not an ISO 8601 duration of seconds: {text!r}")
-    d, h, mi, s = (float(m.group(g) or 0) for g in ("d", "h", "m", "s"))
-    return d * 86400 + h * 3600 + mi * 60 + s
-
-
-def format_duration(seconds: float) -> str:
-    """``PT<n>S`` with the seconds as a plain decimal (``PT86400S``, ``PT1.5S``)."""
-    if seconds < 0:
-        raise ValueError("a duration is not negative")
-    text = format(Decimal(repr(float(seconds))).normalize(), "f")
-    return f"PT{text}S"
-
-
-_USD = re.compile(r"\d+(?:\.\d+)?")
-
-
-def parse_usd(text: object) -> Decimal:
-    """A non-negative USD decimal string (``"0.25"``) as a Decimal. The wire
-    carries money as a string, never a float; raises ValueError otherwise."""
-    if not isinstance(text, str) or _USD.fullmatch(text) is None:
-        raise ValueError(f"not a non-negative decimal string: {text!r}")
-    try:
-        return Decimal(text)
-    except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
-        raise ValueError(f"not a decimal: {text!r}") from None
-
-
-def format_usd(amount: Decimal | int | str) -> str:
-    """A Decimal as a plain decimal string without exponent (``"0.25"``, ``"3"``)."""
-    value = Decimal(amount)
-    if not value.is_finite() or value < 0:
-        raise ValueError(f"not a non-negative finite amount: {amount!r}")
-    text = format(value, "f")
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return text or "0"
+# --- the body hash and the envelope JWS --------------------------------------------
 
 
 def body_hash(message: Mapping[str, Any]) -> str:
@@ -198,117 +155,15 @@ def body_hash(message: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonicalize(msg)).hexdigest()
 
 
-def _b64e(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
-
-
-def _b64d(text: str) -> bytes:
-    if not text.isascii() or "=" in text:
-        raise ValueError("not unpadded base64url")
-    try:
-        return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"malformed base64url: {exc}") from None
-
-
-def parse_verify_key(text: str) -> nacl.signing.VerifyKey:
-    """An Ed25519 public key from configuration: a user nkey (``U…``), or the 32
-    raw bytes in base64url/base64 (optionally prefixed ``ed25519:``)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("a key is a non-empty string")
-    text = text.strip()
-    if is_valid_public(text, None):
-        return nacl.signing.VerifyKey(decode_public(text, None))
-    body = text.removeprefix("ed25519:")
-    decoders: tuple[Callable[[str], bytes], ...] = (
-        lambda t: _b64d(t.rstrip("=")),
-        lambda t: base64.b64decode(t, validate=True),
-    )
-    for decode in decoders:
-        try:
-            raw = decode(body)
-        except (ValueError, binascii.Error):
-            continue
-        if len(raw) == 32:
-            return nacl.signing.VerifyKey(raw)
-    raise ValueError(
-        "not an Ed25519 public key: expected a user nkey (U…) or 32 bytes in base64url"
-    )
-
-
-# --- JWS --------------------------------------------------------------------------
-
-
-def _jws(
-    header: Mapping[str, Any], claims: Mapping[str, Any], key: nacl.signing.SigningKey | None
-) -> str:
-    head = _b64e(canonicalize(dict(header)))
-    body = _b64e(canonicalize(dict(claims)))
-    signing_input = f"{head}.{body}".encode("ascii")
-    sig = "" if key is None else _b64e(key.sign(signing_input).signature)
-    return f"{head}.{body}.{sig}"
-
-
 def sign_envelope(claims: Mapping[str, Any], signing_key: nacl.signing.SigningKey) -> str:
     """A compact JWS ``{"alg":"EdDSA","typ":"agboss-mesh"}`` over ``claims``."""
-    return _jws({"alg": "EdDSA", "typ": ENVELOPE_TYP}, claims, signing_key)
+    return jws({"alg": "EdDSA", "typ": ENVELOPE_TYP}, claims, signing_key)
 
 
 def unsecured_envelope(claims: Mapping[str, Any]) -> str:
     """An unsecured JWS (``alg: none``): a claim, never trusted. Its signature
     part is empty (``header.payload.``)."""
-    return _jws({"alg": "none", "typ": ENVELOPE_TYP}, claims, None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    header: dict[str, Any]
-    claims: dict[str, Any]
-    signing_input: bytes
-    signature: bytes
-
-
-def _parse_jws(token: object) -> _Parsed:
-    if not isinstance(token, str):
-        raise ValueError("a JWS is a string")
-    parts = token.split(".")
-    if len(parts) != 3:
-        raise ValueError("a compact JWS has three parts")
-    head_b, body_b, sig_b = parts
-    try:
-        header = json.loads(_b64d(head_b))
-        claims = json.loads(_b64d(body_b))
-        signature = _b64d(sig_b) if sig_b else b""
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed JWS: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(claims, dict):
-        raise ValueError("JWS header and payload are JSON objects")
-    return _Parsed(header, claims, f"{head_b}.{body_b}".encode("ascii"), signature)
-
-
-def _verify_sig(parsed: _Parsed, key: nacl.signing.VerifyKey) -> bool:
-    if len(parsed.signature) != 64:
-        return False
-    try:
-        key.verify(parsed.signing_input, parsed.signature)
-    except (nacl.exceptions.BadSignatureError, ValueError):
-        return False
-    return True
-
-
-def _instant_s(value: object) -> float | None:
-    """issuedAt as epoch seconds: an RFC 3339 string or a JSON number (seconds)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    us = try_parse_rfc3339(value)
-    return None if us is None else us / 1_000_000
-
-
-def format_instant(now: float) -> str:
-    """Epoch seconds as the RFC 3339 ``issuedAt`` this module writes."""
-    return format_ts(int(now * 1000))
+    return jws({"alg": "none", "typ": ENVELOPE_TYP}, claims, None)
 
 
 # --- the envelope ---------------------------------------------------------------
@@ -385,7 +240,7 @@ def verify_envelope(
     ``now`` is epoch seconds. Raises :class:`MeshAuthError`.
     """
     try:
-        parsed = _parse_jws(token)
+        parsed = parse_jws(token)
     except ValueError as exc:
         raise _malformed(str(exc)) from None
     header, claims = parsed.header, parsed.claims
@@ -417,7 +272,7 @@ def verify_envelope(
             raise _malformed("a signed envelope names no issuer")
         key = issuer_keys(issuer)
         if key is not None:
-            if not _verify_sig(parsed, key):
+            if not verify_signature(parsed, key):
                 raise MeshAuthError(SIGNATURE_INVALID, "signature does not verify")
             trusted = True
 
@@ -426,7 +281,7 @@ def verify_envelope(
     issued_at: float | None = None
     expires_at: float | None = None
     if issued_raw is not None or signed:
-        issued_at = _instant_s(issued_raw)
+        issued_at = instant_s(issued_raw)
         if issued_at is None:
             raise MeshAuthError(ENVELOPE_EXPIRED, "issuedAt missing or malformed")
         expires_raw = claims.get("expiresIn")
@@ -713,7 +568,7 @@ def sign_report(
         "bodyHash": body_hash,
         "issuedAt": issued_at if isinstance(issued_at, str) else format_instant(issued_at),
     }
-    return _jws({"alg": "EdDSA", "typ": REPORT_TYP}, claims, signing_key)
+    return jws({"alg": "EdDSA", "typ": REPORT_TYP}, claims, signing_key)
 
 
 def verify_report(
@@ -726,12 +581,12 @@ def verify_report(
     """Verify a run report against the issuer's key, the caller's own bodyHash
     and its task's id. Raises :class:`ReportInvalid` naming what is wrong."""
     try:
-        parsed = _parse_jws(token)
+        parsed = parse_jws(token)
     except ValueError as exc:
         raise ReportInvalid(str(exc)) from None
     if parsed.header.get("typ") != REPORT_TYP or parsed.header.get("alg") != "EdDSA":
         raise ReportInvalid("not an EdDSA agboss-mesh-report JWS")
-    if not _verify_sig(parsed, issuer_key):
+    if not verify_signature(parsed, issuer_key):
         raise ReportInvalid("signature does not verify")
     c = parsed.claims
     if c.get("schema") != SCHEMA:
