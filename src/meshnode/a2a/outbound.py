@@ -347,8 +347,7 @@ class A2AOutbound:
         try:
             outcome = await self._send(name, settings, peer, build, headers, overall_deadline, message_id)
             sent_state.mesh = outcome.mesh
-            return await self._conclude(name, settings, peer, call, outcome, overall_deadline,
-                                        message_id, sent_hash, sent_state)
+            return await self._conclude(sent_state, outcome, overall_deadline)
         except asyncio.CancelledError:
             await self._abandon(sent_state)
             raise
@@ -429,9 +428,9 @@ class A2AOutbound:
                     return {}  # a failed poll is retried by the caller's loop
         return ints_from_wire(dict(json_format.MessageToDict(task)), bodies)
 
-    async def _conclude(self, name: str, settings: PeerSettings, peer: PeerCard, call: CallContext,
-                        outcome: _Outcome, overall_deadline: float,
-                        message_id: str, sent_hash: str, sent_state: Sent) -> Reply:
+    async def _conclude(self, sent_state: Sent, outcome: _Outcome, overall_deadline: float) -> Reply:
+        """The reply to a call from the peer's answer, following an open task by GetTask."""
+        name, call, message_id = sent_state.name, sent_state.call, sent_state.message_id
         answer = outcome.answer
         info: dict[str, Any] = {"peer": name, "mesh": outcome.mesh, "message_id": message_id,
                                 "attempts": outcome.attempts, "task_id": None, "report": None,
@@ -439,8 +438,7 @@ class A2AOutbound:
         if "message" in answer:
             sent_state.finished = True
             msg = answer["message"]
-            charge = await self._charge(name, settings, peer, call, outcome.mesh, message_id,
-                                        task_id=None, report_token=None, sent_hash=sent_hash)
+            charge = await self._charge(sent_state, None)
             info.update(report=charge.report, charge=charge.to_object())
             return self._reply(name, call, "completed", output_of_parts(msg.get("parts") or []), info, None)
         task = answer.get("task") or {}
@@ -473,9 +471,7 @@ class A2AOutbound:
             meta = task.get("metadata") or {}
             ext = meta.get(EXTENSION_URI) if isinstance(meta, Mapping) else None
             token = ext.get("report") if isinstance(ext, Mapping) else None
-            charge = await self._charge(name, settings, peer, call, outcome.mesh, message_id,
-                                        task_id=task_id, report_token=token if isinstance(token, str) else None,
-                                        sent_hash=sent_hash)
+            charge = await self._charge(sent_state, token if isinstance(token, str) else None)
             info.update(report=charge.report, charge=charge.to_object())
         if status == "failed":
             code = mesh_status.get("code") if isinstance(mesh_status, Mapping) else None
@@ -493,46 +489,48 @@ class A2AOutbound:
             parts = list(((task.get("status") or {}).get("message") or {}).get("parts") or [])
         return output_of_parts(parts)
 
-    async def _charge(self, name: str, settings: PeerSettings, peer: PeerCard, call: CallContext,
-                      mesh: bool, message_id: str, *, task_id: str | None, report_token: str | None,
-                      sent_hash: str) -> Charge:
-        """Judge the report and record the charge once; returns the charge that stands."""
+    async def _charge(self, sent: Sent, report_token: str | None) -> Charge:
+        """Judge the report of ``sent``'s call and record the charge once;
+        returns the charge that stands."""
         spend: Decimal | None = None
         note: str | None = None
-        if not mesh:
+        peer, task_id = sent.peer, sent.task_id
+        if not sent.mesh:
             report = "not_expected"
         elif report_token is None:
             report = "missing"
         elif peer.issuer_key is None:
             report, note = "unverifiable", "no key for the peer's reports (set issuer_key)"
-        elif not sent_hash:
+        elif not sent.sent_hash:
             report, note = "unverifiable", "the call that opened this task is not remembered (a restart?)"
         elif task_id is None:
             report, note = "invalid", "a report without a task"
         else:
             try:
                 claims = verify_report(report_token, issuer_key=peer.issuer_key,
-                                       expected_body_hash=sent_hash, expected_execution_id=task_id)
+                                       expected_body_hash=sent.sent_hash, expected_execution_id=task_id)
                 spend, report = claims.spend_total, "verified"
             except ReportInvalid as exc:
                 report, note = "invalid", str(exc)
                 log.warning("A2A peer %s sent an invalid run report for task %s (%s); "
-                            "charging the contract price", name, task_id, exc)
-        env = call.envelope or {}
-        execution_id = env.get("id") if isinstance(env.get("id"), str) else None
-        task_key = f"task:{task_id}" if task_id else f"message:{message_id}"
-        charge = Charge(
-            peer=name, task_key=task_key, message_id=message_id, task_id=task_id, agent=call.agent_id,
-            execution_id=execution_id, mesh=mesh, report=report,
-            reported_spend=format_usd(spend) if spend is not None else None,
-            contract_price=format_usd(settings.contract_price),
-            charged=format_usd(charge_amount(settings.contract_price, spend)), currency="USD",
-            charged_at_ms=int(self.clock() * 1000), note=note,
-        )
+                            "charging the contract price", sent.name, task_id, exc)
+        charge = self._charge_row(sent, report, spend, charge_amount(sent.settings.contract_price, spend), note)
         if await self.charges.record(charge):
             return charge
-        stands = await self.charges.get(name, task_key)
+        stands = await self.charges.get(sent.name, charge.task_key)
         return stands if stands is not None else charge
+
+    def _charge_row(self, sent: Sent, report: str, spend: Decimal | None, charged: Decimal,
+                    note: str | None) -> Charge:
+        env = sent.call.envelope or {}
+        return Charge(
+            peer=sent.name, task_key=f"task:{sent.task_id}" if sent.task_id else f"message:{sent.message_id}",
+            message_id=sent.message_id, task_id=sent.task_id, agent=sent.call.agent_id,
+            execution_id=env.get("id") if isinstance(env.get("id"), str) else None, mesh=sent.mesh,
+            report=report, reported_spend=format_usd(spend) if spend is not None else None,
+            contract_price=format_usd(sent.settings.contract_price), charged=format_usd(charged),
+            currency="USD", charged_at_ms=int(self.clock() * 1000), note=note,
+        )
 
     # -- a task the call's wait left behind ----------------------------------------------
 
@@ -623,8 +621,7 @@ class A2AOutbound:
         if state == "TASK_STATE_COMPLETED" and answer is not None:
             # It finished before the cancel landed: a completed task's report is
             # charged as on any other pass (once).
-            await self._charge(sent.name, sent.settings, sent.peer, sent.call, sent.mesh, sent.message_id,
-                               task_id=sent.task_id, report_token=report_of(answer), sent_hash=sent.sent_hash)
+            await self._charge(sent, report_of(answer))
         else:
             await self._record_canceled(sent, note)
         return answer
@@ -632,16 +629,8 @@ class A2AOutbound:
     async def _record_canceled(self, sent: Sent, note: str) -> None:
         """A canceled call is recorded at zero: the extension's run report (and so
         any spend the caller could verify) belongs to completed tasks only."""
-        env = sent.call.envelope or {}
-        execution_id = env.get("id") if isinstance(env.get("id"), str) else None
-        task_key = f"task:{sent.task_id}" if sent.task_id else f"message:{sent.message_id}"
         try:
-            await self.charges.record(Charge(
-                peer=sent.name, task_key=task_key, message_id=sent.message_id, task_id=sent.task_id,
-                agent=sent.call.agent_id, execution_id=execution_id, mesh=sent.mesh, report="canceled",
-                reported_spend=None, contract_price=format_usd(sent.settings.contract_price), charged="0",
-                currency="USD", charged_at_ms=int(self.clock() * 1000), note=note,
-            ))
+            await self.charges.record(self._charge_row(sent, "canceled", None, Decimal(0), note))
         except Exception:
             log.exception("recording the canceled A2A call %s failed", sent.message_id)
 
@@ -678,9 +667,7 @@ class A2AOutbound:
         if isinstance(status_meta, Mapping):
             info["status"] = dict(status_meta)
         if status == "completed":
-            charge = await self._charge(sent.name, sent.settings, sent.peer, sent.call, sent.mesh,
-                                        sent.message_id, task_id=sent.task_id, report_token=token,
-                                        sent_hash=sent.sent_hash)
+            charge = await self._charge(sent, token)
             info.update(report=charge.report, charge=charge.to_object())
         error: dict[str, Any] | None = None
         if status == "failed":
