@@ -171,6 +171,14 @@ def test_integer_outputs_leave_a_stream_as_integers(acme: Acme) -> None:
     assert events[-1]["result"]["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
+def test_meshnode_to_meshnode_streamed_integer_outputs_stay_integers(acme: Acme) -> None:
+    out = acme.daemon.call("caller", "stream", {"peer": "self", "offering": "count", "input": {"to": 2, "every": 0}},
+                           timeout=60)["output"]
+    assert out["status"] == "completed", out
+    assert out["chunks"] == [{"counted": 2}] and type(out["chunks"][0]["counted"]) is int
+    assert type(out["output"]["counted"]) is int
+
+
 def test_meshnode_to_meshnode_integer_inputs_stay_integers(acme: Acme) -> None:
     out = acme.call_peer("count", {"to": 2, "every": 0.01})
     assert out.get("status") == "completed", out

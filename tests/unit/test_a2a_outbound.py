@@ -13,7 +13,7 @@ import nacl.signing
 import pytest
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_amount
-from meshnode.a2a.client import Ambiguous, Unsent, classify, refusal_code
+from meshnode.a2a.client import Ambiguous, Unsent, classify, refusal_code, stream_results
 from meshnode.a2a.outbound import A2AOutbound, A2AStreamTask, CallContext
 from meshnode.a2a.peers import (
     PeerSettings,
@@ -302,3 +302,14 @@ def test_a_refusals_code_is_read_wherever_a_peer_puts_it() -> None:
     assert refusal_code({"error": {"code": 401, "data": [{**info, "metadata": {}}]}}) == "MESH_BODY_MISMATCH"
     assert refusal_code({"error": {"code": 401, "data": [{"reason": "not ErrorInfo"}]}}) is None
     assert refusal_code(["not", "an", "object"]) is None and refusal_code({"error": "x"}) is None
+
+
+def test_stream_results_reads_complete_events_in_order() -> None:
+    raw = (b'event: x\r\ndata: {"jsonrpc": "2.0", "result": {"artifactUpdate": {"n": 1}}}\r\n\r\n'
+           b'data: {"result": {"statusUpdate": {}}}\n\n'
+           b'data: not json\n\n'
+           b'data: {"result": {"task": {"id": "t"')
+    results, end = stream_results(raw)
+    assert results == [{"artifactUpdate": {"n": 1}}, {"statusUpdate": {}}, None]
+    assert raw[end:] == b'data: {"result": {"task": {"id": "t"'  # the incomplete event waits
+    assert stream_results(raw, end) == ([], end)

@@ -4,6 +4,7 @@ and what a failed request means (unsent, ambiguous, or the peer's refusal)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NoReturn
 
@@ -17,7 +18,8 @@ from google.protobuf import json_format
 from meshnode.a2a.mapping import ints_as_sent
 from meshnode.protocol.errors import ProtocolError
 
-__all__ = ["Ambiguous", "Unsent", "answer_dict", "causes", "classify", "http_client", "ints_from_wire", "peer_client"]
+__all__ = ["Ambiguous", "Unsent", "answer_dict", "causes", "classify", "http_client", "ints_from_wire", "peer_client",
+           "stream_results"]
 
 
 class Ambiguous(Exception):
@@ -42,11 +44,14 @@ async def peer_client(
     streaming: bool = False,
     echoed: list[str] | None = None,
     bodies: list[Any] | None = None,
+    streamed: bytearray | None = None,
 ) -> AsyncIterator[tuple[Client, ClientCallContext]]:
     """An SDK client for ``card`` and the call context carrying ``headers`` (as
     A2A service parameters). ``echoed`` collects the peer's ``A2A-Extensions``
     answer headers (the extension's activation echo); ``bodies`` the parsed
-    JSON of its (non-streamed) answers, for :func:`ints_from_wire`."""
+    JSON of its (non-streamed) answers, ``streamed`` the bytes of its event
+    streams as the SDK reads them, for :func:`ints_from_wire` and
+    :func:`stream_results`."""
 
     async def on_response(response: httpx.Response) -> None:
         if echoed is not None:
@@ -56,9 +61,69 @@ async def peer_client(
             with contextlib.suppress(ValueError):
                 bodies.append(response.json())
 
-    async with http_client(timeout=timeout, event_hooks={"response": [on_response]}) as http:
+    transport = _TeeTransport(httpx.AsyncHTTPTransport(), streamed) if streamed is not None else None
+    async with http_client(timeout=timeout, event_hooks={"response": [on_response]}, transport=transport) as http:
         client = ClientFactory(ClientConfig(streaming=streaming, httpx_client=http)).create(card)
         yield client, ClientCallContext(service_parameters=dict(headers), timeout=timeout)
+
+
+class _TeeStream(httpx.AsyncByteStream):
+    """An event stream's body, copied into ``sink`` as it is read."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, sink: bytearray) -> None:
+        self._inner = inner
+        self._sink = sink
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._sink.extend(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _TeeTransport(httpx.AsyncBaseTransport):
+    """The default transport, keeping a copy of each ``text/event-stream`` body:
+    the SDK parses every event's data into protobuf Structs (numbers become
+    doubles), the copy still has the numbers as the peer sent them."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, sink: bytearray) -> None:
+        self._inner = inner
+        self._sink = sink
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            return response
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        return httpx.Response(response.status_code, headers=response.headers, request=request,
+                              stream=_TeeStream(stream, self._sink), extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def stream_results(raw: bytes | bytearray, start: int = 0) -> tuple[list[Any], int]:
+    """The JSON-RPC ``result`` of each complete server-sent event of ``raw``
+    after offset ``start``, in order (None for an event that carries none), and
+    the offset after the last complete one (where to start next time)."""
+    lf, crlf = raw.rfind(b"\n\n", start), raw.rfind(b"\r\n\r\n", start)
+    end = max(lf + 2 if lf >= 0 else start, crlf + 4 if crlf >= 0 else start)
+    out: list[Any] = []
+    text = bytes(raw[start:end]).decode("utf-8", errors="replace").replace("\r\n", "\n")
+    for block in text.split("\n\n"):
+        data = "\n".join(line[5:].lstrip() for line in block.split("\n") if line.startswith("data:"))
+        if not data:
+            continue
+        try:
+            body = json.loads(data)
+        except ValueError:
+            out.append(None)
+            continue
+        out.append(body.get("result") if isinstance(body, Mapping) else None)
+    return out, end
 
 
 def answer_dict(event: StreamResponse) -> dict[str, Any]:

@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 from a2a.extensions.common import get_requested_extensions
 from a2a.types.a2a_pb2 import Message, SendMessageConfiguration, SendMessageRequest
 
-from meshnode.a2a.client import Ambiguous, Unsent, answer_dict, classify, peer_client
+from meshnode.a2a.client import (
+    Ambiguous,
+    Unsent,
+    answer_dict,
+    classify,
+    ints_from_wire,
+    peer_client,
+    stream_results,
+)
+from meshnode.a2a.mapping import ints_as_sent
 from meshnode.a2a.peers import (
     INTERRUPTED_STATES,
     OPEN_STATES,
@@ -164,13 +173,28 @@ class A2AStreamTask:
     async def _read(self, msg: Message) -> None:
         sent, handle = self._sent, self
         echoed: list[str] = []
+        bodies: list[Any] = []
+        streamed = bytearray()
         async with peer_client(sent.peer.card, sent.headers, timeout=sent.settings.timeout_s, streaming=True,
-                               echoed=echoed) as (client, ctx):
+                               echoed=echoed, bodies=bodies, streamed=streamed) as (client, ctx):
             request = SendMessageRequest(message=msg, configuration=SendMessageConfiguration())
             try:
+                raw: list[Any] = []  # the events' results as the peer sent them, in order
+                index = 0
                 async for event in client.send_message(request, context=ctx):
                     sent.mesh = sent.peer.mesh and EXTENSION_URI in get_requested_extensions(echoed)
-                    await handle._event(answer_dict(event))
+                    answer = answer_dict(event)
+                    # The numbers as the peer sent them: its event stream as read so
+                    # far (or, from a peer that answered at once, its JSON body).
+                    more, read_to = stream_results(streamed)
+                    del streamed[:read_to]  # parsed: only an incomplete event is kept
+                    raw.extend(more)
+                    if index < len(raw) and isinstance(raw[index], dict):
+                        answer = ints_as_sent(answer, raw[index])
+                    elif bodies:
+                        answer = ints_from_wire(answer, bodies)
+                    index += 1
+                    await handle._event(answer)
                     if handle.final is not None:
                         return
             except Exception as exc:
