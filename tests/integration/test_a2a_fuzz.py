@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     build_envelope_claims,
     sign_envelope,

@@ -27,7 +27,7 @@ from a2a.types.a2a_pb2 import (
 from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     body_hash,
     build_envelope_claims,
