@@ -93,6 +93,16 @@ class _QuietCallerErrors(logging.Filter):
 logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_QuietCallerErrors())
 
 
+def auth_error_info(code: str) -> dict[str, Any]:
+    """The ``google.rpc.ErrorInfo`` detail of a 401: reason and ``metadata.code`` are the mesh code."""
+    return {
+        "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+        "reason": code,
+        "domain": "agboss.dev",
+        "metadata": {"code": code},
+    }
+
+
 def www_authenticate(application: str, code: str) -> str:
     """The ``WWW-Authenticate`` challenge of a 401: the mesh extension's
     envelope, for ``application``, and the stable code of what failed."""
@@ -286,7 +296,9 @@ class HttpIntake:
             {
                 "jsonrpc": "2.0",
                 "id": rid,
-                "error": {"code": AUTH_ERROR_CODE, "message": exc.code, "data": {"code": exc.code}},
+                # data: A2A v1.0's list of typed details, as the SDK answers its
+                # other errors; the ErrorInfo's metadata keeps the seed's {code}.
+                "error": {"code": AUTH_ERROR_CODE, "message": exc.code, "data": [auth_error_info(exc.code)]},
                 # The seed's own shape, 401 {"code": …}: what a reader that knows
                 # nothing of JSON-RPC (and meshnode's outbound, first) reads.
                 "code": exc.code,
