@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from meshnode.agent import Reply
+    from meshnode.node.gateway import OutboundGateway
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.inbox import InboxStore
     from meshnode.node.observe import Observability
@@ -66,8 +67,8 @@ class NodePort(Protocol):
     @property
     def pubsub(self) -> PubSub: ...
     @property
-    def a2a(self) -> Any:
-        """The outbound A2A bridge (``a2a:<peer>`` targets), or None."""
+    def a2a(self) -> OutboundGateway | None:
+        """The outbound gateway (``a2a:<peer>`` targets), or None."""
     @property
     def trust_attestation(self) -> dict[str, Any] | None: ...
     @property
