@@ -175,10 +175,14 @@ class DedupMemory:
 class DeliverySource(StrEnum):
     """The path an envelope arrived on, which selects its maximum age (§22.3).
 
-    Event subscriptions (§6.7) are live deliveries.
+    The node's one delivery-path enum. Event subscriptions (§6.7) are live
+    deliveries; ``LOCAL`` (between two agents of one node, §4.7) is judged
+    with the live window, so local and remote delivery are equivalent;
+    ``MAILBOX`` is anything out of a buffer (the drain, a durable consumer).
     """
 
     LIVE = "live"
+    LOCAL = "local"
     MAILBOX = "mailbox"
 
 
@@ -207,11 +211,11 @@ class FreshnessWindow:
 
     def max_age_ms(self, source: DeliverySource | str) -> int:
         """The maximum age for ``source``; an unknown source is an error, never live."""
-        if source == DeliverySource.LIVE:
+        if source == DeliverySource.LIVE or source == DeliverySource.LOCAL:
             return self.max_age_live_ms
         if source == DeliverySource.MAILBOX:
             return self.max_age_mailbox_ms
-        raise ValueError(f"unknown delivery source {source!r}; expected 'live' or 'mailbox'")
+        raise ValueError(f"unknown delivery source {source!r}; expected 'live', 'local' or 'mailbox'")
 
 
 DEFAULT_FRESHNESS_WINDOW: Final = FreshnessWindow()
