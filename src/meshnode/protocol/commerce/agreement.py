@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from ..budget import DEADLINE_SKEW_TOLERANCE_MS
 from ..canonical import CanonicalJSONError
-from ..errors import ProtocolError
+from ..errors import ProtocolError, shape_error
 from ..nkeys import KeyPair, is_valid_public
 from ..signing import b64url_decode, b64url_encode, sign_object, verify_object
 from ..timeutil import format_ts, try_parse_rfc3339
@@ -64,9 +64,7 @@ class AgreementInvalid(StrEnum):
 
 
 def _agreement_invalid(reason: AgreementInvalid, member: str, message: str) -> ProtocolError:
-    return ProtocolError(
-        "INVALID_ENVELOPE", f"invalid agreement: {message} (§19.5)", {"reason": reason.value, "member": member}
-    )
+    return shape_error("INVALID_ENVELOPE", f"invalid agreement: {message} (§19.5)", reason, member)
 
 
 @dataclass(frozen=True, slots=True)

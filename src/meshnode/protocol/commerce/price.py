@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, shape_error
 from ..metering import is_meter_name
 
 __all__ = [
@@ -86,9 +86,7 @@ class CommerceInvalid(StrEnum):
 
 
 def _invalid(reason: CommerceInvalid, member: str, message: str) -> ProtocolError:
-    return ProtocolError(
-        "INVALID_MANIFEST", f"invalid SKU: {message} (§19.1)", {"reason": reason.value, "member": member}
-    )
+    return shape_error("INVALID_MANIFEST", f"invalid SKU: {message} (§19.1)", reason, member)
 
 
 def _is_number(value: object) -> bool:
