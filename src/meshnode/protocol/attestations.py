@@ -136,22 +136,20 @@ def _lifetime_us(
     obj: Mapping[str, Any], code: str, reason_prefix: str, field_prefix: str
 ) -> tuple[int, int]:
     """Parse ``issued_at``/``expires_at`` to epoch microseconds, refusing bad values."""
-    issued = try_parse_rfc3339(obj.get("issued_at"))
-    if issued is None:
-        raise _refuse(
-            code,
-            f"{reason_prefix}_malformed",
-            "issued_at is not an RFC 3339 date-time",
-            f"{field_prefix}issued_at",
-        )
-    expires = try_parse_rfc3339(obj.get("expires_at"))
-    if expires is None:
-        raise _refuse(
-            code,
-            f"{reason_prefix}_malformed",
-            "expires_at is not an RFC 3339 date-time",
-            f"{field_prefix}expires_at",
-        )
+
+    def instant(member: str) -> int:
+        us = try_parse_rfc3339(obj.get(member))
+        if us is None:
+            raise _refuse(
+                code,
+                f"{reason_prefix}_malformed",
+                f"{member} is not an RFC 3339 date-time",
+                f"{field_prefix}{member}",
+            )
+        return us
+
+    issued = instant("issued_at")
+    expires = instant("expires_at")
     if expires < issued:
         raise _refuse(
             code,

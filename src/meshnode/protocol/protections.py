@@ -31,7 +31,7 @@ from .envelope import hops as envelope_hops
 from .errors import error_object
 from .fencing import LADDER_FIELDS, LadderField
 from .js_json import compact_json  # re-exported: §22.5 measures with it
-from .timeutil import parse_rfc3339
+from .timeutil import try_parse_rfc3339
 
 __all__ = [
     "ABSENT",
@@ -247,12 +247,10 @@ def check_freshness(
 
 
 def _is_fresh(ts: object, now_ms: int, max_age_ms: int, max_skew_ahead_ms: int) -> bool:
-    if not isinstance(ts, str):
+    ts_us = try_parse_rfc3339(ts)
+    if ts_us is None:
         return False
-    try:
-        ts_us = parse_rfc3339(ts)
-    except ValueError:
-        return False
+    assert isinstance(ts, str)  # try_parse_rfc3339 reads only strings
     now_us = now_ms * 1000
     latest_us = now_us + max_skew_ahead_ms * 1000
     if ts_us > latest_us or (ts_us == latest_us and _has_sub_microsecond_part(ts)):
