@@ -26,6 +26,7 @@ from meshnode.admin.server import AdminServer, CallContext, MethodRegistry
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import SHUTDOWN_BUDGETS, Stage, StageFailed, run_stage
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, open_keystore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.hosted import HostedAgent
@@ -666,6 +667,7 @@ class Daemon:
         from meshnode.daemon.artifacts import register_artifact_methods
 
         register_artifact_methods(self, methods)
+        register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         self.admin = AdminServer(
             self.config.admin.socket,
