@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from meshnode.admin import exitcodes as admin_exitcodes
 from meshnode.admin.client import exit_code_for
 from meshnode.admin.protocol import (
     AdminError,
@@ -95,7 +96,7 @@ def test_admin_errors_map_to_the_table() -> None:
     ]
     for exc, code in cases:
         assert exit_code_for(exc) == code, exc
-    assert "64    EX_USAGE" in (exitcodes.__doc__ or "")  # the table is in the docstring
+    assert "64    EX_USAGE" in (admin_exitcodes.__doc__ or "")  # the table is in the docstring
 
 
 @pytest.mark.parametrize("shell", sorted(GENERATORS))

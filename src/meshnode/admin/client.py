@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from meshnode.cli.exitcodes import (
+from .exitcodes import (
     EX_API_MISMATCH,
     EX_CHECK_FAILED,
     EX_DATAERR,
@@ -45,7 +45,6 @@ from meshnode.cli.exitcodes import (
     EX_TEMPFAIL,
     EX_USAGE,
 )
-
 from .protocol import (
     API_VERSION,
     CONFLICT,
@@ -335,7 +334,7 @@ def call_sync(
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The CLI exit code for an admin failure (see :mod:`meshnode.cli.exitcodes`)."""
+    """The CLI exit code for an admin failure (see :mod:`meshnode.admin.exitcodes`)."""
     if isinstance(exc, AdminConnectionError):
         return EX_NOT_RUNNING
     if isinstance(exc, PermissionDenied):
@@ -349,7 +348,7 @@ def exit_code_for(exc: BaseException) -> int:
     return EX_ERROR
 
 
-#: Admin error names and their exit codes (the table in :mod:`meshnode.cli.exitcodes`).
+#: Admin error names and their exit codes (the table in :mod:`meshnode.admin.exitcodes`).
 #: A name not listed (Internal, or a plugin's own) is an internal error, 70.
 _EXIT_BY_ERROR_NAME: dict[str, int] = {
     INVALID_PARAMETER: EX_USAGE,

@@ -82,8 +82,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
-    # (the admin client uses it) without pulling in every command module.
+    # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
+    # its modules) alone does not pull in every command module.
     from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops
 
     parser = Parser(
