@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import select
 import subprocess
 import sys
@@ -88,6 +89,31 @@ def test_call_stream_prints_chunks_before_the_stream_ends(meshnode_daemons: Daem
     items = [json.loads(line) for line in lines.stdout.splitlines()]
     assert [i["data"] for i in items if i["kind"] == "chunk"] == ["first ", "last"]
     assert items[-1]["kind"] == "result" and items[-1]["status"] == "completed"
+
+
+def test_a_long_task_shows_its_progress_live_on_a_terminal(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
+    a = _node(meshnode_daemons)
+    gate = tmp_path / "gate"
+    controller, terminal = pty.openpty()  # stderr is a terminal; stdout a pipe
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshnode.cli", "call", "tasks", "gated_task", json.dumps({"gate": str(gate)}),
+         "--socket", a.socket_path],
+        stdout=subprocess.PIPE, stderr=terminal, stdin=subprocess.DEVNULL,
+    )
+    os.close(terminal)
+    # Held open to the end: closing the terminal's controller side would hang it up under the CLI.
+    reader = os.fdopen(controller, "rb", buffering=0)
+    try:
+        seen = _read_until(reader, lambda s: b"waiting for the gate" in s, 30.0)
+        assert proc.poll() is None  # the progress is shown while the task runs
+        assert b"working" in seen
+        gate.touch()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.close()
+    assert proc.returncode == 0 and json.loads(out) == {"opened": True}
 
 
 def test_no_wait_prints_the_task_id_then_show_and_cancel_without_agent(meshnode_daemons: DaemonSet) -> None:
@@ -186,3 +212,22 @@ def test_pub_sub_round_trip(meshnode_daemons: DaemonSet) -> None:
     assert [e["data"] for e in events] == [{"n": 1}, {"n": 2}]
     assert all(e["from"] == cli_id and e["domain"] == "demo" and e["event_type"] == "tick" for e in events)
     assert all(e["ts"].endswith("Z") for e in events)
+
+
+def test_sub_feed_prints_an_agents_feed_entries(meshnode_daemons: DaemonSet) -> None:
+    a = meshnode_daemons.embedded(
+        "a", agents={"owner": {"plugin": "test-feeder"}}, node={"plugin_modules": ["tests.agents:feeder_plugin"]}
+    )
+    sub = _popen("sub", "--feed", "owner", "status", "--json", "--count", "1", "--socket", a.socket_path)
+    try:
+        _read_until(sub.stderr, lambda seen: b"listening on mesh.feed." in seen, 30.0)
+        answer = a.call("owner", "publish", {"topic": "status", "data": {"level": "ok"}})
+        assert answer["status"] == "completed", answer
+        out, err = sub.communicate(timeout=30)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+    assert sub.returncode == 0, err
+    (entry,) = [json.loads(line) for line in out.decode().splitlines()]
+    assert entry["from"] == a.agent_id("owner") and entry["topic"] == "status" and entry["data"] == {"level": "ok"}
+    assert entry["subject"] == f"mesh.feed.{a.agent_id('owner')}.status"

@@ -206,6 +206,8 @@ def cmd_call(args: argparse.Namespace) -> int:
     if args.context_id:
         params["context_id"] = args.context_id
     follow = args.stream or (not args.no_wait and sys.stderr.isatty() and not args.json)
+    # An A2A peer's task is not on MESH_TASKS: the daemon waits for it (one Call).
+    follow = follow and not args.agent.startswith("a2a:")
     if follow and not args.task_id:
         # Open the task, then follow it: chunks and progress as they arrive
         # (one Call waits for the end and answers everything at once).

@@ -54,8 +54,11 @@ log = logging.getLogger("meshnode.daemon")
 #: Task states after which nothing more happens, and the pauses a caller answers.
 _TERMINAL = frozenset({"completed", "failed", "canceled", "rejected", "exhausted"})
 _PAUSED = frozenset({"input_required", "auth_required"})
-#: After the terminal update, how long the rest of a stream may still take to arrive.
+#: After the terminal update, how long the rest of a stream may still take to
+#: arrive (chunks and updates travel on different subjects); shorter when no
+#: chunk came at all (the responder answered without streaming).
 _STREAM_GRACE_S = 5.0
+_NO_STREAM_GRACE_S = 1.0
 #: Subscribed events a slow terminal may fall behind by before older ones are dropped.
 _EVENT_BACKLOG = 1000
 
@@ -146,9 +149,10 @@ class _Terminal:
         stream = asyncio.create_task(pump_stream()) if params.get("stream") is True else None
         result: dict[str, Any] | None = None
         stream_done = stream is None
+        chunks = 0
         try:
             while result is None or not stream_done:
-                waiting = _STREAM_GRACE_S if result is not None else None
+                waiting = None if result is None else _STREAM_GRACE_S if chunks else _NO_STREAM_GRACE_S
                 try:
                     item = await asyncio.wait_for(self._next(queue, updates, stream), timeout=waiting)
                 except TimeoutError:
@@ -160,6 +164,7 @@ class _Terminal:
                 elif item["kind"] == "result":
                     result = item
                 else:
+                    chunks += item["kind"] == "chunk"
                     yield item
         except StreamBroken as exc:
             raise Refused(f"the stream of task {task_id} broke: {exc}", {"code": "DEPENDENCY_FAILED",
