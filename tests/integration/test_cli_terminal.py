@@ -231,3 +231,44 @@ def test_sub_feed_prints_an_agents_feed_entries(meshnode_daemons: DaemonSet) -> 
     (entry,) = [json.loads(line) for line in out.decode().splitlines()]
     assert entry["from"] == a.agent_id("owner") and entry["topic"] == "status" and entry["data"] == {"level": "ok"}
     assert entry["subject"] == f"mesh.feed.{a.agent_id('owner')}.status"
+
+
+def test_artifacts_get_refuses_binary_on_a_terminal(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
+    a = _node(meshnode_daemons)
+    binary, text = tmp_path / "blob.bin", tmp_path / "note.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    text.write_text("plain words\n")
+    refs = {}
+    for path in (binary, text):
+        put = _cli("artifacts", "put", str(path), "--socket", a.socket_path)
+        assert put.returncode == 0, put.stderr
+        refs[path.name] = put.stdout.strip()
+
+    def get_to_terminal(ref: str) -> tuple[int, bytes, str]:
+        controller, terminal = pty.openpty()  # stdout is a terminal
+        try:
+            proc = subprocess.run([sys.executable, "-m", "meshnode.cli", "artifacts", "get", ref,
+                                   "--socket", a.socket_path], stdout=terminal, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, text=True, timeout=60)
+            os.close(terminal)
+            shown = b""
+            while select.select([controller], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # EIO: the terminal's other side is closed and drained
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            return proc.returncode, shown, proc.stderr
+        finally:
+            os.close(controller)
+
+    code, shown, err = get_to_terminal(refs["blob.bin"])
+    assert code == exitcodes.EX_USAGE and shown == b"" and "--out" in err, err
+    code, shown, err = get_to_terminal(refs["note.txt"])
+    assert code == 0 and b"plain words" in shown, err
+    # To a pipe, or with --out, the bytes are written as they are.
+    piped = subprocess.run([sys.executable, "-m", "meshnode.cli", "artifacts", "get", refs["blob.bin"],
+                            "--socket", a.socket_path], capture_output=True, timeout=60)
+    assert piped.returncode == 0 and piped.stdout == binary.read_bytes()

@@ -9,7 +9,7 @@ from typing import Any
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_DATAERR, EX_OK
-from .output import emit_json, render
+from .output import emit_json
 
 
 def register(commands: Any) -> None:
@@ -69,10 +69,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     code, result = _admin(args, "Inbox.Show", {"id": args.id})
     if code == EX_OK:
-        if args.json:
-            emit_json(result)
-        else:
-            render(result)  # the sender's text stays inside its frame, as the daemon gave it
+        # JSON with or without --json: the message in full, the sender's text
+        # inside its frame exactly as the daemon gave it (scripts parse this).
+        emit_json(result)
     return code
 
 
