@@ -1008,7 +1008,8 @@ def test_exit_codes() -> None:
         (ProtocolViolation("junk"), exitcodes.EX_API_MISMATCH),
         (AdminTimeout("slow"), exitcodes.EX_TEMPFAIL),
         (NotReady("starting"), exitcodes.EX_TEMPFAIL),
-        (NotFound("x"), exitcodes.EX_ERROR),
+        # Issue #18: admin errors map to the sysexits table (NotFound was 70 before).
+        (NotFound("x"), exitcodes.EX_DATAERR),
         (AdminError("Chat.RoomFull", "full"), exitcodes.EX_ERROR),
     ]
     for exc, code in cases:
