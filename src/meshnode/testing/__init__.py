@@ -29,8 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.admin.client import call_sync
+from meshnode.testing.waiting import (
+    WaitTimeout,
+    consistently,
+    consistently_async,
+    eventually,
+    eventually_async,
+)
 
-__all__ = ["DaemonProcess", "DaemonSet", "free_port"]
+__all__ = [
+    "DaemonProcess",
+    "DaemonSet",
+    "WaitTimeout",
+    "consistently",
+    "consistently_async",
+    "eventually",
+    "eventually_async",
+    "free_port",
+]
 
 
 def _stop_with_parent() -> None:
