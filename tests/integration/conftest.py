@@ -55,13 +55,6 @@ async def connect(mesh: EmbeddedNatsServer, key: KeyPair, jwt: str) -> MeshConne
     return conn
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 @dataclass
 class ClientErrors:
     """Errors nats-py reports asynchronously (permission violations arrive here)."""

@@ -24,6 +24,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.testing import eventually_async
 from meshnode.transport.embedded import EmbeddedMeshError, EmbeddedNatsServer, find_nats_server
 from meshnode.transport.jwt import decode_jwt, verify_jwt
 from meshnode.transport.permissions import node_inbox_prefix
@@ -33,7 +34,6 @@ from .conftest import (
     NodeFactory,
     connect_with_jwt,
     process_alive,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -332,7 +332,7 @@ async def test_broker_disconnects_when_credential_expires(mesh: EmbeddedNatsServ
         mesh.url, node, jwt, inbox_prefix=node_inbox_prefix(node.public_key)
     )
     try:
-        await wait_until(lambda: client.is_closed, timeout=4)
+        await eventually_async(lambda: client.is_closed, timeout=4)
         assert "expired" in str(client.last_error)
     finally:
         await client.close()
@@ -392,7 +392,7 @@ async def test_cancelling_the_owning_task_stops_the_server(tmp_path: Path) -> No
             await asyncio.Event().wait()
 
     owner = asyncio.create_task(own_the_mesh())
-    await wait_until(lambda: server.is_ready)
+    await eventually_async(lambda: server.is_ready)
     pid = server.pid
     assert pid is not None and process_alive(pid)
     owner.cancel()
@@ -409,7 +409,7 @@ async def test_cancelling_the_supervisor_stops_the_server(tmp_path: Path) -> Non
     assert pid is not None and server._supervisor is not None
     server._supervisor.cancel()
     await asyncio.wait([server._supervisor])
-    await wait_until(lambda: not process_alive(pid), timeout=5)
+    await eventually_async(lambda: not process_alive(pid), timeout=5)
     await server.stop()
 
 
@@ -442,12 +442,12 @@ async def test_crashed_server_is_restarted_on_the_same_port(tmp_path: Path) -> N
             await js.publish("mesh.task.t1.update", b"before the crash")
 
             os.kill(first_pid, signal.SIGKILL)
-            await wait_until(lambda: server.restarts == 1 and server.is_ready, timeout=10)
+            await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=10)
             assert server.port == port
             assert server.pid not in (None, first_pid)
             assert not process_alive(first_pid)
 
-            await wait_until(lambda: client.is_connected, timeout=5)
+            await eventually_async(lambda: client.is_connected, timeout=5)
             stored = await js.get_msg("MESH_TASKS", 1)
             assert stored.data == b"before the crash"
         finally:
@@ -481,7 +481,7 @@ async def test_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
         assert process_alive(child)
         parent.kill()  # SIGKILL: no cleanup code runs in the parent
         await parent.wait()
-        await wait_until(lambda: not process_alive(child), timeout=5)
+        await eventually_async(lambda: not process_alive(child), timeout=5)
     finally:
         if parent.returncode is None:
             parent.kill()

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import PlatformServices, ServiceContext, start_platform_services
-from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, free_port, render_toml
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import (
     EmbeddedNatsServer,
@@ -33,7 +33,7 @@ from meshnode.transport.embedded import (
 )
 from meshnode.transport.jwt import decode_jwt
 
-from .conftest import connect, wait_until
+from .conftest import connect
 from .test_services import Participant, call, signed
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: 
     # From b the exported inbox answers, through the account boundary...
     reply = await tenants.b.conn.request(exported, b"{}", timeout=3.0)
     assert reply.data == b'{"delivered":true}'
-    await wait_until(lambda: received == [exported])
+    await eventually_async(lambda: received == [exported])
     # ...and the private one has no route at all; nor has anything from c.
     for party, subject in ((tenants.b, private), (tenants.c, exported), (tenants.c, private)):
         with pytest.raises(nats.errors.NoRespondersError):

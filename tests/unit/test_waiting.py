@@ -92,3 +92,8 @@ async def test_consistently_async() -> None:
     await consistently_async(lambda: asyncio.sleep(0, result=True), during=0.05)
     with pytest.raises(AssertionError):
         await consistently_async(lambda: False, during=1)
+
+
+def test_a_detail_is_added_to_the_failure() -> None:
+    with pytest.raises(WaitTimeout, match="the counters: 3"):
+        eventually(lambda: False, timeout=0.05, detail=lambda: "the counters: 3")

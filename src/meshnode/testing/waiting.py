@@ -77,9 +77,17 @@ def _short(value: object) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
-def _failure(what: str, timeout: float, last: object, error: BaseException | None) -> WaitTimeout:
+def _failure(
+    what: str, timeout: float, last: object, error: BaseException | None, detail: Callable[[], object] | None
+) -> WaitTimeout:
     seen = f"last error: {type(error).__name__}: {error}" if error is not None else f"last value: {_short(last)}"
-    return WaitTimeout(f"timed out after {timeout:g} s waiting for {what} ({seen})")
+    message = f"timed out after {timeout:g} s waiting for {what} ({seen})"
+    if detail is not None:
+        try:
+            message += f"\n{detail()}"
+        except Exception as exc:  # the failure must still be reported
+            message += f"\n(detail unavailable: {type(exc).__name__}: {exc})"
+    return WaitTimeout(message)
 
 
 class _Poll:
@@ -109,6 +117,7 @@ def eventually(
     timeout: float = DEFAULT_TIMEOUT_S,
     interval: float = _MAX_DELAY_S,
     retry_on: tuple[type[BaseException], ...] = (),
+    detail: Callable[[], object] | None = None,
 ) -> T:
     """Call ``probe`` until it returns something truthy, and return that.
 
@@ -116,7 +125,9 @@ def eventually(
     source). ``retry_on`` lists exceptions that mean "not yet" besides
     ``AssertionError`` (e.g. a call that fails while a mesh heals); any other
     exception propagates at once. Raises :class:`WaitTimeout` after ``timeout``
-    seconds; the probe always gets one last try at the deadline.
+    seconds; the probe always gets one last try at the deadline. ``detail``, if
+    given, is called once on failure and its value added to the message (the
+    state a reader needs to see: a log tail, the counters).
     """
     poll = _Poll(timeout, interval)
     not_yet: tuple[type[BaseException], ...] = (AssertionError, *retry_on)
@@ -132,7 +143,7 @@ def eventually(
                 return last
         delay = poll.next_delay()
         if delay is None:
-            raise _failure(what or _describe(probe), poll.timeout, last, error)
+            raise _failure(what or _describe(probe), poll.timeout, last, error, detail)
         time.sleep(delay)
 
 
@@ -143,6 +154,7 @@ async def eventually_async(
     timeout: float = DEFAULT_TIMEOUT_S,
     interval: float = _MAX_DELAY_S,
     retry_on: tuple[type[BaseException], ...] = (),
+    detail: Callable[[], object] | None = None,
 ) -> T:
     """:func:`eventually` for asyncio tests: the probe may be a plain function or
     return an awaitable (``lambda: manager.read(task_id)``); the loop keeps
@@ -164,7 +176,7 @@ async def eventually_async(
                 return cast(T, last)
         delay = poll.next_delay()
         if delay is None:
-            raise _failure(what or _describe(probe), poll.timeout, last, error)
+            raise _failure(what or _describe(probe), poll.timeout, last, error, detail)
         await asyncio.sleep(delay)
 
 
