@@ -193,13 +193,9 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
         reader = conns[0]  # a service-role connection may read the whole stream
         # The rejoined member may still be catching up: let the streams settle first.
         assert await wait_jetstream_ready(reader.js, timeout=30)
-        consumer = None
-        for _ in range(6):
-            try:
-                consumer = await reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
-                break
-            except (nats.errors.Error, TimeoutError):
-                await asyncio.sleep(1.0)
+        consumer = await eventually_async(
+            lambda: reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True),
+            retry_on=(nats.errors.Error, TimeoutError), interval=1.0, what="an ordered consumer on MESH_TASKS")
         assert consumer is not None, "could not read MESH_TASKS back"
         seen: Counter[str] = Counter()
         acked = {m for m, o in stored.items() if o == "acked"}

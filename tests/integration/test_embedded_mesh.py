@@ -148,12 +148,8 @@ async def test_services_answer_requests_through_the_response_permission(
     # in fifty on nats-server 2.15 answers that publish "no responders", and the
     # next one is delivered. Permissions are what this test is about, so allow
     # that first miss.
-    for _ in range(20):
-        try:
-            reply = await node.client.request("mesh.registry.discover", b"query", timeout=10)
-            break
-        except NoRespondersError:
-            await asyncio.sleep(0.1)
+    reply = await eventually_async(lambda: node.client.request("mesh.registry.discover", b"query", timeout=10),
+                                   retry_on=(NoRespondersError,), what="the registry's subscription visible")
     assert reply.data == b"discovered"
 
     # A participant's JetStream publish gets its PubAck on its private inbox.
@@ -226,10 +222,10 @@ async def test_jetstream_mailbox_for_its_node_only(node_factory: NodeFactory) ->
     # ... captures a request sent while nobody listens ...
     await mallory.client.publish(f"mesh.agent.{agent}.inbox", b"while you were out")
     await mallory.client.flush()
-    for _ in range(100):  # the stream stores asynchronously to the publish
-        if (await admin.stream_info(f"MESH_INBOX_{agent}")).state.last_seq == 1:
-            break
-        await asyncio.sleep(0.02)
+    async def captured() -> bool:  # the stream stores asynchronously to the publish
+        return bool((await admin.stream_info(f"MESH_INBOX_{agent}")).state.last_seq == 1)
+
+    await eventually_async(captured, what="the request captured by the mailbox stream")
 
     # ... and the hosting node drains it through its durable consumer (§18.6),
     # with nothing but its participant grants.

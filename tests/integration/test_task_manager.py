@@ -32,8 +32,8 @@ from meshnode.protocol.tasks import TRANSITIONS, TaskState
 from meshnode.protocol.timeutil import format_ts
 from meshnode.services import RegistryService, ServiceContext, ensure_mesh_streams
 from meshnode.services.task_record import Outcome, Record, Verdict
-from meshnode.services.tasks import TaskManagerService
-from meshnode.testing import eventually_async
+from meshnode.services.tasks import CONSUMER_NAME, TaskManagerService
+from meshnode.testing import consistently_async, eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 
@@ -311,7 +311,12 @@ async def test_an_update_published_while_no_manager_runs_is_applied_when_one_sta
     await world.update(world.responder, task_id, {"status": "submitted"})
     await world.record(task_id)
     await first.stop()
-    await asyncio.sleep(0.5)  # let its last pull request expire
+
+    async def no_pull_waiting() -> bool:  # its last pull request has expired
+        info = await world.service_conn.js.consumer_info("MESH_TASKS", CONSUMER_NAME)
+        return info.num_waiting == 0
+
+    await eventually_async(no_pull_waiting, what="the stopped manager's last pull request expiring")
     await world.update(world.responder, task_id, {"status": "working"})
     second = await world.manager()
     record = await world.record(task_id, lambda r: r["state"] == "working", tm=second)
@@ -340,10 +345,11 @@ async def test_forged_stale_duplicate_and_misaddressed_updates_are_dropped_and_c
 
 
 async def test_a_cancel_that_overtakes_the_first_update_is_applied_once_the_record_exists(world: World) -> None:
-    await world.manager()
+    tm = await world.manager()
     task_id = world.task_id()
     await world.update(world.requester, task_id, {"status": "canceled", "reason": "user_requested"})
-    await asyncio.sleep(0.2)
+    # The cancel arrives first and waits for its record (stashed as an orphan).
+    await eventually_async(lambda: tm.counters["orphans.stashed"] == 1, what="the overtaking cancel stashed")
     await world.update(world.responder, task_id, {"status": "submitted"})
     record = await world.record(task_id, lambda r: r["state"] == "canceled")
     assert record["requester"] == world.requester.public_key
@@ -708,7 +714,8 @@ async def test_two_task_managers_share_the_work_and_lose_no_update(world: World)
         assert len(record["history"]) == len(steps), record["meta"]
         assert not record["meta"].get("rejected_updates")
     await eventually_async(lambda: len(world.events_of("metering.task_completed")) == len(tasks))
-    await asyncio.sleep(0.2)
+    await consistently_async(lambda: len(world.events_of("metering.task_completed")) == len(tasks), during=0.2,
+                             what="no second receipt for any task")
     assert sorted(e["task_id"] for e in world.events_of("metering.task_completed")) == sorted(tasks)
     applied = sum(tm.counters["verdict.created"] + tm.counters["verdict.applied"] + tm.counters["verdict.progress"]
                   for tm in (a, b))
@@ -768,13 +775,21 @@ async def test_concurrent_writers_lose_nothing_one_write_wins_the_loser_reapplie
 
 
 async def test_two_sweeping_managers_mark_a_task_overdue_once(world: World) -> None:
-    await world.manager()
-    await world.manager()
+    managers = [await world.manager(), await world.manager()]
+    sweeps = [0, 0]
+    for n, tm in enumerate(managers):
+        def counted(tm: TaskManagerService = tm, n: int = n) -> Any:
+            sweeps[n] += 1
+            return type(tm).sweep(tm)
+
+        tm.sweep = counted  # type: ignore[method-assign]
     task_id = world.task_id()
     await world.update(world.responder, task_id, {"status": "working"},
                        budget={"revision": 0, "deadline": _deadline(200)})
     await world.record(task_id, lambda r: r["meta"].get("overdue") is True)
-    await asyncio.sleep(0.5)  # several sweeps of both managers
+    marked = list(sweeps)
+    await eventually_async(lambda: all(now >= then + 3 for now, then in zip(sweeps, marked, strict=True)),
+                           what="several sweeps of both managers after the mark")
     assert len(world.events_of("task.overdue", task_id)) == 1
 
 

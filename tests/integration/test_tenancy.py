@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats.errors
 import pytest
@@ -23,7 +24,13 @@ from nats.aio.msg import Msg
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import PlatformServices, ServiceContext, start_platform_services
-from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, free_port, render_toml
+from meshnode.testing import (
+    DaemonProcess,
+    DaemonSet,
+    eventually,
+    eventually_async,
+    render_toml,
+)
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import (
     EmbeddedNatsServer,
@@ -250,12 +257,13 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
 
 
 def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: DaemonSet) -> None:
-    # A fixed broker port: the embedded node restarts below, and the joined node
-    # reconnects to the address it knows.
     a = meshnode_daemons.embedded(
         "a", agents={"echo": {"plugin": "echo"}},
-        extra={"mesh.embedded": {"tenants": ["family"], "port": free_port()}},
+        extra={"mesh.embedded": {"tenants": ["family"]}},
     )
+    # The broker took a free port (port 0); the embedded node restarts below on the
+    # same one, read back here, so the joined node reconnects to the address it knows.
+    broker_port = urlsplit(a.admin("Mesh.Info")["nats_urls"][0]).port
     f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
     echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
     before = f.call(echo, "echo", "hi", timeout=5)
@@ -265,6 +273,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     # The operator exports a's echo to family and f's caller back to mesh (an
     # answer travels to the requester's inbox), then restarts the mesh node.
     a.stop()
+    a.config["mesh.embedded"]["port"] = broker_port
     a.config["mesh.embedded"]["exports"] = [
         {"from": "mesh", "to": "family", "agents": [echo]},
         {"from": "family", "to": "mesh", "agents": [f_cli]},
@@ -278,8 +287,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
         answer.update(f.call(echo, "echo", "hi", timeout=5))
         return answer.get("status") == "completed"
 
-    deadline = time.monotonic() + 60
-    while not answered() and time.monotonic() < deadline:
-        time.sleep(0.5)  # f reconnects and re-registers on its own schedule
+    # f reconnects and re-registers on its own schedule.
+    eventually(answered, timeout=60, interval=0.5, what="f's call across the export answered")
     assert answer["status"] == "completed", answer
     assert answer["from"] == echo and "hi" in str(answer["output"]), answer

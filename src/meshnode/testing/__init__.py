@@ -30,6 +30,7 @@ from typing import Any
 
 from meshnode.admin.client import call_sync
 from meshnode.testing.waiting import (
+    DEFAULT_TIMEOUT_S,
     WaitTimeout,
     consistently,
     consistently_async,
@@ -38,6 +39,7 @@ from meshnode.testing.waiting import (
 )
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "DaemonProcess",
     "DaemonSet",
     "WaitTimeout",
