@@ -44,6 +44,9 @@ REQUIRED_FILES = (
     "manifest-signing.ts-sdk.json",
     "feeds.json",
     "rests-on.json",
+    # Economics and the owner allowance (issue #19).
+    "commerce.json",
+    "allowance.json",
 )
 
 PASSED, FAILED, NOT_IMPLEMENTED, SUPERSEDED = "passed", "failed", "not_implemented", "superseded"
