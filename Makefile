@@ -34,8 +34,10 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(call pytest_and_conformance,$(PYTEST_ARGS))
 
+# The unit tests that start real daemons (the benchmark smoke runs) are marked
+# integration and left to `make test`.
 test-fast: $(STAMP)
-	$(call pytest_and_conformance,tests/unit $(PYTEST_ARGS))
+	$(call pytest_and_conformance,tests/unit -m "not integration" $(PYTEST_ARGS))
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests conformance benchmarks plugins

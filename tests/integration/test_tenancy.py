@@ -256,9 +256,11 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
         "a", agents={"echo": {"plugin": "echo"}},
         extra={"mesh.embedded": {"tenants": ["family"]}},
     )
-    # The broker took a free port (port 0); the embedded node restarts below on the
-    # same one, read back here, so the joined node reconnects to the address it knows.
-    broker_port = urlsplit(a.admin("Mesh.Info")["nats_urls"][0]).port
+    # The broker and the control plane took free ports (port 0); the embedded node
+    # restarts below on the same ones, read back here, so the joined node reconnects
+    # to the addresses it knows.
+    info = a.admin("Mesh.Info")
+    broker_port, control_port = urlsplit(info["nats_urls"][0]).port, urlsplit(info["control_plane"]).port
     f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
     echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
     before = f.call(echo, "echo", "hi", timeout=5)
@@ -268,7 +270,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     # The operator exports a's echo to family and f's caller back to mesh (an
     # answer travels to the requester's inbox), then restarts the mesh node.
     a.stop()
-    a.config["mesh.embedded"]["port"] = broker_port
+    a.config["mesh.embedded"].update(port=broker_port, control_port=control_port)
     a.config["mesh.embedded"]["exports"] = [
         {"from": "mesh", "to": "family", "agents": [echo]},
         {"from": "family", "to": "mesh", "agents": [f_cli]},

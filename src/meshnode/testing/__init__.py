@@ -227,7 +227,10 @@ class DaemonSet:
         """A daemon running the embedded mesh (and the platform services)."""
         workdir = self._workdir(name)
         config = self._base(name, workdir, agents or {}, node)
-        config["mesh.embedded"] = {"port": 0, "control_port": free_port()}
+        # Port 0 for both listeners: each binds a free port itself and Mesh.Info reports
+        # the bound one (no free_port() bind-then-release race). A restart binds anew;
+        # a test that restarts this node under joined ones pins the ports it read back.
+        config["mesh.embedded"] = {"port": 0, "control_port": 0}
         for table, values in (extra or {}).items():
             config.setdefault(table, {}).update(values)
         daemon = DaemonProcess(workdir, name, config)
