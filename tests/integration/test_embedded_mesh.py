@@ -25,7 +25,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.testing import eventually_async
-from meshnode.transport.embedded import EmbeddedMeshError, EmbeddedNatsServer, find_nats_server
+from meshnode.transport.cluster import NatsCluster
+from meshnode.transport.embedded import (
+    ClusterRoutes,
+    EmbeddedMeshError,
+    EmbeddedNatsServer,
+    find_nats_server,
+)
 from meshnode.transport.jwt import decode_jwt, verify_jwt
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -289,6 +295,57 @@ async def test_monitoring_is_opt_in(mesh: EmbeddedNatsServer, tmp_path: Path) ->
         assert health["status"] == "ok"
 
 
+async def test_port_zero_reads_every_bound_port_back_from_nats_server(tmp_path: Path) -> None:
+    # 0 means "any free port" for each listener; what the server bound is read
+    # back from the ports file nats-server writes, and kept for a restart.
+    server = EmbeddedNatsServer(
+        tmp_path / "data",
+        port=0,
+        monitor_port=0,
+        cluster=ClusterRoutes("solo", "127.0.0.1", 0, routes=("nats-route://x.invalid:1",)),
+        restart_backoff_s=(0.05, 0.5),
+    )
+    async with server:
+        ports = server.ports
+        assert ports is not None and ports.monitoring is not None and ports.cluster is not None
+        assert ports.client > 0 and server.port == ports.client
+        assert server.url == f"nats://127.0.0.1:{ports.client}"
+        assert server.monitor_port == ports.monitoring
+        assert server.monitor_url == f"http://127.0.0.1:{ports.monitoring}"
+        assert server.cluster_port == ports.cluster
+        assert len({ports.client, ports.monitoring, ports.cluster}) == 3
+        varz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/varz")
+        assert varz["port"] == ports.client
+        assert varz["cluster"]["cluster_port"] == ports.cluster
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=15)
+        assert server.ports == ports
+
+
+async def test_a_cluster_on_port_zero_routes_its_members_to_each_others_bound_ports(
+    tmp_path: Path,
+) -> None:
+    async with NatsCluster(tmp_path / "c", size=3, ready_timeout_s=20) as cluster:
+        client_ports = [m.port for m in cluster.members]
+        route_ports = [m.cluster_port for m in cluster.members]
+        assert all(client_ports) and all(route_ports)
+        assert cluster.urls == [f"nats://127.0.0.1:{p}" for p in client_ports]
+        recorded = json.loads((tmp_path / "c" / "cluster.json").read_text())
+        assert recorded == {"client_ports": client_ports, "route_ports": route_ports}
+        # Every member now knows the real routes of the others, for its restarts.
+        for i, member in enumerate(cluster.members):
+            assert member.cluster is not None
+            assert sorted(member.cluster.routes) == sorted(
+                f"nats-route://127.0.0.1:{p}" for j, p in enumerate(route_ports) if j != i
+            )
+    # Started again from the same directory, it listens where it did.
+    async with NatsCluster(tmp_path / "c", size=3, ready_timeout_s=20) as again:
+        assert [m.port for m in again.members] == client_ports
+        assert [m.cluster_port for m in again.members] == route_ports
+
+
 def _get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=2) as response:
         body: dict[str, Any] = json.load(response)
@@ -323,12 +380,14 @@ async def test_credential_signed_by_another_account_is_refused(
 
 async def test_broker_disconnects_when_credential_expires(mesh: EmbeddedNatsServer) -> None:
     node = KeyPair.generate(Prefix.USER)
-    jwt = mesh.mint_node_credential(node.public_key, [], 1)
+    # 3 s, not 1: on a loaded machine connecting can take a second or more, and a
+    # credential that lapses during the handshake fails the connect instead.
+    jwt = mesh.mint_node_credential(node.public_key, [], 3)
     client = await connect_with_jwt(
         mesh.url, node, jwt, inbox_prefix=node_inbox_prefix(node.public_key)
     )
     try:
-        await eventually_async(lambda: client.is_closed, timeout=4)
+        await eventually_async(lambda: client.is_closed, what="the broker closing the expired connection")
         assert "expired" in str(client.last_error)
     finally:
         await client.close()
