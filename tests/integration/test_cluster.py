@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 
 from meshnode.protocol.envelope import (
@@ -107,7 +108,14 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             conn = await _connect(cluster, key, jwt, _rotated(urls, i))
             conns.append(conn)
             if i == 0:
-                await ensure_mesh_streams(conn.js, 3)
+                # A meta leader (what the fixture waited for) can be elected by two of
+                # the three servers; R3 placement needs the third to have joined too.
+                async def placed(js: Any = conn.js) -> bool:
+                    await ensure_mesh_streams(js, 3)
+                    return True
+
+                await eventually_async(placed, retry_on=(nats.js.errors.BadRequestError,), interval=0.5,
+                                       what="the R3 mesh streams placed (every server in the meta group)")
             ctx = ServiceContext(
                 connection=conn, key=registry_key, node_id=key.public_key, replicas=3,
                 limiter=SlidingWindowLimiter(limit=1_000_000, window_ms=60_000),
