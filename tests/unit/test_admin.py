@@ -61,6 +61,7 @@ from meshnode.admin.server import (
 )
 from meshnode.cli import exitcodes
 from meshnode.protocol.errors import ProtocolError
+from meshnode.testing import eventually_async
 
 # ------------------------------------------------------------------ fixtures & helpers
 
@@ -849,8 +850,10 @@ async def test_close_finishes_calls_in_flight_and_ends_streams(sock_path: Path) 
 
 async def test_close_cancels_calls_over_budget(sock_path: Path) -> None:
     cancelled = asyncio.Event()
+    started = asyncio.Event()
 
     async def stuck(params: dict[str, Any], call: CallContext) -> None:
+        started.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -862,7 +865,7 @@ async def test_close_cancels_calls_over_budget(sock_path: Path) -> None:
     await server.start()
     raw = await Raw.connect(sock_path)
     await raw.send({"id": 1, "method": "Stuck"})
-    await asyncio.sleep(0.05)
+    await eventually_async(started.is_set, what="the Stuck call running")
     await asyncio.wait_for(server.close(), 3)
     assert cancelled.is_set()
     assert await raw.at_eof()
