@@ -158,14 +158,14 @@ def _host(node: Node, name: str, cls: type[Probe]) -> HostedAgent:
 def harness(tmp_path: Path) -> Iterator[Harness]:
     with asyncio.Runner() as runner:
         conn = RecordingConnection()
+        inbox = InboxStore(tmp_path / "inbox.db", synchronous="OFF")
+        runner.run(inbox.open())
         node = Node(
             settings=NodeSettings(name="fuzz"), node_key=KeyPair.generate(),
             connection=conn,  # type: ignore[arg-type]  # the transport is the one fake
             clock=lambda: NOW_MS,
+            inbox=inbox,
         )
-        inbox = InboxStore(tmp_path / "inbox.db", synchronous="OFF")
-        runner.run(inbox.open())
-        node.inbox = inbox
         h = Harness(runner, node, conn, _host(node, "probe", Probe), _host(node, "desk", Desk))
         try:
             yield h

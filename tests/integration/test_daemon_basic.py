@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from meshnode.config import Config
+from meshnode.daemon.lifecycle import StageFailed
+from meshnode.daemon.main import Daemon
 from meshnode.testing import DaemonSet, run_cli
 
 pytestmark = pytest.mark.integration
@@ -73,3 +77,40 @@ def test_agent_added_at_runtime_gets_a_reminted_credential(meshnode_daemons: Dae
     b.admin("Agents.Remove", {"name": "late"})
     gone = a.admin("Discover", {"agent_ids": [added["id"]]})
     assert gone["agents"] == []
+
+
+def test_status_shows_the_lifecycle_state(
+    meshnode_daemons: DaemonSet,
+) -> None:
+    node = meshnode_daemons.embedded("one", agents={"echo": {"plugin": "echo"}})
+    status = node.status()
+    assert status["state"] == "serving"
+    assert {a["state"] for a in status["agents"]} == {"running"}
+    children = [int(p) for p in os.popen(f"pgrep -P {node.pid}").read().split()]
+    assert node.stop() == 0
+    for pid in children:
+        assert not _alive(pid), f"process {pid} outlived the daemon"
+
+
+async def test_a_start_that_fails_late_stops_what_it_had_started(tmp_path: Path) -> None:
+    # The admin stage (the last) cannot bind under a regular file: by then the
+    # embedded nats-server, the control plane, the connection and the services run.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    config = Config.model_validate({
+        "node": {"data_dir": str(tmp_path / "data")},
+        "mesh": {"embedded": {"port": 0, "control_port": 0}},
+        "admin": {"socket": str(blocker / "admin.sock")},
+    })
+    daemon = Daemon(config)
+    with pytest.raises(StageFailed) as failed:
+        await daemon.start()
+    assert failed.value.stage == "admin"
+    assert daemon.status()["state"] == "failed"
+    assert daemon.embedded is not None
+    pid = daemon.embedded.pid
+    assert pid is not None and _alive(pid)
+    await daemon.stop()
+    assert daemon.embedded.pid is None or not _alive(pid)
+    assert daemon.connection is not None and not daemon.connection.is_connected
+    assert daemon.inbox is not None and daemon.status()["state"] == "failed"

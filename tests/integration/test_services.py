@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy
 from nats.js.errors import NotFoundError
 
+from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
 from meshnode.protocol.attestations import make_vouch
 from meshnode.protocol.envelope import (
     build_envelope,
@@ -32,12 +33,10 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services import (
-    PlatformServices,
     PresenceService,
     RegistryService,
     ServiceContext,
     ensure_mesh_streams,
-    start_platform_services,
 )
 from meshnode.services.query import decode_cursor, encode_cursor, parse_discover_query
 from meshnode.services.semver import VersionRange
@@ -139,7 +138,7 @@ async def net(mesh: EmbeddedNatsServer) -> AsyncIterator[Mesh]:
 
 @pytest.fixture
 async def platform(net: Mesh) -> AsyncIterator[PlatformServices]:
-    services = await start_platform_services(net.context(), heartbeat_interval_s=HEARTBEAT_S)
+    services = await start_platform_services(net.context(), PlatformSettings(heartbeat_interval_s=HEARTBEAT_S))
     try:
         yield services
     finally:

@@ -20,9 +20,10 @@ import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
+from meshnode.daemon.platform import PlatformServices, start_platform_services
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.services import PlatformServices, ServiceContext, start_platform_services
+from meshnode.services import ServiceContext
 from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import (

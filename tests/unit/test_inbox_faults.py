@@ -111,11 +111,10 @@ async def test_write_behind_keeps_its_backlog_while_unwritable(tmp_path: Path) -
 async def test_an_interactive_request_the_inbox_cannot_hold_is_left_to_the_buffer(tmp_path: Path) -> None:
     """Live: not held, so no queued ack and not remembered; the drained copy is then held."""
     conn = RecordingConnection()
-    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
-                connection=conn, clock=lambda: NOW)  # type: ignore[arg-type]
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
-    node.inbox = store
+    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+                connection=conn, clock=lambda: NOW, inbox=store)  # type: ignore[arg-type]
     desk = _host(node, "desk", Desk)
     sender = KeyPair.generate()
     env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NOW, to=desk.agent_id,

@@ -35,14 +35,13 @@ from typing import Any
 
 import orjson
 
-from meshnode.cli.exitcodes import (
+from .exitcodes import (
     EX_API_MISMATCH,
     EX_ERROR,
     EX_NOPERM,
     EX_NOT_RUNNING,
     EX_TEMPFAIL,
 )
-
 from .protocol import (
     API_VERSION,
     MAX_LINE_BYTES,
@@ -325,7 +324,7 @@ def call_sync(
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The CLI exit code for an admin failure (see :mod:`meshnode.cli.exitcodes`)."""
+    """The CLI exit code for an admin failure (see :mod:`meshnode.admin.exitcodes`)."""
     if isinstance(exc, AdminConnectionError):
         return EX_NOT_RUNNING
     if isinstance(exc, PermissionDenied):

@@ -1,5 +1,8 @@
 """The admin server: the daemon's Unix-socket JSON API (see :mod:`.protocol`).
 
+The method table is :mod:`.methods`, who the peer is :mod:`.peers`; their
+names are re-exported here, where the daemon has always imported them.
+
 The daemon builds a :class:`MethodRegistry`, adds its methods, and runs an
 :class:`AdminServer` on it::
 
@@ -25,15 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import inspect
 import logging
 import os
-import pwd
 import secrets
 import socket
 import stat
-import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ from meshnode import __version__
 from meshnode.protocol.canonical import CanonicalJSONError
 from meshnode.protocol.errors import ProtocolError
 
+from .methods import CallContext, Method, MethodFn, MethodRegistry, param
+from .peers import PeerCredentials, PeerCredentialsFn, peer_in_group, so_peercred
 from .protocol import (
     API_VERSION,
     MAX_LINE_BYTES,
@@ -56,11 +58,9 @@ from .protocol import (
     PermissionDenied,
     Refused,
     Request,
-    RequestId,
     decode,
     encode,
     error_reply,
-    is_valid_method_name,
     parse_request,
     result_reply,
 )
@@ -88,235 +88,6 @@ _MAX_SOCKET_PATH = 107
 _FAREWELL_TIMEOUT = 1.0
 
 
-# --------------------------------------------------------------------------- peers
-
-
-@dataclass(frozen=True, slots=True)
-class PeerCredentials:
-    """The kernel's word on who is at the other end of a connection."""
-
-    pid: int
-    uid: int
-    gid: int
-    #: Supplementary groups of the peer process at connect time (SO_PEERGROUPS), if known.
-    groups: tuple[int, ...] = ()
-
-
-#: Looks up a connected socket's peer; the default is :func:`so_peercred`.
-PeerCredentialsFn = Callable[[socket.socket], PeerCredentials]
-
-_UCRED = struct.Struct("3i")
-
-
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
-
-
-def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
-    """The peer process's supplementary groups as the kernel recorded them at
-    ``connect()`` — what ``newgrp``/``sg``/``setgroups`` actually granted it,
-    not what the user database says. Empty when the kernel cannot say."""
-    size = 64 * 4
-    for _ in range(4):
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
-        except OSError as exc:
-            if exc.errno == 34 and size < 65536 * 4:  # ERANGE: more groups than the buffer holds
-                size *= 8
-                continue
-            return ()
-        count = len(raw) // 4
-        return struct.unpack(f"{count}I", raw[: count * 4])
-    return ()
-
-
-def so_peercred(sock: socket.socket) -> PeerCredentials:
-    """The peer's credentials via ``SO_PEERCRED`` (Linux), captured at ``connect()``."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    pid, uid, gid = _UCRED.unpack(raw)
-    return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
-
-
-def peer_in_group(uid: int, gid: int, group_gid: int) -> bool:
-    """Whether a peer (``uid``, primary ``gid``) belongs to ``group_gid``.
-
-    ``SO_PEERCRED`` only reports the primary gid, so supplementary membership
-    comes from the user database (``os.getgrouplist``). May block on NSS
-    (LDAP, sssd): call it off the event loop.
-    """
-    if gid == group_gid:
-        return True
-    try:
-        user = pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    try:
-        return group_gid in os.getgrouplist(user.pw_name, user.pw_gid)
-    except OSError:
-        return False
-
-
-def _resolve_group(group: str) -> int:
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        if group.isdigit():
-            return int(group)
-        raise AdminSocketError(f"admin socket group {group!r} does not exist") from None
-
-
-# --------------------------------------------------------------------------- methods
-
-
-class CallContext:
-    """What a method knows about the call it is serving."""
-
-    def __init__(
-        self,
-        *,
-        peer: PeerCredentials,
-        level: Level,
-        method: str,
-        request_id: RequestId,
-        sender: Callable[[Any], Awaitable[None]] | None,
-    ) -> None:
-        self.peer = peer
-        self.level = level
-        self.method = method
-        self.request_id = request_id
-        self._sender = sender
-
-    @property
-    def uid(self) -> int:
-        return self.peer.uid
-
-    @property
-    def gid(self) -> int:
-        return self.peer.gid
-
-    @property
-    def pid(self) -> int:
-        return self.peer.pid
-
-    @property
-    def streaming(self) -> bool:
-        """True when the client accepts several replies (it sent ``more: true``)."""
-        return self._sender is not None
-
-    async def send(self, result: Any) -> None:
-        """Send an intermediate reply (``continues: true``) for a streaming call.
-
-        Waits while the client is slow to read (back-pressure). Raises
-        ``RuntimeError`` if the call is not streaming.
-        """
-        if self._sender is None:
-            raise RuntimeError(f"{self.method}: intermediate replies need a streaming call")
-        await self._sender(result)
-
-
-#: ``async def (params, call) -> result``, or an async generator for streaming.
-MethodFn = Callable[[dict[str, Any], CallContext], Awaitable[Any] | AsyncIterator[Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    """One registered method."""
-
-    name: str
-    fn: MethodFn
-    level: Level
-    streaming: bool
-    doc: str
-
-
-class MethodRegistry:
-    """The methods an :class:`AdminServer` serves; the daemon and plugins add to it.
-
-    Adding or removing methods while the server runs is allowed; a call
-    already in progress keeps the method it started with.
-    """
-
-    def __init__(self) -> None:
-        self._methods: dict[str, Method] = {}
-
-    def add(
-        self,
-        name: str,
-        fn: MethodFn,
-        *,
-        level: Level | str = Level.READ,
-        streaming: bool = False,
-        doc: str = "",
-    ) -> Method:
-        """Register ``fn`` as method ``name``.
-
-        ``name`` is CamelCase, dotted for plugins (``Chat.Send``). ``level`` is the
-        minimum access level (``read``, ``operator``, ``admin``). ``doc`` should
-        state the params and result shape: it is the public contract. Raises
-        ``ValueError`` for a bad or taken name, ``TypeError`` for a non-async ``fn``
-        or an async generator not declared ``streaming``.
-        """
-        if not is_valid_method_name(name):
-            raise ValueError(f"invalid admin method name {name!r} (CamelCase, dotted)")
-        if name in self._methods:
-            raise ValueError(f"admin method {name!r} is already registered")
-        is_generator = inspect.isasyncgenfunction(fn)
-        if not (is_generator or inspect.iscoroutinefunction(fn)):
-            raise TypeError(f"admin method {name!r} must be an async function")
-        if is_generator and not streaming:
-            raise TypeError(f"admin method {name!r} is an async generator: add streaming=True")
-        method = Method(name, fn, Level.parse(level), streaming, inspect.cleandoc(doc))
-        self._methods[name] = method
-        return method
-
-    def remove(self, name: str) -> None:
-        """Unregister ``name`` (a no-op if absent)."""
-        self._methods.pop(name, None)
-
-    def get(self, name: str) -> Method | None:
-        return self._methods.get(name)
-
-    def names(self) -> list[str]:
-        """Every method name, sorted."""
-        return sorted(self._methods)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._methods
-
-    def __iter__(self) -> Iterator[Method]:
-        return iter([self._methods[name] for name in self.names()])
-
-    def __len__(self) -> int:
-        return len(self._methods)
-
-
-_MISSING: Any = object()
-
-
-def param(
-    params: Mapping[str, Any],
-    name: str,
-    kind: type | tuple[type, ...],
-    default: Any = _MISSING,
-) -> Any:
-    """Fetch ``params[name]`` checked against ``kind``; :class:`InvalidParameter` if not.
-
-    ``default`` makes the member optional. Booleans are not accepted as ints.
-    """
-    if name not in params:
-        if default is _MISSING:
-            raise InvalidParameter(f"missing parameter {name!r}", {"parameter": name})
-        return default
-    value = params[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    bool_as_number = isinstance(value, bool) and bool not in kinds
-    if bool_as_number or not isinstance(value, kinds):
-        expected = " or ".join(k.__name__ for k in kinds)
-        raise InvalidParameter(
-            f"parameter {name!r} must be {expected}", {"parameter": name, "expected": expected}
-        )
-    return value
-
-
 # --------------------------------------------------------------------------- errors
 
 
@@ -330,6 +101,15 @@ class SocketInUse(AdminSocketError):
 
 class _PeerGone(Exception):
     """The client went away; nothing more can be sent on this connection."""
+
+
+def _resolve_group(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise AdminSocketError(f"admin socket group {group!r} does not exist") from None
 
 
 # --------------------------------------------------------------------------- connections

@@ -17,8 +17,8 @@ from .exitcodes import EX_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here so that ``meshnode.cli.exitcodes`` can be imported on its own
-    # (the admin client uses it) without pulling in every command module.
+    # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
+    # its modules) alone does not pull in every command module.
     from . import a2a, artifacts, daemon, envelope, inbox, mesh, ops
 
     parser = argparse.ArgumentParser(

@@ -1,5 +1,5 @@
-"""The artifact store on a node: the service an embedded-mesh node runs, and the
-admin methods behind ``meshnode artifacts`` (§7.5, §18.5, §18.7).
+"""The admin methods behind ``meshnode artifacts`` (§7.5, §18.5, §18.7); the
+store itself is one of the platform services (:mod:`meshnode.daemon.platform`).
 
 Every admin method speaks to the store as the node's CLI identity (``cli``),
 so the store sees an ordinary registered agent: the writer is ``cli``, the
@@ -48,49 +48,18 @@ from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.node.artifacts import ArtifactClient
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.protocol import subjects
-from meshnode.services.artifacts import ArtifactLimits, ArtifactService
-from meshnode.services.base import ServiceContext
+from meshnode.services.artifacts import ArtifactService
 
 if TYPE_CHECKING:
-    from meshnode.config import ArtifactsConfig
     from meshnode.daemon.main import Daemon
-    from meshnode.services.registry import RegistryService
 
-__all__ = ["ADMIN_PIECE", "artifact_limits", "register_artifact_methods", "start_artifact_service"]
+__all__ = ["ADMIN_PIECE", "register_artifact_methods"]
 
 #: Raw bytes per admin message (base64 of it stays well under the 1 MiB line limit).
 ADMIN_PIECE = 512 * 1024
 #: How long a put through the admin socket may take (the last chunk reads the object back).
 _PUT_TIMEOUT_S = 120.0
 _PUT_KEYS = frozenset({"data", "media_type", "name", "digest", "retention_s", "size", "upload", "seq", "abort"})
-
-
-def artifact_limits(config: ArtifactsConfig) -> ArtifactLimits:
-    """The service's limits from ``[artifacts]``."""
-    return ArtifactLimits(
-        quota_bytes=config.quota_bytes,
-        quota_objects=config.quota_objects,
-        max_object_bytes=config.max_object_size,
-        default_retention_s=int(config.default_retention.total_seconds()),
-        max_retention_s=int(config.max_retention.total_seconds()),
-        upload_idle_s=config.upload_idle.total_seconds(),
-        sweep_interval_s=config.sweep_interval.total_seconds(),
-    )
-
-
-async def start_artifact_service(
-    ctx: ServiceContext, registry: RegistryService, config: ArtifactsConfig
-) -> ArtifactService:
-    """Start the store with owners resolved from ``registry``'s cache (§7.5.2, §8.6)."""
-
-    async def owner_of(agent_id: str) -> str | None:
-        manifest = registry.manifest(agent_id)
-        owner = manifest.get("owner") if manifest is not None else None
-        return owner if isinstance(owner, str) and owner else None
-
-    service = ArtifactService(ctx, owner_of=owner_of, limits=artifact_limits(config))
-    await service.start()
-    return service
 
 
 def register_artifact_methods(daemon: Daemon, methods: MethodRegistry) -> None:

@@ -1,21 +1,38 @@
-"""Named lifecycle stages with time budgets.
+"""Named lifecycle stages with time budgets, and the daemon's lifecycle state.
 
 Start-up and shutdown are sequences of named stages. A stage that overruns its
 budget is logged with what it was doing and abandoned; shutdown goes on to the
 next stage regardless, so one stuck component cannot keep the process alive
 past systemd's ``TimeoutStopSec``. The shutdown budgets are declared here so a
 test can check that they add up to less than the unit's stop timeout.
+
+Shutdown is derived from start-up: each start stage, as it brings something
+up, pushes the undo onto :class:`Shutdown` under the named shutdown stage it
+belongs to (an inbox is closed in ``final-write``, a connection in
+``close-connection``). Stopping runs the named stages in order, each one
+unwinding its own :class:`contextlib.AsyncExitStack` last-in first-out within
+its budget, so only what started is stopped, and in reverse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-__all__ = ["SHUTDOWN_BUDGETS", "Stage", "StageFailed", "run_stage", "shutdown_budget_total"]
+__all__ = [
+    "SHUTDOWN_BUDGETS",
+    "DaemonState",
+    "Shutdown",
+    "Stage",
+    "StageFailed",
+    "run_stage",
+    "shutdown_budget_total",
+]
 
 log = logging.getLogger("meshnode.lifecycle")
 
@@ -32,6 +49,48 @@ SHUTDOWN_BUDGETS: dict[str, float] = {
 
 def shutdown_budget_total() -> float:
     return sum(SHUTDOWN_BUDGETS.values())
+
+
+class DaemonState(enum.StrEnum):
+    """Where the daemon is in its life (admin ``Status``: ``state``)."""
+
+    CREATED = "created"
+    STARTING = "starting"
+    #: Every start stage done; READY=1 sent to systemd.
+    SERVING = "serving"
+    #: Applying a new configuration (systemd RELOADING=1); still serving.
+    RELOADING = "reloading"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    #: A start stage failed; the daemon is stopping what it started.
+    FAILED = "failed"
+
+
+class Shutdown:
+    """The undo of everything started, grouped by named shutdown stage.
+
+    ``push(stage, undo)`` records an undo under one of
+    :data:`SHUTDOWN_BUDGETS`; :meth:`run` runs the stages in order, each within
+    its budget, each unwinding its undos in reverse. Running twice does nothing
+    the second time (every stack is emptied as it runs).
+    """
+
+    def __init__(self, budgets: dict[str, float] | None = None) -> None:
+        self.budgets = dict(budgets or SHUTDOWN_BUDGETS)
+        self._stacks = {name: contextlib.AsyncExitStack() for name in self.budgets}
+
+    def push(self, stage: str, undo: Callable[[], Awaitable[object]]) -> None:
+        """Run ``undo`` in shutdown stage ``stage`` (after undos pushed later)."""
+
+        async def call() -> None:
+            await undo()
+
+        self._stacks[stage].push_async_callback(call)
+
+    async def run(self) -> None:
+        for name, budget in self.budgets.items():
+            stack, self._stacks[name] = self._stacks[name], contextlib.AsyncExitStack()
+            await run_stage(Stage(name, budget, stack.aclose), critical=False)
 
 
 class StageFailed(Exception):

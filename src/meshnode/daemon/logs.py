@@ -4,6 +4,8 @@ place; this module only shapes what is logged."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import logging
 import os
@@ -76,10 +78,8 @@ class LogBuffer(logging.Handler):
 
     def __init__(self, capacity: int = 2000, follower_queue: int = 1000) -> None:
         super().__init__(level=logging.DEBUG)
-        import collections
-
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
-        self._followers: set[Any] = set()
+        self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._follower_queue = follower_queue
         self.dropped = 0
 
@@ -97,14 +97,12 @@ class LogBuffer(logging.Handler):
             except Exception:
                 self.dropped += 1
 
-    def follow(self) -> Any:
-        import asyncio
-
+    def follow(self) -> asyncio.Queue[dict[str, Any]]:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=self._follower_queue)
         self._followers.add(queue)
         return queue
 
-    def unfollow(self, queue: Any) -> None:
+    def unfollow(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self._followers.discard(queue)
 
 

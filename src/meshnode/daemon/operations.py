@@ -20,7 +20,9 @@ from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.config import ConfigError, load_config
 from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.node.builtin import CLI_AGENT_NAME
+from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import prometheus_text
+from meshnode.node.runtime import Node
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -65,12 +67,12 @@ class _Operations:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def _node(self) -> Any:
+    def _node(self) -> Node:
         if self.daemon.node is None:
             raise NotFound("the node is not running")
         return self.daemon.node
 
-    def _hosted(self, params: dict[str, Any]) -> Any:
+    def _hosted(self, params: dict[str, Any]) -> HostedAgent:
         name = params.get("name")
         if not isinstance(name, str):
             raise InvalidParameter("name is required")
@@ -155,7 +157,8 @@ class _Operations:
         tasks = []
         for hosted in node.agents.values():
             for task in hosted.tasks.values():
-                payload = task.request.get("payload") if isinstance(task.request.get("payload"), dict) else {}
+                raw = task.request.get("payload")
+                payload: dict[str, Any] = raw if isinstance(raw, dict) else {}
                 tasks.append({"task_id": task.task_id, "agent": hosted.name, "requester": task.requester,
                               "state": task.state, "offering": payload.get("offering"),
                               "delegates": [t for _, t in task.delegates]})
@@ -182,7 +185,7 @@ class _Operations:
     async def tasks_cancel(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()
         task_id, agent, reason = params.get("task_id"), params.get("agent"), params.get("reason", "user_requested")
-        if not all(isinstance(v, str) for v in (task_id, agent, reason)):
+        if not (isinstance(task_id, str) and isinstance(agent, str) and isinstance(reason, str)):
             raise InvalidParameter("task_id, agent and reason are strings")
         local = node.agents.get(agent)
         performer = local.agent_id if local is not None else agent

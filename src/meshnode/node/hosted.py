@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 
 from meshnode.agent import Agent, Event, OfferingSpec
+from meshnode.aio import BackgroundTasks
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.metrics import LatencyHistogram
+from meshnode.node.states import AgentState
 from meshnode.node.tasks import ResponderTask, new_task_id, propagated
 from meshnode.protocol.accept import build_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
@@ -95,7 +97,7 @@ class HostedAgent:
         self.vouch: dict[str, Any] = {}
         self.registered = False
         self.registration_error: str | None = None
-        self.state = "starting"
+        self.state: AgentState = AgentState.STARTING
         self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
@@ -106,7 +108,7 @@ class HostedAgent:
         # Events get their own duplicate memory (§22.2): a flood of events must
         # not evict the entries that keep requests from running twice.
         self.event_guard: InboundGuard = node.new_guard(key.public_key)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self.subscriptions: list[Any] = []
         # Tasks this agent is performing (§7), by task id, with the asyncio task
         # running each handler so a cancel can stop it.
@@ -117,9 +119,7 @@ class HostedAgent:
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         """Run work owned by this agent; cancelled when the agent stops."""
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task: asyncio.Task[None] = self._tasks.spawn(coro, name=name)
         return task
 
     @property

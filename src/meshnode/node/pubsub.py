@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import Event
+from meshnode.aio import BackgroundTasks
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import (
     decode_envelope,
@@ -106,7 +107,7 @@ class PubSub:
         # The newest state value each agent has seen per feed, so a snapshot
         # read after the subscription delivered something newer returns that.
         self._latest: OrderedDict[tuple[str, str, str], Mapping[str, Any]] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
 
     # -- the emit side ---------------------------------------------------------------
 
@@ -462,15 +463,10 @@ class PubSub:
     # -- housekeeping ----------------------------------------------------------------------
 
     def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
 
 
 def _feed_event(subject: str, env: Mapping[str, Any], payload: FeedPayload) -> Event:

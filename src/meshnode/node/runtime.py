@@ -23,6 +23,7 @@ import nats.errors
 import orjson
 
 from meshnode.agent import Agent, AgentSettings
+from meshnode.aio import backoff
 from meshnode.node.drain import InboxDrain
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
@@ -30,6 +31,7 @@ from meshnode.node.observe import Observability
 from meshnode.node.outbound import PendingRequests, RemoteError, Reply
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pubsub import PubSub
+from meshnode.node.states import AgentState
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
 from meshnode.protocol.accept import is_queued_ack
@@ -85,6 +87,8 @@ class NodeSettings:
     #: Emits (events and feeds) per agent per subject per window (§6.6).
     emit_limit: int = 600
     emit_window_ms: int = 60_000
+    #: Seconds between passes of each agent's mailbox drain (§16.4).
+    drain_interval_s: float = 60.0
 
 
 class Node:
@@ -97,6 +101,10 @@ class Node:
         node_key: KeyPair,
         connection: MeshConnection,
         clock: Callable[[], int] = wall_clock_ms,
+        inbox: InboxStore | None = None,
+        check_sender_vouch: bool = False,
+        trust_attestation: dict[str, Any] | None = None,
+        a2a: A2AOutbound | None = None,
     ) -> None:
         self.settings = settings
         self.key = node_key
@@ -117,21 +125,22 @@ class Node:
         self._status_waiters: dict[str, tuple[str, bool]] = {}
         self._status_prefix: str | None = None
         self._status_lock = asyncio.Lock()
-        self.inbox: InboxStore | None = None
+        self.inbox: InboxStore | None = inbox
         self._sent: dict[tuple[str, str], list[int]] = {}
-        self.trust: VouchMemo | None = None
+        # Senders' vouches checked against the registry (§9.2), when configured.
+        self.trust: VouchMemo | None = VouchMemo(self) if check_sender_vouch else None
         #: The operator-signed §9.7 attestation of this node (trust_tier, role),
         #: carried in every manifest's ``node`` member for any verifier; None
         #: when the mesh issued none.
-        self.trust_attestation: dict[str, Any] | None = None
+        self.trust_attestation: dict[str, Any] | None = trust_attestation
         # Events and feeds (meshnode.node.pubsub); observability publishing is
         # None unless the operator turned some of it on (meshnode.node.observe).
         self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
-        self.drain_interval_s = 60.0
-        # The outbound A2A bridge ([a2a.peers]); None until the daemon configures it.
-        self.a2a: A2AOutbound | None = None
+        self.drain_interval_s = settings.drain_interval_s
+        # The outbound A2A bridge ([a2a.peers]); None when no peer is configured.
+        self.a2a: A2AOutbound | None = a2a
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -238,9 +247,9 @@ class Node:
                 # The manifest's accepts are the patterns the agent subscribes to.
                 tail = pattern.removeprefix("mesh.event.")
                 await self.subscribe_events(hosted, tail, durable=True)
-            hosted.state = "running"
+            hosted.state = AgentState.RUNNING
         except Exception as exc:
-            hosted.state = "failed"
+            hosted.state = AgentState.FAILED
             hosted.failure = f"{type(exc).__name__}: {exc}"
             await self._unsubscribe(hosted)
             raise
@@ -278,7 +287,7 @@ class Node:
                 await self.deregister(hosted)
             except Exception as exc:
                 log.warning("deregistering %s failed: %s", name, exc)
-        hosted.state = "stopped"
+        hosted.state = AgentState.STOPPED
         del self.agents[name]
         self.by_id.pop(hosted.agent_id, None)
         self.pubsub.forget(hosted)
@@ -716,8 +725,8 @@ class Node:
         # loses the ack of a publish in flight: the update was often stored, but
         # raising here dropped a task's final answer (the soak found it). Retry
         # with the same Nats-Msg-Id: MESH_TASKS deduplicates a stored repeat.
-        delay, deadline = 0.2, time.monotonic() + 20.0
-        while True:
+        deadline = time.monotonic() + 20.0
+        for delay in backoff(0.2, 2.0):
             try:
                 await self.connection.js.publish(subject, data, headers=headers)
                 return
@@ -727,7 +736,6 @@ class Node:
                     raise
                 log.info("task update %s not acked (%s); retrying", env.get("id"), type(exc).__name__)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     async def publish_chunk(
         self,

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+import meshnode
 from meshnode.agent import Agent, AgentSettings, Context, Event
 from meshnode.plugins import hookimpl
 from meshnode.protocol.nkeys import is_valid_public
@@ -139,8 +140,6 @@ class SpanBridge:
 
     def __init__(self, exporter: Any, *, service_name: str = "agentmesh", batch_size: int = 256) -> None:
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-
-        import meshnode
 
         self.exporter = exporter
         self.service_name = service_name

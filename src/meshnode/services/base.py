@@ -36,6 +36,7 @@ import orjson
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from meshnode.aio import BackgroundTasks, backoff
 from meshnode.protocol.envelope import (
     IdGenerator,
     build_envelope,
@@ -121,7 +122,7 @@ class ServiceBase:
         self.log = ctx.log.getChild(name)
         self._dedup = DedupMemory(dedup_entries)
         self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self._running = False
 
     # -- lifecycle -----------------------------------------------------------
@@ -139,11 +140,8 @@ class ServiceBase:
                 await sub.unsubscribe()
             except Exception as exc:  # a closed connection has nothing left to unsubscribe
                 self.log.debug("unsubscribe failed: %s", exc)
-        tasks, self._tasks = list(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        tasks, self._tasks = self._tasks, BackgroundTasks()
+        await tasks.cancel()
 
     def spawn(self, job: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:
         """Run ``job()`` in the background until :meth:`stop`; an error is logged."""
@@ -156,10 +154,7 @@ class ServiceBase:
             except Exception:
                 self.log.exception("%s stopped on an error", name)
 
-        task = asyncio.get_running_loop().create_task(run(), name=f"{self.name}:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(run(), name=f"{self.name}:{name}")
 
     async def open_watch(self, kv: KeyValue, what: str) -> KeyValue.KeyWatcher:
         """``kv.watchall()``, retried with backoff while the service runs.
@@ -169,8 +164,7 @@ class ServiceBase:
         watch task would end there and the service would answer from a copy
         that never updates again.
         """
-        delay = 0.5
-        while True:
+        for delay in backoff(0.5, 5.0):
             try:
                 return await kv.watchall()
             except asyncio.CancelledError:
@@ -180,7 +174,7 @@ class ServiceBase:
                     raise
                 self.log.warning("watching %s failed (%s); retrying in %.1fs", what, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable: backoff() is endless")
 
     # -- subscriptions -------------------------------------------------------
 

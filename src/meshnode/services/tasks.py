@@ -87,6 +87,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from meshnode.aio import backoff
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import DEADLINE_SKEW_TOLERANCE_MS
 from meshnode.protocol.envelope import build_envelope, child_trace, encode_envelope
@@ -385,7 +386,7 @@ class TaskManagerService(ServiceBase):
             await _ack(msg)
             return
         outcome: Outcome | None = None
-        for attempt in range(_APPLY_ATTEMPTS):
+        for attempt, delay in zip(range(_APPLY_ATTEMPTS), backoff(0.25), strict=False):
             try:
                 outcome = await self._apply(parsed.task_id, env, stored_ms)
                 break
@@ -395,7 +396,7 @@ class TaskManagerService(ServiceBase):
                 # of the same Task overtake this one.
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
-                await asyncio.sleep(0.25 * 2**attempt)
+                await asyncio.sleep(delay)
         if outcome is None:
             self.counters["apply_failed"] += 1
             with contextlib.suppress(Exception):

@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshnode.daemon.credentials import store_credential
+from meshnode.keystore import FileKeyStore
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
 from meshnode.transport.cluster import NatsCluster, free_port
@@ -145,9 +147,6 @@ class LocalCluster:
         A service node gets the service role at its first renewal (start-up)
         and the shared service keys; every node gets all the members' URLs.
         """
-        from meshnode.daemon.credentials import store_credential
-        from meshnode.keystore import FileKeyStore
-
         work = Path(workdir).absolute()
         data_dir = work / "data"
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

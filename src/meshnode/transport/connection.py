@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
+from meshnode.aio import BackgroundTasks
 from meshnode.protocol.nkeys import KeyPair
 
 __all__ = ["ConnectionListener", "MeshConnection", "Msg", "Subscription"]
@@ -67,7 +68,7 @@ class MeshConnection:
         self._error_listeners: list[Callable[[str], None]] = []
         self._lost_listeners: list[Callable[[], None]] = []
         self._closing = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self.last_error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------
@@ -227,9 +228,7 @@ class MeshConnection:
         async def run() -> None:
             await coro
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(run())
 
     async def _on_error(self, exc: Exception) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from meshnode.aio import backoff
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public
 
 from .jwt import (
@@ -900,7 +901,8 @@ class EmbeddedNatsServer:
         return bool(info.get("jetstream"))
 
     async def _supervise(self, binary: Path) -> None:
-        backoff = self.restart_backoff_s[0]
+        delays = backoff(*self.restart_backoff_s)
+        delay = next(delays)
         try:
             while True:
                 process = self._process
@@ -910,19 +912,20 @@ class EmbeddedNatsServer:
                 if self._stopping:
                     return
                 if time.monotonic() - self._started_at >= self.stable_after_s:
-                    backoff = self.restart_backoff_s[0]
+                    delays = backoff(*self.restart_backoff_s)  # a stable run starts the delays over
+                    delay = next(delays)
                 log.error(
                     "nats-server pid %d exited unexpectedly with status %s; restarting in %.1fs",
-                    process.pid, status, backoff,
+                    process.pid, status, delay,
                 )
                 while True:
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.restart_backoff_s[1])
+                    await asyncio.sleep(delay)
+                    delay = next(delays)
                     try:
                         await self._launch(binary)
                     except (EmbeddedMeshError, OSError) as exc:
                         await self._terminate()
-                        log.error("nats-server restart failed; retrying in %.1fs: %s", backoff, exc)
+                        log.error("nats-server restart failed; retrying in %.1fs: %s", delay, exc)
                         continue
                     self.restarts += 1
                     break

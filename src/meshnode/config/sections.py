@@ -1,0 +1,391 @@
+"""The schema's tables: ``[node]``, ``[mesh]``, ``[registry]`` ... ``[observability]``
+and ``[agents.<name>]`` (see :mod:`meshnode.config`)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.functional_validators import BeforeValidator
+
+from .values import (
+    _PATH_SCHEMA,
+    _PLUGIN_NAME,
+    ByteSize,
+    DirPath,
+    Duration,
+    NatsUrl,
+    OptionalDuration,
+    OptionalFilePath,
+    OptionalHttpUrl,
+    SocketMode,
+    _choice,
+    _choice_schema,
+    _default_data_dir_factory,
+    _hostname,
+    _optional_dir_path,
+    _optional_group,
+    _optional_socket_path,
+    format_size,
+)
+
+__all__ = [
+    "AdminConfig",
+    "AgentConfig",
+    "ArtifactsConfig",
+    "EmbeddedMeshConfig",
+    "EventsConfig",
+    "InboxConfig",
+    "KeystoreConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "NodeConfig",
+    "ObservabilityConfig",
+    "ProtectionsConfig",
+    "RegistryConfig",
+    "ServicesConfig",
+]
+
+
+# --------------------------------------------------------------------------- the schema
+
+_FORBID = ConfigDict(extra="forbid")
+
+
+class NodeConfig(BaseModel):
+    """``[node]``: this host's identity and timing."""
+
+    model_config = _FORBID
+
+    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(default_factory=_hostname)
+    """Display name; defaults to the host name."""
+    data_dir: DirPath = Field(default_factory=_default_data_dir_factory)
+    """State directory (inbox, keys). ``$MESHNODE_DATA_DIR`` overrides the file."""
+    availability_class: Annotated[
+        Literal["always_on", "intermittent", "on_demand"] | None,
+        _choice("always_on", "intermittent", "on_demand", optional=True),
+        _choice_schema("always_on", "intermittent", "on_demand", optional=True),
+    ] = None
+    """Declared availability; None (absent) means undeclared."""
+    vouch_ttl: OptionalDuration = None
+    """Explicit vouch lifetime; None lets the runtime choose."""
+    heartbeat_interval: Duration = timedelta(seconds=30)
+    strict_plugins: bool = False
+    """Fail fast on a broken plugin instead of logging and skipping it (development)."""
+    plugin_modules: list[
+        Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")]
+    ] = Field(default_factory=list)
+    """Extra plugins to load as if installed (``"package.module"`` or
+    ``"package.module:AgentClass"``): for developing a plugin without packaging it."""
+
+
+class TenantExportConfig(BaseModel):
+    """``[[mesh.embedded.exports]]``: what one tenant makes reachable from another (§15.2).
+
+    ``from`` and ``to`` name tenants (``mesh`` is the mesh's own account).
+    ``agents`` lists agent ids whose inboxes ``to``'s nodes may send to;
+    ``discover`` lets ``to`` query ``from``'s registry on
+    ``mesh.external.<from>.discover``. Nothing else crosses.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    from_: Annotated[str, Field(alias="from", pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    to: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    agents: list[Annotated[str, Field(pattern=r"^U[A-Z2-7]{55}$")]] = Field(default_factory=list)
+    discover: bool = False
+
+    @model_validator(mode="after")
+    def _two_tenants(self) -> TenantExportConfig:
+        if self.from_ == self.to:
+            raise ValueError(f"tenant {self.to!r} cannot export to itself")
+        if not self.agents and not self.discover:
+            raise ValueError("an export names agents, discover = true, or both")
+        return self
+
+
+class EmbeddedMeshConfig(BaseModel):
+    """``[mesh.embedded]``: the local nats-server started when no servers are given."""
+
+    model_config = _FORBID
+
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 4222
+    """0 picks a free port."""
+    control_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    control_port: Annotated[int, Field(ge=0, le=65535)] = 7422
+    """HTTP control plane that issues node credentials; 0 picks a free port."""
+    max_payload: ByteSize = 1024**2
+    jetstream_max_store: ByteSize = 1024**3
+    credential_ttl: Duration = timedelta(hours=24)
+    monitor_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    """nats-server's HTTP monitoring (/varz, /jsz) on ``host``; off unless set (it is
+    unauthenticated and shows every connection); 0 picks a free port."""
+    tenants: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]] = Field(
+        default_factory=list
+    )
+    """Tenants beyond the mesh's own account (``mesh``): each a NATS account with its
+    own registry; nodes join one with ``meshnode mesh invite NAME --tenant T`` (§15)."""
+    exports: list[TenantExportConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_tenants(self) -> EmbeddedMeshConfig:
+        if "mesh" in self.tenants or len(set(self.tenants)) != len(self.tenants):
+            raise ValueError("tenants must be unique and not 'mesh' (the mesh's own account)")
+        known = {"mesh", *self.tenants}
+        for i, export in enumerate(self.exports):
+            for name in (export.from_, export.to):
+                if name not in known:
+                    raise ValueError(f"exports[{i}] names tenant {name!r}, not in tenants")
+        return self
+
+    @field_validator("max_payload")
+    @classmethod
+    def _nats_payload_limit(cls, value: int) -> int:
+        # nats-server refuses to start with max_payload above 64 MiB.
+        if value > 64 * 1024**2:
+            raise ValueError(f"nats-server allows at most 64MiB, got {format_size(value)}")
+        return value
+
+
+def _server_list(value: object) -> object:
+    # One URL, or a comma-separated string of them, reads as a list: a
+    # single-server config keeps working when the mesh grows into a cluster.
+    if isinstance(value, str):
+        return [part for part in (p.strip() for p in value.split(",")) if part]
+    return value
+
+
+class MeshConfig(BaseModel):
+    """``[mesh]``: which NATS to use. No servers means the embedded mesh."""
+
+    model_config = _FORBID
+
+    servers: Annotated[list[NatsUrl], BeforeValidator(_server_list)] = Field(default_factory=list)
+    """The mesh's NATS servers (one URL, or every server of a cluster); the
+    connection fails over across them and any the cluster announces."""
+    replicas: Annotated[int, Field(ge=1, le=5)] | None = None
+    """JetStream replicas of the streams and buckets this node's services create;
+    None (absent) means ``min(3, servers in the cluster)`` (1 on the embedded mesh)."""
+    credentials: OptionalFilePath = None
+    """NATS ``.creds`` file of a joining node; None when unset."""
+    control_plane: OptionalHttpUrl = None
+    """Control-plane URL for credential renewal (joining node); None when unset."""
+    embedded: EmbeddedMeshConfig = Field(default_factory=EmbeddedMeshConfig)
+
+    @property
+    def is_embedded(self) -> bool:
+        return not self.servers
+
+
+class RegistryConfig(BaseModel):
+    """``[registry]``."""
+
+    model_config = _FORBID
+
+    require_connection_bound: bool = True
+    rate_limit: Annotated[int, Field(ge=1)] = 60
+    """Requests per sender per window across every platform-service subject (§16.1)."""
+    rate_window: Duration = timedelta(seconds=60)
+
+
+class ServicesConfig(BaseModel):
+    """``[services]``: the platform services (registry, presence, task manager,
+    artifacts, feeds) this node runs."""
+
+    model_config = _FORBID
+
+    run: bool | None = None
+    """Run them on this node. None (absent) means: only with the embedded mesh.
+    ``true`` on a node joined to an external mesh (a cluster's service node)
+    needs a credential with the service role."""
+    key_dir: Annotated[Path | None, BeforeValidator(_optional_dir_path), _PATH_SCHEMA] = None
+    """Directory of the services' shared signing keys (``registry.nk``,
+    ``presence.nk``, ...). Every service node of one mesh must sign with the
+    same keys, because callers pin a service's key on first use; None keeps
+    per-node keys in the keystore (fine for a single service node)."""
+
+
+class AdminConfig(BaseModel):
+    """``[admin]``: the Unix-socket admin API."""
+
+    model_config = _FORBID
+
+    socket: Annotated[
+        Path, BeforeValidator(_optional_socket_path), WithJsonSchema({"type": "string"})
+    ] = Path()
+    """Socket path; always resolved to an absolute path after loading."""
+    group: Annotated[
+        str | None, BeforeValidator(_optional_group), WithJsonSchema({"type": "string"})
+    ] = None
+    """Group granted operator level; None when unset."""
+    mode: SocketMode = None
+    """Explicit socket mode; None means 0660 with a group, else 0600."""
+
+    @property
+    def effective_mode(self) -> int:
+        """The mode to give the socket."""
+        if self.mode is not None:
+            return self.mode
+        return 0o660 if self.group else 0o600
+
+
+class ProtectionsConfig(BaseModel):
+    """``[protections]``: the inbound limits of §22 (tunable, never disabled)."""
+
+    model_config = _FORBID
+
+    max_inbound_chars: Annotated[int, Field(ge=0)] = 65536
+    """0 means no cap; only ever by explicit choice."""
+    clock_skew_ahead: Duration = timedelta(minutes=5)
+    live_max_age: Duration = timedelta(minutes=10)
+    mailbox_max_age: Duration = timedelta(days=7)
+    """Must not exceed ``inbox.buffer_max_age``."""
+    dedup_entries: Annotated[int, Field(ge=1)] = 5000
+    check_sender_vouch: bool = True
+    """Refuse requests from senders no node vouches for (§5.3 step 2), asking the registry."""
+
+
+class InboxConfig(BaseModel):
+    """``[inbox]``: the node inbox and the broker's redelivery buffer."""
+
+    model_config = _FORBID
+
+    drain_interval: Duration = timedelta(seconds=60)
+    buffer_max_age: Duration = timedelta(days=7)
+    buffer_max_bytes: ByteSize = 25 * 1024**2
+
+
+class ArtifactsConfig(BaseModel):
+    """``[artifacts]``: the artifact store an embedded-mesh node serves (§7.5.2, §18.5)."""
+
+    model_config = _FORBID
+
+    quota_bytes: ByteSize = 1024**3
+    """Per-owner total of stored bytes."""
+    quota_objects: Annotated[int, Field(ge=1)] = 10_000
+    """Per-owner number of stored objects."""
+    max_object_size: ByteSize = 256 * 1024**2
+    """One object's limit (larger is PAYLOAD_TOO_LARGE, however empty the quota)."""
+    default_retention: Duration = timedelta(days=14)
+    """Task retention (7d) plus the 7-day grace window of §7.5.2."""
+    max_retention: Duration = timedelta(days=365)
+    """The longest lifetime a writer may declare."""
+    sweep_interval: Duration = timedelta(minutes=5)
+    """How often expired objects are reclaimed (their refs keep answering ARTIFACT_GONE)."""
+    upload_idle: Duration = timedelta(hours=1)
+    """A chunked upload idle this long is discarded."""
+
+
+class KeystoreConfig(BaseModel):
+    """``[keystore]``: where private keys are kept at rest (see :mod:`meshnode.keystore`)."""
+
+    model_config = _FORBID
+
+    backend: Annotated[
+        Literal["auto", "keyring", "systemd-credentials", "file"],
+        _choice("auto", "keyring", "systemd-credentials", "file"),
+        _choice_schema("auto", "keyring", "systemd-credentials", "file"),
+    ] = "auto"
+
+
+class LoggingConfig(BaseModel):
+    """``[logging]``."""
+
+    model_config = _FORBID
+
+    level: Annotated[
+        Literal["debug", "info", "warning", "error", "critical"],
+        _choice("debug", "info", "warning", "error", "critical", fold_case=True),
+        _choice_schema("debug", "info", "warning", "error", "critical"),
+    ] = "info"
+    format: Annotated[
+        Literal["auto", "json", "text", "journald"],
+        _choice("auto", "json", "text", "journald"),
+        _choice_schema("auto", "json", "text", "journald"),
+    ] = "auto"
+
+
+class EventsConfig(BaseModel):
+    """``[events]``: emitting events and feeds (§6.6, §6.6a)."""
+
+    model_config = _FORBID
+
+    emit_limit: Annotated[int, Field(ge=1)] = 600
+    """Emits one agent may make on one subject per ``emit_window`` (sender-side)."""
+    emit_window: Duration = timedelta(seconds=60)
+
+
+class ObservabilityConfig(BaseModel):
+    """``[observability]``: publishing spans, logs and metrics (§13). All off by default."""
+
+    model_config = _FORBID
+
+    spans: bool = False
+    """Publish a span_completed event per hop on ``mesh.trace.{agent}`` (§13.1.1)."""
+    logs: bool = False
+    """Publish agent log records on ``mesh.log.{agent}.{level}`` (§13.3)."""
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        _choice("debug", "info", "warning", "error", fold_case=True),
+        _choice_schema("debug", "info", "warning", "error"),
+    ] = "info"
+    """The lowest level published when ``logs`` is on."""
+    metrics: bool = False
+    """Publish §13.2 metrics per agent on ``mesh.metrics.{agent}`` every ``metrics_interval``."""
+    metrics_interval: Duration = timedelta(seconds=60)
+
+
+_AGENT_KEYS = ("plugin", "enabled", "interaction")
+
+
+def _plugin_name(value: object) -> str:
+    if isinstance(value, str) and _PLUGIN_NAME.fullmatch(value):
+        return value
+    raise ValueError(
+        f"expected an entry point name in group meshnode.agents "
+        f"(letters, digits, '_', '.', '-'), got {value!r}"
+    )
+
+
+class AgentConfig(BaseModel):
+    """``[agents.<name>]``: one hosted agent.
+
+    Keys other than ``plugin``, ``enabled`` and ``interaction`` belong to the
+    plugin: they are collected into :attr:`settings` unvalidated, for the
+    plugin's own model.
+    """
+
+    model_config = _FORBID
+
+    plugin: Annotated[str, BeforeValidator(_plugin_name), WithJsonSchema({"type": "string"})]
+    """Entry point name in group ``meshnode.agents``; defaults to the table name."""
+    enabled: bool = True
+    interaction: Annotated[
+        Literal["service", "interactive"] | None,
+        _choice("service", "interactive", optional=True),
+        _choice_schema("service", "interactive", optional=True),
+    ] = None
+    """None lets the plugin decide."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """The plugin's own keys from the table, unvalidated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_plugin_settings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        own = {k: v for k, v in data.items() if k in _AGENT_KEYS}
+        own["settings"] = {k: v for k, v in data.items() if k not in _AGENT_KEYS}
+        return own
+
+

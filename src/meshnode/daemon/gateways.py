@@ -1,0 +1,102 @@
+"""The A2A gateways of a node (off unless configured): the inbound bridge that
+serves hosted agents over HTTP (``[a2a] listen``) and the outbound bridge that
+lets agents call external A2A peers (``[a2a.peers]``, issue #8).
+
+Both need the optional ``a2a-sdk`` (``meshnode[a2a]``); without it the daemon
+still runs, and only a configuration that asks for a gateway fails, saying what
+to install.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from meshnode.a2a.charges import ChargeStore
+from meshnode.a2a.extension import IssuerTrust, parse_verify_key
+from meshnode.config import Config
+from meshnode.daemon.lifecycle import Shutdown
+from meshnode.node.builtin import BRIDGE_AGENT_NAME
+from meshnode.node.runtime import Node
+from meshnode.protocol.nkeys import KeyPair
+
+# The SDK is an optional extra: the import error is kept for the message.
+_missing: ImportError | None
+try:
+    from meshnode.a2a.outbound import A2AOutbound
+    from meshnode.a2a.server import A2ABridge, BridgeSettings
+except ImportError as exc:  # pragma: no cover - the test environment installs the extra
+    _missing = exc
+else:
+    _missing = None
+
+__all__ = ["A2AGateways"]
+
+
+class A2AGateways:
+    """The node's A2A bridges and the charges its outbound calls recorded."""
+
+    def __init__(self) -> None:
+        self.bridge: A2ABridge | None = None
+        self.outbound: A2AOutbound | None = None
+        self.charges: ChargeStore | None = None
+
+    async def open_outbound(self, config: Config, data_dir: Path, node_key: KeyPair, shutdown: Shutdown) -> None:
+        """The outbound bridge, when ``[a2a.peers]`` names any peer; before the node
+        is built, which is handed it."""
+        cfg = config.a2a
+        if not cfg.peers:
+            return
+        if _missing is not None:
+            raise RuntimeError(f"[a2a.peers] needs the a2a-sdk: install meshnode[a2a] ({_missing})")
+        charges = ChargeStore(data_dir / "a2a-charges.sqlite3")
+        self.charges = charges
+        shutdown.push("final-write", charges.close)
+        await charges.open()
+        self.outbound = A2AOutbound.from_config(
+            cfg, default_application=config.node.name, charges=charges, node_key=node_key
+        )
+
+    async def start_bridge(
+        self, config: Config, node: Node, failed_agents: dict[str, str], data_dir: Path, shutdown: Shutdown
+    ) -> None:
+        """The ``a2a`` stage: the inbound bridge, when ``[a2a] listen`` is set."""
+        a2a = config.a2a
+        if a2a.listen is None:
+            return
+        bridge_agent = node.agents.get(BRIDGE_AGENT_NAME)
+        if bridge_agent is None:
+            raise RuntimeError(
+                f"[a2a]: the bridge identity did not start: {failed_agents.get(BRIDGE_AGENT_NAME)}"
+            )
+        if _missing is not None:
+            raise RuntimeError(
+                f"[a2a] listen is set but the A2A dependencies are missing ({_missing}): "
+                "install meshnode[a2a]"
+            )
+        host, _, port = a2a.listen.rpartition(":")
+        trust = IssuerTrust(
+            {name: parse_verify_key(issuer.key) for name, issuer in a2a.issuers.items()},
+            allow=a2a.allow_issuers,
+        )
+        settings = BridgeSettings(
+            host=host,
+            port=int(port),
+            application=a2a.application or config.node.name,
+            expose=tuple(a2a.expose),
+            public_url=a2a.public_url,
+            max_mesh_hops=a2a.max_mesh_hops,
+            idempotency_retention_s=a2a.idempotency_retention.total_seconds(),
+            send_wait_s=a2a.send_wait.total_seconds(),
+            task_timeout_s=a2a.task_timeout.total_seconds(),
+            trust=trust,
+        )
+        bridge = A2ABridge(node=node, bridge=bridge_agent, settings=settings, data_dir=data_dir)
+        self.bridge = bridge
+        # Intake stops first; its store closes with the other final writes.
+        shutdown.push("stop-intake", bridge.stop_intake)
+        shutdown.push("final-write", bridge.close)
+        await bridge.start()
+
+    def status(self) -> dict[str, Any] | None:
+        return self.bridge.status() if self.bridge is not None else None

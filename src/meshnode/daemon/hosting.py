@@ -1,0 +1,266 @@
+"""The node and its agents, as the daemon runs them: keys, plugins, the
+:class:`~meshnode.node.runtime.Node` built from the configuration with its
+collaborators, and agents hosted, added, removed and restarted.
+
+One agent failing never takes the node down: its failure is recorded in
+``failed_agents`` (shown by ``Status``) and the others go on, unless
+``[node] strict_plugins`` asks for the opposite. What an admin call asked
+wrongly raises the admin API's own errors (``InvalidParameter``, ``NotFound``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.config import AgentConfig, Config
+from meshnode.keystore import KeyStore
+from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
+from meshnode.node.runtime import Node, NodeSettings
+from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.protections import FreshnessWindow
+from meshnode.services.identity import SERVICE_NAMES, load_service_keys
+
+__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings"]
+
+log = logging.getLogger("meshnode.daemon")
+
+#: Agents started at once at start-up (see :meth:`AgentHost.host_roster`).
+HOST_CONCURRENCY = 32
+#: What an agent's name must look like (its key, subjects and config table use it).
+_AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+def ms(td: timedelta) -> int:
+    return int(td.total_seconds() * 1000)
+
+
+def node_settings(config: Config) -> NodeSettings:
+    """The runtime's settings from ``[node]``, ``[protections]``, ``[events]``, ``[inbox]``."""
+    p = config.protections
+    return NodeSettings(
+        name=config.node.name,
+        heartbeat_interval_s=config.node.heartbeat_interval.total_seconds(),
+        availability_class=config.node.availability_class,
+        vouch_ttl_ms=ms(config.node.vouch_ttl) if config.node.vouch_ttl else None,
+        freshness=FreshnessWindow(
+            max_clock_skew_ahead_ms=ms(p.clock_skew_ahead),
+            max_age_live_ms=ms(p.live_max_age),
+            max_age_mailbox_ms=ms(p.mailbox_max_age),
+        ),
+        max_inbound_chars=p.max_inbound_chars,
+        dedup_entries=p.dedup_entries,
+        emit_limit=config.events.emit_limit,
+        emit_window_ms=ms(config.events.emit_window),
+        drain_interval_s=config.inbox.drain_interval.total_seconds(),
+    )
+
+
+def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
+    """The ``plugins`` stage: load every plugin; an agent whose kind no plugin
+    provides is recorded in ``failed`` (fatal with ``strict_plugins``)."""
+    manager, catalog = load_plugins(
+        strict=config.node.strict_plugins,
+        builtins=[("meshnode.builtin", BuiltinAgents())],
+        extra_modules=config.node.plugin_modules,
+    )
+    for name, agent_cfg in config.agents.items():
+        if agent_cfg.enabled and agent_cfg.plugin not in catalog.kinds:
+            message = f"no installed plugin provides agent kind {agent_cfg.plugin!r}"
+            if config.node.strict_plugins:
+                raise RuntimeError(f"[agents.{name}]: {message}")
+            failed[name] = message
+            log.error("agent %s not hosted: %s", name, message)
+    return manager, catalog
+
+
+@dataclass
+class AgentHost:
+    """The keys of everything the node hosts, and the agents it runs.
+
+    ``agent_keys`` holds ``name -> key`` for the hosted agents and, on a
+    service node, ``service.<name> -> key`` for the platform services.
+    """
+
+    keystore: KeyStore
+    node_key: KeyPair
+    agent_keys: dict[str, KeyPair] = field(default_factory=dict)
+    failed_agents: dict[str, str] = field(default_factory=dict)
+    catalog: AgentCatalog = field(default_factory=AgentCatalog)
+    node: Node | None = None
+
+    @classmethod
+    async def open(cls, config: Config, keystore: KeyStore, *, runs_services: bool, embedded: bool) -> AgentHost:
+        """The ``keys`` stage: the node key, every enabled agent's key and, on a
+        service node, the services' keys."""
+        store = keystore
+        node_key = await asyncio.to_thread(store.get_or_create, "node")
+        host = cls(keystore=store, node_key=node_key)
+        names = [CLI_AGENT_NAME, *(n for n, a in config.agents.items() if a.enabled)]
+        if config.a2a.listen is not None:
+            names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
+        # One worker-thread hop for the whole roster, not one per agent.
+        keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
+        host.agent_keys.update(zip(names, keys, strict=True))
+        if runs_services:
+            key_dir = config.services.key_dir
+            if key_dir is not None:
+                # Shared with the mesh's other service nodes: callers pin these keys.
+                shared = await asyncio.to_thread(load_service_keys, key_dir)
+                for name, key in shared.items():
+                    host.agent_keys[f"service.{name}"] = key
+            else:
+                if not embedded:
+                    log.warning(
+                        "[services] run = true without [services] key_dir: this node's services "
+                        "sign with keys of their own, so a second service node on this mesh "
+                        "would be refused by callers that pinned these (set key_dir on each)"
+                    )
+                for name in SERVICE_NAMES:
+                    host.agent_keys[f"service.{name}"] = await asyncio.to_thread(
+                        store.get_or_create, f"service.{name}"
+                    )
+        log.info("keys held by %s", store.describe())
+        return host
+
+    def roster(self) -> list[KeyPair]:
+        """The keys the node credential covers: hosted agents, not services."""
+        return [k for n, k in self.agent_keys.items() if not n.startswith("service.")]
+
+    def service_key(self, name: str) -> KeyPair:
+        return self.agent_keys[f"service.{name}"]
+
+    def running(self) -> Node:
+        if self.node is None:
+            raise NotFound("the node is not running")
+        return self.node
+
+    async def host(self, name: str, kind: str, settings: dict[str, Any], interaction: str | None, *, strict: bool) -> None:
+        """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
+        node = self.running()
+        agent_class = self.catalog.kinds.get(kind)
+        if agent_class is None:
+            self.failed_agents[name] = f"unknown agent kind {kind!r}"
+            return
+        try:
+            await node.host(
+                name=name,
+                kind=kind,
+                agent_class=agent_class,
+                settings=settings,
+                key=self.agent_keys[name],
+                interaction=interaction,
+            )
+        except Exception as exc:  # one agent failing never takes the node down
+            self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
+            log.error("agent %s (%s) failed to start: %s", name, kind, exc)
+            if strict:
+                raise
+
+    async def host_roster(self, config: Config) -> None:
+        """The built-in identities, then every enabled agent of the configuration."""
+        strict = config.node.strict_plugins
+        await self.host(CLI_AGENT_NAME, "builtin:cli", {}, None, strict=strict)
+        if config.a2a.listen is not None:
+            await self.host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None, strict=strict)
+        # Agents start side by side, a bounded number at a time: each start is
+        # mostly waiting (the registry's answer, the mailbox stream it creates),
+        # so one after another made a 1,000-agent node take minutes to register.
+        gate = asyncio.Semaphore(HOST_CONCURRENCY)
+
+        async def host_one(name: str, agent_cfg: AgentConfig) -> None:
+            async with gate:
+                await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=strict)
+
+        await asyncio.gather(*(
+            host_one(name, agent_cfg)
+            for name, agent_cfg in config.agents.items()
+            if agent_cfg.enabled and name not in self.failed_agents
+        ))
+
+    async def stop_all(self) -> None:
+        """The ``stop-agents`` stage: let handlers finish and call ``on_stop``,
+        while the connection is still up."""
+        if self.node is None:
+            return
+        await self.node.stop_jobs()
+        for name in list(self.node.agents):
+            await self.node.unhost(name, grace=3.0)
+
+    async def stop_intake(self) -> None:
+        """Unsubscribe every agent's inboxes (part of ``stop-intake``)."""
+        if self.node is None:
+            return
+        for hosted in self.node.agents.values():
+            for sub in list(hosted.subscriptions):
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+            hosted.subscriptions.clear()
+
+    # -- at runtime ------------------------------------------------------------
+
+    async def add(
+        self, config: Config, name: str, table: dict[str, Any], refresh: Callable[[], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """Host a new agent now: key, re-issued credential (``refresh``), register."""
+        node = self.running()
+        if name in node.agents or name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME):
+            raise InvalidParameter(f"an agent named {name!r} is already hosted")
+        if not _AGENT_NAME.fullmatch(name):
+            raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
+        try:
+            agent_cfg = AgentConfig.model_validate({"plugin": name, **table})
+        except ValueError as exc:
+            raise InvalidParameter(f"[agents.{name}]: {exc}") from None
+        if agent_cfg.plugin not in self.catalog.kinds:
+            raise InvalidParameter(f"no installed plugin provides agent kind {agent_cfg.plugin!r}")
+        self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
+        self.failed_agents.pop(name, None)
+        await refresh()
+        await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=config.node.strict_plugins)
+        if name in self.failed_agents:
+            raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
+        return node.agent_status(node.agents[name])
+
+    async def remove(self, name: str, *, deregister: bool) -> None:
+        """Stop an agent (deregistering it: its broker buffer goes too)."""
+        node = self.running()
+        if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in node.agents:
+            raise NotFound(f"no hosted agent named {name!r}")
+        await node.unhost(name, deregister=deregister)
+        self.agent_keys.pop(name, None)
+
+    async def restart(self, config: Config, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
+        """Stop and start one agent with its key kept (and its registration, inbox)."""
+        node = self.running()
+        hosted = node.agents.get(name)
+        if hosted is None:
+            raise NotFound(f"no hosted agent named {name!r}")
+        cfg = agent_cfg or config.agents.get(name)
+        kind = cfg.plugin if cfg is not None else hosted.kind
+        settings = cfg.settings if cfg is not None else {}
+        interaction = cfg.interaction if cfg is not None else hosted.interaction
+        await node.unhost(name, deregister=False)
+        self.failed_agents.pop(name, None)
+        await self.host(name, kind, settings, interaction, strict=config.node.strict_plugins)
+        if name in self.failed_agents:
+            raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents[name]}")
+        return node.agent_status(node.agents[name])
+
+    async def revouch_all(self) -> dict[str, Any]:
+        """Re-vouch and re-register every agent; their new vouch expiries by name."""
+        node = self.running()
+        vouches = {}
+        for hosted in list(node.agents.values()):
+            await node.revouch(hosted)
+            vouches[hosted.name] = hosted.vouch.get("expires_at")
+        return vouches

@@ -1,0 +1,296 @@
+"""The daemon's link to the mesh: the embedded server and control plane (when it
+runs the mesh itself), the node credential, and the connections.
+
+An embedded-mesh node mints its own credential (and one per tenant account
+its services serve, §15); a joined node obtains it from the control plane it
+enrolled with, renewing before it lapses (§4.8). Either way the credential is
+re-issued for the current roster (§14.3) and presented by a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from meshnode.config import Config
+from meshnode.daemon.credentials import obtain_credential, stored_trust_attestation
+from meshnode.daemon.lifecycle import Shutdown
+from meshnode.node.periodic import PeriodicJob
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.transport.connection import MeshConnection
+from meshnode.transport.control_plane import ControlPlaneServer
+from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
+from meshnode.transport.jwt import decode_jwt, renew_at
+from meshnode.transport.permissions import Role, node_inbox_prefix
+
+__all__ = ["MeshLink", "credential_profile"]
+
+log = logging.getLogger("meshnode.daemon")
+
+#: How long a reconnect that presents a new credential may take.
+_RECONNECT_WAIT_S = 10.0
+
+
+def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
+    """``{role, trust_tier, tenant}`` from a node credential's ``agentmesh:*`` tags.
+
+    The control plane writes them (§9.7: attested, never self-declared); a
+    credential minted without them reads as a standard participant of the
+    mesh's own account, which is what such a credential was issued as.
+    """
+    profile = {"role": "participant", "trust_tier": "standard", "tenant": "mesh"}
+    nats = claims.get("nats")
+    tags = nats.get("tags") if isinstance(nats, Mapping) else None
+    for tag in tags if isinstance(tags, list) else ():
+        if not isinstance(tag, str):
+            continue
+        # nats-server lowercases tags it stores; every value we write is lowercase.
+        parts = tag.lower().split(":")
+        if len(parts) == 3 and parts[0] == "agentmesh" and parts[1] in profile and parts[2]:
+            profile[parts[1]] = parts[2]
+    return profile
+
+
+class MeshLink:
+    """Embedded server, control plane, credentials and connections of one node.
+
+    ``roster`` returns the keys the node credential must cover (the hosted
+    agents, not the services): it is read at every (re-)issue.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        data_dir: Path,
+        node_key: KeyPair,
+        roster: Callable[[], list[KeyPair]],
+    ) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.node_key = node_key
+        self._roster = roster
+        self.embedded: EmbeddedNatsServer | None = None
+        self.control_plane: ControlPlaneServer | None = None
+        self.connection: MeshConnection | None = None
+        #: The embedded node's service connections into each tenant's account (§15).
+        self.tenant_connections: dict[str, MeshConnection] = {}
+        self.jwt = ""
+        self._tenant_jwts: dict[str, str] = {}
+
+    @property
+    def embedded_mode(self) -> bool:
+        return not self.config.mesh.servers
+
+    def replicas(self) -> int:
+        """JetStream replicas for what the services create: ``[mesh] replicas``, else
+        ``min(3, cluster size)`` (§9.4, §18.3: R3 in production); 1 when embedded."""
+        if self.embedded_mode:
+            return 1
+        if self.config.mesh.replicas is not None:
+            return self.config.mesh.replicas
+        size = self.connection.cluster_size() if self.connection is not None else 1
+        return min(3, size)
+
+    def mesh_urls(self) -> list[str]:
+        if self.embedded is not None:
+            return list(self.embedded.urls)
+        return list(self.config.mesh.servers)
+
+    def control_plane_url(self) -> str | None:
+        if self.control_plane is not None:
+            return str(self.control_plane.url)
+        return str(self.config.mesh.control_plane) if self.config.mesh.control_plane else None
+
+    # -- start -----------------------------------------------------------------
+
+    async def start(self, shutdown: Shutdown) -> None:
+        """The ``mesh`` stage: start the embedded server and control plane, or
+        obtain the joined node's credential."""
+        if not self.embedded_mode:
+            self.jwt = await self._obtain_joined_jwt()
+            profile = credential_profile(decode_jwt(self.jwt)[1])
+            log.info(
+                "the mesh attests this node as %s, trust tier %s, tenant %s",
+                profile["role"], profile["trust_tier"], profile["tenant"],
+            )
+            if profile["trust_tier"] == "sandbox":
+                log.warning(
+                    "this node is attested sandbox (§9.7): the registry lists none of its agents "
+                    "and keeps no offline buffer for them; requesters may avoid it for sensitive work"
+                )
+            return
+        cfg = self.config.mesh.embedded
+        embedded = EmbeddedNatsServer(
+            self.data_dir,
+            host=cfg.host,
+            port=cfg.port or None,
+            max_payload=cfg.max_payload,
+            tenants=cfg.tenants,
+            exports=[TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports],
+            monitor_port=cfg.monitor_port,
+        )
+        self.embedded = embedded
+        shutdown.push("stop-mesh-server", embedded.stop)
+        await embedded.start()
+        self.jwt = self._mint_own_jwt()
+        plane = ControlPlaneServer(
+            embedded,
+            self.data_dir / "mesh",
+            host=cfg.control_host,
+            port=cfg.control_port,
+            credential_ttl_s=int(cfg.credential_ttl.total_seconds()),
+            mesh_name=self.config.node.name,
+        )
+        self.control_plane = plane
+        shutdown.push("stop-services", plane.stop)
+        await plane.start()
+
+    async def connect(self, shutdown: Shutdown, on_lost: Callable[[], None]) -> MeshConnection:
+        """The ``connect`` stage: the node's one connection."""
+        connection = MeshConnection(
+            self.mesh_urls(),
+            node_key=self.node_key,
+            jwt_source=lambda: self.jwt,
+            name=f"meshnode {self.config.node.name}",
+            inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+        )
+        self.connection = connection
+        shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
+        await connection.connect()
+        connection.on_lost(on_lost)
+        return connection
+
+    async def connect_tenant(self, tenant: str, shutdown: Shutdown) -> MeshConnection:
+        """The service connection into ``tenant``'s account (same node key, its own credential)."""
+        self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
+        connection = MeshConnection(
+            self.mesh_urls(),
+            node_key=self.node_key,
+            jwt_source=lambda: self._tenant_jwts[tenant],
+            name=f"meshnode {self.config.node.name} tenant {tenant}",
+            inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+        )
+        shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
+        await connection.connect()
+        self.tenant_connections[tenant] = connection
+        return connection
+
+    def renewal_job(self, renew: Callable[[], Any]) -> PeriodicJob:
+        """The periodic credential check; ``renew`` runs when one is due."""
+        return PeriodicJob("credential-renewal", renew, self._next_check, jitter=0.02)
+
+    # -- credentials -------------------------------------------------------------
+
+    def _mint_own_jwt(self) -> str:
+        assert self.embedded is not None
+        ttl = int(self.config.mesh.embedded.credential_ttl.total_seconds())
+        roster = [k.public_key for k in self._roster()]
+        return self.embedded.mint_node_credential(self.node_key.public_key, roster, ttl, role="service")
+
+    def _mint_tenant_jwt(self, tenant: str) -> str:
+        assert self.embedded is not None
+        ttl = int(self.config.mesh.embedded.credential_ttl.total_seconds())
+        return self.embedded.mint_node_credential(
+            self.node_key.public_key, [], ttl, role="service", tenant=tenant
+        )
+
+    async def _obtain_joined_jwt(self) -> str:
+        """Renew before connecting when due or lapsed (§4.8); fall back to the stored one."""
+        return await obtain_credential(self.config, self.data_dir, self.node_key, self._roster())
+
+    def _next_check(self) -> float:
+        try:
+            _, claims = decode_jwt(self.jwt)
+            due = renew_at(claims) - time.time()
+        except Exception:
+            due = 60.0
+        return max(5.0, min(due, 3600.0))
+
+    async def renew_if_due(self) -> bool:
+        """Re-issue the node credential (and the tenants') when due; True if renewed.
+        The caller presents it with :meth:`present`."""
+        _, claims = decode_jwt(self.jwt)
+        if time.time() < renew_at(claims):
+            return False
+        if self.embedded is not None:
+            self.jwt = self._mint_own_jwt()
+            for tenant, connection in self.tenant_connections.items():
+                self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
+                if connection.is_connected:
+                    await connection.reconnect()
+        else:
+            self.jwt = await self._obtain_joined_jwt()
+        log.info("node credential renewed")
+        return True
+
+    async def reissue(self) -> None:
+        """A credential for the current roster now (§14.3); :meth:`present` it."""
+        self.jwt = self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt()
+
+    async def present(self, *, wait: bool = False) -> None:
+        """Present the current credential by a reconnect.
+
+        The broker closes a connection whose credential expires, and nats-py
+        treats that authorization error as final, so a renewed credential must
+        be in place well before the old one lapses (§4.8). ``wait`` waits for
+        the connection to be back (a roster change needs it for what follows).
+        """
+        connection = self.connection
+        if connection is None:
+            return
+        if not wait:
+            if connection.is_connected:
+                await connection.reconnect()
+            return
+        await connection.reconnect()
+        for _ in range(int(_RECONNECT_WAIT_S / 0.05)):
+            if connection.is_connected:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the mesh connection did not come back after presenting the new credential")
+
+    def trust_attestation(self) -> dict[str, Any] | None:
+        """The §9.7 attestation this node's manifests carry: minted by the embedded
+        mesh for itself, else the one issued with the current credential."""
+        if self.embedded is None:
+            return stored_trust_attestation(self.data_dir)
+        if self.control_plane is None or not self.jwt:
+            return None
+        _, claims = decode_jwt(self.jwt)
+        profile = credential_profile(claims)
+        # The embedded node mints its own credential with the service role.
+        role: Role = "service" if profile["role"] == "service" else "participant"
+        attestation: dict[str, Any] = self.control_plane.trust_attestation(
+            claims["sub"], profile["trust_tier"], role, claims["iat"], claims["exp"]
+        )
+        return attestation
+
+    def trusted_issuers(self) -> tuple[str, ...]:
+        """Whose §9.7 attestations the registry believes: this mesh's operator. A
+        joined service node learns that key from the attestation issued with its
+        own credential (none stored: it believes none and applies no tier)."""
+        if self.embedded is not None:
+            return (self.embedded.operator_public_key,)
+        own = stored_trust_attestation(self.data_dir)
+        issuer = own.get("issuer") if isinstance(own, dict) else None
+        return (issuer,) if isinstance(issuer, str) else ()
+
+    def credential_status(self) -> dict[str, Any] | None:
+        if not self.jwt:
+            return None
+        try:
+            _, claims = decode_jwt(self.jwt)
+        except Exception:
+            return None
+        return {
+            "expires_at": claims.get("exp"),
+            "renew_at": int(renew_at(claims)),
+            # The account that signed it, and the operator-attested profile
+            # claims it carries (§9.7, §15): what the mesh says this node is.
+            "account": claims.get("iss"),
+            **credential_profile(claims),
+        }

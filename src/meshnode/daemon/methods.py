@@ -1,0 +1,422 @@
+"""The daemon's core admin methods: status, calls as the CLI identity, presence
+and discovery, agents added and removed, the node inbox (§8.3a, §16.4), A2A
+charges and the mesh's enrolment (registered next to :mod:`.operations` and
+:mod:`.artifacts`).
+
+Every method here is part of the admin contract; its ``doc`` says its params
+and result. Method names are CamelCase, dotted by area.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import meshnode
+from meshnode.a2a.extension import EXTENSION_URI as A2A_URI
+from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.node.builtin import CLI_AGENT_NAME
+from meshnode.node.context import AgentContext
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.inbox import InboxRow, InboxStore
+from meshnode.node.outbound import RemoteError, RequestQueued
+from meshnode.node.states import AgentState
+from meshnode.protocol.canonical import parse_json
+from meshnode.protocol.envelope import new_root_trace
+from meshnode.protocol.errors import ProtocolError, error_object
+from meshnode.protocol.fencing import FrameProvenance, frame_payload
+from meshnode.protocol.nkeys import is_valid_public
+from meshnode.protocol.protections import sender_body
+
+if TYPE_CHECKING:
+    from meshnode.daemon.main import Daemon
+
+__all__ = ["CoreMethods", "register_core_methods"]
+
+log = logging.getLogger("meshnode.daemon")
+
+
+def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethods:
+    """Add the core methods (module docstring) to ``methods``."""
+    ops = CoreMethods(daemon)
+    methods.add("Status", ops.status, level="operator", doc="node and agent status")
+    methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
+    methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
+    methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
+    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
+    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="stop and deregister an agent")
+    methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
+    methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
+    methods.add("Inbox.Reply", ops.inbox_reply, level="operator", doc="answer a held request as its agent")
+    methods.add("Inbox.Ack", ops.inbox_ack, level="operator", doc="dismiss a held message")
+    methods.add(
+        "A2A.Charges", ops.a2a_charges, level="operator",
+        doc="params {peer?, limit?} -> charges recorded for calls to external A2A agents, newest first, and totals per peer",
+    )
+    methods.add("Mesh.Info", ops.mesh_info, level="operator", doc="NATS URLs and control-plane URL")
+    methods.add(
+        "Mesh.Nodes", ops.mesh_nodes, level="operator",
+        doc="-> {nodes: [{node_id, name, trust_tier, tenant, enrolled_at, retired_at, last_issued_at, "
+        "credential_expires_at}]} every node the control plane enrolled (unix seconds; nulls when never)",
+    )
+    methods.add("Mesh.Invite", ops.mesh_invite, level="admin", doc="params {name, trust_tier?, tenant?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials; tenant: an account from [mesh.embedded] tenants, default mesh); returns its invite (secret)")
+    return ops
+
+
+class CoreMethods:
+    """The handlers behind :func:`register_core_methods`."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def snapshot(self, *, agents_listed: bool = True) -> dict[str, Any]:
+        """Node and agent status. ``agents_listed=False`` leaves out the per-agent
+        list (the counts in ``agent_summary`` remain): at 10,000 agents the list
+        is larger than an admin reply may be."""
+        node = self.d.node
+        agents: list[dict[str, Any]] = []
+        hosted = list(node.agents.values()) if node is not None else []
+        if agents_listed and node is not None:
+            agents = [node.agent_status(h) for h in hosted]
+        if agents_listed:
+            for name, why in self.d.failed_agents.items():
+                agents.append({"name": name, "state": AgentState.FAILED.value, "failure": why})
+        summary = {
+            "hosted": len(hosted),
+            "registered": sum(1 for h in hosted if h.registered),
+            "failed": len(set(self.d.failed_agents) | {h.name for h in hosted if h.state == AgentState.FAILED}),
+        }
+        return {
+            "product": "meshnode",
+            "version": meshnode.__version__,
+            # The daemon's lifecycle state (meshnode.daemon.lifecycle.DaemonState).
+            "state": self.d.state.value,
+            "node": {
+                "id": self.d.node_key.public_key if self.d.node_key else None,
+                "name": self.d.config.node.name,
+                "data_dir": str(self.d.data_dir),
+            },
+            "mesh": {
+                "mode": "embedded" if self.d.embedded_mode else "joined",
+                "urls": self.d.mesh_urls(),
+                "control_plane": self.d.control_plane_url(),
+                # Tenants this embedded mesh serves beside its own account (§15).
+                "tenants": list(self.d.embedded.tenants) if self.d.embedded is not None else [],
+                "connected": bool(self.d.connection and self.d.connection.is_connected),
+                "connected_url": self.d.connection.connected_url if self.d.connection else None,
+                "known_servers": self.d.connection.known_servers if self.d.connection else [],
+                "last_error": self.d.connection.last_error if self.d.connection else None,
+            },
+            "credential": self.d.credential_status(),
+            # writable false: disk full or read-only; nothing is acked until it clears.
+            "inbox": self.d.inbox.health() if self.d.inbox is not None else None,
+            "keystore": self.d.keystore.describe() if self.d.keystore else None,
+            "agents": agents,
+            "agent_summary": summary,
+            "services": [type(s).__name__ for s in self.d.services],
+            "replicas": self.d.services[0].ctx.replicas if self.d.services else None,
+            "observability": self.d.node.observability.status() if self.d.node and self.d.node.observability else None,
+            "a2a": self.d.gateways.status(),
+        }
+
+    async def status(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        listed = params.get("agents", True)
+        if not isinstance(listed, bool):
+            raise InvalidParameter("agents must be true or false")
+        return self.snapshot(agents_listed=listed)
+
+    async def call(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.node is None:
+            raise NotFound("the node is not running")
+        target = params.get("agent")
+        offering = params.get("offering")
+        if not isinstance(target, str) or not isinstance(offering, str):
+            raise InvalidParameter("agent and offering are required strings")
+        timeout = params.get("timeout", 30)
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise InvalidParameter("timeout must be a number of seconds in (0, 3600]")
+        local = self.d.node.agents.get(target)
+        target_id = local.agent_id if local is not None else target
+        if local is None and not is_valid_public(target) and not target.startswith("a2a:"):
+            raise InvalidParameter(
+                f"{target!r} is neither a local agent name, an agent id (U...) nor an A2A peer (a2a:<name>)"
+            )
+        cli: HostedAgent = self.d.node.agents[CLI_AGENT_NAME]
+
+        ctx = AgentContext(cli, trace=new_root_trace())
+        config = params.get("config") if isinstance(params.get("config"), dict) else None
+        task_id = params.get("task_id")
+        if task_id is not None and not isinstance(task_id, str):
+            raise InvalidParameter("task_id must be a string (the task to answer)")
+        context_id = params.get("context_id") if isinstance(params.get("context_id"), str) else None
+        try:
+            budget = params.get("budget") if isinstance(params.get("budget"), dict) else None
+            reply = await ctx.request(
+                target_id, offering, params.get("input"), timeout=float(timeout), config=config, budget=budget,
+                task_id=task_id, context_id=context_id,
+            )
+            if reply.task is not None and params.get("wait_task", True):
+                # A task paused for input or auth comes back as such, with its
+                # problems: answer it with another Call naming its task_id (§6.5).
+                try:
+                    final = await reply.task.result(timeout=float(timeout), until_paused=True)
+                except TimeoutError:
+                    # No update for the whole wait (the responder may have died
+                    # mid-task, or is just slow): a plain answer, not an internal
+                    # error, naming the task so the caller can follow it up.
+                    return {
+                        "status": "failed",
+                        "error": {
+                            "code": "TRANSPORT_TIMEOUT",
+                            "message": f"no update of task {reply.task.task_id} within {float(timeout):g} s;"
+                            f" last known state {reply.task.state}",
+                            "retryable": True,
+                            "details": {"task_id": reply.task.task_id, "last_state": reply.task.state},
+                        },
+                        "accepted": reply.accepted,
+                        "task_id": reply.task.task_id,
+                    }
+                payload = final.get("payload") if isinstance(final.get("payload"), dict) else {}
+                answer: dict[str, Any] = {
+                    "status": payload.get("status"),
+                    "output": payload.get("output"),
+                    "error": final.get("error"),
+                    "from": final.get("from"),
+                    "accepted": reply.accepted,
+                    "task_id": reply.task.task_id,
+                }
+                for key in ("message", "problems"):
+                    if payload.get(key) is not None:
+                        answer[key] = payload[key]
+                if final.get("context_id") is not None:
+                    answer["context_id"] = final["context_id"]
+                return answer
+        except RemoteError as exc:
+            return {"status": "failed", "error": exc.to_object(), "from": exc.envelope.get("from")}
+        except RequestQueued as exc:
+            return {"status": "queued", "inbox_id": exc.inbox_id, "to": target_id}
+        except ProtocolError as exc:
+            return {"status": "failed", "error": exc.to_object(), "local": True}
+        return {
+            "status": reply.status,
+            "output": reply.output,
+            "from": reply.envelope.get("from"),
+            "accepted": reply.accepted,
+            "task_id": reply.task_id,
+            # Deliverables (§7.5), e.g. an output too large for one message (§18.9).
+            **({"artifacts": reply.envelope["artifacts"]} if reply.envelope.get("artifacts") else {}),
+            # An A2A peer's answer (a2a:<name>): mesh, report, charge, message/task ids.
+            **({"a2a": reply.envelope["meta"][A2A_URI]}
+               if isinstance(reply.envelope.get("meta"), dict) and A2A_URI in reply.envelope["meta"] else {}),
+        }
+
+    async def agents_add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        name, table = params.get("name"), params.get("config", {})
+        if not isinstance(name, str) or not isinstance(table, dict):
+            raise InvalidParameter("name (string) and config (object) are required")
+        return await self.d.add_agent(name, table)
+
+    async def agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise InvalidParameter("name is required")
+        await self.d.remove_agent(name, deregister=bool(params.get("deregister", True)))
+        return {"removed": name}
+
+    async def a2a_charges(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.gateways.charges is None:
+            return {"charges": [], "totals": {}}
+        peer = params.get("peer")
+        if peer is not None and not isinstance(peer, str):
+            raise InvalidParameter("peer must be a string")
+        limit = params.get("limit", 200)
+        if not isinstance(limit, int) or not 0 < limit <= 10_000:
+            raise InvalidParameter("limit must be an integer in (0, 10000]")
+        rows = await self.d.gateways.charges.recent(peer=peer, limit=limit)
+        return {"charges": [r.to_object() for r in rows], "totals": await self.d.gateways.charges.totals()}
+
+    def _agent_name(self, agent_id: str) -> str:
+        if self.d.node is not None:
+            hosted = self.d.node.by_id.get(agent_id)
+            if hosted is not None:
+                return hosted.name
+        return agent_id
+
+    def _inbox_summary(self, row: InboxRow, *, full: bool = False) -> dict[str, Any]:
+        now = time.time_ns() // 1_000_000
+        summary: dict[str, Any] = {
+            "id": row.inbox_id,
+            "agent": self._agent_name(row.agent),
+            "agent_id": row.agent,
+            "sender": row.sender,
+            "kind": row.kind,
+            "state": row.state,
+            "age_s": max(0, (now - row.received_ms) // 1000),
+            "msg_id": row.msg_id,
+        }
+        if row.note:
+            summary["note"] = row.note
+        try:
+            env = parse_json(row.envelope)
+        except ValueError:
+            return summary
+        if not isinstance(env, dict):
+            return summary
+        raw_payload = env.get("payload")
+        payload: dict[str, Any] = raw_payload if isinstance(raw_payload, dict) else {}
+        if row.kind == "request":
+            summary["offering"] = payload.get("offering")
+            # Sender text is shown only inside its provenance frame (§22.6).
+            framed = frame_payload(sender_body(env), FrameProvenance.from_envelope(env, row.received_ms))
+            if framed.field is not None:
+                body = framed.payload
+                summary["text"] = body.get(framed.field) if isinstance(body, dict) else body
+        else:
+            summary["in_reply_to"] = env.get("in_reply_to")
+            summary["status"] = payload.get("status")
+            summary["output"] = payload.get("output")
+            if env.get("error"):
+                summary["error"] = env.get("error")
+        if full:
+            summary["envelope"] = env
+        return summary
+
+    def _require_inbox(self) -> InboxStore:
+        if self.d.inbox is None or self.d.node is None:
+            raise NotFound("the node inbox is not open")
+        return self.d.inbox
+
+    async def inbox_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        inbox = self._require_inbox()
+        agent = params.get("agent")
+        agent_id = None
+        if isinstance(agent, str):
+            hosted = self.d.node.agents.get(agent) if self.d.node else None
+            agent_id = hosted.agent_id if hosted else agent
+        states = params.get("states") or ["held", "interrupted"]
+        if params.get("all"):
+            states = None
+        limit = params.get("limit", 100)
+        if not isinstance(limit, int) or not 0 < limit <= 1000:
+            raise InvalidParameter("limit must be an integer in 1..1000")
+        rows = await inbox.rows(agent=agent_id, states=states, limit=limit)
+        return {"messages": [self._inbox_summary(r) for r in rows], "counts": await inbox.counts()}
+
+    async def _inbox_row(self, params: dict[str, Any]) -> InboxRow:
+        inbox = self._require_inbox()
+        inbox_id = params.get("id")
+        if not isinstance(inbox_id, int):
+            raise InvalidParameter("id (an integer) is required")
+        row = await inbox.get(inbox_id)
+        if row is None:
+            raise NotFound(f"no inbox message {inbox_id}")
+        return row
+
+    async def inbox_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return self._inbox_summary(await self._inbox_row(params), full=True)
+
+    async def inbox_reply(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+
+        row = await self._inbox_row(params)
+        if row.kind != "request" or row.state not in ("held", "interrupted"):
+            raise InvalidParameter(f"message {row.inbox_id} is a {row.state} {row.kind}; only held requests take a reply")
+        assert self.d.node is not None
+        hosted = self.d.node.by_id.get(row.agent)
+        if hosted is None:
+            raise NotFound("the agent this message was for is not hosted any more")
+        output = params.get("output")
+        if output is None and isinstance(params.get("text"), str):
+            output = {"text": params["text"]}
+        status = params.get("status", "completed")
+        if status not in ("completed", "failed"):
+            raise InvalidParameter("status is completed or failed")
+        request = parse_json(row.envelope)
+        error = None
+        if status == "failed":
+            error = error_object(str(params.get("code", "UNAUTHORIZED")), str(params.get("message", "declined")))
+        await hosted.answer(request, status=status, output=output, error=error)
+        await self._require_inbox().set_state(row.inbox_id, "replied", time.time_ns() // 1_000_000)
+        return {"replied": row.inbox_id, "to": row.sender}
+
+    async def inbox_ack(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        row = await self._inbox_row(params)
+        await self._require_inbox().set_state(row.inbox_id, "dismissed", time.time_ns() // 1_000_000)
+        return {"dismissed": row.inbox_id}
+
+    async def presence(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.node is None:
+            raise NotFound("the node is not running")
+        query = {k: v for k, v in params.items() if k in ("node", "agent") and isinstance(v, str)}
+        return await self._service(call, "mesh.presence.get", "request", query)
+
+    async def discover(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return await self._service(call, "mesh.registry.discover", "discover", dict(params))
+
+    async def _service(self, call: CallContext, subject: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.d.node is None:
+            raise NotFound("the node is not running")
+        cli = self.d.node.agents[CLI_AGENT_NAME]
+        return await self.d.node.service_call(cli, subject, kind, payload)
+
+    async def mesh_nodes(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.control_plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node enrols nodes)")
+        nodes = await asyncio.to_thread(self.d.control_plane.list_nodes)
+        return {
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "name": n.name,
+                    "trust_tier": n.trust_tier,
+                    "tenant": n.tenant,
+                    "enrolled_at": n.enrolled_at,
+                    "retired_at": n.retired_at,
+                    "last_issued_at": n.last_issued_at,
+                    "credential_expires_at": n.credential_expires_at,
+                }
+                for n in nodes
+            ]
+        }
+
+    async def mesh_info(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        return {
+            "mode": "embedded" if self.d.embedded_mode else "joined",
+            "name": self.d.config.node.name,
+            "nats_urls": self.d.mesh_urls(),
+            "control_plane": self.d.control_plane_url(),
+            "node_id": self.d.node_key.public_key if self.d.node_key else None,
+            # Set only when [mesh.embedded] monitor_port asks for it.
+            "monitor_url": self.d.embedded.monitor_url if self.d.embedded is not None else None,
+        }
+
+    async def mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.control_plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node invites)")
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter("name is required")
+        trust_tier = params.get("trust_tier", "standard")
+        if not isinstance(trust_tier, str):
+            raise InvalidParameter("trust_tier must be a string")
+        tenant = params.get("tenant") or "mesh"
+        if not isinstance(tenant, str):
+            raise InvalidParameter("tenant must be a string")
+        try:
+            bundle = await asyncio.to_thread(self.d.control_plane.invite, name, trust_tier, tenant)
+        except ValueError as exc:
+            raise InvalidParameter(str(exc)) from None
+        log.info("invited node %s as %s (trust tier %s, tenant %s)", name, bundle.node_id, trust_tier, tenant)
+        return {
+            "trust_tier": trust_tier,
+            "tenant": tenant,
+            "name": bundle.node_name,
+            "node_id": bundle.node_id,
+            "node_seed": bundle.node_seed,
+            "jwt": bundle.jwt,
+            "nats_urls": self.d.mesh_urls(),
+            "control_plane": self.d.control_plane_url(),
+        }
+

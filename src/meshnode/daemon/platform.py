@@ -1,0 +1,181 @@
+"""The platform services of a service node, wired as the daemon runs them (§9, §15).
+
+:func:`start_platform_services` is the one wiring of registry, presence,
+artifact store, task manager and feeds on one account: the daemon calls it for
+its own account and for every tenant of an embedded mesh, and the integration
+tests call it to get exactly what a daemon serves. It creates or updates the
+mesh's JetStream objects first (§18.3, §18.4), then starts the services in the
+order they depend on each other: the registry loads its cache before serving,
+presence asks it who vouched for an agent, the artifact store and the task
+manager read manifests from its cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from meshnode.config import Config
+from meshnode.services.artifacts import ArtifactLimits, ArtifactService
+from meshnode.services.base import ServiceBase, ServiceContext
+from meshnode.services.feeds import FeedService
+from meshnode.services.presence import PresenceService
+from meshnode.services.registry import RegistryService
+from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
+from meshnode.services.tasks import TaskManagerService
+
+__all__ = [
+    "SERVICE_ORDER",
+    "PlatformServices",
+    "PlatformSettings",
+    "artifact_limits",
+    "start_platform_services",
+]
+
+log = logging.getLogger("meshnode.daemon")
+
+
+_S = TypeVar("_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService)
+
+
+def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
+    return lambda _name: ctx
+
+#: The services in start order (each stops in reverse).
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds")
+
+
+def artifact_limits(config: Config) -> ArtifactLimits:
+    """The artifact store's limits from ``[artifacts]``."""
+    a = config.artifacts
+    return ArtifactLimits(
+        quota_bytes=a.quota_bytes,
+        quota_objects=a.quota_objects,
+        max_object_bytes=a.max_object_size,
+        default_retention_s=int(a.default_retention.total_seconds()),
+        max_retention_s=int(a.max_retention.total_seconds()),
+        upload_idle_s=a.upload_idle.total_seconds(),
+        sweep_interval_s=a.sweep_interval.total_seconds(),
+    )
+
+
+@dataclass(frozen=True)
+class PlatformSettings:
+    """What the services read from the configuration (defaults: the config's)."""
+
+    heartbeat_interval_s: float = 30.0
+    require_connection_bound: bool = True
+    inbox_max_age_s: int = 7 * 86400
+    inbox_max_bytes: int = 25 * 1024 * 1024
+    artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
+
+    @classmethod
+    def from_config(cls, config: Config) -> PlatformSettings:
+        return cls(
+            heartbeat_interval_s=config.node.heartbeat_interval.total_seconds(),
+            require_connection_bound=config.registry.require_connection_bound,
+            inbox_max_age_s=int(config.inbox.buffer_max_age.total_seconds()),
+            inbox_max_bytes=config.inbox.buffer_max_bytes,
+            artifacts=artifact_limits(config),
+        )
+
+
+@dataclass
+class PlatformServices:
+    """The running services of one account, in start order."""
+
+    registry: RegistryService
+    presence: PresenceService
+    artifacts: ArtifactService
+    tasks: TaskManagerService
+    feeds: FeedService
+
+    def all(self) -> list[ServiceBase]:
+        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds]
+
+    async def stop(self) -> None:
+        """Stop every service, last started first."""
+        await self.stop_all(self.all())
+
+    @staticmethod
+    async def stop_all(services: Sequence[ServiceBase]) -> None:
+        """Stop ``services`` in reverse; one failing does not keep the others running."""
+        for service in reversed(services):
+            try:
+                await service.stop()
+            except Exception as exc:
+                log.warning("stopping %s failed: %s", type(service).__name__, exc)
+
+
+async def start_platform_services(
+    context: ServiceContext | Callable[[str], ServiceContext],
+    settings: PlatformSettings | None = None,
+    *,
+    is_revoked: Callable[[str], bool] | None = None,
+    trust_tier_of: Callable[[str], str | None] | None = None,
+    trusted_issuers: Collection[str] = (),
+    imported: Mapping[str, str] | None = None,
+    wait_ready: bool = False,
+) -> PlatformServices:
+    """Ensure the mesh streams, then start every platform service of one account.
+
+    ``context`` is one context for all services, or a function of the service
+    name (the daemon gives each service its own key). ``is_revoked`` and
+    ``trust_tier_of`` come from the control plane (enrolment knows who was
+    retired and each node's attested tier, §9.7); ``trusted_issuers`` are the
+    operators whose portable attestations the registry believes; ``imported``
+    maps agents other tenants exported here to where their registry answers.
+    ``wait_ready`` waits for the streams to have leaders first: a cluster
+    (re)started moments ago answers before they do.
+    """
+    settings = settings or PlatformSettings()
+    contexts: Callable[[str], ServiceContext] = (
+        context if not isinstance(context, ServiceContext) else _same(context)
+    )
+    first = contexts("registry")
+    if wait_ready:
+        await wait_jetstream_ready(first.connection.js, timeout=20.0)
+    await ensure_mesh_streams(first.connection.js, first.replicas)
+    presence = PresenceService(contexts("presence"), heartbeat_interval_s=settings.heartbeat_interval_s)
+    registry = RegistryService(
+        first,
+        require_connection_bound=settings.require_connection_bound,
+        inbox_max_age_s=settings.inbox_max_age_s,
+        inbox_max_bytes=settings.inbox_max_bytes,
+        presence=presence,
+        is_revoked=is_revoked,
+        trust_tier_of=trust_tier_of,
+        trusted_issuers=trusted_issuers,
+        imported=imported,
+    )
+    presence.vouched_by = registry.vouched_by
+
+    async def owner_of(agent_id: str) -> str | None:
+        # Artifact owners resolve from the registry's cache (§7.5.2, §8.6).
+        manifest = registry.manifest(agent_id)
+        owner = manifest.get("owner") if manifest is not None else None
+        return owner if isinstance(owner, str) and owner else None
+
+    started: list[ServiceBase] = []
+
+    async def start(service: _S) -> _S:
+        await service.start()
+        started.append(service)
+        return service
+
+    try:
+        await start(registry)
+        await start(presence)
+        artifacts = await start(
+            ArtifactService(contexts("artifacts"), owner_of=owner_of, limits=settings.artifacts)
+        )
+        # Attribution (§10.8a) reads the responder's needs from the registry's cache.
+        tasks = await start(TaskManagerService(contexts("tasks"), manifest_of=registry.manifest))
+        # Feeds (§6.6a, §18.3): MESH_FEED, the state-feed KV and mesh.feed.get.
+        feeds = await start(FeedService(contexts("feeds")))
+    except BaseException:
+        await PlatformServices.stop_all(started)
+        raise
+    return PlatformServices(registry, presence, artifacts, tasks, feeds)
