@@ -155,6 +155,9 @@ def _type_of(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     if json_type == "array":
         return f"list of {_type_of(schema.get('items', {}), defs)}"
     if json_type == "object":
+        values = schema.get("additionalProperties")
+        if isinstance(values, dict) and values:
+            return f"table of {_type_of(values, defs)}"
         return "table"
     if json_type == "integer":
         low, high = schema.get("minimum"), schema.get("maximum")
