@@ -40,10 +40,11 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import Envelope, ServiceContext
 from meshnode.services.identity import load_service_keys
 from meshnode.services.registry import RegistryService
-from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
 from meshnode.testing import DaemonProcess
-from meshnode.transport.connection import MeshConnection, Msg
+from meshnode.transport.connection import MeshConnection, Message
+from meshnode.transport.errors import TransportError
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_mesh_streams, wait_jetstream_ready
 
 from .conftest import ClusterThread, wait_until
 
@@ -64,7 +65,7 @@ class CountingRegistry(RegistryService):
         super().__init__(ctx)
         self.dispatched = dispatched
 
-    async def _discover(self, msg: Msg, env: Envelope) -> Any:
+    async def _discover(self, msg: Message, env: Envelope) -> Any:
         self.dispatched[env["id"]] += 1
         return await super()._discover(msg, env)
 
@@ -107,7 +108,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             conn = await _connect(cluster, key, jwt, _rotated(urls, i))
             conns.append(conn)
             if i == 0:
-                await ensure_mesh_streams(conn.js, 3)
+                await ensure_mesh_streams(conn.jetstream, 3)
             ctx = ServiceContext(
                 connection=conn, key=registry_key, node_id=key.public_key, replicas=3,
                 limiter=SlidingWindowLimiter(limit=1_000_000, window_ms=60_000),
@@ -115,7 +116,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             service = CountingRegistry(ctx, dispatched)
             await service.start()
             services.append(service)
-        info = await conns[0].js.stream_info("KV_mesh_registry")
+        info = await conns[0].jetstream.native.stream_info("KV_mesh_registry")
         assert info.config.num_replicas == 3
 
         node_key, agent = KeyPair.generate(Prefix.USER), KeyPair.generate(Prefix.USER)
@@ -140,7 +141,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
                 after_kill.add(env["id"])
             try:
                 msg = await requester.request("mesh.registry.discover", encode_envelope(env), timeout=5.0)
-            except (nats.errors.Error, TimeoutError, OSError) as exc:
+            except (nats.errors.Error, TransportError, TimeoutError, OSError) as exc:
                 outcomes[env["id"]] = f"failed: {type(exc).__name__}"
                 return
             reply = decode_envelope(msg.data)
@@ -155,8 +156,8 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             deadline = time.monotonic() + 20.0
             while time.monotonic() < deadline:
                 try:
-                    await requester.js.publish(task_subject, b"{}", timeout=3.0, headers={"Nats-Msg-Id": msg_id})
-                except (nats.errors.Error, TimeoutError, OSError) as exc:
+                    await requester.jetstream.publish(task_subject, b"{}", timeout=3.0, headers={"Nats-Msg-Id": msg_id})
+                except (nats.errors.Error, TransportError, TimeoutError, OSError) as exc:
                     stored[msg_id] = f"failed: {type(exc).__name__}"
                     retried[msg_id] += 1
                     await asyncio.sleep(0.5)
@@ -192,11 +193,11 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
         # Every acknowledged publish is in the R3 stream exactly once.
         reader = conns[0]  # a service-role connection may read the whole stream
         # The rejoined member may still be catching up: let the streams settle first.
-        assert await wait_jetstream_ready(reader.js, timeout=30)
+        assert await wait_jetstream_ready(reader.jetstream, timeout=30)
         consumer = None
         for _ in range(6):
             try:
-                consumer = await reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
+                consumer = await reader.jetstream.native.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
                 break
             except (nats.errors.Error, TimeoutError):
                 await asyncio.sleep(1.0)
@@ -214,7 +215,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
 
         await asyncio.wait_for(read(), timeout=30)
         await consumer.unsubscribe()
-        state = await reader.js.stream_info("MESH_TASKS", subjects_filter=task_subject)
+        state = await reader.jetstream.native.stream_info("MESH_TASKS", subjects_filter=task_subject)
         assert state.state.subjects is not None
         assert state.state.subjects.get(task_subject) == len(set(seen)), "a message was stored twice"
         assert max(seen.values()) == 1

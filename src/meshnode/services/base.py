@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nats.js.errors import NotFoundError
-from nats.js.kv import KeyValue
 
 from meshnode.aio import BackgroundTasks, backoff
 from meshnode.protocol.envelope import (
@@ -56,7 +54,9 @@ from meshnode.protocol.protections import (
 )
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
-from meshnode.transport.connection import MeshConnection, Msg, Subscription
+from meshnode.transport.connection import MeshConnection, Message, Subscription
+from meshnode.transport.errors import NotFound
+from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, KvWatch
 
 __all__ = [
     "NON_REQUEST_TYPES",
@@ -72,7 +72,7 @@ NON_REQUEST_TYPES = frozenset({"respond", "emit", "subscribe"})
 Envelope = dict[str, Any]
 #: A service operation: the raw message and its verified envelope in, the
 #: reply payload out. A ProtocolError it raises is answered as that error.
-Operation = Callable[[Msg, Envelope], Awaitable[Mapping[str, Any]]]
+Operation = Callable[[Message, Envelope], Awaitable[Mapping[str, Any]]]
 
 
 def wall_clock_ms() -> int:
@@ -156,8 +156,8 @@ class ServiceBase:
 
         return self._tasks.spawn(run(), name=f"{self.name}:{name}")
 
-    async def open_watch(self, kv: KeyValue, what: str) -> KeyValue.KeyWatcher:
-        """``kv.watchall()``, retried with backoff while the service runs.
+    async def open_watch(self, kv: KeyValue, what: str) -> KvWatch:
+        """``kv.watch_all()``, retried with backoff while the service runs.
 
         Right after a reconnect to a cluster whose streams are still electing
         leaders, creating the watch's consumer times out; without a retry the
@@ -166,7 +166,7 @@ class ServiceBase:
         """
         for delay in backoff(0.5, 5.0):
             try:
-                return await kv.watchall()
+                return await kv.watch_all()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -179,12 +179,12 @@ class ServiceBase:
     # -- subscriptions -------------------------------------------------------
 
     async def subscribe(
-        self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, queue: bool = True
+        self, subject: str, handler: Callable[[Message], Awaitable[None]], *, queue: bool = True
     ) -> Subscription:
         """Subscribe ``handler`` to ``subject`` (on the service's queue group unless
         ``queue=False``). A handler that raises is logged, never fatal."""
 
-        async def guarded(msg: Msg) -> None:
+        async def guarded(msg: Message) -> None:
             try:
                 await handler(msg)
             except Exception:
@@ -200,7 +200,7 @@ class ServiceBase:
         """Serve ``operation`` on ``subject``: intake (module docstring), then a
         reply with its payload, or with the error it raised."""
 
-        async def handle(msg: Msg) -> None:
+        async def handle(msg: Message) -> None:
             env = self.accept(msg)
             if env is None:
                 return
@@ -235,7 +235,7 @@ class ServiceBase:
             self.log.info("dropped %s on %s: %s", exc.code, subject, exc.message)
             return None
 
-    def accept(self, msg: Msg, *, request: bool = True) -> Envelope | None:
+    def accept(self, msg: Message, *, request: bool = True) -> Envelope | None:
         """Decode, verify, dedup and freshness-check a live message (steps 1-3).
 
         Returns None for anything to drop silently. ``request=False`` admits
@@ -255,7 +255,7 @@ class ServiceBase:
             return None
         return env
 
-    async def admit(self, msg: Msg, env: Envelope) -> bool:
+    async def admit(self, msg: Message, env: Envelope) -> bool:
         """Count the request against the sender's budget; answer RATE_LIMITED when spent."""
         if env["from"] == self.ctx.service_id:
             # The platform asking itself (a tenant's registry resolving an exported
@@ -284,7 +284,7 @@ class ServiceBase:
 
     async def reply(
         self,
-        msg: Msg,
+        msg: Message,
         request: Envelope,
         payload: Mapping[str, Any] | None = None,
         *,
@@ -342,10 +342,6 @@ class ServiceBase:
             self.log.warning("emitting %s.%s failed: %s", domain, event_type, exc)
 
 
-#: KV operations that remove a key.
-KV_DELETE_OPS = ("DEL", "PURGE")
-
-
 class KVMirror:
     """An in-memory copy of one KV bucket, fed by a watch (every instance sees every write)."""
 
@@ -393,7 +389,7 @@ class KVMirror:
                 self._apply(entries, revs, entry.key, entry.revision, entry.operation, entry.value)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+                await watcher.stop()
 
     def _apply(
         self,
@@ -429,7 +425,7 @@ class KVMirror:
         """The authoritative record and its revision (a KV read, not the mirror)."""
         try:
             entry = await self.kv.get(key)
-        except NotFoundError:
+        except NotFound:
             return None, 0
         try:
             record = orjson.loads(entry.value or b"")
