@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.agent import Agent, Context, offering
 from meshnode.plugins import hookimpl
+from meshnode.protocol.a2a_extension import EXTENSION_URI
 from meshnode.protocol.errors import ProtocolError
 
 
@@ -41,8 +41,8 @@ class A2ACaller(Agent):
         """Defer (so the mesh caller can cancel it), then call the peer and wait —
         by GetTask polls, or in the peer's stream when ``input.stream``."""
         await ctx.defer()
-        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=120,
-                                  config={"stream": True} if input.get("stream") else None)
+        reply = await ctx.request(f"a2a:{input['peer']}", input.get("offering", "forecast"), input.get("input"),
+                                  timeout=120, config={"stream": True} if input.get("stream") else None)
         if reply.task is not None:
             if ctx.task is not None:
                 await ctx.task.progress("a2a-stream-open")  # the test waits for this before canceling
@@ -53,8 +53,8 @@ class A2ACaller(Agent):
     @offering("stream", framing=False)
     async def stream(self, ctx: Context, input: Any) -> Any:
         """Stream from the peer; report the chunks and the closing envelope."""
-        reply = await ctx.request(f"a2a:{input['peer']}", "forecast", input.get("input"), timeout=20,
-                                  config={"stream": True})
+        reply = await ctx.request(f"a2a:{input['peer']}", input.get("offering", "forecast"), input.get("input"),
+                                  timeout=20, config={"stream": True})
         if reply.task is None:
             return {"opened": reply.status, "chunks": [], "status": reply.status, "output": reply.output,
                     "a2a": (reply.envelope.get("meta") or {}).get(EXTENSION_URI)}

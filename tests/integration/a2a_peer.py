@@ -1,7 +1,7 @@
 """An external A2A agent for the outbound-bridge tests: a real a2a-sdk server
 (DefaultRequestHandlerV2 + JSON-RPC and card routes, served by uvicorn on
 127.0.0.1 in a thread) with the AGBoss mesh extension's server side done with
-the shared core (meshnode.a2a.extension).
+the shared core (meshnode.protocol.a2a_extension).
 
 The extension part is an ASGI wrapper around the SDK app, because the SDK
 neither checks envelopes nor echoes ``A2A-Extensions``: it reads the raw JSON
@@ -50,7 +50,7 @@ from a2a.types.a2a_pb2 import (
 from google.protobuf import json_format, struct_pb2
 from starlette.applications import Starlette
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     IssuerTrust,
     MeshAuthError,

@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     build_envelope_claims,
     sign_envelope,
@@ -337,7 +337,7 @@ def _check_rpc(doc: Any, status: int) -> bool:
     assert isinstance(error.get("code"), int) and isinstance(error.get("message"), str), error
     assert error["code"] != INTERNAL_ERROR, f"an internal error: {error}"
     if status == 401:
-        assert error["data"]["code"] in AUTH_CODES, error
+        assert error["data"][0]["metadata"]["code"] in AUTH_CODES, error
     return False
 
 

@@ -27,7 +27,8 @@ from a2a.types.a2a_pb2 import (
 from a2a.utils.errors import TaskNotFoundError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from meshnode.a2a.extension import (
+from meshnode.a2a.intake import auth_error_info
+from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     body_hash,
     build_envelope_claims,
@@ -255,7 +256,8 @@ def test_each_401(bridge: Bridge, code: str, over: dict[str, Any], key: Any, tam
         msg["parts"] = [{"data": {"text": "changed after signing"}}]
     answer = rpc(bridge.url("target"), "SendMessage", {"message": msg})
     assert answer.status_code == 401, answer.text
-    assert answer.json()["error"]["data"] == {"code": code}
+    assert answer.json()["error"]["data"] == [auth_error_info(code)]
+    assert answer.json()["code"] == code
     assert answer.headers.get("A2A-Extensions") == EXTENSION_URI
     assert bridge.received() == before  # nothing reached the agent
     counters = next(a for a in bridge.daemon.status()["agents"] if a["name"] == "a2a-bridge")["counters"]
@@ -467,9 +469,9 @@ def test_a_trusted_callers_task_answers_only_to_its_issuer(bridge: Bridge) -> No
         assert str(NOT_FOUND) in subscribed.text and "TASK_STATE" not in subscribed.text, (who, subscribed.text)
     # A proof for another method (or task) proves nothing: 401 like any bad envelope.
     misbound = task_call(bridge, "CancelTask", task_id, proof("CancelTask", task_id, bound_to="GetTask"))
-    assert misbound.status_code == 401 and misbound.json()["error"]["data"] == {"code": "mesh.body-mismatch"}
+    assert misbound.status_code == 401 and misbound.json()["error"]["data"][0]["metadata"] == {"code": "mesh.body-mismatch"}
     forged = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id, key=STRANGER_KEY))
-    assert forged.status_code == 401 and forged.json()["error"]["data"] == {"code": "mesh.signature-invalid"}
+    assert forged.status_code == 401 and forged.json()["error"]["data"][0]["metadata"] == {"code": "mesh.signature-invalid"}
     # Its issuer reads it (still running: the strangers' cancels did nothing) and cancels it.
     owned = task_call(bridge, "GetTask", task_id, proof("GetTask", task_id)).json()["result"]
     assert owned["status"]["state"] == "TASK_STATE_WORKING"

@@ -22,7 +22,7 @@ import pytest
 from a2a.types.a2a_pb2 import Message
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from meshnode.a2a.extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
+from meshnode.protocol.a2a_extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
 from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
 from tests.integration.a2a_peer import Behaviour, Peer
 

@@ -13,17 +13,20 @@ import nacl.signing
 import pytest
 import rfc8785
 
-from meshnode.a2a.extension import (
+from meshnode.protocol.a2a_extension import (
+    CLOCK_SKEW_S,
     EXTENSION_URI,
     ChainRefusal,
     IssuerTrust,
     MeshAuthError,
+    ReplayCache,
     ReportInvalid,
     body_hash,
     build_envelope_claims,
     check_chain,
     extend_chain,
     format_duration,
+    format_instant,
     format_usd,
     parse_duration,
     parse_usd,
@@ -175,10 +178,10 @@ def test_malformed_token_is_signature_invalid(token: Any) -> None:
 
 
 def test_wrong_typ_or_alg_is_signature_invalid() -> None:
-    from meshnode.a2a import extension as ext
+    from meshnode.protocol.a2a_jws import jws
 
-    bad_typ = ext._jws({"alg": "EdDSA", "typ": "JWT"}, _claims(), KEY)
-    bad_alg = ext._jws({"alg": "HS256", "typ": "agboss-mesh"}, _claims(), KEY)
+    bad_typ = jws({"alg": "EdDSA", "typ": "JWT"}, _claims(), KEY)
+    bad_alg = jws({"alg": "HS256", "typ": "agboss-mesh"}, _claims(), KEY)
     none_with_sig = unsecured_envelope(_claims(audience=None)) + "AAAA"
     for token in (bad_typ, bad_alg, none_with_sig):
         assert _code(token) == "mesh.signature-invalid"
@@ -424,3 +427,57 @@ def test_usd_strings() -> None:
     assert format_usd("0.000") == "0"
     with pytest.raises(ValueError):
         format_usd(Decimal("-1"))
+
+
+# --- the replay window and the replay cache (issue #20, gap 4) -----------------------
+
+
+def test_a_sender_cannot_widen_the_window_past_the_seeds_plus_the_skew() -> None:
+    # Issued 300 s ago with PT600S: accepted before (capped at 600 s), refused now.
+    wide = sign_envelope(_claims(issuedAt=format_instant(NOW - 300), expiresIn="PT600S"), KEY)
+    assert _code(wide) == "mesh.envelope-expired"
+    long = sign_envelope(_claims(expiresIn="PT600S"), KEY)
+    assert _verify(long, now=NOW + 60 + CLOCK_SKEW_S).trusted  # PT60S plus the default skew
+    assert _code(long, now=NOW + 60 + CLOCK_SKEW_S + 1) == "mesh.envelope-expired"
+    # The skew is configurable, both ways of the window.
+    tight = verify_envelope(long, own_application="me", issuer_keys=_known, now=NOW + 65, message=MESSAGE,
+                            clock_skew_s=5)
+    assert tight.trusted and tight.expires_at_s == NOW + 65
+    with pytest.raises(MeshAuthError):
+        verify_envelope(long, own_application="me", issuer_keys=_known, now=NOW + 66, message=MESSAGE,
+                        clock_skew_s=5)
+    with pytest.raises(MeshAuthError):
+        verify_envelope(long, own_application="me", issuer_keys=_known, now=NOW - 6, message=MESSAGE,
+                        clock_skew_s=5)
+
+
+def test_a_trusted_envelope_is_accepted_once_inside_its_window() -> None:
+    cache = ReplayCache()
+    token = sign_envelope(_claims(), KEY)
+    check = _verify(token)
+    cache.check(check, now=NOW)
+    with pytest.raises(MeshAuthError) as replayed:
+        cache.check(_verify(token, now=NOW + 1), now=NOW + 1)
+    assert replayed.value.code == "mesh.envelope-expired" and "replayed" in replayed.value.reason
+    # Another envelope over the same message (a resend with a new issuedAt) is no replay.
+    cache.check(_verify(sign_envelope(_claims(issuedAt=format_instant(NOW + 0.001)), KEY), now=NOW + 1),
+                now=NOW + 1)
+    # Claims bind nothing and are not remembered.
+    claim = verify_envelope(unsecured_envelope(_claims(audience=None)), own_application="me",
+                            issuer_keys=_known, now=NOW, message=MESSAGE)
+    cache.check(claim, now=NOW)
+    cache.check(claim, now=NOW)
+    assert len(cache) == 2
+
+
+def test_the_replay_cache_is_bounded_and_forgets_what_expired() -> None:
+    cache = ReplayCache(max_entries=3)
+    checks = [_verify(sign_envelope(_claims(issuedAt=format_instant(NOW + i / 1000)), KEY), now=NOW + 1)
+              for i in range(4)]
+    for c in checks:
+        cache.check(c, now=NOW + 1)
+    assert len(cache) == 3
+    cache.check(checks[0], now=NOW + 1)  # the oldest went first: no longer remembered
+    later = _verify(sign_envelope(_claims(issuedAt=format_instant(NOW + 200)), KEY), now=NOW + 200)
+    cache.check(later, now=NOW + 200)
+    assert len(cache) == 1  # the full cache dropped what had expired

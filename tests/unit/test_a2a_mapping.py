@@ -7,17 +7,19 @@ from typing import Any
 import pytest
 from a2a.client.card_resolver import parse_agent_card
 
-from meshnode.a2a.extension import EXTENSION_URI
 from meshnode.a2a.mapping import (
     PartsRefused,
     agent_card,
     coded_message,
     input_from_parts,
+    integers_by_schema,
+    ints_as_sent,
     output_artifact,
     project_security,
     select_offering,
     state_of,
 )
+from meshnode.protocol.a2a_extension import EXTENSION_URI
 
 TEXT_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}}
 
@@ -101,3 +103,45 @@ def test_card_is_valid_for_the_sdk() -> None:
     assert ext["required"] is False
     assert "securitySchemes" not in card
     assert card["provider"] == {"organization": "Acme", "url": "https://acme.example"}
+
+
+# --- integers through a protobuf Struct (issue #20, gap 2) ---------------------------
+
+
+def test_whole_floats_become_ints_where_the_schema_says_integer() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "to": {"type": "integer"},
+            "every": {"type": "number"},
+            "maybe": {"type": ["integer", "null"]},
+            "steps": {"type": "array", "items": {"type": "integer"}},
+            "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]},
+            "nested": {"anyOf": [{"type": "object", "properties": {"n": {"type": "integer"}}}]},
+            "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+        },
+    }
+    value = {"to": 2.0, "every": 1.0, "maybe": 3.0, "steps": [1.0, 2.0], "pair": [4.0, "x"],
+             "nested": {"n": 5.0}, "counts": {"a": 6.0}, "other": 7.0}
+    out = input_from_parts([{"data": value}], schema)
+    assert out == value
+    assert type(out["to"]) is int and type(out["every"]) is float and type(out["maybe"]) is int
+    assert [type(v) for v in out["steps"]] == [int, int] and type(out["pair"][0]) is int
+    assert type(out["nested"]["n"]) is int and type(out["counts"]["a"]) is int
+    assert type(out["other"]) is float  # no schema says integer there
+
+
+def test_a_fractional_float_is_left_for_validation_to_refuse() -> None:
+    out = input_from_parts([{"data": {"to": 2.5}}], {"type": "object", "properties": {"to": {"type": "integer"}}})
+    assert out == {"to": 2.5}
+    assert integers_by_schema(True, {"type": "integer"}) is True  # a bool is no number here
+
+
+def test_ints_as_sent_restores_what_a_struct_made_doubles() -> None:
+    original = {"id": "t", "artifacts": [{"parts": [{"data": {"n": 2, "f": 2.5, "list": [1, 2.0]}}]}]}
+    rendered = {"id": "t", "artifacts": [{"parts": [{"data": {"n": 2.0, "f": 2.5, "list": [1.0, 2.0]}}]}],
+                "extra": 1.0}
+    out = ints_as_sent(rendered, original)
+    data = out["artifacts"][0]["parts"][0]["data"]
+    assert type(data["n"]) is int and type(data["f"]) is float
+    assert [type(v) for v in data["list"]] == [int, float] and type(out["extra"]) is float

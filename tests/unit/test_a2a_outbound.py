@@ -13,24 +13,20 @@ import nacl.signing
 import pytest
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_amount
-from meshnode.a2a.extension import EXTENSION_URI
-from meshnode.a2a.outbound import (
-    A2AOutbound,
-    A2AStreamTask,
-    CallContext,
+from meshnode.a2a.client import Ambiguous, Unsent, classify, refusal_code, stream_results
+from meshnode.a2a.outbound import A2AOutbound, A2AStreamTask, CallContext
+from meshnode.a2a.peers import (
     PeerSettings,
-    _Ambiguous,
-    _Sent,
-    _Unsent,
+    Sent,
     card_url_of,
     input_parts,
     output_of_parts,
     read_card,
 )
-from meshnode.a2a.routing import chain_meta_of, peer_name_of
 from meshnode.config import ConfigError, load_config
 from meshnode.node.context import AgentContext
 from meshnode.node.outbound import Reply
+from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_name_of
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
@@ -158,14 +154,14 @@ def test_send_failures_are_classified() -> None:
         except RuntimeError as outer:
             return outer
 
-    with pytest.raises(_Unsent):
-        A2AOutbound._classify(wrapped(httpx.ConnectError("refused", request=request)))
+    with pytest.raises(Unsent):
+        classify(wrapped(httpx.ConnectError("refused", request=request)))
     for ambiguous in (httpx.ReadTimeout("slow", request=request), httpx.RemoteProtocolError("dropped", request=request)):
-        with pytest.raises(_Ambiguous):
-            A2AOutbound._classify(wrapped(ambiguous))
+        with pytest.raises(Ambiguous):
+            classify(wrapped(ambiguous))
     response = httpx.Response(401, json={"code": "mesh.audience-mismatch"}, request=request)
     with pytest.raises(ProtocolError) as refused:
-        A2AOutbound._classify(wrapped(httpx.HTTPStatusError("401", request=request, response=response)))
+        classify(wrapped(httpx.HTTPStatusError("401", request=request, response=response)))
     assert refused.value.code == "UNAUTHORIZED" and refused.value.details["code"] == "mesh.audience-mismatch"
 
 
@@ -249,7 +245,7 @@ async def test_onward_a2a_call_extends_the_incoming_chain(tmp_path: Path) -> Non
     await store.close()
 
 
-async def _stream_fixture(tmp_path: Path) -> tuple[ChargeStore, A2AOutbound, _Sent]:
+async def _stream_fixture(tmp_path: Path) -> tuple[ChargeStore, A2AOutbound, Sent]:
     store = ChargeStore(tmp_path / "a2a.sqlite3")
     await store.open()
     out = A2AOutbound("acme", "agent", {"w": SETTINGS}, store, KeyPair.generate(), clock=lambda: 1_000.0)
@@ -257,7 +253,7 @@ async def _stream_fixture(tmp_path: Path) -> tuple[ChargeStore, A2AOutbound, _Se
     raw["supportedInterfaces"][0]["url"] = "http://127.0.0.1:9/"  # nothing listens: sends fail fast
     peer = read_card(raw, SETTINGS, now=0.0)
     call = CallContext(agent_id="UCALLER", agent_key=KeyPair.generate(), trace=new_root_trace())
-    return store, out, _Sent("w", SETTINGS, peer, call, "m-1", "sha256:00", {})
+    return store, out, Sent("w", SETTINGS, peer, call, "m-1", "sha256:00", {})
 
 
 async def test_stream_events_map_to_chunks_and_a_charged_result(tmp_path: Path) -> None:
@@ -287,8 +283,33 @@ async def test_cancel_is_sent_once_and_recorded_at_zero(tmp_path: Path) -> None:
     assert row is not None and row.report == "canceled" and row.charged == "0"
     assert row.note is not None and "not confirmed" in row.note
     # Abandoned before the peer named a task: nothing to cancel, still recorded.
-    early = _Sent("w", SETTINGS, sent.peer, sent.call, "m-1", "sha256:00", {})
+    early = Sent("w", SETTINGS, sent.peer, sent.call, "m-1", "sha256:00", {})
     await out._cancel_peer(early, "the calling mesh work was canceled")
     first = await store.get("w", "message:m-1")
     assert first is not None and first.task_id is None and "no CancelTask" in (first.note or "")
     await store.close()
+
+
+def test_a_refusals_code_is_read_wherever_a_peer_puts_it() -> None:
+    info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "MESH_BODY_MISMATCH",
+            "domain": "agboss.dev", "metadata": {"code": "mesh.body-mismatch"}}
+    assert refusal_code({"code": "mesh.audience-mismatch"}) == "mesh.audience-mismatch"
+    assert refusal_code({"error": {"code": "mesh.envelope-expired"}}) == "mesh.envelope-expired"
+    # meshnode's own 401: error.code is the number 401, the code sits in data.
+    assert refusal_code({"error": {"code": 401, "message": "x", "data": {"code": "mesh.signature-invalid"}}}) == (
+        "mesh.signature-invalid")
+    assert refusal_code({"error": {"code": 401, "data": [info]}}) == "mesh.body-mismatch"
+    assert refusal_code({"error": {"code": 401, "data": [{**info, "metadata": {}}]}}) == "MESH_BODY_MISMATCH"
+    assert refusal_code({"error": {"code": 401, "data": [{"reason": "not ErrorInfo"}]}}) is None
+    assert refusal_code(["not", "an", "object"]) is None and refusal_code({"error": "x"}) is None
+
+
+def test_stream_results_reads_complete_events_in_order() -> None:
+    raw = (b'event: x\r\ndata: {"jsonrpc": "2.0", "result": {"artifactUpdate": {"n": 1}}}\r\n\r\n'
+           b'data: {"result": {"statusUpdate": {}}}\n\n'
+           b'data: not json\n\n'
+           b'data: {"result": {"task": {"id": "t"')
+    results, end = stream_results(raw)
+    assert results == [{"artifactUpdate": {"n": 1}}, {"statusUpdate": {}}, None]
+    assert raw[end:] == b'data: {"result": {"task": {"id": "t"'  # the incomplete event waits
+    assert stream_results(raw, end) == ([], end)

@@ -89,22 +89,9 @@ LAZY_IMPORTS_ALLOWED = {"cli"}
 
 # (module, rule, imported) triples still to be fixed by issue #16. Only shrinks.
 KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    ("meshnode.config.a2a", "a2a-below-gateways", "meshnode.a2a.extension"),
-    ("meshnode.config.a2a", "function-local", "meshnode.a2a.extension"),
-    ("meshnode.config.a2a", "layer", "meshnode.a2a.extension"),
-    ("meshnode.node.context", "a2a-below-gateways", "meshnode.a2a.extension"),
-    ("meshnode.node.context", "a2a-below-gateways", "meshnode.a2a.outbound"),
-    ("meshnode.node.context", "a2a-below-gateways", "meshnode.a2a.routing"),
-    ("meshnode.node.context", "function-local", "meshnode.a2a.outbound"),
-    ("meshnode.node.context", "layer", "meshnode.a2a.extension"),
-    ("meshnode.node.context", "layer", "meshnode.a2a.outbound"),
-    ("meshnode.node.context", "layer", "meshnode.a2a.routing"),
     ("meshnode.node.pubsub", "function-local", "meshnode.node.context"),
-    ("meshnode.node.runtime", "a2a-below-gateways", "meshnode.a2a.outbound"),
-    ("meshnode.node.runtime", "function-local", "meshnode.a2a.outbound"),
     ("meshnode.node.runtime", "function-local", "meshnode.node.context"),
     ("meshnode.node.runtime", "function-local", "meshnode.node.tasks"),
-    ("meshnode.node.runtime", "layer", "meshnode.a2a.outbound"),
 }
 
 

@@ -8,9 +8,12 @@ The part mapping (documented in the README):
   parts (joined with newlines) → the input is the text, or ``{"text": text}``
   when the offering's input schema is an object with a ``text`` property. No
   parts → no input. File parts, and data mixed with text, are refused
-  (InvalidParams): nothing is fetched on a caller's say-so.
+  (InvalidParams): nothing is fetched on a caller's say-so. A data part's
+  whole-number floats become integers where the offering's input schema says
+  ``integer`` (A2A's protobuf Struct sends every number as a double).
 - **Output.** A string output → one artifact with a text part; any other JSON
-  value → one artifact with a data part. Stream chunks → artifact updates of
+  value → one artifact with a data part; its integers are rendered as
+  integers on the wire (:func:`ints_as_sent`), not as doubles. Stream chunks → artifact updates of
   one artifact, appended in order.
 - **States.** submitted, working, input_required, auth_required, completed,
   canceled and rejected map one to one; exhausted and failed → FAILED, whose
@@ -23,7 +26,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshnode.a2a.extension import EXTENSION_URI, format_duration
+from meshnode.protocol.a2a_extension import EXTENSION_URI, format_duration
 
 __all__ = [
     "FAILED_STATES",
@@ -32,6 +35,8 @@ __all__ = [
     "agent_card",
     "agent_message",
     "input_from_parts",
+    "integers_by_schema",
+    "ints_as_sent",
     "output_artifact",
     "project_security",
     "select_offering",
@@ -108,11 +113,66 @@ def input_from_parts(parts: Sequence[Mapping[str, Any]], input_schema: Mapping[s
     if len(data) > 1:
         raise PartsRefused("a message carries at most one data part")
     if data:
-        return data[0]
+        return integers_by_schema(data[0], input_schema)
     if not texts:
         return None
     text = "\n".join(texts)
     return {"text": text} if _wants_text_object(input_schema) else text
+
+
+def _admits_integer(schema: Mapping[str, Any]) -> bool:
+    kind = schema.get("type")
+    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+
+
+def integers_by_schema(value: Any, schema: Mapping[str, Any] | None) -> Any:
+    """``value`` with each whole-number float made an int where ``schema`` says
+    ``integer`` there (``type``, ``properties``, ``additionalProperties``,
+    ``items``, ``prefixItems``, and the branches of ``allOf``/``anyOf``/``oneOf``).
+
+    A2A carries a data part as a protobuf Struct, whose numbers are doubles: the
+    official SDK sends ``{"to": 2}`` as ``{"to": 2.0}``. JSON Schema counts 2.0
+    as an integer, Python does not; the offering's schema says which it meant.
+    Nothing else is changed (2.5 stays 2.5 and then fails validation)."""
+    if not isinstance(schema, Mapping):
+        return value
+    for key in ("allOf", "anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list):
+            for branch in branches:
+                value = integers_by_schema(value, branch)
+    if isinstance(value, float) and value.is_integer() and _admits_integer(schema):
+        return int(value)
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        props = props if isinstance(props, Mapping) else {}
+        extra = schema.get("additionalProperties")
+        return {
+            k: integers_by_schema(v, props.get(k, extra if isinstance(extra, Mapping) else None))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        prefix = schema.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        items = schema.get("items")
+        return [
+            integers_by_schema(v, prefix[i] if i < len(prefix) else items if isinstance(items, Mapping) else None)
+            for i, v in enumerate(value)
+        ]
+    return value
+
+
+def ints_as_sent(rendered: Any, original: Any) -> Any:
+    """``rendered`` (a value after a protobuf Struct round trip, every number a
+    double) with each number that was an int in ``original`` an int again, so
+    an agent's integer output leaves as ``2``, not ``2.0``."""
+    if isinstance(rendered, float) and type(original) is int and rendered == original:
+        return original
+    if isinstance(rendered, dict) and isinstance(original, Mapping):
+        return {k: ints_as_sent(v, original.get(k)) for k, v in rendered.items()}
+    if isinstance(rendered, list) and isinstance(original, list) and len(rendered) == len(original):
+        return [ints_as_sent(v, o) for v, o in zip(rendered, original, strict=True)]
+    return rendered
 
 
 def _part(value: Any) -> dict[str, Any]:

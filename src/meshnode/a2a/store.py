@@ -144,6 +144,15 @@ class BridgeStore:
         task: dict[str, Any] = orjson.loads(row[2])
         return Stored(agent=str(row[0]), caller=str(row[1]), task=task)
 
+    async def owned(self, *, agent: str, caller: str) -> list[dict[str, Any]]:
+        """The tasks ``caller`` created on ``agent``, the newest first (ListTasks)."""
+        async with self.db.execute(
+            "SELECT task_json FROM a2a_tasks WHERE agent = ? AND caller = ? ORDER BY created_ms DESC, task_id",
+            (agent, caller),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [orjson.loads(r[0]) for r in rows]
+
     async def remembered(
         self, *, agent: str, caller: str, message_id: str, not_before_ms: int
     ) -> Remembered | None:

@@ -14,6 +14,9 @@ from pydantic import (
 )
 from pydantic.functional_validators import BeforeValidator
 
+# The extension's pure core (no SDK): config checks a key's form when it is read.
+from meshnode.protocol.a2a_extension import parse_verify_key
+
 from .sections import _FORBID
 from .values import (
     _AGENT_NAME,
@@ -46,8 +49,6 @@ def _usd_decimal(value: object) -> str:
 def _optional_verify_key(value: object) -> str | None:
     if value is None or value == "":
         return None
-    from meshnode.a2a.extension import parse_verify_key
-
     if not isinstance(value, str):
         raise ValueError(f"expected an Ed25519 public key string, got {value!r}")
     parse_verify_key(value)  # raises ValueError naming the accepted forms
@@ -94,8 +95,6 @@ def _listen_address(value: object) -> str | None:
 
 
 def _verify_key_text(value: object) -> str:
-    from meshnode.a2a.extension import parse_verify_key
-
     if not isinstance(value, str):
         raise ValueError("expected an Ed25519 public key as a string")
     parse_verify_key(value)  # raises ValueError naming the accepted forms
@@ -132,6 +131,10 @@ class A2AConfig(BaseModel):
     """A call chain this long is refused (REJECTED, ``limit.hops``)."""
     idempotency_retention: Duration = timedelta(hours=24)
     """How long a caller's messageId maps to its task (card ``idempotencyRetention``)."""
+    clock_skew: Duration = timedelta(seconds=30)
+    """How far two applications' clocks may disagree: an envelope issued this
+    far in the future counts, and an ``expiresIn`` may exceed the seed's PT60S
+    replay window by as much, never more."""
     send_wait: Duration = timedelta(seconds=30)
     """How long a blocking SendMessage waits for a terminal state before it
     answers with the task as it stands (GetTask follows it up)."""

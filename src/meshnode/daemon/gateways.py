@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.a2a.charges import ChargeStore
-from meshnode.a2a.extension import IssuerTrust, parse_verify_key
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
 from meshnode.node.runtime import Node
+from meshnode.protocol.a2a_extension import IssuerTrust, parse_verify_key
 from meshnode.protocol.nkeys import KeyPair
 
 # The SDK is an optional extra: the import error is kept for the message.
@@ -89,6 +89,7 @@ class A2AGateways:
             idempotency_retention_s=a2a.idempotency_retention.total_seconds(),
             send_wait_s=a2a.send_wait.total_seconds(),
             task_timeout_s=a2a.task_timeout.total_seconds(),
+            clock_skew_s=a2a.clock_skew.total_seconds(),
             trust=trust,
         )
         bridge = A2ABridge(node=node, bridge=bridge_agent, settings=settings, data_dir=data_dir)

@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import meshnode
-from meshnode.a2a.extension import EXTENSION_URI as A2A_URI
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.node.builtin import CLI_AGENT_NAME
@@ -24,6 +23,7 @@ from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxRow, InboxStore
 from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.states import AgentState
+from meshnode.protocol.a2a_extension import EXTENSION_URI as A2A_URI
 from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError, error_object

@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshnode.a2a.extension import EXTENSION_URI
-from meshnode.a2a.routing import chain_meta_of, peer_name_of
 from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
+from meshnode.node.gateway import CallContext
 from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
+from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_name_of
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace
 from meshnode.protocol.errors import ProtocolError
@@ -162,8 +162,6 @@ class AgentContext:
         if node.a2a is None:
             raise ProtocolError("NOT_FOUND", f"no A2A peer {peer!r} is configured ([a2a.peers.{peer}])",
                                 {"peer": peer})
-        from meshnode.a2a.outbound import CallContext
-
         call = CallContext(agent_id=self._hosted.agent_id, agent_key=self._hosted.key,
                            trace=self._child_trace(), envelope=self._envelope or None)
         return await node.a2a.resume(peer, task_id, call, timeout=timeout)

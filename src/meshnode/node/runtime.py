@@ -17,13 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from meshnode.agent import Agent, AgentSettings
 from meshnode.aio import backoff
 from meshnode.node.drain import InboxDrain
+from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import Observability
@@ -59,9 +60,6 @@ from meshnode.protocol.tasks import check_task_id
 from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.errors import NoResponders, Reconnecting, TransportTimeout
 from meshnode.transport.jetstream import DurableSubscription
-
-if TYPE_CHECKING:
-    from meshnode.a2a.outbound import A2AOutbound
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -105,7 +103,7 @@ class Node:
         inbox: InboxStore | None = None,
         check_sender_vouch: bool = False,
         trust_attestation: dict[str, Any] | None = None,
-        a2a: A2AOutbound | None = None,
+        a2a: OutboundGateway | None = None,
     ) -> None:
         self.settings = settings
         self.key = node_key
@@ -140,8 +138,9 @@ class Node:
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
         self.drain_interval_s = settings.drain_interval_s
-        # The outbound A2A bridge ([a2a.peers]); None when no peer is configured.
-        self.a2a: A2AOutbound | None = a2a
+        # The outbound gateway ([a2a.peers]; the daemon plugs in the A2A bridge's
+        # client, meshnode.a2a.outbound.A2AOutbound); None when no peer is configured.
+        self.a2a: OutboundGateway | None = a2a
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -610,13 +609,11 @@ class Node:
         budget: Mapping[str, Any] | None = None,
         stream: bool = False,
     ) -> Reply:
-        """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted`` (the
-        outbound A2A bridge, :mod:`meshnode.a2a.outbound`)."""
+        """Call the external A2A agent ``[a2a.peers.<peer>]`` for ``hosted``
+        through the outbound gateway the daemon plugged in (:class:`OutboundGateway`)."""
         if self.a2a is None:
             raise ProtocolError("NOT_FOUND", f"no A2A peer {peer!r} is configured ([a2a.peers.{peer}])",
                                 {"peer": peer})
-        from meshnode.a2a.outbound import CallContext
-
         call = CallContext(agent_id=hosted.agent_id, agent_key=hosted.key, trace=trace,
                            envelope=envelope, budget=budget)
         self.counters["a2a.calls"] += 1

@@ -1,7 +1,9 @@
 """The AGBoss mesh extension of A2A v1.0 (``https://agboss.dev/a2a/mesh/v1``).
 
-The pure core both halves of the A2A bridge share: no I/O, and the clock is
-always passed in. What lives here (see A2A-MESH-EXTENSION.md):
+The pure core both halves of the A2A bridge share, kept beside the protocol
+core so the node can carry A2A call chains without importing the gateway: no
+I/O, no asyncio, no a2a-sdk, and the clock is always passed in. What lives here
+(see A2A-MESH-EXTENSION.md):
 
 - the envelope, a compact JWS of type ``agboss-mesh`` (EdDSA over Ed25519, or
   ``alg: none`` for a bare claim) carried at ``message.metadata[uri].envelope``;
@@ -12,7 +14,11 @@ always passed in. What lives here (see A2A-MESH-EXTENSION.md):
 - the chain checks every envelope gets (:func:`check_chain`);
 - the signed run report of type ``agboss-mesh-report`` (:func:`sign_report`,
   :func:`verify_report`);
-- ISO 8601 durations of seconds and USD decimal strings.
+- ISO 8601 durations of seconds and USD decimal strings (encoded in
+  :mod:`meshnode.protocol.a2a_jws`, with the compact JWS, and re-exported here
+  as part of the extension's vocabulary);
+- how mesh work addresses an A2A peer (``a2a:<peer>``, :func:`peer_name_of`)
+  and carries an A2A call chain in ``meta[uri]`` (:func:`chain_meta_of`).
 
 JWS header and payload are serialized as RFC 8785 canonical JSON, so the
 same claims always give the same token; a verifier reads whatever JSON it is
@@ -21,47 +27,62 @@ given (only the bytes are signed).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
-import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
-import nacl.exceptions
 import nacl.signing
 
+from meshnode.protocol.a2a_jws import (
+    format_duration,
+    format_instant,
+    format_usd,
+    instant_s,
+    jws,
+    parse_duration,
+    parse_jws,
+    parse_usd,
+    parse_verify_key,
+    verify_signature,
+)
 from meshnode.protocol.canonical import CanonicalJSONError, canonicalize
 from meshnode.protocol.nkeys import NkeyError, decode_public, is_valid_public
-from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 
 __all__ = [
+    "A2A_TARGET_PREFIX",
     "DEFAULT_EXPIRES_IN",
     "ENVELOPE_TYP",
     "EXTENSION_URI",
+    "CLOCK_SKEW_S",
     "REPORT_TYP",
     "SCHEMA",
+    "TASK_ENVELOPE_HEADER",
+    "TASK_METHODS",
     "Budget",
     "ChainRefusal",
     "EnvelopeCheck",
     "IssuerTrust",
     "MeshAuthError",
+    "ReplayCache",
     "ReportClaims",
     "ReportInvalid",
     "body_hash",
     "build_envelope_claims",
+    "chain_meta_of",
     "check_chain",
     "extend_chain",
     "format_duration",
+    "format_instant",
     "format_usd",
     "parse_duration",
     "parse_usd",
     "parse_verify_key",
+    "peer_name_of",
     "sign_envelope",
     "sign_report",
+    "task_operation",
     "unsecured_envelope",
     "verify_envelope",
     "verify_report",
@@ -74,12 +95,20 @@ SCHEMA = 1
 DEFAULT_EXPIRES_IN = 60.0
 """The replay window when an envelope names none (``PT60S``)."""
 
-# An envelope issued this far in the future still counts (clocks of two
-# applications disagree a little); beyond it, it is outside the window.
+#: How far two applications' clocks may disagree by default: an envelope
+#: issued this far in the future still counts, and a sender's ``expiresIn``
+#: may exceed the seed's PT60S by as much, never more (``[a2a] clock_skew``).
 CLOCK_SKEW_S = 30.0
-# A sender cannot widen the replay window past this, whatever expiresIn says:
-# a long window is a long replay opportunity.
-MAX_EXPIRES_IN_S = 600.0
+
+#: The HTTP header (an A2A service parameter) carrying a task-operation
+#: envelope: meshnode's profile of the extension, which defines envelopes on
+#: messages only. GetTask, CancelTask and SubscribeToTask on a trusted
+#: caller's task prove the caller with an envelope whose ``bodyHash`` is over
+#: :func:`task_operation` (so it proves nothing for another task or method).
+TASK_ENVELOPE_HEADER = "AGBoss-Mesh-Envelope"
+#: The JSON-RPC methods that act on existing tasks, answered to their caller only
+#: (ListTasks names no task: its proof is over ``{"method": "ListTasks"}``).
+TASK_METHODS = ("GetTask", "CancelTask", "SubscribeToTask", "ListTasks")
 
 # The 401 codes, in the order the checks run.
 AUDIENCE_MISMATCH = "mesh.audience-mismatch"
@@ -107,58 +136,7 @@ class ReportInvalid(ValueError):
     body, malformed). The caller then charges the contract price alone."""
 
 
-# --- small value helpers -------------------------------------------------------
-
-_DURATION = re.compile(
-    r"P(?:(?P<d>\d+(?:\.\d+)?)D)?"
-    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?"
-)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of an ISO 8601 duration of days/hours/minutes/seconds
-    (``PT60S``, ``PT1.5S``, ``P1DT2H``). Years, months and weeks have no fixed
-    length and are refused. Raises ValueError."""
-    if not isinstance(text, str):
-        raise ValueError("a duration is a string")
-    m = _DURATION.fullmatch(text)
-    if m is None or text in ("P", "PT") or text.endswith("T"):
-        raise ValueError(f"not an ISO 8601 duration of seconds: {text!r}")
-    d, h, mi, s = (float(m.group(g) or 0) for g in ("d", "h", "m", "s"))
-    return d * 86400 + h * 3600 + mi * 60 + s
-
-
-def format_duration(seconds: float) -> str:
-    """``PT<n>S`` with the seconds as a plain decimal (``PT86400S``, ``PT1.5S``)."""
-    if seconds < 0:
-        raise ValueError("a duration is not negative")
-    text = format(Decimal(repr(float(seconds))).normalize(), "f")
-    return f"PT{text}S"
-
-
-_USD = re.compile(r"\d+(?:\.\d+)?")
-
-
-def parse_usd(text: object) -> Decimal:
-    """A non-negative USD decimal string (``"0.25"``) as a Decimal. The wire
-    carries money as a string, never a float; raises ValueError otherwise."""
-    if not isinstance(text, str) or _USD.fullmatch(text) is None:
-        raise ValueError(f"not a non-negative decimal string: {text!r}")
-    try:
-        return Decimal(text)
-    except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
-        raise ValueError(f"not a decimal: {text!r}") from None
-
-
-def format_usd(amount: Decimal | int | str) -> str:
-    """A Decimal as a plain decimal string without exponent (``"0.25"``, ``"3"``)."""
-    value = Decimal(amount)
-    if not value.is_finite() or value < 0:
-        raise ValueError(f"not a non-negative finite amount: {amount!r}")
-    text = format(value, "f")
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return text or "0"
+# --- the body hash and the envelope JWS --------------------------------------------
 
 
 def body_hash(message: Mapping[str, Any]) -> str:
@@ -177,117 +155,15 @@ def body_hash(message: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonicalize(msg)).hexdigest()
 
 
-def _b64e(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
-
-
-def _b64d(text: str) -> bytes:
-    if not text.isascii() or "=" in text:
-        raise ValueError("not unpadded base64url")
-    try:
-        return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"malformed base64url: {exc}") from None
-
-
-def parse_verify_key(text: str) -> nacl.signing.VerifyKey:
-    """An Ed25519 public key from configuration: a user nkey (``U…``), or the 32
-    raw bytes in base64url/base64 (optionally prefixed ``ed25519:``)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("a key is a non-empty string")
-    text = text.strip()
-    if is_valid_public(text, None):
-        return nacl.signing.VerifyKey(decode_public(text, None))
-    body = text.removeprefix("ed25519:")
-    decoders: tuple[Callable[[str], bytes], ...] = (
-        lambda t: _b64d(t.rstrip("=")),
-        lambda t: base64.b64decode(t, validate=True),
-    )
-    for decode in decoders:
-        try:
-            raw = decode(body)
-        except (ValueError, binascii.Error):
-            continue
-        if len(raw) == 32:
-            return nacl.signing.VerifyKey(raw)
-    raise ValueError(
-        "not an Ed25519 public key: expected a user nkey (U…) or 32 bytes in base64url"
-    )
-
-
-# --- JWS --------------------------------------------------------------------------
-
-
-def _jws(
-    header: Mapping[str, Any], claims: Mapping[str, Any], key: nacl.signing.SigningKey | None
-) -> str:
-    head = _b64e(canonicalize(dict(header)))
-    body = _b64e(canonicalize(dict(claims)))
-    signing_input = f"{head}.{body}".encode("ascii")
-    sig = "" if key is None else _b64e(key.sign(signing_input).signature)
-    return f"{head}.{body}.{sig}"
-
-
 def sign_envelope(claims: Mapping[str, Any], signing_key: nacl.signing.SigningKey) -> str:
     """A compact JWS ``{"alg":"EdDSA","typ":"agboss-mesh"}`` over ``claims``."""
-    return _jws({"alg": "EdDSA", "typ": ENVELOPE_TYP}, claims, signing_key)
+    return jws({"alg": "EdDSA", "typ": ENVELOPE_TYP}, claims, signing_key)
 
 
 def unsecured_envelope(claims: Mapping[str, Any]) -> str:
     """An unsecured JWS (``alg: none``): a claim, never trusted. Its signature
     part is empty (``header.payload.``)."""
-    return _jws({"alg": "none", "typ": ENVELOPE_TYP}, claims, None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    header: dict[str, Any]
-    claims: dict[str, Any]
-    signing_input: bytes
-    signature: bytes
-
-
-def _parse_jws(token: object) -> _Parsed:
-    if not isinstance(token, str):
-        raise ValueError("a JWS is a string")
-    parts = token.split(".")
-    if len(parts) != 3:
-        raise ValueError("a compact JWS has three parts")
-    head_b, body_b, sig_b = parts
-    try:
-        header = json.loads(_b64d(head_b))
-        claims = json.loads(_b64d(body_b))
-        signature = _b64d(sig_b) if sig_b else b""
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed JWS: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(claims, dict):
-        raise ValueError("JWS header and payload are JSON objects")
-    return _Parsed(header, claims, f"{head_b}.{body_b}".encode("ascii"), signature)
-
-
-def _verify_sig(parsed: _Parsed, key: nacl.signing.VerifyKey) -> bool:
-    if len(parsed.signature) != 64:
-        return False
-    try:
-        key.verify(parsed.signing_input, parsed.signature)
-    except (nacl.exceptions.BadSignatureError, ValueError):
-        return False
-    return True
-
-
-def _instant_s(value: object) -> float | None:
-    """issuedAt as epoch seconds: an RFC 3339 string or a JSON number (seconds)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    us = try_parse_rfc3339(value)
-    return None if us is None else us / 1_000_000
-
-
-def format_instant(now: float) -> str:
-    """Epoch seconds as the RFC 3339 ``issuedAt`` this module writes."""
-    return format_ts(int(now * 1000))
+    return jws({"alg": "none", "typ": ENVELOPE_TYP}, claims, None)
 
 
 # --- the envelope ---------------------------------------------------------------
@@ -321,6 +197,10 @@ class EnvelopeCheck:
     call_chain: tuple[dict[str, Any], ...] = ()
     body_hash: str | None = None
     issued_at_s: float | None = None
+    #: The end of its replay window (epoch seconds), when it has one.
+    expires_at_s: float | None = None
+    #: What tells this token from any other (``sha256:`` of the compact JWS).
+    token_id: str = ""
 
 
 IssuerKeys = Callable[[str], nacl.signing.VerifyKey | None]
@@ -339,6 +219,7 @@ def verify_envelope(
     issuer_keys: IssuerKeys,
     now: float,
     message: Mapping[str, Any],
+    clock_skew_s: float = CLOCK_SKEW_S,
 ) -> EnvelopeCheck:
     """Check an envelope in the seed's order and return what it says.
 
@@ -349,16 +230,17 @@ def verify_envelope(
        (``mesh.signature-invalid``); a signature by an issuer it does not know
        (or ``alg: none``) makes the envelope a claim: accepted, never trusted;
        a malformed token or an unknown ``alg``/``typ`` is ``mesh.signature-invalid``;
-    3. the replay window ``issuedAt`` + ``expiresIn`` (default PT60S, at most
-       600 s, 30 s of skew tolerated) → ``mesh.envelope-expired``; required
-       when signed;
+    3. the replay window ``issuedAt`` + ``expiresIn`` (default and at most the
+       seed's PT60S, plus ``clock_skew_s``, which is also how far in the future
+       ``issuedAt`` may be) → ``mesh.envelope-expired``; required when signed
+       (a replay inside the window is the caller's :class:`ReplayCache`'s to refuse);
     4. ``bodyHash`` against :func:`body_hash` of ``message`` (the raw JSON as
        received) → ``mesh.body-mismatch``; required when signed.
 
     ``now`` is epoch seconds. Raises :class:`MeshAuthError`.
     """
     try:
-        parsed = _parse_jws(token)
+        parsed = parse_jws(token)
     except ValueError as exc:
         raise _malformed(str(exc)) from None
     header, claims = parsed.header, parsed.claims
@@ -390,15 +272,16 @@ def verify_envelope(
             raise _malformed("a signed envelope names no issuer")
         key = issuer_keys(issuer)
         if key is not None:
-            if not _verify_sig(parsed, key):
+            if not verify_signature(parsed, key):
                 raise MeshAuthError(SIGNATURE_INVALID, "signature does not verify")
             trusted = True
 
     # 3. Replay window.
     issued_raw = claims.get("issuedAt")
     issued_at: float | None = None
+    expires_at: float | None = None
     if issued_raw is not None or signed:
-        issued_at = _instant_s(issued_raw)
+        issued_at = instant_s(issued_raw)
         if issued_at is None:
             raise MeshAuthError(ENVELOPE_EXPIRED, "issuedAt missing or malformed")
         expires_raw = claims.get("expiresIn")
@@ -406,8 +289,11 @@ def verify_envelope(
             expires_in = DEFAULT_EXPIRES_IN if expires_raw is None else parse_duration(expires_raw)
         except ValueError:
             raise MeshAuthError(ENVELOPE_EXPIRED, "expiresIn malformed") from None
-        expires_in = min(expires_in, MAX_EXPIRES_IN_S)
-        if not issued_at - CLOCK_SKEW_S <= now <= issued_at + expires_in:
+        # A sender cannot widen the window past the seed's: a long window is a
+        # long replay opportunity.
+        expires_in = min(expires_in, DEFAULT_EXPIRES_IN + clock_skew_s)
+        expires_at = issued_at + expires_in
+        if not issued_at - clock_skew_s <= now <= expires_at:
             raise MeshAuthError(ENVELOPE_EXPIRED, "outside the replay window")
 
     # 4. Body.
@@ -431,7 +317,42 @@ def verify_envelope(
         call_chain=_parse_chain(claims.get("callChain")),
         body_hash=claimed_hash if isinstance(claimed_hash, str) else None,
         issued_at_s=issued_at,
+        expires_at_s=expires_at,
+        token_id="sha256:" + hashlib.sha256(token.encode("ascii")).hexdigest(),
     )
+
+
+class ReplayCache:
+    """The trusted envelopes seen inside their replay window, so each is
+    accepted once: a replay (the very same token again) is refused
+    ``mesh.envelope-expired`` with reason "replayed". In memory and bounded
+    (``max_entries``; the oldest goes first): a restart forgets, and the
+    window is short (PT60S plus the skew)."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._until: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def check(self, check: EnvelopeCheck, *, now: float) -> None:
+        """Remember a trusted envelope; raise :class:`MeshAuthError` if it was seen.
+        Claims (untrusted) bind nothing and are not remembered."""
+        if not check.trusted or check.expires_at_s is None:
+            return
+        seen = self._until.get(check.token_id)
+        if seen is not None and seen >= now:
+            raise MeshAuthError(ENVELOPE_EXPIRED, "replayed: this envelope was already used")
+        if len(self._until) >= self.max_entries or len(self._until) % 1024 == 1023:
+            self._prune(now)
+        while len(self._until) >= self.max_entries:
+            self._until.pop(next(iter(self._until)))
+        self._until[check.token_id] = check.expires_at_s
+
+    def _prune(self, now: float) -> None:
+        for token_id in [t for t, until in self._until.items() if until < now]:
+            del self._until[token_id]
 
 
 def _parse_budget(value: object) -> Budget | None:
@@ -478,6 +399,12 @@ def _parse_chain(value: object) -> tuple[dict[str, Any], ...]:
             raise _malformed("a callChain entry names no application")
         out.append(dict(entry))
     return tuple(out)
+
+
+def task_operation(method: str, task_id: str | None) -> dict[str, str]:
+    """What a task-operation envelope's ``bodyHash`` is over: ``{"method", "id"}``
+    (``{"method"}`` alone for ListTasks, which names no task)."""
+    return {"method": method} if task_id is None else {"method": method, "id": task_id}
 
 
 def build_envelope_claims(
@@ -641,7 +568,7 @@ def sign_report(
         "bodyHash": body_hash,
         "issuedAt": issued_at if isinstance(issued_at, str) else format_instant(issued_at),
     }
-    return _jws({"alg": "EdDSA", "typ": REPORT_TYP}, claims, signing_key)
+    return jws({"alg": "EdDSA", "typ": REPORT_TYP}, claims, signing_key)
 
 
 def verify_report(
@@ -654,12 +581,12 @@ def verify_report(
     """Verify a run report against the issuer's key, the caller's own bodyHash
     and its task's id. Raises :class:`ReportInvalid` naming what is wrong."""
     try:
-        parsed = _parse_jws(token)
+        parsed = parse_jws(token)
     except ValueError as exc:
         raise ReportInvalid(str(exc)) from None
     if parsed.header.get("typ") != REPORT_TYP or parsed.header.get("alg") != "EdDSA":
         raise ReportInvalid("not an EdDSA agboss-mesh-report JWS")
-    if not _verify_sig(parsed, issuer_key):
+    if not verify_signature(parsed, issuer_key):
         raise ReportInvalid("signature does not verify")
     c = parsed.claims
     if c.get("schema") != SCHEMA:
@@ -687,3 +614,26 @@ def verify_report(
         issued_at=issued_at,
         claims=c,
     )
+
+
+# --- A2A peers and call chains in mesh work --------------------------------------
+
+#: How a hosted agent addresses a configured external A2A agent: ``a2a:<peer>``.
+A2A_TARGET_PREFIX = "a2a:"
+
+
+def peer_name_of(target: str) -> str | None:
+    """The peer name of an ``a2a:<name>`` target, or None for a mesh target."""
+    if isinstance(target, str) and target.startswith(A2A_TARGET_PREFIX):
+        return target[len(A2A_TARGET_PREFIX):]
+    return None
+
+
+def chain_meta_of(envelope: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``meta[EXTENSION_URI]`` of a mesh envelope — ``{callChain, origin}``, set where
+    work entered by A2A and carried into its mesh sub-requests — or None."""
+    if not envelope:
+        return None
+    meta = envelope.get("meta")
+    value = meta.get(EXTENSION_URI) if isinstance(meta, Mapping) else None
+    return dict(value) if isinstance(value, Mapping) else None
