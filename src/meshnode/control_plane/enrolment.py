@@ -22,11 +22,11 @@ from .http import _remaining, _utc
 from .invites import InviteBundle, _check_node_name, _check_url
 from .state import AgentStatus, EnrolledNode, _AgentRecord, _EnrolmentStore, _State
 from .wire import (
-    _DEFAULT_INVITE_TTL_S,
-    _DEFAULT_SKEW_S,
     _HTTP_SCHEMES,
     _NATS_SCHEMES,
+    DEFAULT_INVITE_TTL_S,
     DEFAULT_PORT,
+    DEFAULT_SKEW_S,
     PROTOCOL_VERSION,
     CredentialRequestError,
     verify_node_credential_request,
@@ -34,7 +34,8 @@ from .wire import (
 
 log = logging.getLogger("meshnode.transport.control_plane")  # the name operators filter on
 
-def _participant(node_id: str) -> Role:
+def participant(node_id: str) -> Role:
+    """The default role of every credential: participant (§14.3)."""
     return "participant"
 
 
@@ -88,12 +89,12 @@ class Enrolment:
         port: int = DEFAULT_PORT,
         credential_ttl_s: int = 86400,
         mesh_name: str = "meshnode-local",
-        role_of: Callable[[str], Role] = _participant,
-        invite_ttl_s: int = _DEFAULT_INVITE_TTL_S,
+        role_of: Callable[[str], Role] = participant,
+        invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
         nats_urls: Sequence[str] | None = None,
         public_url: str | None = None,
         ssl: _ssl.SSLContext | None = None,
-        max_skew_s: int = _DEFAULT_SKEW_S,
+        max_skew_s: int = DEFAULT_SKEW_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if credential_ttl_s <= 0 or invite_ttl_s <= 0:

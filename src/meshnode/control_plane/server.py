@@ -7,17 +7,26 @@ import contextlib
 import logging
 import math
 import os
+import ssl as _ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.errors import EmbeddedMeshError
 from meshnode.transport.lifecycle import AsyncService
+from meshnode.transport.permissions import Role
 
-from .enrolment import CredentialIssuer, Enrolment
+from .enrolment import CredentialIssuer, Enrolment, participant
 from .http import _is_loopback, _json_body, _linger, _read_request, _Request, _response_bytes
-from .wire import MAX_REQUEST_HEAD, ControlPlaneStateError, CredentialRequestError
+from .wire import (
+    DEFAULT_INVITE_TTL_S,
+    DEFAULT_PORT,
+    DEFAULT_SKEW_S,
+    MAX_REQUEST_HEAD,
+    ControlPlaneStateError,
+    CredentialRequestError,
+)
 
 log = logging.getLogger("meshnode.transport.control_plane")  # the name operators filter on
 
@@ -37,13 +46,37 @@ class ControlPlaneServer(Enrolment, AsyncService):
         embedded: CredentialIssuer,
         state_dir: str | os.PathLike[str],
         *,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        credential_ttl_s: int = 86400,
+        mesh_name: str = "meshnode-local",
+        role_of: Callable[[str], Role] = participant,
+        invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
+        nats_urls: Sequence[str] | None = None,
+        public_url: str | None = None,
+        ssl: _ssl.SSLContext | None = None,
+        max_skew_s: int = DEFAULT_SKEW_S,
+        clock: Callable[[], float] = time.time,
         rate_limit: int = 30,
         rate_window_ms: int = 60_000,
         max_connections: int = 64,
         request_timeout_s: float = 10.0,
-        **enrolment: Any,
     ) -> None:
-        super().__init__(embedded, state_dir, **enrolment)
+        super().__init__(
+            embedded,
+            state_dir,
+            host=host,
+            port=port,
+            credential_ttl_s=credential_ttl_s,
+            mesh_name=mesh_name,
+            role_of=role_of,
+            invite_ttl_s=invite_ttl_s,
+            nats_urls=nats_urls,
+            public_url=public_url,
+            ssl=ssl,
+            max_skew_s=max_skew_s,
+            clock=clock,
+        )
         self._limiter = SlidingWindowLimiter(rate_limit, rate_window_ms, max_keys=10_000)
         self._last_sweep_ms = 0
         self._max_connections = max_connections

@@ -31,8 +31,8 @@ REVOCATION_CODES = frozenset(
 )
 """Refusal codes that mean "do not retry with this roster": revocation reaching a node."""
 
-_DEFAULT_SKEW_S = 300
-_DEFAULT_INVITE_TTL_S = 7 * 24 * 3600
+DEFAULT_SKEW_S = 300
+DEFAULT_INVITE_TTL_S = 7 * 24 * 3600
 _STATE_FILE = "nodes.json"
 _LOCK_FILE = ".nodes.json.lock"
 _STATE_VERSION = 1
@@ -233,7 +233,7 @@ def _malformed(error: str) -> CredentialRequestError:
 
 
 def verify_node_credential_request(
-    body: object, now_s: int, max_skew_s: int = _DEFAULT_SKEW_S
+    body: object, now_s: int, max_skew_s: int = DEFAULT_SKEW_S
 ) -> tuple[str, list[str]]:
     """Check a credential request and return ``(node_id, agent_ids)`` in request order.
 
