@@ -88,11 +88,7 @@ BELOW_GATEWAYS = {
 LAZY_IMPORTS_ALLOWED = {"cli"}
 
 # (module, rule, imported) triples still to be fixed by issue #16. Only shrinks.
-KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    ("meshnode.node.pubsub", "function-local", "meshnode.node.context"),
-    ("meshnode.node.runtime", "function-local", "meshnode.node.context"),
-    ("meshnode.node.runtime", "function-local", "meshnode.node.tasks"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True)
