@@ -313,7 +313,7 @@ async def test_an_update_published_while_no_manager_runs_is_applied_when_one_sta
     await first.stop()
 
     async def no_pull_waiting() -> bool:  # its last pull request has expired
-        info = await world.service_conn.js.consumer_info("MESH_TASKS", CONSUMER_NAME)
+        info = await world.service_conn.jetstream.native.consumer_info("MESH_TASKS", CONSUMER_NAME)
         return info.num_waiting == 0
 
     await eventually_async(no_pull_waiting, what="the stopped manager's last pull request expiring")
