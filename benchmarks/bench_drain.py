@@ -22,10 +22,10 @@ from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.streams import ensure_inbox_stream
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_inbox_stream
 
 from .harness import print_table, run_loop, write_result
 
@@ -38,7 +38,7 @@ async def _drain_once(mesh: EmbeddedNatsServer, workdir: Path, count: int, batch
     conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
                           inbox_prefix=node_inbox_prefix(node_key.public_key))
     await conn.connect()
-    await ensure_inbox_stream(conn.js, agent_key.public_key, max_bytes=256 * 1024 * 1024)
+    await ensure_inbox_stream(conn.jetstream, agent_key.public_key, max_bytes=256 * 1024 * 1024)
     subject = subjects.agent_inbox(agent_key.public_key)
     now = time.time_ns() // 1_000_000
     for i in range(count):
@@ -49,7 +49,7 @@ async def _drain_once(mesh: EmbeddedNatsServer, workdir: Path, count: int, batch
     # The stream stores asynchronously after the server has the messages: wait for all.
     stream = subjects.inbox_stream_name(agent_key.public_key)
     for _ in range(600):
-        if (await conn.js.stream_info(stream)).state.messages >= count:
+        if (await conn.jetstream.stream_state(stream)).messages >= count:
             break
         await asyncio.sleep(0.05)
     node = Node(settings=NodeSettings(name="bench", registry_timeout_s=0.2), node_key=node_key, connection=conn)

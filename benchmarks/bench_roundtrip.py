@@ -31,10 +31,10 @@ from meshnode.node.context import AgentContext
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.streams import ensure_mesh_streams
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_mesh_streams
 
 from .harness import print_table, run_loop, write_result
 
@@ -152,7 +152,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 caller_key, echo_key, local_echo_key = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
                 node_a = await _node(mesh, [caller_key, local_echo_key])
                 node_b = await _node(mesh, [echo_key])
-                await ensure_mesh_streams(node_a.connection.js, 1)
+                await ensure_mesh_streams(node_a.connection.jetstream, 1)
                 caller = await node_a.host(name="caller", kind="echo", agent_class=EchoAgent, settings={}, key=caller_key)
                 local_echo = await node_a.host(name="echo_local", kind="echo", agent_class=EchoAgent, settings={}, key=local_echo_key)
                 remote_echo = await node_b.host(name="echo", kind="echo", agent_class=EchoAgent, settings={}, key=echo_key)

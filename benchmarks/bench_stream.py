@@ -17,10 +17,10 @@ from meshnode.node.context import AgentContext
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.streams import ensure_mesh_streams
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_mesh_streams
 
 from .harness import print_table, run_loop, write_result
 
@@ -55,7 +55,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
                                       inbox_prefix=node_inbox_prefix(node_key.public_key))
                 await conn.connect()
-                await ensure_mesh_streams(conn.js, 1)
+                await ensure_mesh_streams(conn.jetstream, 1)
                 node = Node(settings=NodeSettings(name="bench", registry_timeout_s=0.2), node_key=node_key, connection=conn)
                 ws = await node.host(name="ws", kind="wordstream", agent_class=WordStreamAgent, settings={}, key=streamer)
                 req = await node.host(name="req", kind="echo", agent_class=EchoAgent, settings={}, key=caller)

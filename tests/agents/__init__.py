@@ -459,11 +459,11 @@ class Feeder(Agent):
         raw = encode_envelope(env)
         subject = f"mesh.event.{domain}.{event_type}"
         if input.get("same_id", True):
-            acks = [await node.connection.js.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
+            acks = [await node.connection.jetstream.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
                     for _ in range(2)]
             return {"id": env["id"], "duplicate": [bool(a.duplicate) for a in acks], "seq": [a.seq for a in acks]}
         for suffix in ("", "-again"):
-            await node.connection.js.publish(subject, raw, headers={"Nats-Msg-Id": env["id"] + suffix})
+            await node.connection.jetstream.publish(subject, raw, headers={"Nats-Msg-Id": env["id"] + suffix})
         return {"id": env["id"]}
 
     @offering("publish_on")
@@ -553,7 +553,7 @@ class Artifacts(Agent):
 
         from meshnode.protocol.artifacts import object_id_of
 
-        js = ctx._hosted.node.connection.js  # type: ignore[attr-defined]
+        js = ctx._hosted.node.connection.jetstream.native  # type: ignore[attr-defined]
         index = await js.key_value("mesh_artifacts_index")
         record = orjson.loads((await index.get(object_id_of(input["ref"]))).value)
         store = await js.object_store("mesh_artifacts")

@@ -29,10 +29,10 @@ from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.protocol.rests_on import digest_of
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
 from meshnode.services.base import ServiceContext
-from meshnode.services.streams import ensure_key_value, registry_bucket_config
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_key_value, registry_bucket_config
 
 pytestmark = pytest.mark.integration
 
@@ -176,7 +176,7 @@ async def test_one_shot_put_then_fetch_by_ranges_and_stat(store: Store) -> None:
     # The bytes are an ordinary object store object: any NATS client reads them.
     record = service.index.entries[part["object_id"]]
     assert record["key"] == f"{store.owners[writer.public_key]}/{part['object_id']}"
-    obj = await (await store.service_conn.js.object_store(OBJECT_STORE_BUCKET)).get(record["key"])
+    obj = await (await store.service_conn.jetstream.native.object_store(OBJECT_STORE_BUCKET)).get(record["key"])
     assert obj.data == data
 
 
@@ -322,8 +322,8 @@ async def test_two_instances_serve_one_upload_between_them(store: Store) -> None
 
 
 async def test_without_a_registry_at_hand_owners_come_from_the_registry_bucket(store: Store) -> None:
-    js = store.service_conn.js
-    await ensure_key_value(js, registry_bucket_config(1))
+    js = store.service_conn.jetstream.native
+    await ensure_key_value(store.service_conn.jetstream, registry_bucket_config(1))
     ctx = ServiceContext(connection=store.service_conn, key=store.service_key, node_id="N", now_ms=store.clock)
     service = ArtifactService(ctx)  # no owner_of: it reads mesh_registry itself
     await service.start()

@@ -41,10 +41,11 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import Envelope, ServiceContext
 from meshnode.services.identity import load_service_keys
 from meshnode.services.registry import RegistryService
-from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
 from meshnode.testing import DaemonProcess, eventually, eventually_async
-from meshnode.transport.connection import MeshConnection, Msg
+from meshnode.transport.connection import MeshConnection, Message
+from meshnode.transport.errors import TransportError
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_mesh_streams, wait_jetstream_ready
 
 from .conftest import ClusterThread
 
@@ -65,7 +66,7 @@ class CountingRegistry(RegistryService):
         super().__init__(ctx)
         self.dispatched = dispatched
 
-    async def _discover(self, msg: Msg, env: Envelope) -> Any:
+    async def _discover(self, msg: Message, env: Envelope) -> Any:
         self.dispatched[env["id"]] += 1
         return await super()._discover(msg, env)
 
@@ -110,11 +111,11 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             if i == 0:
                 # A meta leader (what the fixture waited for) can be elected by two of
                 # the three servers; R3 placement needs the third to have joined too.
-                async def placed(js: Any = conn.js) -> bool:
+                async def placed(js: Any = conn.jetstream) -> bool:
                     await ensure_mesh_streams(js, 3)
                     return True
 
-                await eventually_async(placed, retry_on=(nats.js.errors.BadRequestError,), interval=0.5,
+                await eventually_async(placed, retry_on=(nats.js.errors.BadRequestError, TransportError), interval=0.5,
                                        what="the R3 mesh streams placed (every server in the meta group)")
             ctx = ServiceContext(
                 connection=conn, key=registry_key, node_id=key.public_key, replicas=3,
@@ -123,7 +124,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             service = CountingRegistry(ctx, dispatched)
             await service.start()
             services.append(service)
-        info = await conns[0].js.stream_info("KV_mesh_registry")
+        info = await conns[0].jetstream.native.stream_info("KV_mesh_registry")
         assert info.config.num_replicas == 3
 
         node_key, agent = KeyPair.generate(Prefix.USER), KeyPair.generate(Prefix.USER)
@@ -148,7 +149,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
                 after_kill.add(env["id"])
             try:
                 msg = await requester.request("mesh.registry.discover", encode_envelope(env), timeout=5.0)
-            except (nats.errors.Error, TimeoutError, OSError) as exc:
+            except (nats.errors.Error, TransportError, TimeoutError, OSError) as exc:
                 outcomes[env["id"]] = f"failed: {type(exc).__name__}"
                 return
             reply = decode_envelope(msg.data)
@@ -163,8 +164,8 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             deadline = time.monotonic() + 20.0
             while time.monotonic() < deadline:
                 try:
-                    await requester.js.publish(task_subject, b"{}", timeout=3.0, headers={"Nats-Msg-Id": msg_id})
-                except (nats.errors.Error, TimeoutError, OSError) as exc:
+                    await requester.jetstream.publish(task_subject, b"{}", timeout=3.0, headers={"Nats-Msg-Id": msg_id})
+                except (nats.errors.Error, TransportError, TimeoutError, OSError) as exc:
                     stored[msg_id] = f"failed: {type(exc).__name__}"
                     retried[msg_id] += 1
                     await asyncio.sleep(0.5)
@@ -200,9 +201,9 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
         # Every acknowledged publish is in the R3 stream exactly once.
         reader = conns[0]  # a service-role connection may read the whole stream
         # The rejoined member may still be catching up: let the streams settle first.
-        assert await wait_jetstream_ready(reader.js, timeout=30)
+        assert await wait_jetstream_ready(reader.jetstream, timeout=30)
         consumer = await eventually_async(
-            lambda: reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True),
+            lambda: reader.jetstream.native.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True),
             retry_on=(nats.errors.Error, TimeoutError), interval=1.0, what="an ordered consumer on MESH_TASKS")
         assert consumer is not None, "could not read MESH_TASKS back"
         seen: Counter[str] = Counter()
@@ -218,7 +219,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
 
         await asyncio.wait_for(read(), timeout=30)
         await consumer.unsubscribe()
-        state = await reader.js.stream_info("MESH_TASKS", subjects_filter=task_subject)
+        state = await reader.jetstream.native.stream_info("MESH_TASKS", subjects_filter=task_subject)
         assert state.state.subjects is not None
         assert state.state.subjects.get(task_subject) == len(set(seen)), "a message was stored twice"
         assert max(seen.values()) == 1

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.protocol.nkeys import KeyPair
-from meshnode.transport.control_plane import (
+from meshnode.control_plane import (
     ControlPlaneClient,
     ControlPlaneServer,
     CredentialRefused,
@@ -23,6 +22,7 @@ from meshnode.transport.control_plane import (
     read_invite,
     write_invite,
 )
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt
 from meshnode.transport.permissions import node_inbox_prefix

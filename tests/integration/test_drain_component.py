@@ -17,11 +17,11 @@ from meshnode.node.inbox import InboxStore
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.streams import ensure_inbox_stream
 from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_inbox_stream
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
     try:
-        await ensure_inbox_stream(conn.js, agent.public_key)
+        await ensure_inbox_stream(conn.jetstream, agent.public_key)
         inbox_subject = subjects.agent_inbox(agent.public_key)
 
         sent = 0
@@ -92,12 +92,14 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
             await stored(original, agent.public_key, sent)
             return ids
 
-        js = conn.js
+        js = conn.jetstream.native
         original = js.stream_info
         first = await send(5)
         recorder = Recorder(agent.public_key)
         drain = InboxDrain(NodeStandIn(conn), recorder, store)  # type: ignore[arg-type]
 
+        js = conn.jetstream.native
+        original = js.stream_info
         later: list[str] = []
 
         async def bound_then_more(name: str, *args: Any, **kw: Any) -> Any:
@@ -121,7 +123,7 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
         counts = await store.counts()
         assert counts == {"answered": 8}
         # Every inbox row was committed before its ack: the consumer has nothing pending.
-        info = await conn.js.consumer_info(subjects.inbox_stream_name(agent.public_key),
+        info = await conn.jetstream.native.consumer_info(subjects.inbox_stream_name(agent.public_key),
                                            subjects.inbox_consumer_name(agent.public_key))
         assert info.num_pending == 0 and info.num_ack_pending == 0
     finally:
@@ -140,10 +142,10 @@ async def test_periodic_passes_skip_the_broker_until_mail_is_seen(mesh: Embedded
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
     try:
-        await ensure_inbox_stream(conn.js, agent.public_key)
+        await ensure_inbox_stream(conn.jetstream, agent.public_key)
         recorder = Recorder(agent.public_key)
         drain = InboxDrain(NodeStandIn(conn), recorder, store, full_every=3)  # type: ignore[arg-type]
-        js = conn.js
+        js = conn.jetstream.native
         original = js.stream_info
         calls: list[str] = []
 

@@ -22,10 +22,10 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.timeutil import parse_rfc3339
 from meshnode.services.base import ServiceContext
 from meshnode.services.registry import RegistryService
-from meshnode.services.streams import ensure_mesh_streams
 from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
+from meshnode.transport.streams import ensure_mesh_streams
 
 from .conftest import connect
 from .test_services import call, make_manifest, now_ms, signed
@@ -53,7 +53,7 @@ async def pair(mesh: EmbeddedNatsServer) -> AsyncIterator[Pair]:
             key = KeyPair.generate(Prefix.USER)
             conn = await connect(mesh, key, mesh.mint_node_credential(key.public_key, [], 300, role="service"))
             conns.append(conn)
-            await ensure_mesh_streams(conn.js, 1)
+            await ensure_mesh_streams(conn.jetstream, 1)
             ctx = ServiceContext(
                 connection=conn, key=shared, node_id=key.public_key,
                 limiter=SlidingWindowLimiter(limit=10_000, window_ms=60_000),

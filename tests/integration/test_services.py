@@ -126,7 +126,7 @@ async def net(mesh: EmbeddedNatsServer) -> AsyncIterator[Mesh]:
     jwt = mesh.mint_node_credential(service_key.public_key, [], 300, role="service")
     service_conn = await connect(mesh, service_key, jwt)
     world = Mesh(mesh, service_key, service_conn)
-    await ensure_mesh_streams(service_conn.js, 1)
+    await ensure_mesh_streams(service_conn.jetstream, 1)
     try:
         yield world
     finally:
@@ -202,7 +202,7 @@ async def discover(p: Participant, agent: KeyPair, query: dict[str, Any] | None 
 
 async def stream_exists(conn: MeshConnection, name: str) -> bool:
     try:
-        await conn.js.stream_info(name)
+        await conn.jetstream.native.stream_info(name)
     except NotFoundError:
         return False
     return True
@@ -223,9 +223,9 @@ async def collect(conn: MeshConnection, subject: str) -> tuple[list[dict[str, An
 
 
 async def test_mesh_streams_are_created_once_with_the_spec_settings(net: Mesh) -> None:
-    js = net.service_conn.js
+    js = net.service_conn.jetstream.native
     # The fixture already ran it once: a second run changes nothing.
-    again = await ensure_mesh_streams(js, 1)
+    again = await ensure_mesh_streams(net.service_conn.jetstream, 1)
     assert set(again.values()) == {"unchanged"}, again
     assert set(again) == {
         "MESH_REGISTRY", "MESH_TASKS", "MESH_EVENTS", "MESH_HEARTBEAT", "mesh_registry", "mesh_tasks",
@@ -245,7 +245,7 @@ async def test_mesh_streams_are_created_once_with_the_spec_settings(net: Mesh) -
 
     # Drift in a field we own is repaired in place.
     await js.update_stream(dataclasses.replace(events, duplicate_window=30))
-    assert (await ensure_mesh_streams(js, 1))["MESH_EVENTS"] == "updated"
+    assert (await ensure_mesh_streams(net.service_conn.jetstream, 1))["MESH_EVENTS"] == "updated"
     assert (await js.stream_info("MESH_EVENTS")).config.duplicate_window == 120
 
 
@@ -265,7 +265,7 @@ async def test_register_on_the_bound_subject_stores_the_normalized_manifest(
     assert reply["payload"]["agent_id"] == agent.public_key
     assert reply["payload"]["node_binding"] == "connection_bound"
 
-    entry = await (await net.service_conn.js.key_value("mesh_registry")).get(agent.public_key)
+    entry = await (await net.service_conn.jetstream.native.key_value("mesh_registry")).get(agent.public_key)
     stored = decode_json(entry.value)
     assert stored["owner"] == node.node_id  # §8.6 default owner
     assert stored["visibility"] == "public"
@@ -278,7 +278,7 @@ async def test_register_on_the_bound_subject_stores_the_normalized_manifest(
     assert stored["meta"]["registry"]["node_binding"] == "connection_bound"
 
     # The redelivery buffer exists, as WIRE-NOTES and §18.3 shape it.
-    inbox = (await net.service_conn.js.stream_info(f"MESH_INBOX_{agent.public_key}")).config
+    inbox = (await net.service_conn.jetstream.native.stream_info(f"MESH_INBOX_{agent.public_key}")).config
     assert inbox.subjects == [f"mesh.agent.{agent.public_key}.inbox"]
     assert inbox.no_ack is True and inbox.max_age == 7 * 86400 and inbox.max_bytes == 25 * 1024 * 1024
     assert inbox.retention == RetentionPolicy.LIMITS

@@ -186,7 +186,7 @@ async def world(mesh: EmbeddedNatsServer) -> AsyncIterator[World]:
     service_key = KeyPair.generate(Prefix.USER)
     service_conn = await connect(mesh, service_key, mesh.mint_node_credential(service_key.public_key, [], 300,
                                                                               role="service"))
-    await ensure_mesh_streams(service_conn.js, 1)
+    await ensure_mesh_streams(service_conn.jetstream, 1)
     node_key = KeyPair.generate(Prefix.USER)
     agents = [KeyPair.generate(Prefix.USER) for _ in range(4)]
     jwt = mesh.mint_node_credential(node_key.public_key, [a.public_key for a in agents], 300)
@@ -313,7 +313,7 @@ async def test_an_update_published_while_no_manager_runs_is_applied_when_one_sta
     await first.stop()
 
     async def no_pull_waiting() -> bool:  # its last pull request has expired
-        info = await world.service_conn.js.consumer_info("MESH_TASKS", CONSUMER_NAME)
+        info = await world.service_conn.jetstream.native.consumer_info("MESH_TASKS", CONSUMER_NAME)
         return info.num_waiting == 0
 
     await eventually_async(no_pull_waiting, what="the stopped manager's last pull request expiring")
@@ -799,7 +799,7 @@ async def test_participants_may_ask_and_the_lookup_is_not_captured(world: World)
 
     pub, _ = node_permissions(world.node_key.public_key, [world.requester.public_key])
     assert "mesh.task.get.*" in pub
-    info = await world.service_conn.js.stream_info("MESH_TASKS")
+    info = await world.service_conn.jetstream.native.stream_info("MESH_TASKS")
     # The lookup subject is not captured, so no PubAck races the manager's answer.
     assert "mesh.task.>" not in info.config.subjects
 

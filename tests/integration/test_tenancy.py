@@ -150,7 +150,7 @@ async def test_exported_discovery_reaches_the_exporting_registry_only_where_impo
     }
     # ...c did not: the subject leads nowhere in its account.
     with pytest.raises(nats.errors.NoRespondersError):
-        await tenants.c.conn.request(subject, b"{}", timeout=3.0)
+        await tenants.c.conn.nc.request(subject, b"{}", timeout=3.0)
 
 
 async def test_an_exported_agent_resolves_through_the_importing_tenants_own_registry(
@@ -191,7 +191,7 @@ async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: 
     # ...and the private one has no route at all; nor has anything from c.
     for party, subject in ((tenants.b, private), (tenants.c, exported), (tenants.c, private)):
         with pytest.raises(nats.errors.NoRespondersError):
-            await party.conn.request(subject, b"{}", timeout=3.0)
+            await party.conn.nc.request(subject, b"{}", timeout=3.0)
     # An export is one-way: the mesh tenant cannot reach b's agent.
     b_inbox = f"mesh.agent.{tenants.b.agents[0].public_key}.inbox"
     seen_in_b: list[Msg] = []
@@ -202,7 +202,7 @@ async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: 
     await tenants.b.conn.subscribe(b_inbox, in_b)
     await tenants.b.conn.flush()
     with pytest.raises(nats.errors.NoRespondersError):
-        await tenants.a.conn.request(b_inbox, b"{}", timeout=3.0)
+        await tenants.a.conn.nc.request(b_inbox, b"{}", timeout=3.0)
     assert received == [exported] and seen_in_b == []
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from meshnode.control_plane import ControlPlaneServer, node_credential_request
 from meshnode.daemon.platform import PlatformServices, start_platform_services
 from meshnode.protocol.attestations import make_trust_attestation, verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import ServiceContext
 from meshnode.testing import DaemonSet
-from meshnode.transport.control_plane import ControlPlaneServer, node_credential_request
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt
 

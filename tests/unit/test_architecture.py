@@ -88,36 +88,7 @@ BELOW_GATEWAYS = {
 LAZY_IMPORTS_ALLOWED = {"cli"}
 
 # (module, rule, imported) triples still to be fixed by issue #16. Only shrinks.
-KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    ("meshnode.node.drain", "nats-outside-transport", "nats.errors"),
-    ("meshnode.node.drain", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.node.drain", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.node.runtime", "nats-outside-transport", "nats.errors"),
-    ("meshnode.node.runtime", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.node.tasks", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.services.artifacts", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.services.artifacts", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.artifacts", "nats-outside-transport", "nats.js.kv"),
-    ("meshnode.services.base", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.base", "nats-outside-transport", "nats.js.kv"),
-    ("meshnode.services.feeds", "nats-outside-transport", "nats.errors"),
-    ("meshnode.services.feeds", "nats-outside-transport", "nats.js"),
-    ("meshnode.services.feeds", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.services.feeds", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.feeds", "nats-outside-transport", "nats.js.kv"),
-    ("meshnode.services.registry", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.registry", "nats-outside-transport", "nats.js.kv"),
-    ("meshnode.services.streams", "nats-outside-transport", "nats.js"),
-    ("meshnode.services.streams", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.services.streams", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.tasks", "nats-outside-transport", "nats.errors"),
-    ("meshnode.services.tasks", "nats-outside-transport", "nats.js.api"),
-    ("meshnode.services.tasks", "nats-outside-transport", "nats.js.errors"),
-    ("meshnode.services.tasks", "nats-outside-transport", "nats.js.kv"),
-    ("meshnode.transport.cluster", "function-local", "meshnode.transport.jwt"),
-    ("meshnode.transport.cluster", "function-local", "meshnode.transport.permissions"),
-    ("meshnode.transport.connection", "function-local", "meshnode.transport.cluster"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from meshnode.protocol.nkeys import KeyPair, Prefix, verify
-from meshnode.transport.control_plane import (
+from meshnode.control_plane import (
     MAX_ROSTER,
     ControlPlaneClient,
     ControlPlaneServer,
@@ -34,6 +33,7 @@ from meshnode.transport.control_plane import (
     verify_node_credential_request,
     write_invite,
 )
+from meshnode.protocol.nkeys import KeyPair, Prefix, verify
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt, format_creds, verify_jwt
 

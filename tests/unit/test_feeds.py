@@ -22,7 +22,7 @@ from meshnode.protocol.feeds import (
     supersedes,
 )
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.services.streams import feed_state_bucket_config, feed_stream_config
+from meshnode.transport.streams import feed_state_bucket_config, feed_stream_config
 
 OWNER = KeyPair.generate(Prefix.USER)
 OTHER = KeyPair.generate(Prefix.USER)

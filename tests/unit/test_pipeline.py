@@ -29,7 +29,7 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import InboundGuard
 from meshnode.services.base import ServiceBase, ServiceContext
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
 from tests.fakes import FakeConnection, FakeMsg
 
 NOW = 1_800_000_000_000
@@ -80,8 +80,8 @@ def service(refusals: RefusalCounter, **kw: Any) -> tuple[Service, FakeConnectio
     return Service(ctx, name="svc", queue="q"), conn
 
 
-def msg(subject: str, data: bytes, reply: str = "") -> Msg:
-    return cast(Msg, FakeMsg(subject, data, reply))
+def msg(subject: str, data: bytes, reply: str = "") -> Message:
+    return cast(Message, FakeMsg(subject, data, reply))
 
 
 def test_a_forged_signature_is_refused_as_identity_mismatch() -> None:
@@ -170,7 +170,7 @@ async def test_the_service_intake_checks_addressing_hops_and_size() -> None:
     svc, conn = service(refusals, max_inbound_chars=100)
     answered: list[dict[str, Any]] = []
 
-    async def operation(m: Msg, env: dict[str, Any]) -> dict[str, Any]:
+    async def operation(m: Message, env: dict[str, Any]) -> dict[str, Any]:
         answered.append(env)
         return {"ok": True}
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.config import ConfigError, load_config
+from meshnode.control_plane import InviteBundle, InviteError, read_invite, write_invite
 from meshnode.keystore import FileKeyStore, KeyStoreError
-from meshnode.transport.control_plane import InviteBundle, InviteError, read_invite, write_invite
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.config import Config
-from meshnode.protocol.nkeys import KeyPair
-from meshnode.transport.control_plane import (
+from meshnode.control_plane import (
     ControlPlaneClient,
     ControlPlaneUnreachable,
     CredentialRefused,
 )
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.jwt import decode_jwt, renew_at
 
 __all__ = [

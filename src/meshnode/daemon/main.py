@@ -28,6 +28,7 @@ import meshnode
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config
+from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
@@ -49,7 +50,6 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.transport.connection import MeshConnection
-from meshnode.transport.control_plane import ControlPlaneServer
 from meshnode.transport.embedded import EmbeddedNatsServer, imported_agents
 
 __all__ = ["RELAUNCH", "Daemon", "credential_profile", "relaunch_process", "run_daemon"]

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.config import Config
+from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.credentials import obtain_credential, stored_trust_attestation
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.connection import MeshConnection
-from meshnode.transport.control_plane import ControlPlaneServer
 from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix

@@ -23,8 +23,8 @@ from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
 from meshnode.services.registry import RegistryService
-from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
 from meshnode.services.tasks import TaskManagerService
+from meshnode.transport.streams import ensure_mesh_streams, wait_jetstream_ready
 
 __all__ = [
     "SERVICE_ORDER",
@@ -136,8 +136,8 @@ async def start_platform_services(
     )
     first = contexts("registry")
     if wait_ready:
-        await wait_jetstream_ready(first.connection.js, timeout=20.0)
-    await ensure_mesh_streams(first.connection.js, first.replicas)
+        await wait_jetstream_ready(first.connection.jetstream, timeout=20.0)
+    await ensure_mesh_streams(first.connection.jetstream, first.replicas)
     presence = PresenceService(contexts("presence"), heartbeat_interval_s=settings.heartbeat_interval_s)
     registry = RegistryService(
         first,

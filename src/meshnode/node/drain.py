@@ -22,15 +22,13 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import nats.errors
-import nats.js.errors
 import orjson
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import Path
 from meshnode.protocol import subjects
+from meshnode.transport.messages import Message
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -187,41 +185,25 @@ class InboxDrain:
             # delivery. A tiny real write says when the inbox takes writes again;
             # until then this raises and the pass counts as failing (§16.4).
             await self.store.probe()
-        js = self.node.connection.js
         agent = self.hosted.agent_id
-        stream = subjects.inbox_stream_name(agent)
-        try:
-            info = await js.stream_info(stream)
-        except nats.js.errors.NotFoundError:
+        buffer = self.node.connection.jetstream.mailbox(
+            subjects.agent_inbox(agent),
+            subjects.inbox_stream_name(agent),
+            subjects.inbox_consumer_name(agent),
+        )
+        info = await buffer.state()
+        if info is None:
             return  # no buffer (sandbox, or not registered yet)
-        max_age_s = getattr(info.config, "max_age", None)
-        if max_age_s:
+        if info.max_age_s:
             # §22.3: the mailbox window never exceeds the retention actually configured.
-            self.hosted.clamp_mailbox_window(int(max_age_s * 1000))
-        bound = int(info.state.last_seq)
+            self.hosted.clamp_mailbox_window(int(info.max_age_s * 1000))
+        bound = info.last_seq
         self.stats.last_bound = bound
-        if bound == 0 or info.state.messages == 0 or bound == self._settled_through:
+        if bound == 0 or info.messages == 0 or bound == self._settled_through:
             self._settled_through = bound
             self.stats.idle_skips += 1
             return
-        consumer = subjects.inbox_consumer_name(agent)
-        psub = await js.pull_subscribe(
-            subjects.agent_inbox(agent),
-            durable=consumer,
-            stream=stream,
-            config=ConsumerConfig(
-                durable_name=consumer,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30,
-                # Unbounded: every message fetched is either committed and acked
-                # or (its batch failing, e.g. a full inbox disk) handed back, and
-                # an unreadable one is acked too, so there is no poison message to
-                # bound; a bound only turned a long inbox fault into lost mail.
-                # (A durable created earlier with max_deliver=5 keeps its config.)
-                max_deliver=-1,
-            ),
-        )
+        psub = await buffer.reader()
         try:
             # Ask only for what can lie inside the bound, so the live path's mail
             # is not even fetched; redeliveries of an interrupted pass come first.
@@ -229,18 +211,14 @@ class InboxDrain:
             if not consumer_state.num_pending and not consumer_state.num_ack_pending:
                 self._settled_through = bound
                 return  # an idle pass: nothing buffered that we have not acked
-            delivered = consumer_state.delivered
-            floor = int(delivered.stream_seq or 0) if delivered is not None else 0
+            floor = consumer_state.delivered_stream_seq
             while True:
                 want = min(self.batch, max(1, bound - floor))
-                try:
-                    msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)
-                except nats.errors.TimeoutError:
-                    break
+                msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)  # [] on timeout
                 if not msgs:
                     break
-                within = [m for m in msgs if m.metadata.sequence.stream <= bound]
-                beyond = [m for m in msgs if m.metadata.sequence.stream > bound]
+                within = [m for m in msgs if m.sequence <= bound]
+                beyond = [m for m in msgs if m.sequence > bound]
                 try:
                     await self._commit_and_ack(within)
                 except InboxUnwritable:
@@ -251,7 +229,7 @@ class InboxDrain:
                         with contextlib.suppress(Exception):
                             await m.nak()
                     raise
-                floor = max([floor, *(int(m.metadata.sequence.stream) for m in msgs)])
+                floor = max([floor, *(m.sequence for m in msgs)])
                 if beyond:
                     # Past the bound belongs to the live path: hand it back untouched.
                     self.stats.beyond_bound += len(beyond)
@@ -269,7 +247,7 @@ class InboxDrain:
             except Exception:
                 pass
 
-    async def _commit_and_ack(self, msgs: list[Any]) -> None:
+    async def _commit_and_ack(self, msgs: list[Message]) -> None:
         if not msgs:
             return
         self.stats.fetched += len(msgs)
@@ -287,7 +265,7 @@ class InboxDrain:
             except Exception:
                 unreadable.append(m)
                 continue
-            items.append((sender, msg_id, kind, bytes(m.data), int(m.metadata.sequence.stream)))
+            items.append((sender, msg_id, kind, m.data, m.sequence))
         if unreadable:
             self.hosted.signal("mailbox.unreadable", None, f"{len(unreadable)} buffered message(s) are not envelopes")
         fresh = await self.store.accept_batch(self.hosted.agent_id, items, self.node.now_ms())

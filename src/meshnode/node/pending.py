@@ -26,7 +26,7 @@ from meshnode.agent import Reply, RequestQueued, RequestTimeout
 from meshnode.protocol.accept import is_queued_ack
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.preflight import next_allowed_at, prune_history
-from meshnode.transport.connection import MeshConnection, Msg
+from meshnode.transport.connection import MeshConnection, Message
 
 __all__ = ["DeliveryWatch", "PendingRequests", "SendPacer"]
 
@@ -170,7 +170,7 @@ class DeliveryWatch:
                 self._prefix = prefix
             return self._prefix
 
-    async def _on_status(self, msg: Msg) -> None:
+    async def _on_status(self, msg: Message) -> None:
         """A delivery-status signal: no responders, or a node's queued ack."""
         request_id = msg.subject.rpartition(".")[2]
         waiter = self._waiters.pop(request_id, None)

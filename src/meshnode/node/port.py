@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from meshnode.node.trust import VouchMemo
     from meshnode.protocol.envelope import IdGenerator
     from meshnode.protocol.protections import DedupMemory, InboundGuard
-    from meshnode.transport.connection import MeshConnection, Msg
+    from meshnode.transport.connection import MeshConnection, Message
 
 __all__ = ["NodePort"]
 
@@ -165,5 +165,5 @@ class NodePort(Protocol):
         stream: str,
         name: str,
         replay: bool,
-        deliver: Callable[[Msg], Awaitable[None]],
+        deliver: Callable[[Message], Awaitable[None]],
     ) -> Any: ...

@@ -55,7 +55,7 @@ from meshnode.protocol.feeds import (
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.preflight import check_envelope_size
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -154,12 +154,11 @@ class PubSub:
 
     async def _check_interest(self, hosted: HostedAgent, domain: str) -> None:
         try:
-            info = await self.node.connection.js.stream_info(subjects.MESH_EVENTS)
+            info = await self.node.connection.jetstream.stream_state(subjects.MESH_EVENTS)
         except Exception as exc:  # no stream, no permission, no connection: nothing to say
             log.debug("MESH_EVENTS interest check skipped: %s", exc)
             return
-        consumers = getattr(info.state, "consumer_count", None)
-        if consumers == 0:
+        if info.consumer_count == 0:
             hosted.counters["emit.unretained"] += 1
             hosted.agent.log.warning(
                 "emitting on mesh.event.%s.* while MESH_EVENTS has no durable consumer: these "
@@ -184,7 +183,7 @@ class PubSub:
         """
         subject = subjects.event_filter(pattern)
         if not durable:
-            async def on_live(msg: Msg) -> None:
+            async def on_live(msg: Message) -> None:
                 try:
                     await hosted.receive_event(msg.data, subject=msg.subject, source=Path.LIVE)
                 except Exception:
@@ -196,7 +195,7 @@ class PubSub:
 
         name = subjects.event_consumer_name(hosted.agent_id, pattern)
 
-        async def deliver(msg: Msg) -> None:
+        async def deliver(msg: Message) -> None:
             await hosted.receive_event(msg.data, subject=msg.subject, source=Path.MAILBOX)
 
         sub = await self.node.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
@@ -222,10 +221,8 @@ class PubSub:
         if consumer is not None and sub is not None:
             try:
                 info = await sub.consumer_info()
-                created = getattr(info, "created", None)
-                record.capturing_since = str(created) if created is not None else None
-                delivered = getattr(getattr(info, "delivered", None), "stream_seq", 0) or 0
-                if not delivered and not (getattr(info, "num_pending", 0) or 0):
+                record.capturing_since = info.created
+                if not info.delivered_stream_seq and not info.num_pending:
                     hosted.agent.log.info(
                         "durable subscription %s (%s): capture of %s begins now; what was "
                         "published before any durable consumer held interest was not retained "
@@ -333,7 +330,7 @@ class PubSub:
         subject = subjects.feed_pattern(owner, topic)
         node = self.node
         if not durable:
-            async def on_live(msg: Msg) -> None:
+            async def on_live(msg: Message) -> None:
                 try:
                     await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.LIVE)
                 except Exception:
@@ -345,7 +342,7 @@ class PubSub:
 
         name = subjects.feed_consumer_name(hosted.agent_id, subject)
 
-        async def deliver(msg: Msg) -> None:
+        async def deliver(msg: Message) -> None:
             await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.MAILBOX)
 
         sub = await node.durable_consume(
@@ -444,7 +441,7 @@ class PubSub:
         if kind == "log" and agent is not None:
             subject += ".*"
 
-        async def on_msg(msg: Msg) -> None:
+        async def on_msg(msg: Message) -> None:
             try:
                 await self.receive_telemetry(hosted, msg.data, msg.subject)
             except Exception:

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import nats.errors
 import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
@@ -57,7 +56,9 @@ from meshnode.protocol.preflight import (
 )
 from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
-from meshnode.transport.connection import MeshConnection, Msg
+from meshnode.transport.connection import MeshConnection, Message
+from meshnode.transport.errors import NoResponders, Reconnecting, TransportTimeout
+from meshnode.transport.jetstream import DurableSubscription
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -266,7 +267,7 @@ class Node:
         self.pubsub.forget(hosted)
 
     async def _subscribe_inbox(self, hosted: HostedAgent) -> None:
-        async def on_message(msg: Msg) -> None:
+        async def on_message(msg: Message) -> None:
             drain = self.drains.get(hosted.name)
             if drain is not None:
                 drain.note_live_mail()
@@ -356,9 +357,9 @@ class Node:
             msg = await self.connection.request(
                 subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
             )
-        except nats.errors.NoRespondersError:
+        except NoResponders:
             raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
-        except nats.errors.TimeoutError:
+        except TransportTimeout:
             raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
         reply = receive_service_reply(msg.data, env, subject, self.service_keys, self.refusals)
         if reply.get("error"):
@@ -542,10 +543,9 @@ class Node:
         deadline = time.monotonic() + 20.0
         for delay in backoff(0.2, 2.0):
             try:
-                await self.connection.js.publish(subject, data, headers=headers)
+                await self.connection.jetstream.publish(subject, data, headers=headers)
                 return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.errors.ConnectionReconnectingError) as exc:
+            except (TransportTimeout, NoResponders, Reconnecting) as exc:
                 if time.monotonic() + delay > deadline:
                     raise
                 log.info("task update %s not acked (%s); retrying", env.get("id"), type(exc).__name__)
@@ -586,7 +586,9 @@ class Node:
         if final or index % 64 == 63:
             # The final chunk, and every 64th, wait for the stream's ack: bounded
             # in-flight chunks (§11.4) and everything stored in order before "final".
-            await self.connection.js.publish(subject, encode_envelope(env), headers={"Nats-Msg-Id": str(env["id"])})
+            await self.connection.jetstream.publish(
+                subject, encode_envelope(env), headers={"Nats-Msg-Id": str(env["id"])}
+            )
         else:
             await self.connection.publish(subject, encode_envelope(env))
 
@@ -618,30 +620,21 @@ class Node:
         stream: str,
         name: str,
         replay: bool,
-        deliver: Callable[[Msg], Awaitable[None]],
-    ) -> Any:
+        deliver: Callable[[Message], Awaitable[None]],
+    ) -> DurableSubscription:
         """A durable push consumer (§18.6 config) whose messages are acked only once
         ``deliver`` — the pipeline and the agent's handler — has run: a crash before
         the ack redelivers, a refusal is acked (it must not come back)."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        async def on_durable(msg: Msg) -> None:
+        async def on_durable(msg: Message) -> None:
             try:
                 await deliver(msg)
             except Exception:
                 hosted.agent.log.exception("%s pipeline failed", stream)
             await msg.ack()
 
-        config = ConsumerConfig(
-            durable_name=name,
-            deliver_policy=DeliverPolicy.ALL if replay else DeliverPolicy.NEW,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=5,
-            filter_subject=subject,
-        )
-        return await self.connection.js.subscribe(
-            subject, durable=name, stream=stream, config=config, cb=on_durable, manual_ack=True
+        return await self.connection.jetstream.durable_push(
+            subject, on_durable, stream=stream, durable=name, replay=replay, max_deliver=5
         )
 
 

@@ -43,6 +43,7 @@ from meshnode.protocol.tasks import (
     TaskState,
     check_state_update,
 )
+from meshnode.transport.messages import Message, Subscription
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -407,40 +408,34 @@ class RequesterTask:
         self.sign_chunks = sign_chunks
         self.last_update: Mapping[str, Any] = opening
 
-    def _consumer(self, subject: str, kind: str) -> Any:
-        """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``):
-        deliver all, so nothing published before the wait began is missed; the
-        server reaps it once idle."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+    def _consumer_name(self, kind: str) -> str:
+        """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``)."""
+        return f"mesh_task_{self.task_id}_{self.hosted.agent_id}" + ("" if kind == "u" else "_stream")
 
-        name = f"mesh_task_{self.task_id}_{self.hosted.agent_id}" + ("" if kind == "u" else "_stream")
-        return ConsumerConfig(
-            name=name,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=3,
-            filter_subject=subject,
-            inactive_threshold=120.0,
-        )
-
-    async def _replay(self, subject: str, kind: str) -> tuple[asyncio.Queue[bytes], Any]:
-        """Everything on ``subject`` from the start, queued for the reader."""
+    async def _replay(self, subject: str, kind: str) -> tuple[asyncio.Queue[bytes], Subscription]:
+        """Everything on ``subject`` from the start, queued for the reader: deliver
+        all, so nothing published before the wait began is missed; the server reaps
+        the consumer once idle."""
         queue: asyncio.Queue[bytes] = asyncio.Queue()
 
-        async def on_msg(msg: Any) -> None:
+        async def on_msg(msg: Message) -> None:
             await queue.put(msg.data)
             try:
                 await msg.ack()
             except Exception:
                 pass
 
-        sub = await self.hosted.node.connection.js.subscribe(
-            subject, cb=on_msg, stream="MESH_TASKS", manual_ack=True, config=self._consumer(subject, kind)
+        sub = await self.hosted.node.connection.jetstream.replay_push(
+            subject,
+            on_msg,
+            stream="MESH_TASKS",
+            name=self._consumer_name(kind),
+            max_deliver=3,
+            inactive_threshold_s=120.0,
         )
         return queue, sub
 
-    async def _release(self, sub: Any, subject: str, kind: str) -> None:
+    async def _release(self, sub: Subscription, subject: str, kind: str) -> None:
         """Unsubscribe and delete the replay consumer now. Unsubscribing alone left
         it on the server until its inactive threshold (120 s): at a few tasks a
         second the account filled with idle consumers and every new task failed
@@ -448,9 +443,10 @@ class RequesterTask:
         try:
             await sub.unsubscribe()
         finally:
-            name = self._consumer(subject, kind).name
             with contextlib.suppress(Exception):
-                await self.hosted.node.connection.js.delete_consumer("MESH_TASKS", str(name))
+                await self.hosted.node.connection.jetstream.delete_consumer(
+                    "MESH_TASKS", self._consumer_name(kind)
+                )
 
     @property
     def state(self) -> str:

@@ -8,10 +8,11 @@ wired together (and to the control plane) in one place, the daemon's
 
 from __future__ import annotations
 
+from meshnode.transport.streams import ensure_mesh_streams
+
 from .base import ServiceBase, ServiceContext
 from .presence import PresenceService
 from .registry import RegistryService
-from .streams import ensure_mesh_streams
 
 __all__ = [
     "PresenceService",

@@ -93,14 +93,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
-from nats.js.errors import (
-    APIError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
-from nats.js.kv import KeyValue
 
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol import subjects
@@ -118,11 +110,12 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.rests_on import is_valid_digest
 from meshnode.protocol.timeutil import format_ts
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import Conflict, NotFound, StoreFull, TransportError
+from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue
+from meshnode.transport.streams import artifact_buckets, ensure_key_value, ensure_object_store
 
-from .base import KV_DELETE_OPS as _KV_DELETE_OPS
 from .base import Envelope, KVMirror, ServiceBase, ServiceContext
-from .streams import ensure_key_value
 
 __all__ = [
     "ArtifactLimits",
@@ -156,31 +149,6 @@ class ArtifactLimits:
     transfer_limit: int = 12_000
 
 
-def artifact_buckets(replicas: int) -> tuple[ObjectStoreConfig, KeyValueConfig, KeyValueConfig]:
-    """The object store and the two KV buckets this service owns (§18.5)."""
-    store = ObjectStoreConfig(
-        bucket=OBJECT_STORE_BUCKET,
-        description="Artifact bytes (AgentMesh §7.5, §18.5)",
-        storage=StorageType.FILE,
-        replicas=replicas,
-    )
-    index = KeyValueConfig(
-        bucket=INDEX_BUCKET,
-        description="Artifact metadata by object id (AgentMesh §18.5)",
-        history=1,
-        storage=StorageType.FILE,
-        replicas=replicas,
-    )
-    uploads = KeyValueConfig(
-        bucket=UPLOADS_BUCKET,
-        description="Artifact uploads in progress (meshnode)",
-        history=1,
-        storage=StorageType.FILE,
-        replicas=replicas,
-    )
-    return store, index, uploads
-
-
 def registry_owner_resolver(ctx: ServiceContext) -> OwnerResolver:
     """Resolve owners by reading the registry's KV bucket (for a store without a registry)."""
     kv: KeyValue | None = None
@@ -188,10 +156,10 @@ def registry_owner_resolver(ctx: ServiceContext) -> OwnerResolver:
     async def owner_of(agent_id: str) -> str | None:
         nonlocal kv
         if kv is None:
-            kv = await ctx.connection.js.key_value(subjects.KV_REGISTRY)
+            kv = await ctx.connection.jetstream.key_value(subjects.KV_REGISTRY)
         try:
             entry = await kv.get(agent_id)
-        except NotFoundError:
+        except NotFound:
             return None
         try:
             manifest = orjson.loads(entry.value or b"")
@@ -287,13 +255,9 @@ class ArtifactService(ServiceBase):
         """Create or open the buckets, load the index, then serve."""
         if self.running:
             return
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         store, index, uploads = artifact_buckets(self.ctx.replicas)
-        try:
-            await js.stream_info(STREAM)
-        except NotFoundError:
-            with contextlib.suppress(APIError):  # a concurrent instance created it first
-                await js.create_object_store(OBJECT_STORE_BUCKET, config=store)
+        await ensure_object_store(js, store)
         for config in (index, uploads):
             await ensure_key_value(js, config)
         self._index = KVMirror(self, await js.key_value(INDEX_BUCKET), "index")
@@ -345,7 +309,7 @@ class ArtifactService(ServiceBase):
 
     # -- admission: two budgets --------------------------------------------------
 
-    async def admit(self, msg: Msg, env: Envelope) -> bool:
+    async def admit(self, msg: Message, env: Envelope) -> bool:
         payload = env.get("payload")
         payload = payload if isinstance(payload, Mapping) else {}
         continuation = (msg.subject == subjects.ARTIFACTS_PUT and "upload" in payload) or (
@@ -436,17 +400,15 @@ class ArtifactService(ServiceBase):
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
         try:
-            ack = await self.ctx.connection.js.publish(subject, data, headers=headers)
-        except APIError as exc:
+            ack = await self.ctx.connection.jetstream.publish(subject, data, headers=headers)
+        except StoreFull:
             # account limits, insufficient resources, storage exceeded, store failed (full)
-            if exc.err_code in (10002, 10023, 10047, 10054):
-                raise ProtocolError(
-                    "QUOTA_EXCEEDED",
-                    "the store is full",
-                    {"limit": "store_capacity"},
-                ) from None
-            raise
-        return int(ack.seq)
+            raise ProtocolError(
+                "QUOTA_EXCEEDED",
+                "the store is full",
+                {"limit": "store_capacity"},
+            ) from None
+        return ack.seq
 
     async def _write(self, nuid: str, data: bytes) -> list[int]:
         """Append ``data`` to the chunk subject of ``nuid``; the stream sequences written."""
@@ -454,8 +416,8 @@ class ArtifactService(ServiceBase):
         return [await self._publish(subject, data[i : i + PIECE]) for i in range(0, len(data), PIECE)]
 
     async def _purge(self, subject: str) -> None:
-        with contextlib.suppress(NotFoundError):
-            await self.ctx.connection.js.purge_stream(STREAM, subject=subject)
+        with contextlib.suppress(NotFound):
+            await self.ctx.connection.jetstream.purge_subject(STREAM, subject)
 
     async def _commit(self, key: str, nuid: str, size: int, chunks: int, sha: bytes, now_ms: int) -> None:
         """Publish the object's meta record, which makes it readable by any object store client."""
@@ -474,8 +436,8 @@ class ArtifactService(ServiceBase):
     async def _object_info(self, key: str) -> dict[str, Any] | None:
         """The object store's current meta record for ``key`` (None when absent or deleted)."""
         try:
-            msg = await self.ctx.connection.js.get_last_msg(STREAM, _meta_subject(key), direct=True)
-        except NotFoundError:
+            msg = await self.ctx.connection.jetstream.last_message(STREAM, _meta_subject(key), direct=True)
+        except NotFound:
             return None
         try:
             info = orjson.loads(msg.data or b"")
@@ -495,15 +457,15 @@ class ArtifactService(ServiceBase):
     async def _walk(self, nuid: str, chunks: int) -> tuple[list[tuple[int, int, int]], Any]:
         """Read every chunk of ``nuid`` in order: its layout ``[(seq, start, length)]``
         and the SHA-256 of its bytes (what is stored, not what was claimed)."""
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         subject = _chunk_subject(nuid)
         layout: list[tuple[int, int, int]] = []
         sha = hashlib.sha256()
         seq, offset = 1, 0
         for _ in range(chunks):
             try:
-                msg = await js.get_msg(STREAM, seq=seq, subject=subject, next=True, direct=True)
-            except NotFoundError:
+                msg = await js.message(STREAM, seq=seq, subject=subject, next=True, direct=True)
+            except NotFound:
                 break
             data = msg.data or b""
             layout.append((msg.seq or 0, offset, len(data)))
@@ -537,13 +499,13 @@ class ArtifactService(ServiceBase):
         i = max(0, bisect.bisect_right(starts, offset) - 1)
         out = bytearray()
         end = offset + length
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         while i < len(layout) and layout[i][1] < end:
             seq, start, size = layout[i]
             if start + size > offset:
                 try:
-                    msg = await js.get_msg(STREAM, seq=seq, direct=True)
-                except NotFoundError:
+                    msg = await js.message(STREAM, seq=seq, direct=True)
+                except NotFound:
                     self._maps.pop(info["nuid"], None)  # rewritten underneath us; relearn next time
                     raise
                 data = msg.data or b""
@@ -650,7 +612,7 @@ class ArtifactService(ServiceBase):
 
     # -- put --------------------------------------------------------------------------
 
-    async def _put(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _put(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         payload = _payload(env)
         if "upload" in payload:
             return await self._put_chunk(env, payload)
@@ -778,7 +740,7 @@ class ArtifactService(ServiceBase):
         }
         try:
             new_revision = await self.uploads.kv.update(upload, orjson.dumps(updated), last=revision)
-        except KeyWrongLastSequenceError:
+        except Conflict:
             # Two writers raced on one upload; the bytes now on the chunk subject
             # cannot be trusted to be in order.
             await self._discard_upload(record)
@@ -826,7 +788,7 @@ class ArtifactService(ServiceBase):
         return int(record.get("touched_ms", 0)) + idle_ms <= self.ctx.now_ms()
 
     async def _forget_upload(self, upload: str) -> None:
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(NotFound):
             await self.uploads.kv.delete(upload)
         self.uploads.entries.pop(upload, None)
 
@@ -837,7 +799,7 @@ class ArtifactService(ServiceBase):
 
     # -- fetch / stat / remove / usage ------------------------------------------------
 
-    async def _fetch(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _fetch(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         payload = _payload(env)
         record = await self._record(payload.get("ref"))
         self._live(record)
@@ -848,7 +810,7 @@ class ArtifactService(ServiceBase):
             raise self._gone(record, "missing")
         try:
             data = await self._read(info, offset, length)
-        except NotFoundError:
+        except NotFound:
             raise self._gone(record, "missing") from None
         stored = int(info.get("size") or 0)
         reply: dict[str, Any] = {
@@ -865,7 +827,7 @@ class ArtifactService(ServiceBase):
             reply["name"] = record["name"]
         return reply
 
-    async def _stat(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _stat(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         record = await self._record(_payload(env).get("ref"))
         self._live(record)
         out = ref_part(
@@ -882,7 +844,7 @@ class ArtifactService(ServiceBase):
             out.update(owner=record["owner"], writer=record["writer"])
         return out
 
-    async def _remove(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _remove(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         record = await self._record(_payload(env).get("ref"))
         caller_owner = await self.owner_of(env["from"])
         if not caller_owner or caller_owner != record.get("owner"):
@@ -893,7 +855,7 @@ class ArtifactService(ServiceBase):
             return {"ref": record["ref"], "removed": False, "state": "gone"}
         return {"ref": record["ref"], "removed": True}
 
-    async def _usage(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _usage(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         owner = await self._owner(env["from"])
         limits = self.limits
         return {
@@ -919,7 +881,7 @@ class ArtifactService(ServiceBase):
         tombstone = {**current, "state": "gone", "gone_ms": self.ctx.now_ms(), "gone_reason": reason}
         try:
             new_revision = await self.index.kv.update(object_id, orjson.dumps(tombstone), last=revision)
-        except KeyWrongLastSequenceError:
+        except Conflict:
             return False  # another instance wrote it meanwhile; its write stands
         self.index.wrote(object_id, new_revision, tombstone)
         self.log.info("reclaimed %s (%s)", current["ref"], reason)
@@ -933,7 +895,9 @@ class ArtifactService(ServiceBase):
             if record.get("state") == "live" and int(record.get("expires_ms", 0)) <= now:
                 try:
                     reclaimed += await self._reclaim(record, "expired")
-                except (APIError, ServiceUnavailableError) as exc:
+                except TransportError as exc:
+                    if exc.code is None:  # not a JetStream API refusal (a timeout, a disconnect)
+                        raise
                     self.log.warning("reclaiming %s failed: %s", record.get("ref"), exc)
         idle_ms = int(self.limits.upload_idle_s * 1000)
         for record in list(self.uploads.entries.values()):
@@ -950,24 +914,25 @@ class ArtifactService(ServiceBase):
         # Every finished upload leaves a delete marker under its unique key;
         # drop the ones every watcher has long seen, so the bucket stays small.
         kv = self.uploads.kv
-        watcher = await kv.watchall()
+        watcher = await kv.watch_all()
         old: list[str] = []
         try:
             async for entry in watcher:
                 if entry is None:
                     break
-                created = getattr(entry, "created", None)
                 if (
-                    entry.operation in _KV_DELETE_OPS
-                    and created is not None
-                    and now_ms - created.timestamp() * 1000 > self.limits.upload_idle_s * 1000
+                    entry.operation in KV_DELETE_OPS
+                    and entry.created_ms is not None
+                    and now_ms - entry.created_ms > self.limits.upload_idle_s * 1000
                 ):
                     old.append(entry.key)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+                await watcher.stop()
         for key in old:
-            await self.ctx.connection.js.purge_stream(f"KV_{UPLOADS_BUCKET}", subject=f"$KV.{UPLOADS_BUCKET}.{key}")
+            await self.ctx.connection.jetstream.purge_subject(
+                f"KV_{UPLOADS_BUCKET}", f"$KV.{UPLOADS_BUCKET}.{key}"
+            )
 
     async def _sweep_job(self) -> None:
         await self.sweep()

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nats.js.errors import NotFoundError
-from nats.js.kv import KeyValue
 
 from meshnode.aio import BackgroundTasks, backoff
 from meshnode.node.pipeline import Intake, Path, RefusalCounter, Refused, decode_verified, guard
@@ -62,7 +60,9 @@ from meshnode.protocol.protections import (
 )
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
-from meshnode.transport.connection import MeshConnection, Msg, Subscription
+from meshnode.transport.connection import MeshConnection, Message, Subscription
+from meshnode.transport.errors import NotFound
+from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, KvWatch
 
 __all__ = [
     "NON_REQUEST_TYPES",
@@ -78,7 +78,7 @@ NON_REQUEST_TYPES = frozenset({"respond", "emit", "subscribe"})
 Envelope = dict[str, Any]
 #: A service operation: the raw message and its verified envelope in, the
 #: reply payload out. A ProtocolError it raises is answered as that error.
-Operation = Callable[[Msg, Envelope], Awaitable[Mapping[str, Any]]]
+Operation = Callable[[Message, Envelope], Awaitable[Mapping[str, Any]]]
 
 
 def wall_clock_ms() -> int:
@@ -168,8 +168,8 @@ class ServiceBase:
 
         return self._tasks.spawn(run(), name=f"{self.name}:{name}")
 
-    async def open_watch(self, kv: KeyValue, what: str) -> KeyValue.KeyWatcher:
-        """``kv.watchall()``, retried with backoff while the service runs.
+    async def open_watch(self, kv: KeyValue, what: str) -> KvWatch:
+        """``kv.watch_all()``, retried with backoff while the service runs.
 
         Right after a reconnect to a cluster whose streams are still electing
         leaders, creating the watch's consumer times out; without a retry the
@@ -178,7 +178,7 @@ class ServiceBase:
         """
         for delay in backoff(0.5, 5.0):
             try:
-                return await kv.watchall()
+                return await kv.watch_all()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -191,12 +191,12 @@ class ServiceBase:
     # -- subscriptions -------------------------------------------------------
 
     async def subscribe(
-        self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, queue: bool = True
+        self, subject: str, handler: Callable[[Message], Awaitable[None]], *, queue: bool = True
     ) -> Subscription:
         """Subscribe ``handler`` to ``subject`` (on the service's queue group unless
         ``queue=False``). A handler that raises is logged, never fatal."""
 
-        async def guarded(msg: Msg) -> None:
+        async def guarded(msg: Message) -> None:
             try:
                 await handler(msg)
             except Exception:
@@ -212,7 +212,7 @@ class ServiceBase:
         """Serve ``operation`` on ``subject``: intake (module docstring), then a
         reply with its payload, or with the error it raised."""
 
-        async def handle(msg: Msg) -> None:
+        async def handle(msg: Message) -> None:
             try:
                 env = self.intake(msg)
             except Refused as refused:
@@ -264,7 +264,7 @@ class ServiceBase:
             )
         return self._guard
 
-    def intake(self, msg: Msg, *, request: bool = True) -> Envelope:
+    def intake(self, msg: Message, *, request: bool = True) -> Envelope:
         """The service intake (module docstring, steps 1-3) of a live message:
         decode ─► verify ─► §22 guard ─► kind. Raises :class:`Refused`.
 
@@ -276,7 +276,7 @@ class ServiceBase:
             raise Refused("not_a_request", f"a {env['type']} envelope sent as a request", envelope=env)
         return env
 
-    def accept(self, msg: Msg, *, request: bool = True) -> Envelope | None:
+    def accept(self, msg: Message, *, request: bool = True) -> Envelope | None:
         """:meth:`intake`, with a refusal counted and logged: None for anything
         dropped (a statement intake has nobody to answer)."""
         try:
@@ -285,7 +285,7 @@ class ServiceBase:
             self._count_refusal(msg, refused)
             return None
 
-    def _count_refusal(self, msg: Msg, refused: Refused) -> None:
+    def _count_refusal(self, msg: Message, refused: Refused) -> None:
         self.ctx.refusals.count(Intake.SERVICE, refused.rule)
         env = refused.envelope
         if env is None:
@@ -294,7 +294,7 @@ class ServiceBase:
             self.log.info("dropped %s (%s) from %s on %s: %s", env.get("id"), refused.rule,
                           env.get("from"), msg.subject, refused.detail)
 
-    async def admit(self, msg: Msg, env: Envelope) -> bool:
+    async def admit(self, msg: Message, env: Envelope) -> bool:
         """Count the request against the sender's budget; answer RATE_LIMITED when spent."""
         if env["from"] == self.ctx.service_id:
             # The platform asking itself (a tenant's registry resolving an exported
@@ -323,7 +323,7 @@ class ServiceBase:
 
     async def reply(
         self,
-        msg: Msg,
+        msg: Message,
         request: Envelope,
         payload: Mapping[str, Any] | None = None,
         *,
@@ -381,10 +381,6 @@ class ServiceBase:
             self.log.warning("emitting %s.%s failed: %s", domain, event_type, exc)
 
 
-#: KV operations that remove a key.
-KV_DELETE_OPS = ("DEL", "PURGE")
-
-
 class KVMirror:
     """An in-memory copy of one KV bucket, fed by a watch (every instance sees every write)."""
 
@@ -432,7 +428,7 @@ class KVMirror:
                 self._apply(entries, revs, entry.key, entry.revision, entry.operation, entry.value)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+                await watcher.stop()
 
     def _apply(
         self,
@@ -468,7 +464,7 @@ class KVMirror:
         """The authoritative record and its revision (a KV read, not the mirror)."""
         try:
             entry = await self.kv.get(key)
-        except NotFoundError:
+        except NotFound:
             return None, 0
         try:
             record = orjson.loads(entry.value or b"")

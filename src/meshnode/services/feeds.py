@@ -34,12 +34,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-import nats.errors
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
-
 from meshnode.protocol import subjects
 from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import decode_envelope
@@ -51,10 +45,17 @@ from meshnode.protocol.feeds import (
     parse_lookup_request,
     supersedes,
 )
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.jetstream import KeyValue, PullConsumer
+from meshnode.transport.streams import (
+    ensure_key_value,
+    ensure_stream,
+    feed_state_bucket_config,
+    feed_stream_config,
+)
 
 from .base import Envelope, ServiceBase, ServiceContext
-from .streams import ensure_key_value, ensure_stream, feed_state_bucket_config, feed_stream_config
 
 __all__ = ["WRITER_CONSUMER", "FeedService"]
 
@@ -73,13 +74,13 @@ class FeedService(ServiceBase):
     def __init__(self, ctx: ServiceContext) -> None:
         super().__init__(ctx, name="feeds", queue="mesh_feed")
         self._kv: KeyValue | None = None
-        self._pull: JetStreamContext.PullSubscription | None = None
+        self._pull: PullConsumer | None = None
         self.stats: Counter[str] = Counter()
 
     async def start(self) -> None:
         if self.running:
             return
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         await ensure_stream(js, feed_stream_config(self.ctx.replicas))
         await ensure_key_value(js, feed_state_bucket_config(self.ctx.replicas))
         self._kv = await js.key_value(subjects.KV_FEED_STATE)
@@ -90,18 +91,13 @@ class FeedService(ServiceBase):
         # it, under that node's private reply prefix, which no other service node
         # may subscribe to. Pulled, every service node shares the one durable.
         await self._retire_push_writer()
-        self._pull = await js.pull_subscribe(
+        self._pull = await js.durable_pull(
             subjects.FEED_GRAMMAR,
-            durable=WRITER_CONSUMER,
             stream=subjects.FEED_STREAM,
-            config=ConsumerConfig(
-                durable_name=WRITER_CONSUMER,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30,
-                max_deliver=5,
-                filter_subject=subjects.FEED_GRAMMAR,
-            ),
+            durable=WRITER_CONSUMER,
+            deliver_all=True,
+            ack_wait_s=30,
+            max_deliver=5,
         )
         self.spawn(self._consume, "state-writer")
         await self.serve(subjects.FEED_GET, self._get)
@@ -112,14 +108,14 @@ class FeedService(ServiceBase):
     async def _retire_push_writer(self) -> None:
         """Delete the writer consumer if an earlier version created it as a push
         consumer (it cannot be turned into a pull consumer in place)."""
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         try:
-            info = await js.consumer_info(subjects.FEED_STREAM, WRITER_CONSUMER)
-        except NotFoundError:
+            info = await js.consumer_state(subjects.FEED_STREAM, WRITER_CONSUMER)
+        except NotFound:
             return
-        if info.config.deliver_subject:
+        if info.push_bound:
             self.log.info("replacing the push consumer %s with a pull consumer", WRITER_CONSUMER)
-            with contextlib.suppress(NotFoundError):
+            with contextlib.suppress(NotFound):
                 await js.delete_consumer(subjects.FEED_STREAM, WRITER_CONSUMER)
 
     async def _consume(self) -> None:
@@ -128,9 +124,7 @@ class FeedService(ServiceBase):
             if pull is None:
                 return
             try:
-                msgs = await pull.fetch(_FETCH_BATCH, timeout=_FETCH_TIMEOUT_S)
-            except nats.errors.TimeoutError:
-                continue
+                msgs = await pull.fetch(_FETCH_BATCH, timeout=_FETCH_TIMEOUT_S)  # [] on timeout
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a disconnect: the durable cursor resumes where it was
@@ -140,7 +134,7 @@ class FeedService(ServiceBase):
             for msg in msgs:
                 await self._on_feed(msg)
 
-    async def _on_feed(self, msg: Msg) -> None:
+    async def _on_feed(self, msg: Message) -> None:
         try:
             await self.record(msg.subject, msg.data)
         except Exception:
@@ -173,10 +167,10 @@ class FeedService(ServiceBase):
         for _ in range(_CAS_ATTEMPTS):
             try:
                 entry = await kv.get(key)
-            except KeyNotFoundError:  # also a deleted key
+            except NotFound:  # also a deleted key
                 try:
                     await kv.create(key, data)
-                except KeyWrongLastSequenceError:
+                except Conflict:
                     continue  # another writer got there first; judge against its value
                 self.stats["stored"] += 1
                 return "stored"
@@ -187,7 +181,7 @@ class FeedService(ServiceBase):
             assert entry.revision is not None
             try:
                 await kv.update(key, data, last=entry.revision)
-            except KeyWrongLastSequenceError:
+            except Conflict:
                 continue
             self.stats["stored"] += 1
             return "stored"
@@ -201,14 +195,14 @@ class FeedService(ServiceBase):
 
     # -- the lookup --------------------------------------------------------------
 
-    async def _get(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _get(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         agent, topic = parse_lookup_request(env.get("payload"))
         kv = self._kv
         if kv is None:
             raise ProtocolError("AGENT_UNAVAILABLE", "the feed service is starting")
         try:
             entry = await kv.get(subjects.feed_state_key(agent, topic))
-        except KeyNotFoundError:
+        except NotFound:
             self.stats["lookup.missing"] += 1
             return lookup_response(None)
         stored = _stored_envelope(entry.value)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.transport.embedded import EmbeddedMeshError, _load_or_create_key
+from meshnode.transport.errors import EmbeddedMeshError
+from meshnode.transport.meshkeys import load_or_create_key
 
 __all__ = ["SERVICE_NAMES", "ServiceKeyError", "load_service_keys"]
 
@@ -41,7 +42,7 @@ def load_service_keys(key_dir: Path, *, create: bool = False) -> dict[str, KeyPa
                 f"there (every service node needs the same {', '.join(SERVICE_NAMES)} keys)"
             )
         try:
-            keys[name] = _load_or_create_key(path, Prefix.USER)
+            keys[name] = load_or_create_key(path, Prefix.USER)
         except (EmbeddedMeshError, OSError) as exc:
             raise ServiceKeyError(f"[services] key_dir: {path}: {exc}") from exc
     return keys

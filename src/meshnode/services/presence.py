@@ -55,7 +55,7 @@ from meshnode.protocol import subjects
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
 
 from .base import Envelope, ServiceBase, ServiceContext
 from .query import AVAILABILITY_VALUES
@@ -179,7 +179,7 @@ class PresenceService(ServiceBase):
 
     # -- heartbeats ----------------------------------------------------------
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
+    async def _on_heartbeat(self, msg: Message) -> None:
         target = subjects.parse_heartbeat_subject(msg.subject)
         if target is None:
             self.log.debug("dropped a heartbeat on a malformed subject %r", msg.subject[:120])
@@ -244,28 +244,28 @@ class PresenceService(ServiceBase):
         await self.emit("presence", "node_online" if live else "node_offline", data)
 
     async def _seed_from_stream(self) -> None:
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         try:
-            info = await js.stream_info(subjects.MESH_HEARTBEAT, subjects_filter=_HEARTBEAT_ALL)
+            beats = await js.stream_subjects(subjects.MESH_HEARTBEAT, _HEARTBEAT_ALL)
         except Exception as exc:
             self.log.info("no heartbeat history to seed from: %s", exc)
             return
-        for subject in sorted((info.state.subjects or {}).keys()):
+        for subject in sorted(beats):
             target = subjects.parse_heartbeat_subject(subject)
             if target is None:
                 continue
             try:
-                raw = await js.get_last_msg(subjects.MESH_HEARTBEAT, subject)
+                raw = await js.last_message(subjects.MESH_HEARTBEAT, subject)
             except Exception as exc:
                 self.log.debug("could not read the last beat on %s: %s", subject, exc)
                 continue
-            if raw.data is None or raw.time is None:
+            if not raw.data or raw.stored_ms is None:
                 continue
             env = self.decode(raw.data, subject)
             if env is None:
                 continue
             # The server's capture time, not the sender's ts, is when we heard it.
-            seen_ms = int(raw.time.timestamp() * 1000)
+            seen_ms = raw.stored_ms
             await self._ingest(target, env, min(seen_ms, self.ctx.now_ms()), announce=False)
         for node in self._nodes:
             self._live[node] = self.availability_of_node(node) != "offline"
@@ -295,7 +295,7 @@ class PresenceService(ServiceBase):
 
     # -- mesh.presence.get ---------------------------------------------------
 
-    async def _get(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _get(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         payload = env.get("payload")
         if payload is None:
             payload = {}

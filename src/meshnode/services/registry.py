@@ -64,8 +64,6 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
 
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation
@@ -74,12 +72,14 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.manifest import check_registration
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.jetstream import KeyValue
+from meshnode.transport.streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
 
 from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
 from .query import DiscoverQuery, encode_cursor, listed_for, parse_discover_query
-from .streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
 
 __all__ = ["RegistryService"]
 
@@ -139,7 +139,7 @@ class RegistryService(ServiceBase):
         """Open (or create) the bucket, load it through a watch, then serve."""
         if self.running:
             return
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         await ensure_key_value(js, registry_bucket_config(self.ctx.replicas))
         self._kv = await js.key_value(subjects.KV_REGISTRY)
         self._running = True
@@ -264,7 +264,7 @@ class RegistryService(ServiceBase):
         except ProtocolError:
             return None  # expired since it was stored: it proves nothing any more
 
-    async def _register(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _register(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)
         if parsed is None:
             raise ProtocolError(
@@ -311,11 +311,11 @@ class RegistryService(ServiceBase):
         stored["meta"] = meta
         if result.dropped:
             self.log.info("registration of %s dropped %s", agent_id, ", ".join(result.dropped))
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         if stored.get("sandbox"):
             # §16.4: a sandbox agent gets no buffer, including one left from
             # an earlier, unsandboxed registration.
-            with contextlib.suppress(NotFoundError):
+            with contextlib.suppress(NotFound):
                 await js.delete_stream(subjects.inbox_stream_name(agent_id))
         else:
             # The buffer exists before the manifest says the agent is reachable.
@@ -365,13 +365,13 @@ class RegistryService(ServiceBase):
                     # Absent or deleted: create() also reuses a deletion marker's revision.
                     return await self._kv.create(agent_id, data), None
                 return await self._kv.update(agent_id, data, last=revision), None
-            except KeyWrongLastSequenceError:
+            except Conflict:
                 continue  # another instance wrote in between: read again
         raise ProtocolError(
             "INTERNAL_ERROR", "the registration kept losing concurrent writes; retry", {"agent_id": agent_id}
         )
 
-    async def _deregister(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _deregister(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         payload = env.get("payload")
         if payload is not None and not isinstance(payload, Mapping):
             raise ProtocolError("INVALID_ENVELOPE", "a deregistration payload is an object")
@@ -391,8 +391,8 @@ class RegistryService(ServiceBase):
         # Deleted even when this instance's copy lags another's fresh write.
         await self._kv.delete(agent_id)
         self._cache.pop(agent_id, None)
-        with contextlib.suppress(NotFoundError):
-            await self.ctx.connection.js.delete_stream(subjects.inbox_stream_name(agent_id))
+        with contextlib.suppress(NotFound):
+            await self.ctx.connection.jetstream.delete_stream(subjects.inbox_stream_name(agent_id))
         if existing is not None:
             self.log.info("deregistered %s", agent_id)
             await self.emit(
@@ -433,7 +433,7 @@ class RegistryService(ServiceBase):
         cursor = encode_cursor(page[-1]["id"]) if more and page else None
         return page, len(matches), cursor
 
-    async def _discover(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _discover(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         query = parse_discover_query(env.get("payload"))
         if query.availability is not None and self.presence is None:
             raise ProtocolError(
@@ -458,7 +458,7 @@ class RegistryService(ServiceBase):
             page = page[: len(page) // 2]
             cursor = encode_cursor(page[-1]["id"])
 
-    async def _get(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _get(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         token = msg.subject.rsplit(".", 1)[-1]
         payload = env.get("payload")
         if payload is not None and not isinstance(payload, Mapping):

@@ -81,11 +81,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import nats.errors
 import orjson
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from meshnode.aio import backoff
 from meshnode.protocol import subjects
@@ -94,10 +90,17 @@ from meshnode.protocol.envelope import build_envelope, child_trace, encode_envel
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.protections import DedupMemory, DeliverySource, check_freshness
 from meshnode.protocol.tasks import is_valid_task_id
-from meshnode.transport.connection import Msg
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, PullConsumer
+from meshnode.transport.streams import (
+    ensure_key_value,
+    ensure_stream,
+    mesh_stream_configs,
+    tasks_bucket_config,
+)
 
 from .base import Envelope, ServiceBase, ServiceContext
-from .streams import ensure_key_value, ensure_stream, mesh_stream_configs, tasks_bucket_config
 from .task_record import (
     DEFAULT_HISTORY_CAP,
     Event,
@@ -123,7 +126,6 @@ CONSUMER_NAME = "mesh_task_manager"
 TASK_UPDATE_PATTERN = "mesh.task.*.update"
 TASK_GET_PATTERN = "mesh.task.get.*"
 
-_KV_DELETE_OPS = ("DEL", "PURGE")
 #: Room left under the broker's maximum message size for the get reply's envelope.
 _REPLY_SLACK = 16 * 1024
 _MAX_WRITE_ATTEMPTS = 16
@@ -182,7 +184,7 @@ class TaskManagerService(ServiceBase):
         self._orphans: dict[str, list[_Orphan]] = {}
         self._synced = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
-        self._pull: Any = None
+        self._pull: PullConsumer | None = None
         self._reconnect_hooked = False
         self._max_record_bytes = 0
 
@@ -193,7 +195,7 @@ class TaskManagerService(ServiceBase):
         update consumer, then serve ``mesh.task.get.*`` and start the sweep."""
         if self.running:
             return
-        js = self.ctx.connection.js
+        js = self.ctx.connection.jetstream
         stream = next(c for c in mesh_stream_configs(self.ctx.replicas) if c.name == subjects.MESH_TASKS)
         await ensure_stream(js, stream)
         await ensure_key_value(js, tasks_bucket_config(self.ctx.replicas))
@@ -205,23 +207,18 @@ class TaskManagerService(ServiceBase):
         try:
             async with asyncio.timeout(self._sync_timeout_s):
                 await self._synced.wait()
-            self._pull = await js.pull_subscribe(
+            self._pull = await js.durable_pull(
                 TASK_UPDATE_PATTERN,
-                durable=self.consumer,
                 stream=subjects.MESH_TASKS,
-                config=ConsumerConfig(
-                    durable_name=self.consumer,
-                    filter_subject=TASK_UPDATE_PATTERN,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    # Applying an update takes milliseconds; with one update in
-                    # flight, a crashed holder stalls the queue for this long.
-                    ack_wait=10.0,
-                    max_deliver=5,
-                    # Created once; from then on the durable cursor says where to resume.
-                    deliver_policy=DeliverPolicy.NEW,
-                    # One update in flight mesh-wide keeps each Task's updates in order.
-                    max_ack_pending=1,
-                ),
+                durable=self.consumer,
+                # Applying an update takes milliseconds; with one update in
+                # flight, a crashed holder stalls the queue for this long.
+                ack_wait_s=10.0,
+                max_deliver=5,
+                # Created once; from then on the durable cursor says where to resume.
+                deliver_all=False,
+                # One update in flight mesh-wide keeps each Task's updates in order.
+                max_ack_pending=1,
             )
         except BaseException:
             await self.stop()
@@ -266,12 +263,12 @@ class TaskManagerService(ServiceBase):
                 if entry is None:  # the end of the initial replay
                     self._synced.set()
                     continue
-                deleted = entry.operation in _KV_DELETE_OPS or not entry.value
+                deleted = entry.operation in KV_DELETE_OPS or not entry.value
                 record = None if deleted else _loads(entry.value)
                 self._index_apply(entry.key, entry.revision or 0, record, deleted=deleted)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+                await watcher.stop()
 
     def _index_apply(self, task_id: str, revision: int, record: object, *, deleted: bool = False) -> None:
         if revision and self._index_revs.get(task_id, 0) > revision:
@@ -300,7 +297,7 @@ class TaskManagerService(ServiceBase):
         assert self._kv is not None
         try:
             entry = await self._kv.get(task_id)
-        except KeyNotFoundError as exc:
+        except NotFound as exc:
             # A deleted key still has a revision to write against.
             gone = getattr(exc, "entry", None)
             return None, (gone.revision if gone is not None else None)
@@ -331,7 +328,7 @@ class TaskManagerService(ServiceBase):
                     new_revision = await self._kv.create(task_id, data)
                 else:
                     new_revision = await self._kv.update(task_id, data, last=revision)
-            except KeyWrongLastSequenceError:
+            except Conflict:
                 self.counters["write_conflicts"] += 1
                 # Jittered backoff, so writers that collided do not collide again.
                 await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
@@ -348,9 +345,7 @@ class TaskManagerService(ServiceBase):
             if pull is None:
                 return
             try:
-                msgs = await pull.fetch(1, timeout=self.fetch_timeout_s)
-            except nats.errors.TimeoutError:
-                continue
+                msgs = await pull.fetch(1, timeout=self.fetch_timeout_s)  # [] on timeout
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a disconnect: the consumer resumes where it was
@@ -360,13 +355,13 @@ class TaskManagerService(ServiceBase):
             for msg in msgs:
                 await self._on_update(msg)
 
-    def _count(self, signal: str, msg: Msg, detail: str) -> None:
+    def _count(self, signal: str, msg: Message, detail: str) -> None:
         self.counters[signal] += 1
         self.log.info("task update on %s %s: %s", msg.subject, signal, detail)
 
-    async def _on_update(self, msg: Msg) -> None:
+    async def _on_update(self, msg: Message) -> None:
         try:
-            stored_ms = int(msg.metadata.timestamp.timestamp() * 1000)
+            stored_ms = msg.stored_ms
         except Exception:
             stored_ms = self.ctx.now_ms()
         parsed = subjects.parse_task_subject(msg.subject)
@@ -467,7 +462,7 @@ class TaskManagerService(ServiceBase):
 
     # -- get ------------------------------------------------------------------------
 
-    async def _get(self, msg: Msg, env: Envelope) -> Mapping[str, Any]:
+    async def _get(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         task_id = msg.subject.rsplit(".", 1)[-1]
         if not is_valid_task_id(task_id):
             raise ProtocolError("INVALID_ENVELOPE", "the subject names no valid task_id", {"member": "task_id"})
@@ -576,6 +571,6 @@ def _loads(value: bytes | None) -> Any:
         return None
 
 
-async def _ack(msg: Msg) -> None:
+async def _ack(msg: Message) -> None:
     with contextlib.suppress(Exception):
         await msg.ack()

@@ -26,12 +26,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.credentials import store_credential
 from meshnode.keystore import FileKeyStore
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
 from meshnode.transport.cluster import NatsCluster
-from meshnode.transport.control_plane import ControlPlaneServer
 from meshnode.transport.permissions import Role
 
 __all__ = ["LocalCluster"]

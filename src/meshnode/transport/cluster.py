@@ -16,7 +16,7 @@ beforehand, which races with every other process choosing ports); see
 :meth:`NatsCluster.start` for how members then find each other's routes.
 
 The cluster offers what the control plane needs from a mesh (``urls`` and
-:meth:`mint_node_credential`), so a :class:`~meshnode.transport.control_plane.ControlPlaneServer`
+:meth:`mint_node_credential`), so a :class:`~meshnode.control_plane.ControlPlaneServer`
 enrols and renews nodes against it exactly as against the embedded mesh.
 """
 
@@ -27,12 +27,16 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import StorageType, StreamConfig
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
 
@@ -43,8 +47,9 @@ from .embedded import (
     MeshKeys,
     load_or_create_mesh_keys,
 )
-from .jwt import ResponsePermission
-from .permissions import Role
+from .jwt import ResponsePermission, nats_auth_callbacks
+from .lifecycle import AsyncService
+from .permissions import Role, node_inbox_prefix
 
 __all__ = ["NatsCluster", "cluster_size_of"]
 
@@ -74,7 +79,7 @@ def cluster_size_of(configured: Iterable[str], known: Iterable[str]) -> int:
     return max(1, len({_host_port(u) for u in (*configured, *known)}))
 
 
-class NatsCluster:
+class NatsCluster(AsyncService):
     """``size`` nats-servers routed into one JetStream cluster on ``host``.
 
     Use ``async with NatsCluster(path) as cluster:`` or :meth:`start` and
@@ -218,18 +223,6 @@ class NatsCluster:
 
     # -- lifecycle --
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
-
     async def start(self) -> None:
         """Start every member and return once JetStream answers (a meta leader exists).
 
@@ -268,12 +261,11 @@ class NatsCluster:
     async def wait_jetstream(self, timeout: float | None = None) -> None:
         """Return once the cluster's JetStream accepts API calls: a fresh cluster
         (or one restarted whole) needs a moment to elect its meta leader, and a
-        stream created before that is refused."""
-        import nats
-
-        from .jwt import nats_auth_callbacks
-        from .permissions import node_inbox_prefix
-
+        stream created before that is refused. With several members it also
+        waits until a stream of ``min(3, size)`` replicas can be placed: members
+        started one after another (route ports picked by nats-server) join the
+        meta group one by one, and an R3 stream created before the third is
+        known is refused ("no suitable peers for placement")."""
         key = KeyPair.generate(Prefix.USER)
         jwt = self.mint_node_credential(key.public_key, [], 300, role="service")
         user_jwt_cb, signature_cb = nats_auth_callbacks(lambda: jwt, key)
@@ -295,7 +287,10 @@ class NatsCluster:
                 await asyncio.sleep(0.2)
                 continue
             try:
-                await nc.jetstream().account_info()
+                js = nc.jetstream()
+                await js.account_info()
+                if self.size > 1:
+                    await self._probe_placement(js)
                 return
             except Exception as exc:
                 last = exc
@@ -304,3 +299,17 @@ class NatsCluster:
                 with contextlib.suppress(Exception):
                     await nc.close()
         raise EmbeddedMeshError(f"the cluster's JetStream did not become available: {last}")
+
+    async def _probe_placement(self, js: JetStreamContext) -> None:
+        """Create and delete a throw-away in-memory stream of ``min(3, size)`` replicas."""
+        name = f"MESHNODE_PLACEMENT_PROBE_{secrets.token_hex(4).upper()}"
+        await js.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=[f"meshnode.placement-probe.{name}"],
+                storage=StorageType.MEMORY,
+                num_replicas=min(3, self.size),
+            )
+        )
+        with contextlib.suppress(Exception):
+            await js.delete_stream(name)

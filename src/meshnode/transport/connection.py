@@ -10,25 +10,27 @@ re-runs on them, §16.4) from the client's own connection events.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import nats
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 
 from meshnode.aio import BackgroundTasks
 from meshnode.protocol.nkeys import KeyPair
 
-__all__ = ["ConnectionListener", "MeshConnection", "Msg", "Subscription"]
+from .cluster import cluster_size_of
+from .errors import translated
+from .jetstream import JetStream
+from .messages import Message, MessageHandler, Subscription, wrap_handler
+
+__all__ = ["ConnectionListener", "MeshConnection", "Message", "MessageHandler", "Subscription"]
 
 log = logging.getLogger("meshnode.transport")
 
 ConnectionListener = Callable[[], Awaitable[None]]
-MessageHandler = Callable[[Msg], Awaitable[None]]
 
 
 class MeshConnection:
@@ -62,7 +64,7 @@ class MeshConnection:
         self._reconnect_wait = reconnect_wait
         self._reconnect_buffer_bytes = reconnect_buffer_bytes
         self._nc: Client | None = None
-        self._js: JetStreamContext | None = None
+        self._jetstream: JetStream | None = None
         self._reconnect_listeners: list[ConnectionListener] = []
         self._disconnect_listeners: list[ConnectionListener] = []
         self._error_listeners: list[Callable[[str], None]] = []
@@ -100,7 +102,7 @@ class MeshConnection:
             options["user_jwt_cb"] = lambda: source().encode("ascii")
             options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
         self._nc = await nats.connect(**options)
-        self._js = self._nc.jetstream()
+        self._jetstream = JetStream(self._nc.jetstream())
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         self._closing = True
@@ -121,15 +123,17 @@ class MeshConnection:
 
     @property
     def nc(self) -> Client:
+        """nats-py's client, for transport/ and tests; callers above use the methods here."""
         if self._nc is None:
             raise RuntimeError("not connected")
         return self._nc
 
     @property
-    def js(self) -> JetStreamContext:
-        if self._js is None:
+    def jetstream(self) -> JetStream:
+        """JetStream on this connection, through the transport facade."""
+        if self._jetstream is None:
             raise RuntimeError("not connected")
-        return self._js
+        return self._jetstream
 
     @property
     def is_connected(self) -> bool:
@@ -159,8 +163,6 @@ class MeshConnection:
         A lower bound while a cluster is still forming its routes: the replica
         count derived from it (``min(3, size)``) can be pinned with ``[mesh] replicas``.
         """
-        from .cluster import cluster_size_of
-
         return cluster_size_of(self.servers, self.known_servers)
 
     @property
@@ -204,23 +206,29 @@ class MeshConnection:
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        await self.nc.publish(subject, payload, reply=reply, headers=headers)
+        with translated():
+            await self.nc.publish(subject, payload, reply=reply, headers=headers)
 
     async def subscribe(
         self, subject: str, handler: MessageHandler, *, queue: str = ""
     ) -> Subscription:
-        return await self.nc.subscribe(subject, queue=queue, cb=handler)
+        with translated():
+            return Subscription(await self.nc.subscribe(subject, queue=queue, cb=wrap_handler(handler)))
 
     async def request(
         self, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str] | None = None
-    ) -> Msg:
-        return await self.nc.request(subject, payload, timeout=timeout, headers=headers)
+    ) -> Message:
+        """Publish and wait for one answer. Raises :class:`~.errors.NoResponders`
+        when nobody listens, :class:`~.errors.TransportTimeout` when none came."""
+        with translated():
+            return Message(await self.nc.request(subject, payload, timeout=timeout, headers=headers))
 
     def new_inbox(self) -> str:
         return str(self.nc.new_inbox())
 
     async def flush(self, timeout: int = 5) -> None:
-        await self.nc.flush(timeout=timeout)
+        with translated():
+            await self.nc.flush(timeout=timeout)
 
     # -- connection events -------------------------------------------------
 
@@ -258,7 +266,5 @@ class MeshConnection:
 
 
 def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:
-    import base64
-
     raw = nonce.encode() if isinstance(nonce, str) else nonce
     return base64.b64encode(key.sign(raw))

@@ -29,41 +29,43 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from meshnode.aio import backoff
-from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public
 
+from .errors import EmbeddedMeshError
+from .files import ensure_private_dir, write_private_file
 from .jwt import (
     ResponsePermission,
-    ServiceExport,
-    ServiceImport,
     mint_account_jwt,
     mint_operator_jwt,
     mint_user_jwt,
 )
+from .lifecycle import AsyncService
+from .meshkeys import MeshKeys, load_or_create_mesh_keys
 from .permissions import (
-    AGENT_INBOX,
-    DISCOVER,
-    EXTERNAL_DISCOVER,
-    EXTERNAL_GET,
-    REGISTRY_GET,
     RESERVED_SUBJECTS,
     Role,
     node_permissions,
+)
+from .serverconf import BoundPorts, ClusterRoutes, render_server_config
+from .tenants import (
+    DEFAULT_TENANT,
+    TenantExport,
+    account_links,
+    check_tenant_name,
+    external_discover_subject,
+    external_get_subject,
+    imported_agents,
 )
 
 __all__ = [
@@ -98,347 +100,11 @@ nats-server's default (4 KiB) refuses a participant credential for a node with
 more than one agent: the §14.3 grants are per agent, about 1 KiB of JWT each.
 """
 
-_OPERATOR_SEED_FILE = "operator.nk"
-_SYSTEM_ACCOUNT_SEED_FILE = "system-account.nk"
-_MESH_ACCOUNT_SEED_FILE = "mesh-account.nk"
-_TENANT_SEED_FILE = "tenant-{name}.nk"
 _CONFIG_FILE = "nats-server.conf"
 _LOG_FILE = "nats-server.log"
 _LOG_ROTATE_BYTES = 10 * 1024 * 1024
 _PR_SET_PDEATHSIG = 1
 _REPLY_ONCE = ResponsePermission()
-
-
-class EmbeddedMeshError(RuntimeError):
-    """The embedded broker could not be found, configured, started or kept running."""
-
-
-# --- tenants (§15) ------------------------------------------------------------
-
-DEFAULT_TENANT = "mesh"
-"""The name of the mesh's own account, the tenant of every node enrolled without one."""
-
-_TENANT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-
-
-def check_tenant_name(name: object) -> str:
-    """``name`` if it can name a tenant (it becomes a subject token and a file name)."""
-    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
-        raise ValueError(
-            f"tenant name {name!r} must be 1-32 of a-z 0-9 _ -, starting with a letter"
-        )
-    return name
-
-
-def external_discover_subject(tenant: str) -> str:
-    """Where an importing tenant reaches ``tenant``'s exported discovery (§15.2 step 2)."""
-    return EXTERNAL_DISCOVER.replace("*", check_tenant_name(tenant))
-
-
-def external_get_subject(tenant: str, agent_id: str) -> str:
-    """Where an importing tenant's registry looks up an agent ``tenant`` exported to it."""
-    if not is_valid_public(agent_id, Prefix.USER):
-        raise ValueError(f"{agent_id!r} is not an agent id")
-    return EXTERNAL_GET.replace("*", check_tenant_name(tenant), 1).replace("*", agent_id)
-
-
-def imported_agents(tenant: str, exports: Iterable[TenantExport]) -> dict[str, str]:
-    """Agent id -> the subject ``tenant``'s registry resolves it on, for every agent
-    another tenant exported to ``tenant``."""
-    return {
-        agent: external_get_subject(export.tenant, agent)
-        for export in exports
-        if export.to == tenant
-        for agent in export.agents
-    }
-
-
-@dataclass(frozen=True, slots=True)
-class TenantExport:
-    """What one tenant makes reachable from another (§15.2); nothing else crosses.
-
-    ``agents``: the inboxes (``mesh.agent.<id>.inbox``) the importing tenant's
-    nodes may send to, under the same subject; the importing tenant's registry
-    resolves them through the exporting one's (``mesh.registry.get.<id>``,
-    imported as :func:`external_get_subject`). ``discover``: the exporting
-    tenant's registry answers discovery queries the importer sends on
-    :func:`external_discover_subject` (its own registry stays its own).
-    An export is one-way: an answer travels back to the requester's inbox,
-    so a conversation needs the requester's agent exported the other way too.
-    """
-
-    tenant: str
-    to: str
-    agents: tuple[str, ...] = ()
-    discover: bool = False
-
-    def __post_init__(self) -> None:
-        check_tenant_name(self.tenant)
-        check_tenant_name(self.to)
-        if self.tenant == self.to:
-            raise ValueError(f"tenant {self.tenant} cannot export to itself")
-        for agent in self.agents:
-            if not is_valid_public(agent, Prefix.USER):
-                raise ValueError(f"exported agent {agent!r} is not an agent id (U...)")
-
-
-def account_links(
-    accounts: Mapping[str, str], exports: Iterable[TenantExport]
-) -> dict[str, tuple[list[ServiceExport], list[ServiceImport]]]:
-    """The exports and imports each tenant's account JWT carries.
-
-    ``accounts`` maps tenant name to account public key. Raises ValueError
-    for an export naming a tenant that does not exist.
-    """
-    links: dict[str, tuple[list[ServiceExport], list[ServiceImport]]] = {
-        name: ([], []) for name in accounts
-    }
-    for export in exports:
-        for name in (export.tenant, export.to):
-            if name not in accounts:
-                raise ValueError(f"export names tenant {name!r}, which is not configured")
-        offered, _ = links[export.tenant]
-        _, taken = links[export.to]
-        wanted: list[tuple[str, str]] = []
-        for agent in export.agents:
-            wanted.append((AGENT_INBOX.format(agent=agent), AGENT_INBOX.format(agent=agent)))
-            wanted.append(
-                (REGISTRY_GET.replace("*", agent), external_get_subject(export.tenant, agent))
-            )
-        if export.discover:
-            wanted.append((DISCOVER, external_discover_subject(export.tenant)))
-        for subject, local in wanted:
-            if all(e.subject != subject for e in offered):
-                offered.append(ServiceExport(subject))
-            entry = ServiceImport(accounts[export.tenant], subject, local)
-            if entry not in taken:
-                taken.append(entry)
-    return links
-
-
-# --- keys -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MeshKeys:
-    """The signing keys of an embedded mesh. They never leave this host."""
-
-    operator: KeyPair
-    system_account: KeyPair
-    mesh_account: KeyPair
-    tenants: Mapping[str, KeyPair] = field(default_factory=dict)
-    """Account keys of the tenants beyond the mesh's own account (§15)."""
-
-    def account(self, tenant: str | None = None) -> KeyPair:
-        """The account key of ``tenant`` (None or :data:`DEFAULT_TENANT`: the mesh account)."""
-        if tenant is None or tenant == DEFAULT_TENANT:
-            return self.mesh_account
-        try:
-            return self.tenants[tenant]
-        except KeyError:
-            raise ValueError(f"no tenant named {tenant!r} is configured") from None
-
-
-def _write_private_file(path: Path, content: str, *, replace: bool) -> None:
-    """Write ``content`` to ``path`` readable by the owner only, at every instant.
-
-    The bytes go to a fresh temporary file created with O_EXCL and mode 0600
-    (umask can only narrow that, and fchmod restores it exactly), which is then
-    moved into place. Without ``replace`` an existing file wins: FileExistsError.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            data = content.encode("utf-8")
-            while data:
-                data = data[os.write(fd, data) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _read_private_file(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "r", encoding="ascii") as handle:
-        mode = os.fstat(handle.fileno()).st_mode
-        if stat.S_IMODE(mode) & 0o077:
-            log.warning(
-                "%s was readable by other users (mode %o); restricting it to the owner. "
-                "Treat the key as exposed if others could log in here.",
-                path, stat.S_IMODE(mode),
-            )
-            os.fchmod(handle.fileno(), 0o600)
-        return handle.read()
-
-
-def _load_or_create_key(path: Path, role: Prefix) -> KeyPair:
-    try:
-        text = _read_private_file(path)
-    except FileNotFoundError:
-        created = KeyPair.generate(role)
-        try:
-            _write_private_file(path, created.seed + "\n", replace=False)
-            log.info("created %s key %s in %s", role.name.lower(), created.public_key, path)
-            return created
-        except FileExistsError:
-            text = _read_private_file(path)  # another process created it first
-    try:
-        loaded = KeyPair.from_seed(text.strip())
-    except NkeyError as exc:
-        raise EmbeddedMeshError(f"{path} does not hold an nkey seed: {exc}") from None
-    if loaded.role != role:
-        raise EmbeddedMeshError(
-            f"{path} holds a {loaded.role.name.lower()} seed, expected {role.name.lower()}"
-        )
-    return loaded
-
-
-def _ensure_private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def load_or_create_mesh_keys(mesh_dir: Path, tenants: Iterable[str] = ()) -> MeshKeys:
-    """Load the operator and account seeds from ``mesh_dir``, creating missing ones.
-
-    A removed tenant's seed stays on disk (its account is simply not served),
-    so configuring it again restores the same account.
-    """
-    _ensure_private_dir(mesh_dir)
-    return MeshKeys(
-        operator=_load_or_create_key(mesh_dir / _OPERATOR_SEED_FILE, Prefix.OPERATOR),
-        system_account=_load_or_create_key(mesh_dir / _SYSTEM_ACCOUNT_SEED_FILE, Prefix.ACCOUNT),
-        mesh_account=_load_or_create_key(mesh_dir / _MESH_ACCOUNT_SEED_FILE, Prefix.ACCOUNT),
-        tenants={
-            name: _load_or_create_key(
-                mesh_dir / _TENANT_SEED_FILE.format(name=check_tenant_name(name)), Prefix.ACCOUNT
-            )
-            for name in tenants
-        },
-    )
-
-
-# --- config -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterRoutes:
-    """Where one cluster member listens for routes, and the routes it dials.
-
-    ``routes`` are ``nats-route://host:port`` URLs of the other members (a
-    member may list itself too; nats-server ignores a route to itself).
-    ``port=0`` lets the server pick a free route port; the bound one is then
-    read back (:attr:`EmbeddedNatsServer.cluster_port`) and kept across restarts.
-    """
-
-    name: str
-    host: str
-    port: int
-    routes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BoundPorts:
-    """The ports a running nats-server actually listens on, as it reported them.
-
-    Read from the ``<executable>_<pid>.ports`` file nats-server writes into its
-    ``ports_file_dir`` once every listener is up, so a port configured as 0
-    ("any free port") is known without binding and releasing one beforehand
-    (which races with every other process picking ports). nats-server does not
-    list leafnode listeners there; meshnode configures none.
-    """
-
-    client: int
-    monitoring: int | None = None
-    cluster: int | None = None
-    websocket: int | None = None
-
-
-def _listen_port(port: int | None) -> int:
-    """nats-server's spelling of a configured port: -1 is "any free port" (its
-    0 means "the default port", 4222 for clients, which is not what 0 means here)."""
-    return port or -1
-
-
-def _conf_string(value: str) -> str:
-    if any(c in value for c in '"\\\n\r'):
-        raise EmbeddedMeshError(f"cannot place {value!r} in a nats-server config")
-    return f'"{value}"'
-
-
-def render_server_config(
-    *,
-    server_name: str,
-    host: str,
-    port: int | None,
-    monitor_port: int | None,
-    max_payload: int,
-    max_control_line: int,
-    operator_jwt: str,
-    system_account: str,
-    account_jwts: dict[str, str],
-    store_dir: Path,
-    ports_file_dir: Path,
-    cluster: ClusterRoutes | None = None,
-) -> str:
-    """The nats-server config of an operator-mode server with a memory resolver.
-
-    ``port`` 0 or None (and ``monitor_port=0``, ``cluster.port=0``) lets the
-    server pick a free port; the chosen ports are then read from the ports
-    file it writes into ``ports_file_dir`` (:class:`BoundPorts`).
-    ``monitor_port=None`` serves no monitoring.
-    ``cluster`` makes the server one member of a routed cluster (JetStream
-    clustered: ``server_name`` must then be unique among the members).
-    """
-    preload = "\n".join(
-        f"  {_conf_string(account)}: {_conf_string(jwt)}" for account, jwt in account_jwts.items()
-    )
-    lines = [
-        "# Written by meshnode on every start; edits are overwritten.",
-        f"server_name: {_conf_string(server_name)}",
-        f"host: {_conf_string(host)}",
-        f"port: {_listen_port(port)}",
-        f"max_payload: {max_payload}",
-        f"max_control_line: {max_control_line}",
-        f"ports_file_dir: {_conf_string(str(ports_file_dir))}",
-        f"operator: {_conf_string(operator_jwt)}",
-        f"system_account: {_conf_string(system_account)}",
-        "resolver: MEMORY",
-        "resolver_preload: {",
-        preload,
-        "}",
-        "jetstream {",
-        f"  store_dir: {_conf_string(str(store_dir))}",
-        "}",
-    ]
-    if cluster is not None:
-        lines += [
-            "cluster {",
-            f"  name: {_conf_string(cluster.name)}",
-            f"  listen: {_conf_string(f'{cluster.host}:{_listen_port(cluster.port)}')}",
-            "  routes: [",
-            *(f"    {_conf_string(route)}" for route in cluster.routes),
-            "  ]",
-            "}",
-        ]
-    if monitor_port is not None:
-        lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
-    return "\n".join(lines) + "\n"
 
 
 # --- the binary -------------------------------------------------------------
@@ -510,7 +176,7 @@ def _kill_orphans_at_exit() -> None:
 # --- the server -------------------------------------------------------------
 
 
-class EmbeddedNatsServer:
+class EmbeddedNatsServer(AsyncService):
     """A supervised nats-server in operator mode, serving one mesh account.
 
     Use as ``async with EmbeddedNatsServer(data_dir) as mesh:`` or call
@@ -736,18 +402,6 @@ class EmbeddedNatsServer:
 
     # -- lifecycle --
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
-
     async def start(self) -> None:
         """Prepare keys and config, start the broker and return once it accepts clients."""
         if self._supervisor is not None:
@@ -820,7 +474,7 @@ class EmbeddedNatsServer:
                 imports=imports,
             )
         run_dir = self.mesh_dir / "run"
-        _ensure_private_dir(run_dir)
+        ensure_private_dir(run_dir)
         config = render_server_config(
             server_name=self.server_name,
             host=self.host,
@@ -836,7 +490,7 @@ class EmbeddedNatsServer:
             cluster=self.cluster,
         )
         path = self.mesh_dir / _CONFIG_FILE
-        _write_private_file(path, config, replace=True)
+        write_private_file(path, config, replace=True)
         return path
 
     def _open_log(self) -> int:

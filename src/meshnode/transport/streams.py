@@ -21,15 +21,16 @@ Two stream settings are deliberate rather than defaults:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from typing import Any, Literal
 
-from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -37,9 +38,15 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 
 from meshnode.protocol import subjects
+from meshnode.protocol.artifacts import INDEX_BUCKET, OBJECT_STORE_BUCKET, UPLOADS_BUCKET
+
+from .errors import translated
+from .jetstream import JetStream
 
 __all__ = [
     "DAY_S",
+    "artifact_buckets",
+    "ensure_object_store",
     "DUPLICATE_WINDOW_S",
     "EnsureOutcome",
     "ensure_inbox_stream",
@@ -55,7 +62,7 @@ __all__ = [
     "wait_jetstream_ready",
 ]
 
-log = logging.getLogger("meshnode.services.streams")
+log = logging.getLogger("meshnode.services.streams")  # the name operators filter on
 
 DAY_S = 24 * 3600
 DUPLICATE_WINDOW_S = 120.0
@@ -211,6 +218,31 @@ def inbox_stream_config(
     )
 
 
+def artifact_buckets(replicas: int) -> tuple[ObjectStoreConfig, KeyValueConfig, KeyValueConfig]:
+    """The object store and the two KV buckets the artifact service owns (§18.5)."""
+    store = ObjectStoreConfig(
+        bucket=OBJECT_STORE_BUCKET,
+        description="Artifact bytes (AgentMesh §7.5, §18.5)",
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+    index = KeyValueConfig(
+        bucket=INDEX_BUCKET,
+        description="Artifact metadata by object id (AgentMesh §18.5)",
+        history=1,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+    uploads = KeyValueConfig(
+        bucket=UPLOADS_BUCKET,
+        description="Artifact uploads in progress (meshnode)",
+        history=1,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+    return store, index, uploads
+
+
 def _normalized(field: str, value: Any) -> Any:
     if field == "subjects":
         return sorted(value or [])
@@ -236,12 +268,18 @@ def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
     return diffs
 
 
-async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> EnsureOutcome:
+async def ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
     """Create ``config``'s stream, or bring the fields it owns up to date.
 
     Returns ``"created"``, ``"updated"``, ``"unchanged"``, or ``"mismatch:
     <fields>"`` when the server refused the update (logged).
     """
+    with translated():
+        return await _ensure_stream(jetstream, config)
+
+
+async def _ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
+    js = jetstream.native
     assert config.name is not None
     try:
         info = await js.stream_info(config.name)
@@ -272,8 +310,14 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> EnsureOut
     return "updated"
 
 
-async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> EnsureOutcome:
+async def ensure_key_value(jetstream: JetStream, config: KeyValueConfig) -> EnsureOutcome:
     """Create the KV bucket, or bring its TTL, history and replicas up to date."""
+    with translated():
+        return await _ensure_key_value(jetstream, config)
+
+
+async def _ensure_key_value(jetstream: JetStream, config: KeyValueConfig) -> EnsureOutcome:
+    js = jetstream.native
     stream = f"KV_{config.bucket}"
     try:
         info = await js.stream_info(stream)
@@ -311,8 +355,19 @@ async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> Ensu
     return "updated"
 
 
+async def ensure_object_store(jetstream: JetStream, config: ObjectStoreConfig) -> None:
+    """Create the object store unless its stream exists (its config is left as it is)."""
+    js = jetstream.native
+    with translated():
+        try:
+            await js.stream_info(f"OBJ_{config.bucket}")
+        except NotFoundError:
+            with contextlib.suppress(APIError):  # a concurrent instance created it first
+                await js.create_object_store(str(config.bucket), config=config)
+
+
 async def ensure_inbox_stream(
-    js: JetStreamContext,
+    js: JetStream,
     agent_id: str,
     *,
     max_age_s: float = 7 * DAY_S,
@@ -326,7 +381,7 @@ async def ensure_inbox_stream(
     )
 
 
-async def ensure_mesh_streams(js: JetStreamContext, replicas: int) -> dict[str, EnsureOutcome]:
+async def ensure_mesh_streams(js: JetStream, replicas: int) -> dict[str, EnsureOutcome]:
     """Create or update every core stream and KV bucket of §18.3/§18.4.
 
     Returns each object's name with what happened to it. ``replicas`` is
@@ -343,7 +398,7 @@ async def ensure_mesh_streams(js: JetStreamContext, replicas: int) -> dict[str, 
     return outcomes
 
 
-async def wait_jetstream_ready(js: JetStreamContext, *, timeout: float = 20.0) -> bool:
+async def wait_jetstream_ready(jetstream: JetStream, *, timeout: float = 20.0) -> bool:
     """Wait until JetStream answers and every stream has a leader; False on timeout.
 
     A cluster that was just (re)started answers clients before its streams
@@ -356,7 +411,7 @@ async def wait_jetstream_ready(js: JetStreamContext, *, timeout: float = 20.0) -
     last = "no answer yet"
     while True:
         try:
-            infos = await js.streams_info()
+            infos = await jetstream.native.streams_info()
         except Exception as exc:  # timeouts and 503s while the cluster recovers
             last = f"{type(exc).__name__}: {exc}"
         else:

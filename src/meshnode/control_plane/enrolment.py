@@ -1,0 +1,444 @@
+"""Enrolment: enrolling nodes, minting, renewing and refusing credentials (no HTTP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import ssl as _ssl
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from meshnode.protocol.attestations import TRUST_TIERS, make_trust_attestation
+from meshnode.protocol.nkeys import KeyPair, Prefix, is_valid_public
+from meshnode.transport.errors import EmbeddedMeshError
+from meshnode.transport.meshkeys import MeshKeys
+from meshnode.transport.permissions import Role
+from meshnode.transport.tenants import DEFAULT_TENANT, check_tenant_name
+
+from .http import _remaining, _utc
+from .invites import InviteBundle, _check_node_name, _check_url
+from .state import AgentStatus, EnrolledNode, _AgentRecord, _EnrolmentStore, _State
+from .wire import (
+    _HTTP_SCHEMES,
+    _NATS_SCHEMES,
+    DEFAULT_INVITE_TTL_S,
+    DEFAULT_PORT,
+    DEFAULT_SKEW_S,
+    PROTOCOL_VERSION,
+    CredentialRequestError,
+    verify_node_credential_request,
+)
+
+log = logging.getLogger("meshnode.transport.control_plane")  # the name operators filter on
+
+def participant(node_id: str) -> Role:
+    """The default role of every credential: participant (§14.3)."""
+    return "participant"
+
+
+
+class CredentialIssuer(Protocol):
+    """What the control plane needs from a mesh: where it listens and a way to mint
+    node credentials (an :class:`EmbeddedNatsServer` or a
+    :class:`~meshnode.transport.cluster.NatsCluster`)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    @property
+    def keys(self) -> MeshKeys: ...
+
+    @property
+    def tenants(self) -> tuple[str, ...]: ...
+
+    def mint_node_credential(
+        self,
+        node_id: str,
+        agent_ids: Iterable[str],
+        expires_in_s: int,
+        *,
+        role: Role = "participant",
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str: ...
+
+
+class Enrolment:
+    """The enrolment state of an embedded mesh: enrols nodes, renews and refuses
+    credentials, mints invites. No HTTP: :class:`~.server.ControlPlaneServer`
+    serves these methods; they work whether or not it listens.
+
+    ``role_of(node_id)`` picks the §14.3 role of each credential. The mesh's
+    NATS URLs come from the running ``embedded`` broker unless ``nats_urls``
+    names the addresses nodes should use (e.g. a public name for a broker bound
+    to 0.0.0.0); ``public_url`` likewise overrides the advertised control-plane
+    URL. ``host``, ``port`` and ``ssl`` say where the control plane is reached
+    (the URL invites and renewals carry). ``clock`` (unix seconds) is for tests.
+    """
+
+    def __init__(
+        self,
+        embedded: CredentialIssuer,
+        state_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        credential_ttl_s: int = 86400,
+        mesh_name: str = "meshnode-local",
+        role_of: Callable[[str], Role] = participant,
+        invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
+        nats_urls: Sequence[str] | None = None,
+        public_url: str | None = None,
+        ssl: _ssl.SSLContext | None = None,
+        max_skew_s: int = DEFAULT_SKEW_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if credential_ttl_s <= 0 or invite_ttl_s <= 0:
+            raise ValueError("credential lifetimes must be positive (§4.8)")
+        self._embedded = embedded
+        self._store = _EnrolmentStore(Path(state_dir).absolute())
+        self.host = host
+        self._port = port
+        self.credential_ttl_s = credential_ttl_s
+        self.invite_ttl_s = invite_ttl_s
+        self.mesh_name = mesh_name
+        self._role_of = role_of
+        self._nats_urls = (
+            None if nats_urls is None
+            else [_check_url(u, _NATS_SCHEMES, "NATS URL") for u in nats_urls]
+        )
+        self._public_url = (
+            None if public_url is None
+            else _check_url(public_url, _HTTP_SCHEMES, "control-plane URL").rstrip("/")
+        )
+        self._ssl = ssl
+        self.max_skew_s = max_skew_s
+        self._clock = clock
+
+    # -- addresses --
+
+    @property
+    def state_path(self) -> Path:
+        return self._store.path
+
+    @property
+    def port(self) -> int:
+        """The listening port (the bound one, read back from the socket, once the
+        server started with ``port=0``)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """The control-plane URL nodes should use."""
+        if self._public_url is not None:
+            return self._public_url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self._ssl else 'http'}://{host}:{self._port}"
+
+    def nats_endpoints(self) -> list[str]:
+        """The mesh's NATS URLs, in preference order. Raises EmbeddedMeshError before
+        the broker has started (unless ``nats_urls`` was given)."""
+        return list(self._nats_urls) if self._nats_urls is not None else self._embedded.urls
+
+    def mesh_info(self) -> dict[str, Any]:
+        """The body of ``GET /v1/mesh``."""
+        return {
+            "name": self.mesh_name,
+            "protocol": PROTOCOL_VERSION,
+            "nats_endpoints": self.nats_endpoints(),
+            "control_plane": self.url,
+        }
+
+    # -- enrolment --
+
+    def list_nodes(self) -> list[EnrolledNode]:
+        """Every node ever enrolled, retired ones included, oldest first."""
+        return sorted(self._store.load().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
+
+    def _check_tenant(self, tenant: str) -> str:
+        check_tenant_name(tenant)
+        if tenant != DEFAULT_TENANT and tenant not in self._embedded.tenants:
+            known = ", ".join([DEFAULT_TENANT, *self._embedded.tenants])
+            raise ValueError(f"no tenant named {tenant!r} is configured (known: {known})")
+        return tenant
+
+    def enrol_node(
+        self,
+        node_id: str,
+        name: str,
+        trust_tier: str = "standard",
+        tenant: str = DEFAULT_TENANT,
+    ) -> EnrolledNode:
+        """Enrol an existing node key (one the node generated itself) under ``name``.
+
+        ``trust_tier`` is the operator's attestation of the host (§9.7):
+        ``sandbox`` makes the registry clamp every agent the node registers
+        (never listed, no redelivery buffer). ``tenant`` is the account the
+        node joins (§15): its agents are found and reached only within it,
+        unless an export says otherwise. Raises ValueError for a malformed
+        id, name or tier, an unknown tenant, a name already in use by an
+        active node, or a retired node id (retirement is permanent).
+        """
+        if not is_valid_public(node_id, Prefix.USER):
+            raise ValueError("node_id must be a user nkey")
+        if trust_tier not in TRUST_TIERS:
+            raise ValueError(f"trust_tier must be one of {', '.join(sorted(TRUST_TIERS))}")
+        self._check_tenant(tenant)
+        _check_node_name(name)
+        now = int(self._clock())
+        with self._store.update() as state:
+            existing = state.nodes.get(node_id)
+            if existing is not None:
+                if existing.retired:
+                    raise ValueError(f"node {node_id} was retired; enrol a new key")
+                if existing.name != name:
+                    raise ValueError(f"node {node_id} is already enrolled as {existing.name}")
+                if existing.tenant != tenant:
+                    raise ValueError(
+                        f"node {node_id} is enrolled in tenant {existing.tenant}; "
+                        "a node changes tenant only under a new key"
+                    )
+                return existing
+            if any(n.name == name and not n.retired for n in state.nodes.values()):
+                raise ValueError(f"an active node is already named {name}")
+            record = EnrolledNode(node_id, name, now, trust_tier=trust_tier, tenant=tenant)
+            state.nodes[node_id] = record
+        log.info("control plane: enrolled node %s as %s (tenant %s)", node_id, name, tenant)
+        return record
+
+    def trust_attestation(
+        self, node_id: str, trust_tier: str, role: Role, issued_at: int, expires_at: int
+    ) -> dict[str, Any]:
+        """The operator-signed portable attestation (§9.7) of ``node_id``'s tier and role.
+
+        Signed by the operator key (the mesh's root, §4.1), so a verifier in
+        any tenant, or on another mesh, needs only the operator's public key.
+        """
+        return make_trust_attestation(
+            self._embedded.keys.operator,
+            node_id,
+            {"trust_tier": trust_tier, "role": role},
+            issued_at * 1000,
+            expires_at * 1000,
+        )
+
+    def trust_tier_of(self, node_id: str) -> str | None:
+        """The attested tier of an enrolled node, or None for a node never enrolled."""
+        node = self._store.load().nodes.get(node_id)
+        return None if node is None else node.trust_tier
+
+    def is_sandbox_node(self, node_id: str) -> bool:
+        """Whether the operator attested ``node_id`` as a sandbox host (§9.7, §8.6)."""
+        return self.trust_tier_of(node_id) == "sandbox"
+
+    def invite(
+        self, name: str, trust_tier: str = "standard", tenant: str = DEFAULT_TENANT
+    ) -> InviteBundle:
+        """Create a node identity, enrol it as ``name`` and mint its starter credential.
+
+        The starter credential carries participant permissions for the node
+        alone (an empty roster) and lives ``invite_ttl_s``; the node renews for
+        its real roster as soon as it joins. The returned seed is the node's
+        secret key: write it with :func:`write_invite`, never log it.
+        """
+        key = KeyPair.generate(Prefix.USER)
+        self.enrol_node(key.public_key, name, trust_tier, tenant)
+        now = int(self._clock())
+        jwt = self._embedded.mint_node_credential(
+            key.public_key, [], self.invite_ttl_s, role="participant",
+            trust_tier=trust_tier, now=now, tenant=tenant,
+        )
+        with self._store.update() as state:
+            self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
+        log.info(
+            "control plane: invited node %s as %s (starter credential expires %s)",
+            key.public_key, name, _utc(now + self.invite_ttl_s),
+        )
+        return InviteBundle(name, key.seed, jwt)
+
+    def retire_node(self, node_id: str) -> str:
+        """Refuse every further renewal for ``node_id``; idempotent.
+
+        Returns a plain sentence stating how long the node's last credential
+        stays usable, because refusal is all this mesh can do (§4.8): the
+        broker keeps honouring an issued credential until it expires. Raises
+        LookupError for a node that was never enrolled.
+        """
+        now = int(self._clock())
+        with self._store.update() as state:
+            node = state.nodes.get(node_id)
+            if node is None:
+                raise LookupError(f"node {node_id} is not enrolled")
+            if node.retired_at is None:
+                node = dataclasses.replace(node, retired_at=now)
+                state.nodes[node_id] = node
+        window = _remaining(node.credential_expires_at, now)
+        log.warning("control plane: retired node %s (%s)", node_id, node.name)
+        if window is None:
+            return (
+                f"node {node.name} ({node_id}) retired: no credential issued to it is still "
+                "valid; renewal is now refused"
+            )
+        return (
+            f"node {node.name} ({node_id}) retired: its credential stays usable {window}; "
+            "renewal is now refused"
+        )
+
+    def retire_agent(self, agent_id: str) -> str:
+        """Refuse every further credential whose roster holds ``agent_id``; permanent.
+
+        Returns a sentence stating how long credentials already covering the
+        agent stay usable (§4.8: a retirement is not reported as though the
+        credential were dead).
+        """
+        return self._set_agent_status(agent_id, "retired")
+
+    def agent_retired(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` was retired (the registry answers its key as revoked)."""
+        record = self._store.load().agents.get(agent_id)
+        return record is not None and record.status == "retired"
+
+    def pause_agent(self, agent_id: str) -> str:
+        """Refuse credentials covering ``agent_id`` until :meth:`resume_agent`."""
+        return self._set_agent_status(agent_id, "paused")
+
+    def resume_agent(self, agent_id: str) -> None:
+        """Undo :meth:`pause_agent`. A retired agent stays retired: ValueError."""
+        if not is_valid_public(agent_id, Prefix.USER):
+            raise ValueError("agent id must be a user nkey")
+        with self._store.update() as state:
+            record = state.agents.get(agent_id)
+            if record is None or record.status == "active":
+                return
+            if record.status == "retired":
+                raise ValueError(f"agent {agent_id} was retired; retirement is permanent")
+            record.status, record.changed_at = "active", int(self._clock())
+        log.info("control plane: resumed agent %s", agent_id)
+
+    def _set_agent_status(self, agent_id: str, status: AgentStatus) -> str:
+        if not is_valid_public(agent_id, Prefix.USER):
+            raise ValueError("agent id must be a user nkey")
+        now = int(self._clock())
+        with self._store.update() as state:
+            record = state.agents.setdefault(agent_id, _AgentRecord())
+            if record.status != "retired" and record.status != status:
+                record.status, record.changed_at = status, now
+            expires_at = record.credential_expires_at
+            effective = record.status
+        verb = "retired" if effective == "retired" else "paused"
+        log.warning("control plane: %s agent %s", verb, agent_id)
+        window = _remaining(expires_at, now)
+        if window is None:
+            return (
+                f"agent {agent_id} {verb}: no credential covering it is still valid; "
+                "renewal of any credential covering it is now refused"
+            )
+        return (
+            f"agent {agent_id} {verb}: credentials covering it stay usable {window}; "
+            "renewal of any credential covering it is now refused"
+        )
+
+    @staticmethod
+    def _record_issue(
+        state: _State, node_id: str, agent_ids: Sequence[str], now: int, expires_at: int
+    ) -> None:
+        node = state.nodes[node_id]
+        state.nodes[node_id] = dataclasses.replace(
+            node,
+            credential_expires_at=max(node.credential_expires_at or 0, expires_at),
+            last_issued_at=now,
+        )
+        for agent_id in agent_ids:
+            record = state.agents.setdefault(agent_id, _AgentRecord())
+            record.credential_expires_at = max(record.credential_expires_at or 0, expires_at)
+
+    # -- issuing --
+
+    def issue_credential(self, body: object, *, peer: str = "-") -> dict[str, Any]:
+        """Verify a ``POST /v1/node-credential`` body and mint the credential.
+
+        Returns the 200 body; raises CredentialRequestError for every refusal
+        (and ControlPlaneStateError when the state cannot be read: fail closed).
+        """
+        now = int(self._clock())
+        try:
+            node_id, agent_ids = verify_node_credential_request(body, now, self.max_skew_s)
+        except CredentialRequestError as exc:
+            log.warning("control plane: refused a credential request from %s: %s", peer, exc.error)
+            raise
+        try:
+            endpoints = self.nats_endpoints()
+        except EmbeddedMeshError:
+            raise CredentialRequestError(
+                503, "the mesh has not started yet", "mesh_unavailable", retry_after_ms=1000
+            ) from None
+        with self._store.update() as state:
+            refusal = self._refusal(state, node_id, agent_ids)
+            if refusal is not None:
+                log.warning(
+                    "control plane: refused a credential to node %s (%d agents) from %s: %s (%s)",
+                    node_id, len(agent_ids), peer, refusal.error, refusal.code,
+                )
+                raise refusal
+            role = self._role_of(node_id)
+            node = state.nodes[node_id]
+            try:
+                jwt = self._embedded.mint_node_credential(
+                    node_id, agent_ids, self.credential_ttl_s, role=role,
+                    trust_tier=node.trust_tier, now=now, tenant=node.tenant,
+                )
+            except ValueError:
+                # The node's tenant was removed from the configuration: its
+                # account is no longer served, so no credential can be useful.
+                raise CredentialRequestError(
+                    403, f"tenant {node.tenant} is not served by this mesh", "tenant_unknown"
+                ) from None
+            expires_at = now + self.credential_ttl_s
+            self._record_issue(state, node_id, agent_ids, now, expires_at)
+        log.info(
+            "control plane: issued a %s credential to node %s (%s) for %d agent(s), "
+            "expires %s, requested from %s",
+            role, node_id, state.nodes[node_id].name, len(agent_ids), _utc(expires_at), peer,
+        )
+        return {
+            "jwt": jwt,
+            "node_id": node_id,
+            "agents": agent_ids,
+            "expires_at": expires_at,
+            # The same claims as the JWT's tags, as a portable §9.7 object any
+            # party can verify against the operator key alone; it lives exactly
+            # as long as the credential and is re-issued with it.
+            "trust_attestation": self.trust_attestation(
+                node_id, node.trust_tier, role, now, expires_at
+            ),
+            "mesh": {
+                "name": self.mesh_name,
+                "protocol": PROTOCOL_VERSION,
+                "nats_endpoints": endpoints,
+                "endpoints": endpoints,
+            },
+        }
+
+    @staticmethod
+    def _refusal(
+        state: _State, node_id: str, agent_ids: Sequence[str]
+    ) -> CredentialRequestError | None:
+        node = state.nodes.get(node_id)
+        if node is None:
+            return CredentialRequestError(403, "node is not enrolled in this mesh", "node_unknown")
+        if node.retired:
+            return CredentialRequestError(403, "node was retired", "node_retired")
+        for agent_id in agent_ids:
+            record = state.agents.get(agent_id)
+            if record is None or record.status == "active":
+                continue
+            if record.status == "retired":
+                return CredentialRequestError(
+                    403, f"agent {agent_id} was retired", "agent_terminated"
+                )
+            return CredentialRequestError(403, f"agent {agent_id} is paused", "agent_paused")
+        return None

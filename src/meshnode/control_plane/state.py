@@ -1,0 +1,188 @@
+"""Enrolment state: the nodes and agents the control plane knows, in ``nodes.json``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from meshnode.protocol.attestations import TRUST_TIERS
+from meshnode.protocol.nkeys import Prefix, is_valid_public
+from meshnode.transport.embedded import (
+    DEFAULT_TENANT,
+    check_tenant_name,
+)
+from meshnode.transport.files import read_private_file, write_private_file
+
+if sys.platform != "win32":
+    import fcntl
+
+
+from .wire import _LOCK_FILE, _STATE_FILE, _STATE_VERSION, ControlPlaneStateError
+
+log = logging.getLogger("meshnode.transport.control_plane")  # the name operators filter on
+
+# --- enrolment state ----------------------------------------------------------------
+
+
+AgentStatus = Literal["active", "paused", "retired"]
+
+
+@dataclass(frozen=True, slots=True)
+class EnrolledNode:
+    """A node the control plane knows. Times are unix seconds."""
+
+    node_id: str
+    name: str
+    enrolled_at: int
+    retired_at: int | None = None
+    credential_expires_at: int | None = None
+    """Latest expiry of any credential issued to the node (invite included)."""
+    last_issued_at: int | None = None
+    trust_tier: str = "standard"
+    """The operator-attested tier (§9.7) carried in every credential issued to the node."""
+    tenant: str = DEFAULT_TENANT
+    """The tenant (NATS account, §15) whose account signs the node's credentials."""
+
+    @property
+    def retired(self) -> bool:
+        return self.retired_at is not None
+
+
+@dataclass(slots=True)
+class _AgentRecord:
+    status: AgentStatus = "active"
+    changed_at: int | None = None
+    credential_expires_at: int | None = None
+
+
+@dataclass(slots=True)
+class _State:
+    nodes: dict[str, EnrolledNode] = field(default_factory=dict)
+    agents: dict[str, _AgentRecord] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": _STATE_VERSION,
+                "nodes": {
+                    node_id: {
+                        "name": n.name,
+                        "enrolled_at": n.enrolled_at,
+                        "retired_at": n.retired_at,
+                        "credential_expires_at": n.credential_expires_at,
+                        "last_issued_at": n.last_issued_at,
+                        "trust_tier": n.trust_tier,
+                        "tenant": n.tenant,
+                    }
+                    for node_id, n in self.nodes.items()
+                },
+                "agents": {
+                    agent_id: {
+                        "status": a.status,
+                        "changed_at": a.changed_at,
+                        "credential_expires_at": a.credential_expires_at,
+                    }
+                    for agent_id, a in self.agents.items()
+                },
+            },
+            indent=2,
+            sort_keys=True,
+        ) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> _State:
+        def bad(why: str) -> ControlPlaneStateError:
+            return ControlPlaneStateError(f"{where}: {why}")
+
+        def opt_int(record: Mapping[str, Any], key: str) -> int | None:
+            value = record.get(key)
+            if value is None:
+                return None
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(f"{key} must be an integer or null")
+            return value
+
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise bad(f"not JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("version") != _STATE_VERSION:
+            raise bad(f"not a version {_STATE_VERSION} enrolment state")
+        nodes, agents = data.get("nodes", {}), data.get("agents", {})
+        if not isinstance(nodes, dict) or not isinstance(agents, dict):
+            raise bad("nodes and agents must be objects")
+        state = cls()
+        for node_id, record in nodes.items():
+            if not is_valid_public(node_id, Prefix.USER) or not isinstance(record, dict):
+                raise bad(f"bad node entry {node_id!r}")
+            name, enrolled_at = record.get("name"), opt_int(record, "enrolled_at")
+            if not isinstance(name, str) or enrolled_at is None:
+                raise bad(f"node {node_id} lacks a name or enrolled_at")
+            # Absent in state written before tiers existed: those nodes were standard.
+            tier = record.get("trust_tier", "standard")
+            if tier not in TRUST_TIERS:
+                raise bad(f"node {node_id} has unknown trust_tier {tier!r}")
+            # Absent in state written before tenants existed: the mesh's own account.
+            tenant = record.get("tenant", DEFAULT_TENANT)
+            try:
+                check_tenant_name(tenant)
+            except ValueError as exc:
+                raise bad(f"node {node_id}: {exc}") from None
+            state.nodes[node_id] = EnrolledNode(
+                node_id,
+                name,
+                enrolled_at,
+                opt_int(record, "retired_at"),
+                opt_int(record, "credential_expires_at"),
+                opt_int(record, "last_issued_at"),
+                tier,
+                tenant,
+            )
+        for agent_id, record in agents.items():
+            if not is_valid_public(agent_id, Prefix.USER) or not isinstance(record, dict):
+                raise bad(f"bad agent entry {agent_id!r}")
+            status = record.get("status")
+            if status not in ("active", "paused", "retired"):
+                raise bad(f"agent {agent_id} has unknown status {status!r}")
+            state.agents[agent_id] = _AgentRecord(
+                status, opt_int(record, "changed_at"), opt_int(record, "credential_expires_at")
+            )
+        return state
+
+
+class _EnrolmentStore:
+    """``nodes.json``: read on every use, changed under an exclusive advisory lock."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / _STATE_FILE
+
+    def load(self) -> _State:
+        try:
+            text = read_private_file(self.path)
+        except FileNotFoundError:
+            return _State()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ControlPlaneStateError(f"cannot read {self.path}: {exc}") from None
+        return _State.from_json(text, self.path)
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[_State]:
+        """Yield the current state; write it back if the block exits normally."""
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.state_dir / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if sys.platform != "win32":
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            state = self.load()
+            yield state
+            write_private_file(self.path, state.to_json(), replace=True)
+        finally:
+            os.close(fd)  # closing releases the lock

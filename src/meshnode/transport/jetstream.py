@@ -1,0 +1,490 @@
+"""The JetStream facade: everything node/ and services/ do with JetStream, without nats.
+
+:class:`JetStream` (``MeshConnection.jetstream``) offers what the runtime and
+the platform services need of the §18 binding and no more: acked publishes,
+the per-agent mailbox buffer (:class:`MailboxBuffer`), durable push and pull
+consumers, KV buckets (:class:`KeyValue`), direct stream reads for the object
+store, and stream provisioning (:mod:`meshnode.transport.streams`). Every call
+raises the transport error taxonomy (:mod:`meshnode.transport.errors`), never
+nats-py's exceptions, and hands back transport types (:class:`Message`,
+:class:`KvEntry`, :class:`StoredMessage`, ...), never nats-py's.
+
+The consumer configurations live here, next to the calls that create them,
+so the settings §18.6 fixes (ack policy, ack wait, redelivery bounds) are
+read in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
+from nats.js.kv import KeyValue as NatsKeyValue
+
+from .errors import NotFound, TransportTimeout, translated
+from .messages import Message, MessageHandler, Subscription, wrap_handler
+
+__all__ = [
+    "ConsumerState",
+    "KV_DELETE_OPS",
+    "DurableSubscription",
+    "JetStream",
+    "KeyValue",
+    "KvEntry",
+    "KvWatch",
+    "MailboxBuffer",
+    "PubAck",
+    "PullConsumer",
+    "StoredMessage",
+    "StreamState",
+]
+
+#: The KV operations that mean "this key is gone" (a delete marker or a purge).
+KV_DELETE_OPS = ("DEL", "PURGE")
+
+
+# --- values -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PubAck:
+    """The stream's acknowledgement of a publish."""
+
+    stream: str
+    seq: int
+    duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamState:
+    """What a caller needs of a stream's info."""
+
+    name: str
+    messages: int
+    last_seq: int
+    consumer_count: int
+    max_age_s: float
+    """The configured retention (0: unlimited)."""
+    leaderless: bool
+    """Clustered and without a leader right now."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerState:
+    """What a caller needs of a consumer's info."""
+
+    name: str
+    created: str | None
+    num_pending: int
+    num_ack_pending: int
+    delivered_stream_seq: int
+    push_bound: bool
+    """A push consumer (it has a deliver subject), as opposed to a pull consumer."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """A message read straight from a stream by sequence or subject."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+    stored_ms: int | None = None
+    """When the stream stored it (epoch ms), when the server said."""
+
+
+def _stored(raw: Any, subject: str = "") -> StoredMessage:
+    stored = getattr(raw, "time", None)
+    return StoredMessage(
+        seq=int(raw.seq or 0),
+        subject=str(raw.subject or subject),
+        data=bytes(raw.data or b""),
+        headers=raw.headers,
+        stored_ms=None if stored is None else int(stored.timestamp() * 1000),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KvEntry:
+    """One KV entry. ``operation`` is ``"DEL"`` or ``"PURGE"`` for a delete or
+    purge marker (seen in watches), else None."""
+
+    key: str
+    value: bytes
+    revision: int
+    operation: str | None = None
+    created_ms: int | None = None
+    """When the entry was written (epoch ms), when the server said."""
+
+    @property
+    def deleted(self) -> bool:
+        return self.operation in KV_DELETE_OPS
+
+
+def _stream_state(info: StreamInfo) -> StreamState:
+    cluster = info.cluster
+    return StreamState(
+        name=str(info.config.name),
+        messages=int(info.state.messages or 0),
+        last_seq=int(info.state.last_seq or 0),
+        consumer_count=int(getattr(info.state, "consumer_count", 0) or 0),
+        max_age_s=float(getattr(info.config, "max_age", 0) or 0),
+        leaderless=cluster is not None and not cluster.leader,
+    )
+
+
+def _consumer_state(info: ConsumerInfo) -> ConsumerState:
+    delivered = info.delivered
+    created = getattr(info, "created", None)
+    return ConsumerState(
+        name=str(info.name),
+        created=None if created is None else str(created),
+        num_pending=int(info.num_pending or 0),
+        num_ack_pending=int(info.num_ack_pending or 0),
+        delivered_stream_seq=int(delivered.stream_seq or 0) if delivered is not None else 0,
+        push_bound=bool(info.config.deliver_subject),
+    )
+
+
+def _entry(entry: Any) -> KvEntry:
+    operation = getattr(entry, "operation", None)
+    created = getattr(entry, "created", None)
+    return KvEntry(
+        key=str(entry.key),
+        value=bytes(entry.value or b""),
+        revision=int(entry.revision or 0),
+        operation=None if operation is None else str(operation),
+        created_ms=None if created is None else int(created.timestamp() * 1000),
+    )
+
+
+# --- consumers ----------------------------------------------------------------
+
+
+class DurableSubscription(Subscription):
+    """A push subscription bound to a durable (or named) JetStream consumer."""
+
+    __slots__ = ("_push",)
+
+    def __init__(self, sub: JetStreamContext.PushSubscription) -> None:
+        super().__init__(sub)
+        self._push = sub
+
+    async def consumer_info(self) -> ConsumerState:
+        with translated():
+            return _consumer_state(await self._push.consumer_info())
+
+
+class PullConsumer:
+    """A pull subscription on a durable consumer."""
+
+    def __init__(self, psub: JetStreamContext.PullSubscription) -> None:
+        self._psub = psub
+
+    async def fetch(self, batch: int, *, timeout: float) -> list[Message]:
+        """Up to ``batch`` messages; an empty list when none came within ``timeout``."""
+        try:
+            with translated():
+                msgs = await self._psub.fetch(batch, timeout=timeout)
+        except TransportTimeout:
+            return []
+        return [Message(m) for m in msgs]
+
+    async def consumer_info(self) -> ConsumerState:
+        with translated():
+            return _consumer_state(await self._psub.consumer_info())
+
+    async def unsubscribe(self) -> None:
+        with translated():
+            await self._psub.unsubscribe()
+
+
+class MailboxBuffer:
+    """One agent's ``MESH_INBOX_{agent}`` and its durable drain consumer (§16.4, §18.6)."""
+
+    def __init__(self, js: JetStreamContext, subject: str, stream: str, consumer: str) -> None:
+        self._js = js
+        self.subject = subject
+        self.stream = stream
+        self.consumer = consumer
+
+    async def state(self) -> StreamState | None:
+        """The buffer's state; None when it does not exist (sandbox, not registered yet)."""
+        try:
+            with translated():
+                return _stream_state(await self._js.stream_info(self.stream))
+        except NotFound:
+            return None
+
+    async def reader(self) -> PullConsumer:
+        """The drain's pull consumer (created on first use, bound afterwards)."""
+        with translated():
+            psub = await self._js.pull_subscribe(
+                self.subject,
+                durable=self.consumer,
+                stream=self.stream,
+                config=ConsumerConfig(
+                    durable_name=self.consumer,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=30,
+                    # Unbounded: every message fetched is either committed and acked
+                    # or (its batch failing, e.g. a full inbox disk) handed back, and
+                    # an unreadable one is acked too, so there is no poison message to
+                    # bound; a bound only turned a long inbox fault into lost mail.
+                    # (A durable created earlier with max_deliver=5 keeps its config.)
+                    max_deliver=-1,
+                ),
+            )
+        return PullConsumer(psub)
+
+
+# --- KV -----------------------------------------------------------------------
+
+
+class KvWatch:
+    """A watch on every key of a bucket: current values first, then changes.
+
+    Iterating yields :class:`KvEntry` values and ``None`` once, when the
+    current values have all been delivered.
+    """
+
+    def __init__(self, watcher: NatsKeyValue.KeyWatcher) -> None:
+        self._watcher = watcher
+
+    async def __aiter__(self) -> AsyncIterator[KvEntry | None]:
+        with translated():
+            async for entry in self._watcher:
+                yield None if entry is None else _entry(entry)
+
+    async def stop(self) -> None:
+        with translated():
+            await self._watcher.stop()  # type: ignore[no-untyped-call]
+
+
+class KeyValue:
+    """A KV bucket. A missing or deleted key raises :class:`NotFound`; a
+    revision-checked write that lost raises :class:`Conflict`."""
+
+    def __init__(self, kv: NatsKeyValue, bucket: str) -> None:
+        self._kv = kv
+        self.bucket = bucket
+
+    async def get(self, key: str) -> KvEntry:
+        with translated():
+            return _entry(await self._kv.get(key))
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Write ``key`` only if it does not exist (or was deleted); the new revision."""
+        with translated():
+            return int(await self._kv.create(key, value))
+
+    async def update(self, key: str, value: bytes, *, last: int) -> int:
+        """Write ``key`` only if its revision is still ``last``; the new revision."""
+        with translated():
+            return int(await self._kv.update(key, value, last=last))
+
+    async def put(self, key: str, value: bytes) -> int:
+        with translated():
+            return int(await self._kv.put(key, value))
+
+    async def delete(self, key: str) -> None:
+        with translated():
+            await self._kv.delete(key)
+
+    async def watch_all(self) -> KvWatch:
+        with translated():
+            return KvWatch(await self._kv.watchall())
+
+
+# --- the facade ---------------------------------------------------------------
+
+
+class JetStream:
+    """JetStream on the node's connection, in transport terms."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+
+    @property
+    def native(self) -> JetStreamContext:
+        """nats-py's context, for transport/ itself (stream provisioning) and tests."""
+        return self._js
+
+    # -- publishing --
+
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> PubAck:
+        """Publish and wait for the stream's ack (backpressure, and dedup by
+        ``Nats-Msg-Id`` within the stream's window)."""
+        with translated():
+            if timeout is None:
+                ack = await self._js.publish(subject, data, headers=headers)
+            else:
+                ack = await self._js.publish(subject, data, headers=headers, timeout=timeout)
+        return PubAck(str(ack.stream), int(ack.seq), bool(ack.duplicate))
+
+    # -- streams --
+
+    async def stream_state(self, stream: str, *, subjects_filter: str | None = None) -> StreamState:
+        with translated():
+            if subjects_filter is None:
+                info = await self._js.stream_info(stream)
+            else:
+                info = await self._js.stream_info(stream, subjects_filter=subjects_filter)
+        return _stream_state(info)
+
+    async def stream_subjects(self, stream: str, subjects_filter: str) -> dict[str, int]:
+        """Message counts per subject of ``stream`` matching ``subjects_filter``."""
+        with translated():
+            info = await self._js.stream_info(stream, subjects_filter=subjects_filter)
+        return {str(k): int(v) for k, v in (info.state.subjects or {}).items()}
+
+    async def all_stream_states(self) -> list[StreamState]:
+        with translated():
+            return [_stream_state(info) for info in await self._js.streams_info()]
+
+    async def delete_stream(self, stream: str) -> None:
+        with translated():
+            await self._js.delete_stream(stream)
+
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        """Remove every message of ``subject`` from ``stream``."""
+        with translated():
+            await self._js.purge_stream(stream, subject=subject)
+
+    async def last_message(self, stream: str, subject: str, *, direct: bool = False) -> StoredMessage:
+        with translated():
+            raw = await self._js.get_last_msg(stream, subject, direct=direct)
+        return _stored(raw, subject)
+
+    async def message(
+        self,
+        stream: str,
+        *,
+        seq: int,
+        subject: str | None = None,
+        next: bool = False,
+        direct: bool = False,
+    ) -> StoredMessage:
+        """The message at ``seq`` (with ``next``: the first at or after ``seq``, on
+        ``subject`` if given)."""
+        with translated():
+            raw = await self._js.get_msg(stream, seq=seq, subject=subject, next=next, direct=direct)
+        return _stored(raw)
+
+    # -- consumers --
+
+    def mailbox(self, agent_subject: str, stream: str, consumer: str) -> MailboxBuffer:
+        """An agent's offline buffer and its drain consumer."""
+        return MailboxBuffer(self._js, agent_subject, stream, consumer)
+
+    async def consumer_state(self, stream: str, consumer: str) -> ConsumerState:
+        with translated():
+            return _consumer_state(await self._js.consumer_info(stream, consumer))
+
+    async def delete_consumer(self, stream: str, consumer: str) -> None:
+        with translated():
+            await self._js.delete_consumer(stream, consumer)
+
+    async def durable_push(
+        self,
+        subject: str,
+        handler: MessageHandler,
+        *,
+        stream: str,
+        durable: str,
+        replay: bool,
+        max_deliver: int,
+        ack_wait_s: float = 30,
+    ) -> DurableSubscription:
+        """A durable push consumer on ``subject`` with manual, explicit acks: the
+        handler acks once it has done the work (§18.6)."""
+        config = ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=DeliverPolicy.ALL if replay else DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            filter_subject=subject,
+        )
+        with translated():
+            sub = await self._js.subscribe(
+                subject,
+                durable=durable,
+                stream=stream,
+                config=config,
+                cb=wrap_handler(handler),
+                manual_ack=True,
+            )
+        return DurableSubscription(sub)
+
+    async def replay_push(
+        self,
+        subject: str,
+        handler: MessageHandler,
+        *,
+        stream: str,
+        name: str,
+        max_deliver: int,
+        inactive_threshold_s: float,
+        ack_wait_s: float = 30,
+    ) -> DurableSubscription:
+        """A named (not durable) push consumer delivering ``subject`` from the start,
+        reaped by the server once idle for ``inactive_threshold_s``."""
+        config = ConsumerConfig(
+            name=name,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            filter_subject=subject,
+            inactive_threshold=inactive_threshold_s,
+        )
+        with translated():
+            sub = await self._js.subscribe(
+                subject, cb=wrap_handler(handler), stream=stream, manual_ack=True, config=config
+            )
+        return DurableSubscription(sub)
+
+    async def durable_pull(
+        self,
+        subject: str,
+        *,
+        stream: str,
+        durable: str,
+        deliver_all: bool = True,
+        ack_wait_s: float = 30,
+        max_deliver: int = -1,
+        max_ack_pending: int | None = None,
+    ) -> PullConsumer:
+        """A durable pull consumer (shared by every instance binding the same name)."""
+        config = ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=DeliverPolicy.ALL if deliver_all else DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            filter_subject=subject,
+        )
+        if max_ack_pending is not None:
+            config.max_ack_pending = max_ack_pending
+        with translated():
+            psub = await self._js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+        return PullConsumer(psub)
+
+    # -- KV --
+
+    async def key_value(self, bucket: str) -> KeyValue:
+        with translated():
+            return KeyValue(await self._js.key_value(bucket), bucket)

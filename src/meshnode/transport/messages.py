@@ -1,0 +1,111 @@
+"""Transport-level message and subscription types, so nothing above transport/
+handles nats-py's ``Msg`` or ``Subscription``.
+
+A :class:`Message` is what a subscription handler, a request or a JetStream
+fetch hands back: subject, payload, reply subject and headers, plus, for a
+message delivered by a JetStream consumer, its stream sequence, its storage
+time and the acknowledgements (which raise transport errors, never nats').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+
+from .errors import translated
+
+__all__ = ["Message", "MessageHandler", "Subscription"]
+
+
+class Message:
+    """One message off the mesh."""
+
+    __slots__ = ("_msg",)
+
+    def __init__(self, msg: Msg) -> None:
+        self._msg = msg
+
+    @property
+    def subject(self) -> str:
+        return str(self._msg.subject)
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self._msg.data)
+
+    @property
+    def reply(self) -> str:
+        """The reply subject ("" when the sender wants no answer)."""
+        return str(self._msg.reply or "")
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return self._msg.headers
+
+    @property
+    def sequence(self) -> int:
+        """The stream sequence of a message a JetStream consumer delivered."""
+        return int(self._msg.metadata.sequence.stream)
+
+    @property
+    def stored_ms(self) -> int:
+        """When the stream stored a JetStream-delivered message (epoch ms)."""
+        return int(self._msg.metadata.timestamp.timestamp() * 1000)
+
+    async def ack(self) -> None:
+        """Acknowledge a JetStream delivery: the broker may forget it."""
+        with translated():
+            await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Hand a JetStream delivery back for redelivery (after ``delay`` seconds)."""
+        with translated():
+            await self._msg.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Extend a JetStream delivery's ack deadline."""
+        with translated():
+            await self._msg.in_progress()
+
+    async def respond(self, data: bytes) -> None:
+        with translated():
+            await self._msg.respond(data)
+
+    def __repr__(self) -> str:
+        return f"Message(subject={self.subject!r}, {len(self._msg.data)} bytes)"
+
+
+MessageHandler = Callable[[Message], Awaitable[None]]
+
+
+def wrap_handler(handler: MessageHandler) -> Callable[[Msg], Awaitable[None]]:
+    """A nats-py callback that hands ``handler`` a :class:`Message`."""
+
+    async def callback(msg: Msg) -> None:
+        await handler(Message(msg))
+
+    return callback
+
+
+class Subscription:
+    """A live subscription (core or JetStream push); :meth:`unsubscribe` ends it."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: NatsSubscription | Any) -> None:
+        self._sub = sub
+
+    @property
+    def subject(self) -> str:
+        return str(self._sub.subject)
+
+    async def unsubscribe(self) -> None:
+        with translated():
+            await self._sub.unsubscribe()
+
+    async def drain(self) -> None:
+        with translated():
+            await self._sub.drain()
