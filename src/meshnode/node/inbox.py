@@ -38,6 +38,8 @@ from typing import Any
 
 import aiosqlite
 
+from meshnode.node.private_db import prepare_private_db, tighten_side_files
+
 __all__ = ["HeldMessage", "InboxStore", "InboxRow", "InboxUnwritable", "STATES"]
 
 log = logging.getLogger("meshnode.inbox")
@@ -164,15 +166,14 @@ class InboxStore:
     # -- lifecycle -------------------------------------------------------------
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_private_db(self.path)  # born 0600, so are its -wal/-shm (item 8)
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk before we ack the broker (the durability rule).
         await self._db.execute(f"PRAGMA synchronous={self.synchronous}")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
-        with contextlib.suppress(OSError):
-            self.path.chmod(0o600)
+        tighten_side_files(self.path)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="inbox-flush")
 
     async def close(self) -> None:
