@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ from meshnode.daemon.methods import CoreMethods, register_core_methods
 from meshnode.daemon.operations import register_operations, reload_config
 from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
 from meshnode.daemon.sdnotify import Notifier
-from meshnode.keystore import KeyStore, open_keystore
+from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -189,6 +190,7 @@ class Daemon:
 
     async def _stage_keys(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tighten_data_dir(self.data_dir, self.config)
         self.keystore = await asyncio.to_thread(open_keystore, self.config.keystore.backend, self.data_dir)
         self.hosting = await AgentHost.open(
             self.config, self.keystore, runs_services=self.runs_services, embedded=self.embedded_mode
@@ -467,7 +469,11 @@ async def run_daemon(config: Config) -> int:
     except StageFailed as exc:
         log.error("%s", exc)
         await daemon.stop()
-        return 1
+        # A keystore backend named in the configuration that cannot work here is
+        # the operator's configuration to fix, not a runtime failure: sysexits'
+        # EX_CONFIG (78), which systemd's RestartPreventExitStatus= can name.
+        # The message names the backend and the fix (keystore.open_keystore).
+        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable) else 1
     try:
         await daemon.wait()
     finally:
@@ -476,6 +482,31 @@ async def run_daemon(config: Config) -> int:
     if daemon.relaunch:
         return RELAUNCH
     return 0
+
+
+#: sysexits.h EX_CONFIG: the configuration cannot work here (cli.exitcodes has the same).
+EX_CONFIG = 78
+
+
+def tighten_data_dir(data_dir: Path, config: Config) -> None:
+    """Take group and world access off a pre-created data directory (issue #23 item 12).
+
+    The directory holds the keys (file backend), the inbox and the broker's
+    state; ``mkdir(mode=0o700)`` does nothing to one that already exists, so a
+    directory made 0755 by hand or by a package kept its loose mode. It is
+    tightened to 0700, with a warning naming the path and both modes. The one
+    grant kept: group search/read when the admin socket lives directly in the
+    data directory and ``[admin] group`` is set (the admin server itself makes
+    the socket's directory 0750 then).
+    """
+    mode = stat.S_IMODE(data_dir.stat().st_mode)
+    keep = 0o750 if config.admin.group and config.admin.socket.parent == data_dir else 0o700
+    if mode & ~keep:
+        tight = mode & keep | 0o700
+        os.chmod(data_dir, tight)
+        log.warning(
+            "data directory %s was %04o (open to group or others); tightened to %04o", data_dir, mode, tight
+        )
 
 
 #: run_daemon's answer when the process should start over (see ``relaunch``).
