@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sqlite3
 import stat
+import time
 
 import pytest
 
@@ -46,3 +50,30 @@ def test_an_unavailable_keystore_backend_exits_ex_config(meshnode_daemons: Daemo
         node.start()
     text = node.log_text()
     assert "systemd-credentials" in text and "LoadCredential" in text  # the backend and the fix
+
+
+def test_a_second_sigint_still_does_the_inbox_final_write(meshnode_daemons: DaemonSet) -> None:
+    # Item 6: a second interrupt forces the exit (130) but the duplicate memory
+    # of the requests answered live (written behind dispatch) must be on disk,
+    # or a restart would dispatch their buffered copies again.
+    node = meshnode_daemons.embedded("force", agents={"echo": {"plugin": "echo"}})
+    echo_id = node.agent_id("echo")
+    calls = 20
+    for i in range(calls):
+        assert node.call("echo", "echo", i)["output"] == {"ok": i}
+    assert node.process is not None
+    # Right after the last answer: the pairs of the last calls may still be
+    # behind (the write-behind runs every 50 ms) when the exit is forced. The
+    # second signal goes once the first was taken ("stopping"): two sent back
+    # to back are one pending signal to the kernel.
+    node.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while "stopping" not in node.log_text():
+        assert time.monotonic() < deadline and node.process.poll() is None, node.log_tail()
+        time.sleep(0.001)
+    node.process.send_signal(signal.SIGINT)
+    assert node.process.wait(timeout=30) == 130
+    assert "second interrupt" in node.log_text()
+    with contextlib.closing(sqlite3.connect(node.data_dir / "inbox.sqlite3")) as db:
+        (remembered,) = db.execute("SELECT COUNT(*) FROM seen WHERE agent=?", (echo_id,)).fetchone()
+    assert remembered == calls

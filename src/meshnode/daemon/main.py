@@ -422,10 +422,32 @@ class Daemon:
 
     def _on_sigint(self) -> None:
         self._force += 1
-        if self._force > 1:
-            log.error("second interrupt: exiting now")
+        if self._force > 2:
+            log.error("third interrupt: exiting now, without the inbox's final write")
             os._exit(130)
+        if self._force > 1:
+            # Forced, but not careless: the inbox's write-behind pairs (the
+            # duplicate memory of requests answered live) are written first, or
+            # a restart would dispatch their buffered copies again (issue #23
+            # item 6). Signal handlers only set things in motion: the write is a
+            # task, bounded by FORCE_EXIT_WRITE_S; the loop answers signals, so
+            # it runs (a third interrupt skips it).
+            log.error("second interrupt: writing the inbox's remembered pairs, then exiting")
+            self._signal_tasks.spawn(self._force_exit(), name="force-exit")
+            return
         self.request_stop()
+
+    async def _force_exit(self) -> None:
+        try:
+            inbox = self.inbox
+            if inbox is not None:
+                await asyncio.wait_for(inbox.final_write(), timeout=FORCE_EXIT_WRITE_S)
+        except Exception as exc:  # the exit happens whatever the write did
+            log.error("forced exit: the inbox's final write failed: %s", exc)
+        finally:
+            # Even when cancelled (a shutdown stage stopping tasks): the exit was asked for.
+            logging.shutdown()
+            os._exit(130)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -483,6 +505,9 @@ async def run_daemon(config: Config) -> int:
         return RELAUNCH
     return 0
 
+
+#: How long a forced exit (second SIGINT) waits for the inbox's final write.
+FORCE_EXIT_WRITE_S = 5.0
 
 #: sysexits.h EX_CONFIG: the configuration cannot work here (cli.exitcodes has the same).
 EX_CONFIG = 78

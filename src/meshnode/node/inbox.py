@@ -451,6 +451,18 @@ class InboxStore:
         ) as cur:
             return [(str(s), str(m)) for s, m in await cur.fetchall()]
 
+    async def final_write(self) -> None:
+        """The write a forced exit still does: every pair and outcome written
+        behind, in one transaction, whether or not :meth:`close` is under way.
+
+        The write waits for the store's lock, so a write-behind batch already in
+        flight commits first; then everything still behind is written. A store
+        already closed has nothing left to write.
+        """
+        if self._db is None:
+            return
+        await self.flush()
+
     async def flush(self) -> None:
         """Write the behind-writes now (one transaction)."""
         seen, self._seen_pending = self._seen_pending, []
