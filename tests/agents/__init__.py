@@ -761,7 +761,7 @@ class Asker(Agent):
     @offering("butt-in", framing=False)
     async def butt_in(self, ctx: Context, input: Any) -> Any:
         """A stranger's follow-up to someone else's task: the refusal's code."""
-        from meshnode.node.outbound import RemoteError
+        from meshnode.agent import RemoteError
 
         try:
             await ctx.request(input["target"], "ask", {"name": "Mallory"}, task_id=input["task_id"])

@@ -25,11 +25,11 @@ from meshnode.a2a.peers import (
 )
 from meshnode.config import ConfigError, load_config
 from meshnode.node.context import AgentContext
-from meshnode.node.outbound import Reply
 from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_name_of
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
+from tests.fakes import FakeNode
 
 SETTINGS = PeerSettings(url="http://peer.example/", contract_price=Decimal("0.10"))
 
@@ -186,27 +186,11 @@ def test_config_names_the_peer_key_at_fault(tmp_path: Path) -> None:
 # -- ctx.request: the chain crosses the mesh ------------------------------------------
 
 
-class _FakeNode:
-    observability = None
-
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.a2a_calls: list[dict[str, Any]] = []
-
-    async def send_request(self, hosted: Any, target: str, offering: str, input: Any, **kw: Any) -> Reply:
-        self.sent.append({"target": target, **kw})
-        return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
-
-    async def call_a2a(self, hosted: Any, peer: str, offering: str, input: Any, **kw: Any) -> Reply:
-        self.a2a_calls.append({"peer": peer, **kw})
-        return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
-
-
 class _FakeHosted:
     agent_id = "UAGENT"
 
     def __init__(self) -> None:
-        self.node = _FakeNode()
+        self.node = FakeNode()
 
 
 async def test_work_that_entered_by_a2a_carries_its_chain_into_mesh_sub_requests() -> None:

@@ -32,6 +32,7 @@ from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_env
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.protocol.rests_on import digest_of, entry_for, freshness, validate_rests_on
+from tests.fakes import FakeNode
 
 D1 = "sha256:" + "1" * 64
 D2 = "sha256:" + "2" * 64
@@ -177,8 +178,9 @@ class ScriptedStore:
 
 
 def _hosted(store: ScriptedStore, max_payload: int = 1024 * 1024) -> Any:
-    node = SimpleNamespace(connection=SimpleNamespace(max_payload=max_payload), service_call=store.service_call,
-                           settings=SimpleNamespace(registry_timeout_s=5.0), now_ms=lambda: 1_800_000_000_000)
+    node = FakeNode(now_ms=1_800_000_000_000)
+    node.connection.max_payload = max_payload
+    node.service_call = store.service_call  # the scripted artifact store answers
     return SimpleNamespace(node=node, counters=Counter())
 
 

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 
 from meshnode.node.tasks import InputTimeout, ResponderTask
-from meshnode.protocol.envelope import IdGenerator, build_envelope
+from meshnode.protocol.envelope import build_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.tasks import PausedTask, check_follow_up
+from tests.fakes import FakeNode
 
 REQUESTER = KeyPair.generate().public_key
 STRANGER = KeyPair.generate().public_key
@@ -69,22 +70,6 @@ def test_context_and_offering_must_be_the_tasks() -> None:
 # --- the responder's round, against a recording fake node ------------------------
 
 
-class FakeNode:
-    def __init__(self) -> None:
-        self.ids = IdGenerator()
-        self.delivered: list[dict[str, Any]] = []
-        self.published: list[dict[str, Any]] = []
-
-    def now_ms(self) -> int:
-        return 1_800_000_000_000
-
-    async def deliver(self, sender: Any, env: dict[str, Any], to: str) -> None:
-        self.delivered.append(env)
-
-    async def publish_task(self, subject: str, env: dict[str, Any]) -> None:
-        self.published.append(env)
-
-
 class FakeHosted:
     def __init__(self) -> None:
         self.node = FakeNode()
@@ -102,6 +87,12 @@ def working_task() -> ResponderTask:
     return task
 
 
+def node_of(task: ResponderTask) -> FakeNode:
+    node = task.hosted.node
+    assert isinstance(node, FakeNode)
+    return node
+
+
 PROBLEMS = [{"input": "name", "problem": "missing", "description": "whom?"}]
 
 
@@ -117,7 +108,7 @@ async def test_ask_input_returns_the_follow_ups_input_after_working_is_sent() ->
     assert wrong.value.code == "INPUT_INVALID" and task.state == "input_required"
     await task.take_follow_up(follow, {"name": "Ada"})
     assert await asking == {"name": "Ada"}
-    answer = task.hosted.node.delivered[-1]  # type: ignore[attr-defined]
+    answer = node_of(task).delivered[-1]
     assert answer["in_reply_to"] == follow["id"] and answer["task_id"] == "t1"
     assert answer["payload"] == {"status": "working"}
     assert task.follow_up is not None and task.follow_up.envelope is follow
@@ -136,7 +127,7 @@ async def test_an_unanswered_round_ends_canceled_and_refuses_late_answers() -> N
     task = working_task()
     with pytest.raises(InputTimeout):
         await task.ask_input(PROBLEMS, timeout=0.01)
-    last = task.hosted.node.published[-1]  # type: ignore[attr-defined]
+    last = node_of(task).published[-1]
     assert last["payload"]["status"] == "canceled" and last["payload"]["reason"] == "policy"
     assert code_of(task.paused()) == "TASK_INVALID_TRANSITION"
 

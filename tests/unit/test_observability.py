@@ -17,7 +17,6 @@ from meshnode.node.observe import (
 )
 from meshnode.observability.otlp import otel_available, span_fields
 from meshnode.protocol.envelope import (
-    IdGenerator,
     build_envelope,
     decode_envelope,
     new_root_trace,
@@ -35,6 +34,7 @@ from meshnode.protocol.observability import (
     span_attributes,
     span_payload,
 )
+from tests.fakes import FakeNode
 
 AGENT = KeyPair.generate(Prefix.USER)
 PEER = KeyPair.generate(Prefix.USER)
@@ -120,21 +120,13 @@ def test_permission_violations_are_parsed_and_counted() -> None:
     assert parse_permission_violation('nats: permissions violation for subscription to "a.b"') == ("subscribe", "a.b")
     assert parse_permission_violation("nats: stale connection") is None
     node = FakeNode()
-    refusals = PublishRefusals(node)  # type: ignore[arg-type]
+    refusals = PublishRefusals(node)
     refusals.on_error(message)
     refusals.on_error(message)
     assert node.counters["refused.publish.metrics"] == 2
 
 
 # -- the span bookkeeping, with a fake node ------------------------------------------
-
-
-class FakeConnection:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, data: bytes, **_: Any) -> None:
-        self.published.append((subject, data))
 
 
 class FakeHosted:
@@ -147,34 +139,24 @@ class FakeHosted:
         self.active_tasks = 0
 
 
-class FakeNode:
-    def __init__(self) -> None:
-        self.counters: Counter[str] = Counter()
-        self.ids = IdGenerator()
-        self.connection = FakeConnection()
-        self.agents: dict[str, Any] = {}
-        self.by_id: dict[str, Any] = {}
-        self.t = 1_700_000_000_100
-
-    def now_ms(self) -> int:
-        return self.t
+T0 = 1_700_000_000_100
 
 
 async def test_one_hop_makes_a_consumer_and_a_producer_span() -> None:
-    node, hosted = FakeNode(), FakeHosted()
-    obs = Observability(node, ObservabilitySettings(spans=True))  # type: ignore[arg-type]
+    node, hosted = FakeNode(now_ms=T0), FakeHosted()
+    obs = Observability(node, ObservabilitySettings(spans=True))
     obs.start()
     req = request()
     obs.on_audit(hosted, req, "in", "live")  # type: ignore[arg-type]
     handling = obs.enter(hosted, req, req["trace"])  # type: ignore[arg-type]
     assert handling["trace_id"] == req["trace"]["trace_id"] and handling["parent_span_id"] == req["trace"]["span_id"]
     obs.on_audit(hosted, respond(req, "accepted"), "out", "live")  # type: ignore[arg-type]
-    node.t += 40
+    node.clock += 40
     answer = respond(req, "completed")
     obs.on_audit(hosted, answer, "out", "live")  # type: ignore[arg-type]
     probe = request("__registry_probe__")
     obs.on_audit(hosted, probe, "in", "live")  # type: ignore[arg-type]
-    event = sign_envelope(build_envelope("emit", PEER.public_key, now_ms=node.t, payload={"domain": "d"},
+    event = sign_envelope(build_envelope("emit", PEER.public_key, now_ms=node.clock, payload={"domain": "d"},
                                          trace=new_root_trace()), PEER)
     obs.on_audit(hosted, event, "in", "event-live")  # type: ignore[arg-type]
     obs.event_done(hosted, event, False)  # type: ignore[arg-type]
@@ -195,9 +177,9 @@ async def test_one_hop_makes_a_consumer_and_a_producer_span() -> None:
 
 
 async def test_disabled_spans_publish_nothing_and_logs_carry_the_trace() -> None:
-    node, hosted = FakeNode(), FakeHosted()
+    node, hosted = FakeNode(now_ms=T0), FakeHosted()
     node.agents["echo"] = hosted
-    obs = Observability(node, ObservabilitySettings(logs=True, log_level=logging.WARNING))  # type: ignore[arg-type]
+    obs = Observability(node, ObservabilitySettings(logs=True, log_level=logging.WARNING))
     obs.start()
     req = request()
     obs.on_audit(hosted, req, "in", "live")  # type: ignore[arg-type]

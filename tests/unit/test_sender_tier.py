@@ -10,24 +10,10 @@ from typing import Any
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol.attestations import make_trust_attestation, make_vouch
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from tests.fakes import FakeNode
 
 HOUR_MS = 3_600_000
 NOW = 1_800_000_000_000
-
-
-class FakeNode:
-    def __init__(self, operator: KeyPair, manifests: dict[str, dict[str, Any]]) -> None:
-        self.by_id: dict[str, Any] = {}
-        self.clock = NOW
-        self.manifests = manifests
-        self.trust_attestation: dict[str, Any] | None = None
-        self.trusted_operators = frozenset({operator.public_key})
-
-    def now_ms(self) -> int:
-        return self.clock
-
-    async def service_call(self, hosted: Any, subject: str, kind: str, payload: Any) -> dict[str, Any]:
-        return self.manifests[payload["agent_id"]]
 
 
 def sender_on_node(issuer: KeyPair, tier: str, *, lifetime_ms: int = HOUR_MS,
@@ -55,8 +41,9 @@ def test_a_trusted_attestation_gives_the_tier_until_it_expires() -> None:
     forged, m2 = sender_on_node(operator, "sandbox", tamper=True)
     foreign, m3 = sender_on_node(stranger, "verified")
     stale, m4 = sender_on_node(operator, "verified", lifetime_ms=-1)
-    node = FakeNode(operator, {sandboxed: m1, forged: m2, foreign: m3, stale: m4})
-    memo = VouchMemo(node)  # type: ignore[arg-type]
+    node = FakeNode(now_ms=NOW, manifests={sandboxed: m1, forged: m2, foreign: m3, stale: m4},
+                    trusted_operators=frozenset({operator.public_key}))
+    memo = VouchMemo(node)
 
     async def look_up_all() -> list[str]:
         return [await memo.status(None, s) for s in (sandboxed, forged, foreign, stale)]  # type: ignore[arg-type]

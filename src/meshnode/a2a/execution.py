@@ -47,7 +47,7 @@ from meshnode.a2a.mapping import (
     state_of,
 )
 from meshnode.a2a.store import BridgeStore
-from meshnode.node.outbound import RemoteError, RequestTimeout
+from meshnode.agent import RemoteError, RequestTimeout
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     body_hash,

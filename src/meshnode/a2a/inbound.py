@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from meshnode.protocol.a2a_extension import CLOCK_SKEW_S, EnvelopeCheck, IssuerTrust
 
 if TYPE_CHECKING:
+    from meshnode.agent import Reply
     from meshnode.node.hosted import HostedAgent
-    from meshnode.node.outbound import Reply
 
 __all__ = [
     "ANONYMOUS",

@@ -41,7 +41,7 @@ What happens (A2A v1.0 over JSON-RPC, the official ``a2a-sdk`` client):
    ``AGBoss-Mesh-Envelope`` header, over ``{"method", "id"}`` (meshnode's
    profile; a peer that does not know it ignores the header).
 
-The reply is a :class:`meshnode.node.outbound.Reply` whose envelope is
+The reply is a :class:`meshnode.agent.Reply` whose envelope is
 synthesized (``from: "a2a:<name>"``); ``envelope["meta"][EXTENSION_URI]`` says
 what the bridge knows: ``mesh``, ``report``, ``charge``, ``message_id``,
 ``task_id``, ``attempts``.
@@ -99,8 +99,8 @@ from meshnode.a2a.peers import (
     report_of,
 )
 from meshnode.a2a.stream import A2AStreamTask
+from meshnode.agent import RemoteError, Reply
 from meshnode.node.gateway import CallContext
-from meshnode.node.outbound import RemoteError, Reply
 from meshnode.protocol.a2a_extension import (
     A2A_TARGET_PREFIX,
     EXTENSION_URI,

@@ -42,6 +42,7 @@ from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
 from meshnode.plugins import PluginManager
 from meshnode.protocol.nkeys import KeyPair
@@ -72,6 +73,8 @@ class Daemon:
         self.plugin_manager = PluginManager()
         self.mesh: MeshLink | None = None
         self.node: Node | None = None
+        #: Inbound refusals of the node and of the services it hosts: one counter.
+        self.refusals = RefusalCounter()
         self.platforms: list[PlatformServices] = []
         self.admin: AdminServer | None = None
         self.inbox: InboxStore | None = None
@@ -249,6 +252,7 @@ class Daemon:
                 log=logging.getLogger(f"meshnode.service.{name}"),
                 replicas=replicas,
                 limiter=limiter,
+                refusals=self.refusals,
             )
 
         plane = mesh.control_plane
@@ -288,6 +292,7 @@ class Daemon:
             check_sender_vouch=p.check_sender_vouch,
             trust_attestation=mesh.trust_attestation(),
             a2a=self.gateways.outbound,
+            refusals=self.refusals,
         )
         self.node = hosting.node = node
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import meshnode
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.agent import RemoteError, RequestQueued
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxRow, InboxStore
-from meshnode.node.outbound import RemoteError, RequestQueued
 from meshnode.node.states import AgentState
 from meshnode.protocol.a2a_extension import EXTENSION_URI as A2A_URI
 from meshnode.protocol.canonical import parse_json

@@ -124,7 +124,7 @@ class _Operations:
             if drain is None:
                 raise NotFound(f"agent {name!r} has no drain (not hosted, or no inbox)")
             await drain.job.run_once()
-            drained.append({"agent": name, **(node._drain_status(name) or {})})
+            drained.append({"agent": name, **(node.drain_status(name) or {})})
         return {"drained": drained}
 
     async def renew_now(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -223,7 +223,7 @@ class _Operations:
         runtime = runtime_gauges()
         if fmt == "prometheus":
             agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
-            text = prometheus_text(agents, node.counters) + "".join(
+            text = prometheus_text(agents, node.counters, node.refusals.by_label()) + "".join(
                 f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
             )
             return {"content_type": "text/plain; version=0.0.4", "text": text}
@@ -232,6 +232,7 @@ class _Operations:
         return {
             "runtime": runtime,
             "node": dict(node.counters),
+            "refusals": node.refusals.as_dict(),
             "agents": {
                 h.name: {"id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict()}
                 for h in node.agents.values()

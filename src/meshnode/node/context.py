@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshnode.agent import Reply
 from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
 from meshnode.node.gateway import CallContext
-from meshnode.node.outbound import Reply
 from meshnode.node.tasks import ResponderTask
 from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_name_of
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources

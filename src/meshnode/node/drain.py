@@ -29,6 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import Path
 from meshnode.protocol import subjects
 
 if TYPE_CHECKING:
@@ -143,6 +144,24 @@ class InboxDrain:
         except BaseException:
             self._maybe_new = True
             raise
+
+    def status(self) -> dict[str, Any]:
+        """This drain's counters and health, for ``meshnode status``."""
+        st = self.stats
+        return {
+            "passes": st.passes,
+            "fetched": st.fetched,
+            "committed": st.committed,
+            "duplicates": st.duplicates,
+            "beyond_bound": st.beyond_bound,
+            "dispatched": st.dispatched,
+            "last_bound": st.last_bound,
+            "idle_skips": st.idle_skips,
+            "quiet_skips": st.quiet_skips,
+            "running": st.running,
+            "failing": self.job.failing,
+            "last_error": self.job.last_error,
+        }
 
     async def stop(self) -> None:
         await self.job.stop()
@@ -290,7 +309,7 @@ class InboxDrain:
             async def one(row: Any) -> None:
                 async with semaphore:
                     outcome = await self.hosted.receive(
-                        row.envelope, source="mailbox", inbox_id=row.inbox_id, wait=True
+                        row.envelope, source=Path.MAILBOX, inbox_id=row.inbox_id, wait=True
                     )
                     await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
 

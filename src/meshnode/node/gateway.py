@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshnode.node.outbound import Reply
+from meshnode.agent import Reply
 from meshnode.protocol.nkeys import KeyPair
 
 __all__ = ["CallContext", "OutboundGateway"]

@@ -1,21 +1,21 @@
-"""A hosted agent and the one inbound pipeline every delivery path enters.
+"""A hosted agent: its key, manifest, guards, counters and tasks, and the request route.
 
-Live inbox deliveries, mailbox drains and local deliveries all call
-:meth:`HostedAgent.receive` with the raw bytes; the order is fixed:
+Every delivery enters through an intake of :mod:`meshnode.node.pipeline`
+(:meth:`HostedAgent.receive` is the inbox intake, bound from there); what
+passes the §22 guard is routed here, in a fixed order:
 
-    decode ─► verify signature ─► §22 guard (remember, fresh, addressed, hops,
-    size) ─► admission (offering, content type, input schema, budget) ─►
-    accept (live only) ─► fence ─► handler ─► signed respond to the sender's inbox
+    admission (offering, content type, input schema, budget) ─► accept (as
+    :func:`~meshnode.node.pipeline.first_reply` plans) ─► fence ─► handler ─►
+    signed respond to the sender's inbox
 
-Only the freshness window and the accept differ by path, as the spec says.
 Refusals follow §22.7: silent where it says silent, CONTEXT_TOO_LARGE where it
-must answer; every refusal raises a local signal.
+must answer; every refusal is counted by :meth:`HostedAgent.refuse` and raises
+a local signal.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import time
@@ -27,30 +27,33 @@ import jsonschema
 
 from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.aio import BackgroundTasks
+from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
+from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
 from meshnode.node.states import AgentState
-from meshnode.node.tasks import ResponderTask, new_task_id, propagated
-from meshnode.protocol.accept import build_queued_ack
+from meshnode.node.tasks import ResponderTask, cancel_task, new_task_id, propagated
+from meshnode.protocol.accept import FirstReply, InboundOutcome, build_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.cancel import check_cancelable, parse_cancel_input
-from meshnode.protocol.envelope import build_envelope, child_trace, decode_envelope, sign_envelope
+from meshnode.protocol.envelope import build_envelope, child_trace, sign_envelope
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.offerings import normalize_request_payload, offering_id_of
 from meshnode.protocol.preflight import check_content_type
-from meshnode.protocol.protections import DeliverySource, FreshnessWindow, InboundGuard, Protection
+from meshnode.protocol.protections import FreshnessWindow, InboundGuard
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
-from meshnode.protocol.tasks import check_follow_up
+from meshnode.protocol.tasks import TERMINAL_STATES, check_follow_up
 
 if TYPE_CHECKING:
-    from meshnode.node.runtime import Node
+    from meshnode.node.port import NodePort
 
-__all__ = ["DESCRIBE_OFFERING", "HostedAgent", "Source"]
+__all__ = ["DESCRIBE_OFFERING", "HostedAgent"]
 
 log = logging.getLogger("meshnode.pipeline")
 
@@ -58,9 +61,6 @@ DESCRIBE_OFFERING = "describe"
 CANCEL_OFFERING = "task.cancel"
 REGISTRY_PROBE_OFFERING = "__registry_probe__"
 
-#: Delivery paths. "local" is judged with the live window (it is a live delivery
-#: that did not transit the broker) so that local and remote are equivalent.
-Source = str  # "live" | "mailbox" | "local"
 
 
 class HostedAgent:
@@ -68,7 +68,7 @@ class HostedAgent:
 
     def __init__(
         self,
-        node: Node,
+        node: NodePort,
         *,
         name: str,
         kind: str,
@@ -98,7 +98,6 @@ class HostedAgent:
         self.registered = False
         self.registration_error: str | None = None
         self.state: AgentState = AgentState.STARTING
-        self.failure: str | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self._signal_logged: dict[str, float] = {}
@@ -121,6 +120,24 @@ class HostedAgent:
         """Run work owned by this agent; cancelled when the agent stops."""
         task: asyncio.Task[None] = self._tasks.spawn(coro, name=name)
         return task
+
+    def status(self, drain: dict[str, Any] | None, subscriptions: list[dict[str, Any]]) -> dict[str, Any]:
+        """This agent for ``meshnode status``; ``drain`` and ``subscriptions`` are the node's."""
+        return {
+            "name": self.name,
+            "id": self.agent_id,
+            "plugin": self.kind,
+            "state": self.state,
+            "registered": self.registered,
+            "registration_error": self.registration_error,
+            "vouch_expires_at": self.vouch.get("expires_at"),
+            "interaction": self.interaction,
+            "offerings": sorted(self.offerings),
+            "active_tasks": self.active_tasks,
+            "counters": dict(self.counters),
+            "drain": drain,
+            "subscriptions": subscriptions,
+        }
 
     @property
     def active_tasks(self) -> int:
@@ -177,101 +194,32 @@ class HostedAgent:
             memory=self.guard.memory,
         )
 
-    # -- the pipeline ----------------------------------------------------------
+    def refuse(self, intake: Intake, rule: str, envelope: Mapping[str, Any] | None = None, detail: str = "") -> None:
+        """Count a refusal the one way (the node's counter, by intake and rule) and
+        raise this agent's local signal for it (§22.7)."""
+        self.node.refusals.count(intake, rule)
+        self.signal(SIGNAL_PREFIX[intake] + rule, envelope, detail)
 
-    async def receive(
-        self,
-        data: bytes,
-        *,
-        source: Source,
-        reply: str | None = None,
-        inbox_id: int | None = None,
-        wait: bool = False,
-    ) -> str:
-        """The single entry point for every inbound delivery path.
+    def count_refusal(self, rule: str) -> None:
+        """An admission refusal of the inbox intake that is answered, not logged."""
+        self.node.refusals.count(Intake.INBOX, rule)
+        self.counters[f"refused.{rule}"] += 1
 
-        ``source`` is ``live``, ``local`` or ``mailbox`` (a drained inbox row,
-        ``inbox_id``). ``wait`` awaits the handler instead of running it in the
-        background (the drain does, to record each row's outcome). Returns the
-        outcome for the node inbox: ``refused``, ``answered`` or ``held``.
+    # -- the intakes (meshnode.node.pipeline) ----------------------------------------
+
+    #: The inbox intake: every delivery path (live, local, mailbox) enters here.
+    receive = pipeline.receive
+    #: The event intake.
+    receive_event = pipeline.receive_event
+
+    async def dispatch_event(
+        self, env: dict[str, Any], event: Event, counter: str, *, observed: bool = True
+    ) -> None:
+        """Route a checked event, feed or telemetry delivery to :meth:`Agent.on_event`.
+
+        ``observed`` closes the delivery's consumer span (§13.1.1); telemetry is
+        never observed, so observing spans cannot produce spans.
         """
-        now_ms = self.node.now_ms()
-        self.counters["received"] += 1
-        self.counters[f"received.{source}"] += 1
-        try:
-            env = decode_envelope(data)
-        except ProtocolError as exc:
-            self.signal(exc.code.lower(), None, exc.message)
-            if source != "mailbox":
-                # The buffer holds the same bytes; the drain acks them unjudged. Only
-                # the exact bytes are remembered: an unverified (from, id) must never
-                # enter the duplicate memory, or a forger could pre-empt real mail.
-                self.refused_bytes[hashlib.sha256(data).digest()] = None
-                if len(self.refused_bytes) > 5000:
-                    self.refused_bytes.pop(next(iter(self.refused_bytes)))
-            return "refused"
-        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
-        verdict = self.guard.check(env, source=window, now_ms=now_ms)
-        inbox = self.node.inbox
-        if inbox is not None and source != "mailbox" and verdict.protection is not Protection.DUPLICATE:
-            # Persist what the live path has seen, so a drain after a restart
-            # acks the buffered copy instead of running it again (§16.4).
-            inbox.remember(self.agent_id, env["from"], env["id"], now_ms)
-        if not verdict.accepted:
-            self.signal(verdict.local_signal or "refused", env, verdict.reason or "")
-            if verdict.answer is not None and env["type"] == "request":
-                await self._answer(env, status="failed", error=verdict.answer.error, path=source)
-            return "refused"
-        self.node.audit(self, env, direction="in", path=source)
-        kind = env["type"]
-        if kind == "request":
-            return await self._on_request(env, source, reply, now_ms, data, inbox_id, wait)
-        if kind == "respond":
-            if self.node.on_respond(self, env):
-                return "answered"
-            # A late answer (its caller stopped waiting, or the node was away):
-            # keep it in the inbox where a person or the agent can read it.
-            if inbox is not None and inbox_id is None:
-                await inbox.hold(self.agent_id, env["from"], env["id"], "respond", data, now_ms)
-            return "held" if inbox is not None else "answered"
-        self.counters["ignored"] += 1
-        return "refused"
-
-    async def receive_event(self, data: bytes, *, subject: str, source: Source) -> bool:
-        """The event path (§6.7, §22.1): same verification and protections as the
-        inbox, its own duplicate memory, then :meth:`Agent.on_event`.
-
-        Returns True when the event reached the handler (callers ack either way:
-        a refused event must not be redelivered).
-        """
-        now_ms = self.node.now_ms()
-        self.counters["events.received"] += 1
-        try:
-            env = decode_envelope(data)
-        except ProtocolError as exc:
-            self.signal(f"event.{exc.code.lower()}", None, exc.message)
-            return False
-        if env["type"] != "emit":
-            self.signal("event.not_an_emit", env)
-            return False
-        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
-        verdict = self.event_guard.check(env, source=window, now_ms=now_ms)
-        if not verdict.accepted:
-            # No reply path exists for an event: every refusal is local only (§22.7).
-            self.signal(f"event.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
-            return False
-        self.node.audit(self, env, direction="in", path=f"event-{source}")
-        payload = env.get("payload")
-        payload = payload if isinstance(payload, Mapping) else {}
-        domain, event_type = payload.get("domain"), payload.get("event_type")
-        event = Event(
-            subject=subject,
-            sender=env["from"],
-            domain=domain if isinstance(domain, str) else None,
-            event_type=event_type if isinstance(event_type, str) else None,
-            data=payload.get("data"),
-            envelope=env,
-        )
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
@@ -280,24 +228,31 @@ class HostedAgent:
             raise
         except Exception:
             ok = False
-            self.counters["events.failed"] += 1
-            self.agent.log.exception("on_event failed for %s", subject)
+            self.counters[f"{counter}.failed"] += 1
+            self.agent.log.exception("on_event failed for %s", event.subject)
         else:
-            self.counters["events.handled"] += 1
-        if self.node.observability is not None:  # closes the event's consumer span (§13.1.1)
-            self.node.observability.event_done(self, env, ok)
-        return True
+            self.counters[f"{counter}.handled"] += 1
+        obs = self.node.observability
+        if observed and obs is not None:
+            obs.event_done(self, env, ok)
 
-    async def _on_request(
+    async def answer_refusal(self, request: Mapping[str, Any], error: Mapping[str, Any], path: Path) -> None:
+        """The §22.7 answer of a refusal that must answer (CONTEXT_TOO_LARGE)."""
+        await self._answer(request, status="failed", error=error, path=path)
+
+    async def on_request(
         self,
         env: dict[str, Any],
-        source: Source,
+        source: Path,
         reply: str | None,
         now_ms: int,
         data: bytes,
         inbox_id: int | None,
         wait: bool,
     ) -> str:
+        """Route a request that passed the §22 guard: describe, the sender's vouch,
+        cancel, the attended inbox, follow-ups, admission, then the handler, with
+        the first reply :func:`~meshnode.node.pipeline.first_reply` plans."""
         payload = normalize_request_payload(env.get("payload"))
         offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
         if offering_id == DESCRIBE_OFFERING:
@@ -309,13 +264,13 @@ class HostedAgent:
             standing = await trust.status(self, env["from"])
             if standing in ("unvouched", "revoked"):
                 reason = "sender_key_revoked" if standing == "revoked" else "sender_not_vouched"
-                self.counters[f"refused.{reason}"] += 1
+                self.count_refusal(reason)
                 error = error_object("UNAUTHORIZED", "no node vouches for the sender", {"reason": reason})
                 await self._answer(env, status="failed", error=error, path=source)
                 return "answered"
             if self.agent.refuse_sandbox_senders and trust.tier_of(env["from"]) == "sandbox":
                 # The agent's own policy (§9.7: sandbox hosts are for trying things).
-                self.counters["refused.sender_sandboxed"] += 1
+                self.count_refusal("sender_sandboxed")
                 error = error_object(
                     "UNAUTHORIZED", "this agent takes no work from sandbox nodes", {"reason": "sender_sandboxed"}
                 )
@@ -328,19 +283,22 @@ class HostedAgent:
             # §18.7 plumbing: any answer proves liveness; it rides the reply subject.
             await self.node.reply_plain(reply, {"alive": True})
             return "answered"
-        if self.interaction == "interactive" and self.node.inbox is not None:
+        # What the requester gets first if admission passes (§6.4a, the pure rule).
+        inbox = self.node.inbox
+        plan = first_reply(source, InboundOutcome.ADMITTED, attended=self.interaction == "interactive" and inbox is not None)
+        if plan.first_reply is FirstReply.QUEUED_ACK and inbox is not None:
             # §8.3a: a person's session answers; nothing runs now, so no accept.
             if inbox_id is None:
                 try:
-                    inbox_id = await self.node.inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
+                    inbox_id = await inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
                 except InboxUnwritable as exc:
                     # Not held, so not handled: no queued ack, and the pair is taken
                     # back from the duplicate memories, so the copy the broker still
                     # buffers (nothing acked it) is held by a drain once the disk
                     # takes writes again (§16.4). Nothing is lost.
                     self.guard.memory.forget(env["from"], env["id"])
-                    self.node.inbox.forget(self.agent_id, env["from"], env["id"])
-                    self.signal("inbox_unwritable", env, exc.cause)
+                    inbox.forget(self.agent_id, env["from"], env["id"])
+                    self.refuse(Intake.INBOX, "inbox_unwritable", env, exc.cause)
                     return "refused"
             if reply:
                 await self.node.reply_plain(reply, build_queued_ack(str(inbox_id)))
@@ -356,7 +314,8 @@ class HostedAgent:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
             await self._admit_budget(env, spec, handler_input)
         except ProtocolError as exc:
-            self.counters[f"refused.{exc.code}"] += 1
+            # Refused at admission: the refusal is the first reply, no accept (§6.4a).
+            self.count_refusal(exc.code)
             await self._answer(env, status="failed", error=exc.to_object(), path=source)
             return "answered"
         text: str | None = None
@@ -369,11 +328,11 @@ class HostedAgent:
                 text = framed.payload
         self.counters["dispatched"] += 1
         if wait:
-            if source != "mailbox":
+            if plan.accept:
                 await self._answer(env, status="accepted", path=source, accept=True)
             await self._run_handler(env, spec, handler_input, text, source)
             return "answered"
-        if source == "mailbox":
+        if not plan.accept:  # a drained request: its first reply is the substantive one
             self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
             return "answered"
         # Admission passed and a live handler is about to run (§6.4a): the accept
@@ -448,7 +407,7 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
-        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Source
+        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
@@ -536,7 +495,7 @@ class HostedAgent:
         error: Mapping[str, Any] | None = None,
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
-        if task.state in ("completed", "failed", "canceled", "rejected", "exhausted"):
+        if task.state in TERMINAL_STATES:
             return
         try:
             await task._send(state, output=output, error=error, artifacts=artifacts)
@@ -567,7 +526,7 @@ class HostedAgent:
         self.counters["stream.chunks"] += index
         return "".join(chunks) if all(isinstance(c, str) for c in chunks) else chunks
 
-    async def _on_cancel(self, env: Mapping[str, Any], payload: Mapping[str, Any], source: Source) -> None:
+    async def _on_cancel(self, env: Mapping[str, Any], payload: Mapping[str, Any], source: Path) -> None:
         """``task.cancel`` (§10.8): validated at the door, then the handler is stopped."""
         try:
             request = parse_cancel_input(payload.get("input"), env.get("task_id"))
@@ -592,13 +551,13 @@ class HostedAgent:
             runner.cancel()
         for agent_id, child_task in list(task.delegates):
             reason, note = propagated(str(request.reason), stop.note)
-            self.spawn(self.node.cancel_task(self, agent_id, child_task, reason, note, wait=False),
+            self.spawn(cancel_task(self.node, self, agent_id, child_task, reason, note, wait=False),
                        f"{self.name}:propagate:{child_task}")
         self.counters["tasks.canceled"] += 1
         await self._answer(env, status="completed", output={"task_id": task.task_id, "status": "canceled"}, path=source)
 
     async def _on_follow_up(
-        self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int, source: Source
+        self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int, source: Path
     ) -> None:
         """A request naming a ``task_id``: the requester's answer to an input or
         auth round. It has passed everything above it in the pipeline (signature,
@@ -625,12 +584,12 @@ class HostedAgent:
                 handler_input = frame_payload(handler_input, FrameProvenance.from_envelope(env, now_ms)).payload
             await task.take_follow_up(env, handler_input)
         except ProtocolError as exc:
-            self.counters[f"refused.follow_up.{exc.code}"] += 1
+            self.count_refusal(f"follow_up.{exc.code}")
             await self._answer(env, status="failed", error=exc.to_object(), path=source)
             return
         self.counters["follow_ups"] += 1
 
-    async def _describe(self, env: Mapping[str, Any], now_ms: int, source: Source) -> None:
+    async def _describe(self, env: Mapping[str, Any], now_ms: int, source: Path) -> None:
         """§10.14: a document, not a conversation — never the agent's code."""
         decision = self.describe_limiter.check(env["from"], now_ms)
         if not decision.allowed:
@@ -642,7 +601,7 @@ class HostedAgent:
             )
             return
         self.counters["describe"] += 1
-        await self._answer(env, status="completed", output=self.node.describe_document(self), path=source)
+        await self._answer(env, status="completed", output=describe(self.manifest), path=source)
 
     async def answer(
         self,
@@ -653,7 +612,7 @@ class HostedAgent:
         error: Mapping[str, Any] | None = None,
     ) -> None:
         """Answer a request later, as this agent (a person replying from the inbox)."""
-        await self._answer(request, status=status, output=output, error=error, path="live")
+        await self._answer(request, status=status, output=output, error=error, path=Path.LIVE)
 
     async def _answer(
         self,
@@ -662,7 +621,7 @@ class HostedAgent:
         status: str,
         output: Any = None,
         error: Mapping[str, Any] | None = None,
-        path: Source,
+        path: Path,
         accept: bool = False,
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:

@@ -57,14 +57,27 @@ def _escape(value: str) -> str:
 def prometheus_text(
     agents: Iterable[tuple[str, str, Mapping[str, int], LatencyHistogram]],
     node: Mapping[str, int],
+    refusals: Mapping[tuple[str, str], int] | None = None,
 ) -> str:
-    """The Prometheus text exposition format (version 0.0.4) of the node's metrics."""
+    """The Prometheus text exposition format (version 0.0.4) of the node's metrics.
+
+    ``refusals`` is :meth:`RefusalCounter.by_label`: inbound refusals by intake and rule.
+    """
     lines = [
         "# HELP meshnode_node_events_total Node-level counters (heartbeats, envelopes by type and path).",
         "# TYPE meshnode_node_events_total counter",
     ]
     for key, value in sorted(node.items()):
         lines.append(f'meshnode_node_events_total{{event="{_escape(key)}"}} {value}')
+    if refusals is not None:
+        lines += [
+            "# HELP meshnode_inbound_refused_total Inbound envelopes refused, by intake and rule (§22.7).",
+            "# TYPE meshnode_inbound_refused_total counter",
+        ]
+        for (intake, rule), value in sorted(refusals.items()):
+            lines.append(
+                f'meshnode_inbound_refused_total{{intake="{_escape(intake)}",rule="{_escape(rule)}"}} {value}'
+            )
     lines += [
         "# HELP meshnode_agent_events_total Per-agent counters (received, dispatched, completed, refused.*).",
         "# TYPE meshnode_agent_events_total counter",

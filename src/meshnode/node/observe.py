@@ -71,6 +71,7 @@ from meshnode.protocol.timeutil import try_parse_rfc3339
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
+    from meshnode.node.port import NodePort
     from meshnode.node.runtime import Node
     from meshnode.transport.connection import MeshConnection
 
@@ -152,7 +153,7 @@ class PublishRefusals:
     at warning level the first time its subject is refused, at debug after.
     """
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodePort) -> None:
         self.node = node
         self._warned: OrderedDict[str, None] = OrderedDict()
 
@@ -191,7 +192,7 @@ class PublishRefusals:
 class Observability:
     """Span, metric and log publishing for one node (see the module docstring)."""
 
-    def __init__(self, node: Node, settings: ObservabilitySettings) -> None:
+    def __init__(self, node: NodePort, settings: ObservabilitySettings) -> None:
         self.node = node
         self.settings = settings
         self.spans = settings.spans

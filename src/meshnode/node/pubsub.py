@@ -25,7 +25,6 @@ subjects: the signed ``from`` must be the subject's owner token.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -34,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import Event
 from meshnode.aio import BackgroundTasks
+from meshnode.node.pipeline import Intake, Path, Refused, decode_verified, guard
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import (
-    decode_envelope,
+    build_envelope,
     encode_envelope,
     sign_envelope,
     validate_envelope,
@@ -54,13 +54,12 @@ from meshnode.protocol.feeds import (
 )
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.preflight import check_envelope_size
-from meshnode.protocol.protections import DeliverySource
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.connection import Msg
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
-    from meshnode.node.runtime import Node
+    from meshnode.node.port import NodePort
 
 __all__ = ["TELEMETRY_KINDS", "PubSub", "SubscriptionRecord"]
 
@@ -98,7 +97,7 @@ class SubscriptionRecord:
 class PubSub:
     """The node's publish/subscribe state (see the module docstring)."""
 
-    def __init__(self, node: Node, *, emit_limit: int = 600, emit_window_ms: int = 60_000) -> None:
+    def __init__(self, node: NodePort, *, emit_limit: int = 600, emit_window_ms: int = 60_000) -> None:
         self.node = node
         self.emit_limiter = SlidingWindowLimiter(emit_limit, emit_window_ms, max_keys=10_000)
         self._records: dict[str, list[SubscriptionRecord]] = {}
@@ -125,6 +124,26 @@ class PubSub:
             retry_after_ms=decision.retry_after_ms,
         )
 
+    async def emit(
+        self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
+    ) -> None:
+        """Publish ``hosted``'s event on ``mesh.event.{domain}.{event_type}`` (§6.6):
+        size-checked, rate-limited per agent per subject, ``Nats-Msg-Id`` = its id."""
+        payload: dict[str, Any] = {"domain": domain, "event_type": event_type}
+        if data is not None:
+            payload["data"] = data
+        env = build_envelope(
+            "emit", hosted.agent_id, now_ms=self.node.now_ms(), payload=payload, trace=trace, ids=self.node.ids
+        )
+        sign_envelope(env, hosted.key)
+        raw = encode_envelope(env)
+        check_envelope_size(len(raw), self.node.connection.max_payload)
+        subject = subjects.event_subject(domain, event_type)
+        self.check_emit(hosted, subject)  # §6.6 per agent per subject; raises RATE_LIMITED
+        self.note_emit(hosted, domain)
+        self.node.audit(hosted, env, direction="out", path="live")
+        await self.node.connection.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
+
     def note_emit(self, hosted: HostedAgent, domain: str) -> None:
         """On an agent's first emit in ``domain``, check once that anything retains it."""
         key = (hosted.agent_id, domain)
@@ -150,6 +169,43 @@ class PubSub:
             )
 
     # -- subscriptions ---------------------------------------------------------------
+
+    async def subscribe_events(
+        self, hosted: HostedAgent, pattern: str, *, durable: bool = True, replay: bool = False
+    ) -> str:
+        """Subscribe ``hosted`` to ``mesh.event.{pattern}`` (§6.7, §18.6).
+
+        A durable subscription is a JetStream consumer on MESH_EVENTS named
+        ``mesh_event_{agent}_{hash}``: events published while the node is away
+        are delivered when it returns (at-least-once, acked after the handler;
+        judged with the mailbox window because they come out of a buffer). An
+        ephemeral one is a core subscription judged with the live window.
+        Returns the consumer name (durable) or the subject (ephemeral).
+        """
+        subject = subjects.event_filter(pattern)
+        if not durable:
+            async def on_live(msg: Msg) -> None:
+                try:
+                    await hosted.receive_event(msg.data, subject=msg.subject, source=Path.LIVE)
+                except Exception:
+                    hosted.agent.log.exception("event pipeline failed")
+
+            hosted.subscriptions.append(await self.node.connection.subscribe(subject, on_live))
+            await self.record_subscription(hosted, kind="event", subject=subject)
+            return subject
+
+        name = subjects.event_consumer_name(hosted.agent_id, pattern)
+
+        async def deliver(msg: Msg) -> None:
+            await hosted.receive_event(msg.data, subject=msg.subject, source=Path.MAILBOX)
+
+        sub = await self.node.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
+        hosted.subscriptions.append(sub)
+        await self.record_subscription(
+            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
+        )
+        return name
+
 
     async def record_subscription(
         self,
@@ -279,7 +335,7 @@ class PubSub:
         if not durable:
             async def on_live(msg: Msg) -> None:
                 try:
-                    await self.receive_feed(hosted, msg.data, subject=msg.subject, source="live")
+                    await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.LIVE)
                 except Exception:
                     hosted.agent.log.exception("feed pipeline failed")
 
@@ -290,7 +346,7 @@ class PubSub:
         name = subjects.feed_consumer_name(hosted.agent_id, subject)
 
         async def deliver(msg: Msg) -> None:
-            await self.receive_feed(hosted, msg.data, subject=msg.subject, source="mailbox")
+            await self.receive_feed(hosted, msg.data, subject=msg.subject, source=Path.MAILBOX)
 
         sub = await node.durable_consume(
             hosted, subject, stream=subjects.FEED_STREAM, name=name, replay=replay, deliver=deliver
@@ -319,7 +375,7 @@ class PubSub:
                 verify_envelope(env)
                 check_feed_envelope(env, subject)
             except (ProtocolError, FeedRefused) as exc:
-                hosted.signal("feed.snapshot_refused", stored, str(exc))
+                hosted.refuse(Intake.FEED, "snapshot_refused", stored, str(exc))
                 env = None
         latest = self._latest.get((hosted.agent_id, owner, topic))
         if latest is not None and supersedes(latest, env):
@@ -330,35 +386,33 @@ class PubSub:
         hosted.counters["feeds.snapshots"] += 1
         return _feed_event(subject, env, payload)
 
-    async def receive_feed(self, hosted: HostedAgent, data: bytes, *, subject: str, source: str) -> bool:
+    async def receive_feed(self, hosted: HostedAgent, data: bytes, *, subject: str, source: Path | str) -> bool:
         """The feed delivery path: verify, owner check, §22 guard, then ``on_event``.
 
         Returns True when the delivery reached the handler. Feed deliveries
         are ambient: they go to ``on_event``, never to the request path or
         the inbox.
         """
+        path = source if isinstance(source, Path) else Path(source)
         node = self.node
         now_ms = node.now_ms()
         hosted.counters["feeds.received"] += 1
         try:
-            env = decode_envelope(data)
-            payload = check_feed_envelope(env, subject)
-        except ProtocolError as exc:
-            hosted.signal(f"feed.{exc.code.lower()}", None, exc.message)
-            return False
-        except FeedRefused as exc:
-            hosted.signal(f"feed.{exc.reason}", None, str(exc))
-            return False
-        window = DeliverySource.MAILBOX if source == "mailbox" else DeliverySource.LIVE
-        verdict = hosted.event_guard.check(env, source=window, now_ms=now_ms)
-        if not verdict.accepted:
-            hosted.signal(f"feed.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
+            env = decode_verified(data)
+            try:
+                payload = check_feed_envelope(env, subject)
+            except FeedRefused as exc:  # the owner rule of owner-rooted subjects
+                raise Refused(exc.reason, str(exc)) from None
+            guard(hosted.event_guard, env, path, now_ms)
+        except Refused as refused:
+            hosted.refuse(Intake.FEED, refused.rule, refused.envelope, refused.detail)
             return False
         if payload.kind == "state" and not self._advance(hosted, env, payload):
             hosted.counters["feeds.superseded"] += 1
             return False
-        node.audit(hosted, env, direction="in", path=f"feed-{source}")
-        return await self._dispatch(hosted, env, _feed_event(subject, env, payload), "feeds")
+        node.audit(hosted, env, direction="in", path=f"feed-{path.value}")
+        await hosted.dispatch_event(env, _feed_event(subject, env, payload), "feeds")
+        return True
 
     def _advance(self, hosted: HostedAgent, env: Mapping[str, Any], payload: FeedPayload) -> bool:
         key = (hosted.agent_id, str(env["from"]), payload.topic)
@@ -368,26 +422,6 @@ class PubSub:
         self._latest.move_to_end(key)
         if len(self._latest) > _LATEST_CAP:
             self._latest.popitem(last=False)
-        return True
-
-    async def _dispatch(self, hosted: HostedAgent, env: dict[str, Any], event: Event, counter: str) -> bool:
-        from meshnode.node.context import AgentContext
-
-        obs = self.node.observability
-        ctx = AgentContext(hosted, envelope=env)
-        ok = True
-        try:
-            await hosted.agent.on_event(ctx, event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            ok = False
-            hosted.counters[f"{counter}.failed"] += 1
-            hosted.agent.log.exception("on_event failed for %s", event.subject)
-        else:
-            hosted.counters[f"{counter}.handled"] += 1
-        if obs is not None:
-            obs.event_done(hosted, env, ok)
         return True
 
     # -- telemetry (an observer's subscription) -----------------------------------------------
@@ -412,7 +446,7 @@ class PubSub:
 
         async def on_msg(msg: Msg) -> None:
             try:
-                await self._receive_telemetry(hosted, msg.data, msg.subject)
+                await self.receive_telemetry(hosted, msg.data, msg.subject)
             except Exception:
                 hosted.agent.log.exception("telemetry pipeline failed")
 
@@ -420,20 +454,19 @@ class PubSub:
         await self.record_subscription(hosted, kind="telemetry", subject=subject)
         return subject
 
-    async def _receive_telemetry(self, hosted: HostedAgent, data: bytes, subject: str) -> bool:
+    async def receive_telemetry(self, hosted: HostedAgent, data: bytes, subject: str) -> bool:
+        """The telemetry intake: decode ─► verify ─► kind and owner (an emit from the
+        agent the subject names) ─► §22 guard (live) ─► ``on_event``. Never audited,
+        so never traced: observing spans must not produce spans."""
         parts = subject.split(".")
         owner = parts[2] if len(parts) >= 3 else ""
         try:
-            env = decode_envelope(data)
-        except ProtocolError as exc:
-            hosted.signal(f"telemetry.{exc.code.lower()}", None, exc.message)
-            return False
-        if env["type"] != "emit" or env["from"] != owner:
-            hosted.signal("telemetry.not_owner", env, f"on {subject}")
-            return False
-        verdict = hosted.event_guard.check(env, source=DeliverySource.LIVE, now_ms=self.node.now_ms())
-        if not verdict.accepted:
-            hosted.signal(f"telemetry.{verdict.local_signal or 'refused'}", env, verdict.reason or "")
+            env = decode_verified(data)
+            if env["type"] != "emit" or env["from"] != owner:
+                raise Refused("not_owner", f"on {subject}", envelope=env)
+            guard(hosted.event_guard, env, Path.LIVE, self.node.now_ms())
+        except Refused as refused:
+            hosted.refuse(Intake.TELEMETRY, refused.rule, refused.envelope, refused.detail)
             return False
         payload = env.get("payload")
         payload = payload if isinstance(payload, Mapping) else {}
@@ -446,18 +479,7 @@ class PubSub:
             data=payload.get("data") if "data" in payload else dict(payload),
             envelope=env,
         )
-        from meshnode.node.context import AgentContext
-
-        # Never audited, so never traced: observing spans must not produce spans.
-        try:
-            await hosted.agent.on_event(AgentContext(hosted, envelope=env), event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            hosted.counters["telemetry.failed"] += 1
-            hosted.agent.log.exception("on_event failed for %s", subject)
-            return True
-        hosted.counters["telemetry.handled"] += 1
+        await hosted.dispatch_event(env, event, "telemetry", observed=False)
         return True
 
     # -- housekeeping ----------------------------------------------------------------------

@@ -16,77 +16,51 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
 import orjson
 
-from meshnode.agent import Agent, AgentSettings
+from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node.context import AgentContext
 from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
+from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
-from meshnode.node.outbound import PendingRequests, RemoteError, Reply
+from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import PeriodicJob
+from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
+from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
+from meshnode.node.tasks import RequesterTask, cancel_task
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
-from meshnode.protocol.accept import is_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.attestations import default_vouch_ttl_ms, make_vouch, renew_at_ms
 from meshnode.protocol.envelope import (
-    PROTOCOL_VERSION,
     IdGenerator,
     build_envelope,
-    decode_envelope,
     encode_envelope,
     new_root_trace,
     sign_envelope,
 )
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.manifest import describe_document, materialize_public_block
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.preflight import (
     check_envelope_size,
-    next_allowed_at,
     preflight_request,
-    prune_history,
 )
-from meshnode.protocol.protections import DedupMemory, FreshnessWindow, InboundGuard
-from meshnode.protocol.tasks import check_task_id
+from meshnode.protocol.protections import DedupMemory, InboundGuard
+from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
 from meshnode.transport.connection import MeshConnection, Msg
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
 log = logging.getLogger("meshnode.node")
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    """What the runtime needs from the configuration, already typed."""
-
-    name: str
-    heartbeat_interval_s: float = 30.0
-    availability_class: str | None = None
-    vouch_ttl_ms: int | None = None
-    freshness: FreshnessWindow = field(default_factory=FreshnessWindow)
-    max_inbound_chars: int = 65536
-    dedup_entries: int = 5000
-    registry_timeout_s: float = 5.0
-    resolve_ttl_s: float = 30.0
-    #: Emits (events and feeds) per agent per subject per window (§6.6).
-    emit_limit: int = 600
-    emit_window_ms: int = 60_000
-    #: Seconds between passes of each agent's mailbox drain (§16.4).
-    drain_interval_s: float = 60.0
 
 
 class Node:
@@ -99,6 +73,7 @@ class Node:
         node_key: KeyPair,
         connection: MeshConnection,
         clock: Callable[[], int] = wall_clock_ms,
+        refusals: RefusalCounter | None = None,
         inbox: InboxStore | None = None,
         check_sender_vouch: bool = False,
         trust_attestation: dict[str, Any] | None = None,
@@ -115,16 +90,17 @@ class Node:
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
+        #: Every inbound refusal of every intake, counted the one way (shared
+        #: with the platform services the daemon hosts, when it passes one).
+        self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
         self._jobs: dict[str, PeriodicJob] = {}
         # Delivery-status signals of requests in flight (§18.7): request id ->
         # (requester, whether the target has a buffer), under one subscription.
-        self._status_waiters: dict[str, tuple[str, bool]] = {}
-        self._status_prefix: str | None = None
-        self._status_lock = asyncio.Lock()
+        self.watch = DeliveryWatch(connection, self.pending)
         self.inbox: InboxStore | None = inbox
-        self._sent: dict[tuple[str, str], list[int]] = {}
+        self.pacer = SendPacer(self.now_ms)
         # Senders' vouches checked against the registry (§9.2), when configured.
         self.trust: VouchMemo | None = VouchMemo(self) if check_sender_vouch else None
         #: The operator-signed §9.7 attestation of this node (trust_tier, role),
@@ -136,7 +112,6 @@ class Node:
         self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
-        self.drain_interval_s = settings.drain_interval_s
         # The outbound gateway ([a2a.peers]; the daemon plugs in the A2A bridge's
         # client, meshnode.a2a.outbound.A2AOutbound); None when no peer is configured.
         self.a2a: OutboundGateway | None = a2a
@@ -239,23 +214,20 @@ class Node:
             hosted.vouch = self._vouch(hosted.agent_id)
             hosted.manifest = self.build_manifest(hosted)
             await self._subscribe_inbox(hosted)
-            from meshnode.node.context import AgentContext
-
             await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
             for pattern in agent_class.accepts:
                 # The manifest's accepts are the patterns the agent subscribes to.
                 tail = pattern.removeprefix("mesh.event.")
-                await self.subscribe_events(hosted, tail, durable=True)
+                await self.pubsub.subscribe_events(hosted, tail, durable=True)
             hosted.state = AgentState.RUNNING
-        except Exception as exc:
+        except Exception:
             hosted.state = AgentState.FAILED
-            hosted.failure = f"{type(exc).__name__}: {exc}"
             await self._unsubscribe(hosted)
             raise
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
         if self.inbox is not None:
-            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.drain_interval_s)
+            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s)
             self.drains[name] = drain
             drain.start()
         return hosted
@@ -297,7 +269,7 @@ class Node:
             if drain is not None:
                 drain.note_live_mail()
             try:
-                await hosted.receive(msg.data, source="live", reply=msg.reply or None)
+                await hosted.receive(msg.data, source=Path.LIVE, reply=msg.reply or None)
             except Exception:  # the pipeline must never kill the subscription
                 hosted.agent.log.exception("inbound pipeline failed")
 
@@ -364,55 +336,8 @@ class Node:
                 await self.register(hosted)
 
     def build_manifest(self, hosted: HostedAgent) -> dict[str, Any]:
-        """The manifest this node registers for ``hosted`` (§8.1, §8.2)."""
-        cls = type(hosted.agent)
-        inbox = subjects.agent_inbox(hosted.agent_id)
-        manifest: dict[str, Any] = {
-            "id": hosted.agent_id,
-            "name": cls.display_name or hosted.name,
-            "description": cls.description or f"{hosted.kind} agent",
-            "version": cls.version,
-            "protocol_version": PROTOCOL_VERSION,
-            "endpoint": inbox,
-            "endpoints": {"inbox": inbox},
-            "node": self._node_member(hosted),
-            "capabilities": list(cls.capabilities),
-            "offerings": [spec.manifest_entry() for spec in hosted.offerings.values()],
-            "interaction": hosted.interaction,
-            "limits": {"max_inbound_chars": self.settings.max_inbound_chars},
-        }
-        public: dict[str, Any] = dict(cls.public or {})
-        public.setdefault("description", manifest["description"])
-        public["offerings"] = [s.id for s in hosted.offerings.values() if s.advertise]
-        manifest["public"] = public
-        for attr in ("provider", "rate_limits"):
-            value = getattr(cls, attr)
-            if value:
-                manifest[attr] = dict(value)
-        if cls.limits:
-            manifest["limits"] = {**manifest["limits"], **dict(cls.limits)}
-        if cls.accepts:
-            manifest["accepts"] = [
-                p if p.startswith("mesh.event.") else f"mesh.event.{p}" for p in cls.accepts
-            ]
-        emits = list(cls.emits)
-        # Declared feeds are discoverable as the agent's feed subjects (§6.6a).
-        emits += PubSub.feed_emits(hosted.agent_id, cls.feeds)
-        if emits:
-            manifest["emits"] = emits
-        if cls.visibility:
-            manifest["visibility"] = cls.visibility
-        if cls.default_input_modes is not None:
-            manifest["default_input_modes"] = list(cls.default_input_modes)
-        if cls.default_output_modes is not None:
-            manifest["default_output_modes"] = list(cls.default_output_modes)
-        return manifest
-
-    def describe_document(self, hosted: HostedAgent) -> dict[str, Any]:
-        """The §10.14 document: served from declared bytes, never the agent."""
-        # materialize_public_block returns the whole manifest with its public
-        # block rebuilt (§8.7); the document carries only that block.
-        return describe_document(materialize_public_block(hosted.manifest))
+        """The manifest this node registers for ``hosted`` (:func:`meshnode.node.manifests.build_manifest`)."""
+        return build_manifest(hosted, self._node_member(hosted), self.settings.max_inbound_chars)
 
     async def service_call(
         self, hosted: HostedAgent, subject: str, kind: str, payload: Any, *, timeout: float | None = None
@@ -433,15 +358,7 @@ class Node:
             raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
         except nats.errors.TimeoutError:
             raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
-        reply = decode_envelope(msg.data)
-        if reply.get("in_reply_to") != env["id"] or reply.get("to") != hosted.agent_id:
-            raise ProtocolError("IDENTITY_MISMATCH", "service reply is not bound to the request")
-        # Pin each service's key on first use (WIRE-NOTES): a later reply signed
-        # by another key is refused rather than trusted.
-        service = subject.split(".")[1] if subject.startswith("mesh.") else subject
-        pinned = self.service_keys.setdefault(service, reply["from"])
-        if reply["from"] != pinned:
-            raise ProtocolError("IDENTITY_MISMATCH", f"{service} reply signed by an unpinned key")
+        reply = receive_service_reply(msg.data, env, subject, self.service_keys, self.refusals)
         if reply.get("error"):
             raise RemoteError(reply)
         payload_out = reply.get("payload")
@@ -490,7 +407,7 @@ class Node:
         target = self.by_id.get(to_agent)
         self.audit(sender, env, direction="out", path="local" if target else "live")
         if target is not None:
-            await target.receive(data, source="local")
+            await target.receive(data, source=Path.LOCAL)
             return
         check_envelope_size(len(data), self.connection.max_payload)
         await self.connection.publish(subjects.agent_inbox(to_agent), data)
@@ -540,7 +457,7 @@ class Node:
         mesh extension's call chain and origin there).
         """
         manifest = await self.resolve(hosted, target)
-        await self._throttle(hosted, target, manifest, timeout)
+        await self.pacer.wait_turn(hosted.agent_id, target, manifest, timeout, hosted.counters)
         payload: dict[str, Any] = {"offering": offering}
         if input is not None:
             payload["input"] = input
@@ -573,7 +490,7 @@ class Node:
         self.audit(hosted, env, direction="out", path="local" if local else "live")
         try:
             if local is not None:
-                await local.receive(data, source="local")
+                await local.receive(data, source=Path.LOCAL)
             else:
                 check_envelope_size(len(data), self.connection.max_payload)
                 endpoints = manifest.get("endpoints")
@@ -581,16 +498,15 @@ class Node:
                 inbox = inbox if isinstance(inbox, str) else manifest.get("endpoint")
                 if not isinstance(inbox, str):
                     raise ProtocolError("AGENT_UNAVAILABLE", "the target's manifest names no inbox")
-                await self._publish_watched(hosted, env["id"], inbox, data, manifest)
+                await self.watch.publish(hosted.agent_id, env["id"], inbox, data,
+                                         buffered=not manifest.get("sandbox", False))
             reply = await self.pending.wait(hosted.agent_id, env["id"], timeout)
         finally:
             self.pending.close(hosted.agent_id, env["id"])
-            self._status_waiters.pop(env["id"], None)
+            self.watch.forget(env["id"])
         if reply.error is not None or reply.status == "failed":
             raise RemoteError(reply.envelope)
-        if reply.task_id is not None and reply.status not in ("completed", "rejected", "canceled", "exhausted"):
-            from meshnode.node.tasks import RequesterTask
-
+        if reply.task_id is not None and reply.status not in TERMINAL_STATES:
             sign_chunks = bool(config and config.get("sign_chunks"))
             reply = dataclasses.replace(reply, task=RequesterTask(hosted, reply.envelope, sign_chunks=sign_chunks))
         return reply
@@ -617,98 +533,6 @@ class Node:
                            envelope=envelope, budget=budget)
         self.counters["a2a.calls"] += 1
         return await self.a2a.call(peer, offering, input, call, timeout=timeout, stream=stream)
-
-    async def _throttle(self, hosted: HostedAgent, target: str, manifest: Mapping[str, Any], timeout: float) -> None:
-        """Keep to the recipient's published rate_limits (§6.4b): wait our turn, or
-        refuse locally with RATE_LIMITED when the turn is beyond the caller's wait."""
-        limits = manifest.get("rate_limits")
-        if not isinstance(limits, Mapping) or not limits:
-            return
-        key = (hosted.agent_id, target)
-        history = prune_history(self._sent.get(key, ()), limits, self.now_ms())
-        wait_ms = next_allowed_at(history, limits, self.now_ms()) - self.now_ms()
-        if wait_ms > timeout * 1000:
-            raise ProtocolError(
-                "RATE_LIMITED",
-                "the recipient's published rate limit allows no request before the wait ends",
-                {"limit": "rate_limits"},
-                retry_after_ms=wait_ms,
-            )
-        if wait_ms > 0:
-            hosted.counters["throttled"] += 1
-            await asyncio.sleep(wait_ms / 1000)
-        history.append(self.now_ms())
-        self._sent[key] = history
-        if len(self._sent) > 10_000:  # bounded: forget the oldest pairs
-            self._sent.pop(next(iter(self._sent)))
-
-    async def _publish_watched(
-        self,
-        hosted: HostedAgent,
-        request_id: str,
-        inbox: str,
-        data: bytes,
-        manifest: Mapping[str, Any],
-    ) -> None:
-        """Publish with a reply subject used only as a delivery-status signal (§18.7).
-
-        The reply subject is ``{status prefix}.{request id}`` under one wildcard
-        subscription the node holds for all requests: no task, future or timer
-        per request (each request used to keep a nats-py request alive until its
-        timeout). The entry is dropped when the request's wait ends.
-        """
-        buffered = not manifest.get("sandbox", False)
-        prefix = self._status_prefix or await self._open_status_inbox()
-        self._status_waiters[request_id] = (hosted.agent_id, buffered)
-        await self.connection.publish(inbox, data, reply=f"{prefix}.{request_id}")
-
-    async def _open_status_inbox(self) -> str:
-        async with self._status_lock:
-            if self._status_prefix is None:
-                prefix = self.connection.new_inbox()
-                await self.connection.subscribe(f"{prefix}.*", self._on_status)
-                self._status_prefix = prefix
-            return self._status_prefix
-
-    async def _on_status(self, msg: Msg) -> None:
-        """A delivery-status signal: no responders, or a node's queued ack."""
-        request_id = msg.subject.rpartition(".")[2]
-        waiter = self._status_waiters.pop(request_id, None)
-        if waiter is None:
-            return  # the request's wait already ended
-        requester, buffered = waiter
-        headers = msg.headers
-        if headers and headers.get("Status") == "503":  # the server's no-responders signal
-            if buffered:
-                self.pending.mark_queued(requester, request_id)
-            else:
-                self.pending.mark_unavailable(requester, request_id)
-            return
-        try:
-            ack = orjson.loads(msg.data)
-        except orjson.JSONDecodeError:
-            return
-        if is_queued_ack(ack):
-            inbox_id = ack.get("inbox_id")
-            self.pending.mark_queued(requester, request_id, str(inbox_id) if inbox_id is not None else None, acked=True)
-
-    async def emit(
-        self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
-    ) -> None:
-        payload: dict[str, Any] = {"domain": domain, "event_type": event_type}
-        if data is not None:
-            payload["data"] = data
-        env = build_envelope(
-            "emit", hosted.agent_id, now_ms=self.now_ms(), payload=payload, trace=trace, ids=self.ids
-        )
-        sign_envelope(env, hosted.key)
-        raw = encode_envelope(env)
-        check_envelope_size(len(raw), self.connection.max_payload)
-        subject = subjects.event_subject(domain, event_type)
-        self.pubsub.check_emit(hosted, subject)  # §6.6 per agent per subject; raises RATE_LIMITED
-        self.pubsub.note_emit(hosted, domain)
-        self.audit(hosted, env, direction="out", path="live")
-        await self.connection.publish(subject, raw, headers={"Nats-Msg-Id": env["id"]})
 
     # -- tasks -----------------------------------------------------------------
 
@@ -776,66 +600,22 @@ class Node:
     async def cancel_task(
         self, hosted: HostedAgent, responder: str, task_id: str, reason: str, note: str | None, *, wait: bool = True
     ) -> dict[str, Any]:
-        """Cancel a task this agent asked for (§10.8): the ``task.cancel`` request to
-        the performer and the ``canceled`` update the task manager records. The
-        cancel is effective for the caller when sent; the performer's answer is
-        awaited only with ``wait``."""
-        cancel_input: dict[str, Any] = {"task_id": task_id, "reason": reason}
-        if note:
-            cancel_input["note"] = note
-        update = build_envelope(
-            "respond", hosted.agent_id, now_ms=self.now_ms(), to=responder, task_id=task_id,
-            payload={"status": "canceled", "reason": reason, **({"note": note} if note else {})}, ids=self.ids,
-        )
-        sign_envelope(update, hosted.key)
-        await self.publish_task(subjects.task_update(task_id), update)
-        if not wait:
-            try:
-                await self.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
-            except ProtocolError as exc:
-                log.info("forwarded cancel of %s: %s", task_id, exc)
-            return {"task_id": task_id, "status": "canceled"}
-        reply = await self.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
-        out = reply.output
-        return out if isinstance(out, dict) else {"task_id": task_id, "status": "canceled"}
+        """Cancel a task ``hosted`` asked for (:func:`meshnode.node.tasks.cancel_task`)."""
+        return await cancel_task(self, hosted, responder, task_id, reason, note, wait=wait)
 
     # -- events ----------------------------------------------------------------
 
     async def subscribe_events(
         self, hosted: HostedAgent, pattern: str, *, durable: bool = True, replay: bool = False
     ) -> str:
-        """Subscribe ``hosted`` to ``mesh.event.{pattern}`` (§6.7, §18.6).
+        """Subscribe ``hosted`` to ``mesh.event.{pattern}`` (:meth:`PubSub.subscribe_events`)."""
+        return await self.pubsub.subscribe_events(hosted, pattern, durable=durable, replay=replay)
 
-        A durable subscription is a JetStream consumer on MESH_EVENTS named
-        ``mesh_event_{agent}_{hash}``: events published while the node is away
-        are delivered when it returns (at-least-once, acked after the handler;
-        judged with the mailbox window because they come out of a buffer). An
-        ephemeral one is a core subscription judged with the live window.
-        Returns the consumer name (durable) or the subject (ephemeral).
-        """
-        subject = subjects.event_filter(pattern)
-        if not durable:
-            async def on_live(msg: Msg) -> None:
-                try:
-                    await hosted.receive_event(msg.data, subject=msg.subject, source="live")
-                except Exception:
-                    hosted.agent.log.exception("event pipeline failed")
-
-            hosted.subscriptions.append(await self.connection.subscribe(subject, on_live))
-            await self.pubsub.record_subscription(hosted, kind="event", subject=subject)
-            return subject
-
-        name = subjects.event_consumer_name(hosted.agent_id, pattern)
-
-        async def deliver(msg: Msg) -> None:
-            await hosted.receive_event(msg.data, subject=msg.subject, source="mailbox")
-
-        sub = await self.durable_consume(hosted, subject, stream="MESH_EVENTS", name=name, replay=replay, deliver=deliver)
-        hosted.subscriptions.append(sub)
-        await self.pubsub.record_subscription(
-            hosted, kind="event", subject=subject, consumer=name, replay=replay, sub=sub
-        )
-        return name
+    async def emit(
+        self, hosted: HostedAgent, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]
+    ) -> None:
+        """Publish ``hosted``'s event (:meth:`PubSub.emit`)."""
+        await self.pubsub.emit(hosted, domain, event_type, data, trace=trace)
 
     async def durable_consume(
         self,
@@ -870,6 +650,7 @@ class Node:
         return await self.connection.js.subscribe(
             subject, durable=name, stream=stream, config=config, cb=on_durable, manual_ack=True
         )
+
 
     # -- heartbeat -------------------------------------------------------------
 
@@ -911,38 +692,9 @@ class Node:
     # -- status ----------------------------------------------------------------
 
     def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
-        return {
-            "name": hosted.name,
-            "id": hosted.agent_id,
-            "plugin": hosted.kind,
-            "state": hosted.state,
-            "registered": hosted.registered,
-            "registration_error": hosted.registration_error,
-            "vouch_expires_at": hosted.vouch.get("expires_at"),
-            "interaction": hosted.interaction,
-            "offerings": sorted(hosted.offerings),
-            "active_tasks": hosted.active_tasks,
-            "counters": dict(hosted.counters),
-            "drain": self._drain_status(hosted.name),
-            "subscriptions": self.pubsub.subscriptions(hosted),
-        }
+        return hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
 
-    def _drain_status(self, name: str) -> dict[str, Any] | None:
+    def drain_status(self, name: str) -> dict[str, Any] | None:
+        """The mailbox drain of agent ``name`` for status, or None without one."""
         drain = self.drains.get(name)
-        if drain is None:
-            return None
-        st = drain.stats
-        return {
-            "passes": st.passes,
-            "fetched": st.fetched,
-            "committed": st.committed,
-            "duplicates": st.duplicates,
-            "beyond_bound": st.beyond_bound,
-            "dispatched": st.dispatched,
-            "last_bound": st.last_bound,
-            "idle_skips": st.idle_skips,
-            "quiet_skips": st.quiet_skips,
-            "running": st.running,
-            "failing": drain.job.failing,
-            "last_error": drain.job.last_error,
-        }
+        return drain.status() if drain is not None else None

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from meshnode.agent import FollowUp, InputTimeout, StreamBroken
+from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
 from meshnode.protocol.cancel import CANCEL_REASONS, build_failed_update_payload, propagated_note
@@ -28,15 +30,23 @@ from meshnode.protocol.envelope import (
     build_envelope,
     child_trace,
     decode_envelope,
+    new_root_trace,
     sign_envelope,
     verify_envelope,
 )
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.offerings import offering_id_of
-from meshnode.protocol.tasks import PausedTask, TaskState, check_state_update
+from meshnode.protocol.tasks import (
+    PAUSED_STATES,
+    TERMINAL_STATES,
+    PausedTask,
+    TaskState,
+    check_state_update,
+)
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
+    from meshnode.node.port import NodePort
 
 __all__ = ["FollowUp", "InputTimeout", "RequesterTask", "ResponderTask", "StreamBroken", "new_task_id"]
 
@@ -48,24 +58,9 @@ def new_task_id() -> str:
     return "t" + os.urandom(16).hex()
 
 
-@dataclass(frozen=True)
-class FollowUp:
-    """The requester's answer to an input or auth round: its (framed) input and
-    the verified request envelope that carried it."""
-
-    input: Any
-    envelope: Mapping[str, Any]
-
-
-class InputTimeout(asyncio.CancelledError):
-    """No follow-up arrived within the wait: the Task was canceled (§7.3, paused →
-    canceled). A CancelledError, so an uncaught one ends the handler the way a
-    requester's cancel does, quietly; catch it to clean up."""
-
-
 @dataclass
 class ResponderTask:
-    """The handler's side of a Task. Get one with ``await ctx.defer()``.
+    """The handler's side of a Task (implements :class:`meshnode.agent.ResponderTask`).
 
     Every method sends a signed update; only legal transitions are allowed
     (§7.3). When the handler returns, the node completes the task with its
@@ -79,7 +74,6 @@ class ResponderTask:
     budget: Any = None
     delegates: list[tuple[str, str]] = field(default_factory=list)  # (agent, task_id) of sub-tasks
     _revision: asyncio.Event = field(default_factory=asyncio.Event)
-    _update_sub: Any = None
     # The open input/auth round (§7.3): resolved by the requester's follow-up.
     _round: asyncio.Future[FollowUp] | None = None
     _answered: FollowUp | None = None
@@ -395,16 +389,9 @@ class ResponderTask:
         self._revision.set()
 
 
-class StreamBroken(ProtocolError):
-    """A stream ended wrong: truncated, a chunk missing or injected, or from
-    someone other than the agent that opened it (§11.6)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("INVALID_ENVELOPE", message, {"stream": "broken"})
-
-
 class RequesterTask:
-    """The caller's side of a Task its request became (§7.0, §11.3).
+    """The caller's side of a Task its request became (§7.0, §11.3; implements
+    :class:`meshnode.agent.RequesterTask`).
 
     ``await task.result()`` waits for the terminal update (replaying the task's
     updates from the start, so nothing published before the wait is missed);
@@ -474,18 +461,24 @@ class RequesterTask:
         """Every signed update from the responder, in order, until a terminal one."""
         queue, sub = await self._replay(subjects.task_update(self.task_id), "u")
         seen: set[str] = set()
+        refusals = self.hosted.node.refusals
         try:
             while True:
                 data = await asyncio.wait_for(queue.get(), timeout=timeout)
+                # The task-update intake: decode ─► verify ─► once each ─► this
+                # task ─► from one of its parties. Refusals are counted, silently.
                 try:
-                    env = decode_envelope(data)
-                except ProtocolError:
+                    env = decode_verified(data)
+                    if env["id"] in seen:
+                        raise Refused("duplicate")
+                    if env.get("task_id") != self.task_id:
+                        raise Refused("not_this_task")
+                    seen.add(env["id"])
+                    if env["from"] != self.responder and env["from"] != self.hosted.agent_id:
+                        raise Refused("not_a_party")  # only the task's parties speak on it
+                except Refused as refused:
+                    refusals.count(Intake.TASK_UPDATE, refused.rule)
                     continue
-                if env["id"] in seen or env.get("task_id") != self.task_id:
-                    continue
-                seen.add(env["id"])
-                if env["from"] != self.responder and env["from"] != self.hosted.agent_id:
-                    continue  # only the task's parties speak on it
                 raw_payload = env.get("payload")
                 payload: Mapping[str, Any] = raw_payload if isinstance(raw_payload, Mapping) else {}
                 if env["from"] == self.responder and "status" in payload:
@@ -588,8 +581,8 @@ class RequesterTask:
         to the responder, and the ``canceled`` update the task manager records."""
         if reason not in CANCEL_REASONS:
             raise ProtocolError("INVALID_ENVELOPE", f"cancel reason {reason!r} is not one of the eight", {"member": "reason"})
-        result: Mapping[str, Any] = await self.hosted.node.cancel_task(
-            self.hosted, self.responder, self.task_id, reason, note
+        result: Mapping[str, Any] = await cancel_task(
+            self.hosted.node, self.hosted, self.responder, self.task_id, reason, note
         )
         return result
 
@@ -612,8 +605,35 @@ class RequesterTask:
         return record
 
 
-_TERMINAL = {"completed", "failed", "canceled", "rejected", "exhausted"}
-_PAUSED = {"input_required", "auth_required"}
+_TERMINAL: frozenset[str] = TERMINAL_STATES
+_PAUSED: frozenset[str] = PAUSED_STATES
+
+
+async def cancel_task(
+    node: NodePort, hosted: HostedAgent, responder: str, task_id: str, reason: str, note: str | None, *, wait: bool = True
+) -> dict[str, Any]:
+    """Cancel a task this agent asked for (§10.8): the ``task.cancel`` request to
+    the performer and the ``canceled`` update the task manager records. The
+    cancel is effective for the caller when sent; the performer's answer is
+    awaited only with ``wait``."""
+    cancel_input: dict[str, Any] = {"task_id": task_id, "reason": reason}
+    if note:
+        cancel_input["note"] = note
+    update = build_envelope(
+        "respond", hosted.agent_id, now_ms=node.now_ms(), to=responder, task_id=task_id,
+        payload={"status": "canceled", "reason": reason, **({"note": note} if note else {})}, ids=node.ids,
+    )
+    sign_envelope(update, hosted.key)
+    await node.publish_task(subjects.task_update(task_id), update)
+    if not wait:
+        try:
+            await node.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+        except ProtocolError as exc:
+            log.info("forwarded cancel of %s: %s", task_id, exc)
+        return {"task_id": task_id, "status": "canceled"}
+    reply = await node.send_request(hosted, responder, "task.cancel", cancel_input, trace=new_root_trace(), timeout=30)
+    out = reply.output
+    return out if isinstance(out, dict) else {"task_id": task_id, "status": "canceled"}
 
 
 def propagated(reason: str, note: str | None) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from meshnode.protocol.timeutil import try_parse_rfc3339
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
-    from meshnode.node.runtime import Node
+    from meshnode.node.port import NodePort
 
 __all__ = ["VouchMemo"]
 
@@ -39,7 +39,7 @@ VOUCHED, UNVOUCHED, REVOKED, UNKNOWN = "vouched", "unvouched", "revoked", "unkno
 
 
 class VouchMemo:
-    def __init__(self, node: Node, *, vouched_ttl_s: float = 60.0, unvouched_ttl_s: float = 5.0, capacity: int = 50_000) -> None:
+    def __init__(self, node: NodePort, *, vouched_ttl_s: float = 60.0, unvouched_ttl_s: float = 5.0, capacity: int = 50_000) -> None:
         self.node = node
         self.vouched_ttl_s = vouched_ttl_s
         self.unvouched_ttl_s = unvouched_ttl_s

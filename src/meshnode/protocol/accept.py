@@ -281,13 +281,21 @@ def plan_first_reply(path: DeliveryPath, outcome: InboundOutcome) -> ReplyPlan:
       runs the handler but sends none (its first reply is the substantive one).
     """
     if outcome is InboundOutcome.SILENT_REFUSAL:
-        return ReplyPlan(False, FirstReply.NOTHING)
+        return _NOTHING
     if outcome is InboundOutcome.SIZE_REFUSAL:
-        return ReplyPlan(False, FirstReply.ADMISSION_REFUSAL)
+        return _REFUSAL
     if path is DeliveryPath.ATTENDED_INBOX:
-        return ReplyPlan(False, FirstReply.QUEUED_ACK)
+        return _QUEUED
     if outcome is InboundOutcome.BUDGET_REFUSAL:
-        return ReplyPlan(False, FirstReply.ADMISSION_REFUSAL)
+        return _REFUSAL
     if path is DeliveryPath.LIVE:
-        return ReplyPlan(True, FirstReply.ACCEPT)
-    return ReplyPlan(False, FirstReply.SUBSTANTIVE)
+        return _ACCEPT
+    return _SUBSTANTIVE
+
+
+# The five plans, built once: the runtime asks for one on every request.
+_NOTHING = ReplyPlan(False, FirstReply.NOTHING)
+_REFUSAL = ReplyPlan(False, FirstReply.ADMISSION_REFUSAL)
+_QUEUED = ReplyPlan(False, FirstReply.QUEUED_ACK)
+_ACCEPT = ReplyPlan(True, FirstReply.ACCEPT)
+_SUBSTANTIVE = ReplyPlan(False, FirstReply.SUBSTANTIVE)

@@ -33,7 +33,7 @@ from typing import Any
 
 from .budget import Money, budget_insufficient
 from .canonical import CanonicalJSONError
-from .errors import ProtocolError
+from .errors import ProtocolError, shape_error
 from .nkeys import KeyPair, is_valid_public
 from .signing import sign_object, verify_object
 from .timeutil import format_ts, try_parse_rfc3339
@@ -113,9 +113,7 @@ class AllowanceInvalid(StrEnum):
 def _invalid(reason: AllowanceInvalid, member: str, message: str) -> ProtocolError:
     # The same code a malformed budget gets: a money-bearing shape that failed
     # its contract. Local only; an allowance never rides the wire.
-    return ProtocolError(
-        "INVALID_ENVELOPE", f"invalid allowance: {message} (EXT-8 §1)", {"reason": reason.value, "member": member}
-    )
+    return shape_error("INVALID_ENVELOPE", f"invalid allowance: {message} (EXT-8 §1)", reason, member)
 
 
 def _micro(value: object, member: str, *, required: AllowanceInvalid) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .errors import ProtocolError, error_object
+from .errors import ProtocolError, error_object, shape_error
 from .tasks import TaskState, is_terminal
 from .timeutil import format_ts, parse_rfc3339
 
@@ -72,9 +72,7 @@ class BudgetInvalid(StrEnum):
 
 
 def _invalid(reason: BudgetInvalid, member: str, message: str) -> ProtocolError:
-    return ProtocolError(
-        "INVALID_ENVELOPE", f"invalid budget: {message}", {"reason": reason.value, "member": member}
-    )
+    return shape_error("INVALID_ENVELOPE", f"invalid budget: {message}", reason, member)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "error_object",
     "is_retryable",
     "normalize_code",
+    "shape_error",
 ]
 
 #: Every code of §12.2 with its retryability.
@@ -112,3 +114,10 @@ class ProtocolError(Exception):
 
     def to_object(self) -> dict[str, Any]:
         return error_object(self.code, self.message, self.details or None, self.retry_after_ms)
+
+
+def shape_error(code: str, message: str, reason: StrEnum, member: str) -> ProtocolError:
+    """The refusal of a malformed document: ``details.reason`` names the rule it
+    broke and ``details.member`` the member at fault (budgets, allowances,
+    SKUs and prices, agreements)."""
+    return ProtocolError(code, message, {"reason": reason.value, "member": member})

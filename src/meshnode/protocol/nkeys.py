@@ -86,12 +86,17 @@ def _check_crc(raw: bytes) -> bytes:
     return body
 
 
-def encode_public(key: bytes, prefix: Prefix = Prefix.USER) -> str:
-    """Encode a 32-byte Ed25519 public key as an nkey string."""
-    if len(key) != 32:
-        raise NkeyError("an Ed25519 public key is 32 bytes")
+def _check_key_material(raw: bytes, what: str, prefix: Prefix) -> None:
+    """Refuse what cannot be encoded: 32 raw bytes under a public-key role prefix."""
+    if len(raw) != 32:
+        raise NkeyError(f"an Ed25519 {what} is 32 bytes")
     if prefix not in _PUBLIC_PREFIXES:
         raise NkeyError(f"{prefix!r} is not a public-key prefix")
+
+
+def encode_public(key: bytes, prefix: Prefix = Prefix.USER) -> str:
+    """Encode a 32-byte Ed25519 public key as an nkey string."""
+    _check_key_material(key, "public key", prefix)
     return _b32encode(_with_crc(bytes([prefix]) + key))
 
 
@@ -131,10 +136,7 @@ def is_valid_public(text: object, expect: Prefix | None = Prefix.USER) -> bool:
 
 def encode_seed(seed: bytes, prefix: Prefix = Prefix.USER) -> str:
     """Encode a 32-byte Ed25519 seed as an nkey seed string (``SU...`` for users)."""
-    if len(seed) != 32:
-        raise NkeyError("an Ed25519 seed is 32 bytes")
-    if prefix not in _PUBLIC_PREFIXES:
-        raise NkeyError(f"{prefix!r} is not a public-key prefix")
+    _check_key_material(seed, "seed", prefix)
     head = bytes([Prefix.SEED | (prefix >> 5), (prefix & 31) << 3])
     return _b32encode(_with_crc(head + seed))
 

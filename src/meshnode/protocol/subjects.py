@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .nkeys import is_valid_public
@@ -126,39 +127,37 @@ def is_valid_id_token(value: object) -> bool:
     return isinstance(value, str) and _ID_TOKEN.fullmatch(value) is not None
 
 
-def check_token(value: object, what: str) -> str:
-    """Return ``value`` when it is one valid subject token; raise SubjectError naming ``what``."""
-    if not is_valid_token(value):
-        raise SubjectError(f"{what} is not a single subject token: {value!r:.80}")
+def _checked(value: object, valid: Callable[[object], bool], what: str, rule: str) -> str:
+    """``value`` when ``valid`` holds for it; else SubjectError "``what`` ``rule``: value"."""
+    if not valid(value):
+        raise SubjectError(f"{what} {rule}: {value!r:.80}")
     assert isinstance(value, str)
     return value
+
+
+def check_token(value: object, what: str) -> str:
+    """Return ``value`` when it is one valid subject token; raise SubjectError naming ``what``."""
+    return _checked(value, is_valid_token, what, "is not a single subject token")
 
 
 def _id(value: object, what: str) -> str:
-    if not is_valid_id_token(value):
-        raise SubjectError(f"{what} must match [A-Za-z0-9_-]{{1,128}}: {value!r:.80}")
-    assert isinstance(value, str)
-    return value
+    return _checked(value, is_valid_id_token, what, "must match [A-Za-z0-9_-]{1,128}")
 
 
 def _task_id(value: object) -> str:
-    if not is_valid_task_id(value):
-        raise SubjectError(f"task_id must match [A-Za-z0-9_-]{{1,128}}: {value!r:.80}")
-    assert isinstance(value, str)
-    return value
+    return _checked(value, is_valid_task_id, "task_id", "must match [A-Za-z0-9_-]{1,128}")
 
 
 def _key(value: object, what: str) -> str:
-    if not is_valid_public(value):
-        raise SubjectError(f"{what} is not a valid user nkey: {value!r:.80}")
-    assert isinstance(value, str)
-    return value
+    return _checked(value, is_valid_public, what, "is not a valid user nkey")
+
+
+def _is_sha256_hex(value: object) -> bool:
+    return isinstance(value, str) and _SHA256_HEX.fullmatch(value) is not None
 
 
 def _digest(value: object) -> str:
-    if not (isinstance(value, str) and _SHA256_HEX.fullmatch(value)):
-        raise SubjectError(f"digest must be 64 lowercase hex characters: {value!r:.80}")
-    return value
+    return _checked(value, _is_sha256_hex, "digest", "must be 64 lowercase hex characters")
 
 
 # --- registry, presence ------------------------------------------------------

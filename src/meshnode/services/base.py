@@ -6,10 +6,17 @@ same short pipeline, in order:
 
 1. decode and verify the envelope (§5.3); garbage or a forged signature is
    dropped silently and logged, never answered (§22.7);
-2. remember ``(from, id)`` and drop a duplicate (§22.2), then drop anything
-   outside the live freshness window (§22.3): together these make a captured
-   request (a deregistration, say) useless to replay;
+2. the §22 guard of :mod:`meshnode.node.pipeline`, judged live: remember
+   ``(from, id)`` and drop a duplicate (§22.2), drop anything outside the live
+   freshness window (§22.3) — together these make a captured request (a
+   deregistration, say) useless to replay — drop an envelope addressed to
+   someone else (§22.4) or over the relay hop bound (§21.2), and answer
+   CONTEXT_TOO_LARGE over the size cap (§22.5; a service's requests carry data,
+   so its cap defaults to what the transport carries);
 3. refuse types that are never requests (``respond``, ``emit``, ``subscribe``);
+
+Every refusal is counted in ``ServiceContext.refusals`` (intake ``service``,
+labelled by rule: the daemon shares the node's counter), and logged.
 4. count the request against the sender's sliding-window budget, shared by
    every service that holds the same :class:`ServiceContext` (§16.1: one
    counter across all service subjects), answering ``RATE_LIMITED`` with
@@ -37,11 +44,11 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from meshnode.aio import BackgroundTasks, backoff
+from meshnode.node.pipeline import Intake, Path, RefusalCounter, Refused, decode_verified, guard
 from meshnode.protocol.envelope import (
     IdGenerator,
     build_envelope,
     child_trace,
-    decode_envelope,
     encode_envelope,
     sign_envelope,
 )
@@ -50,9 +57,8 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import (
     DEFAULT_FRESHNESS_WINDOW,
     DedupMemory,
-    DeliverySource,
     FreshnessWindow,
-    check_freshness,
+    InboundGuard,
 )
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
@@ -89,6 +95,9 @@ class ServiceContext:
     JetStream replica count for the objects services create: ``min(3,
     cluster size)``, 1 on the embedded mesh. ``limiter`` is the §16.1
     per-sender budget; services built from one context share it.
+    ``refusals`` counts every request the intake refuses (the daemon passes
+    the node's, so they show in its metrics). ``max_inbound_chars`` is the
+    §22.5 cap; None is what the connection carries (``max_payload``).
     """
 
     connection: MeshConnection
@@ -100,6 +109,8 @@ class ServiceContext:
     replicas: int = 1
     limiter: SlidingWindowLimiter = field(default_factory=SlidingWindowLimiter)
     freshness: FreshnessWindow = DEFAULT_FRESHNESS_WINDOW
+    refusals: RefusalCounter = field(default_factory=RefusalCounter)
+    max_inbound_chars: int | None = None
 
     @property
     def service_id(self) -> str:
@@ -121,6 +132,7 @@ class ServiceBase:
         self.queue = queue
         self.log = ctx.log.getChild(name)
         self._dedup = DedupMemory(dedup_entries)
+        self._guard: InboundGuard | None = None  # built at first use: max_payload needs the connection
         self._subs: list[Subscription] = []
         self._tasks = BackgroundTasks()
         self._running = False
@@ -201,8 +213,13 @@ class ServiceBase:
         reply with its payload, or with the error it raised."""
 
         async def handle(msg: Msg) -> None:
-            env = self.accept(msg)
-            if env is None:
+            try:
+                env = self.intake(msg)
+            except Refused as refused:
+                self._count_refusal(msg, refused)
+                if refused.answer is not None and refused.envelope is not None:
+                    # §22.7: the size cap answers the sender; every other refusal is silent.
+                    await self.reply(msg, dict(refused.envelope), error=refused.answer)
                 return
             if not await self.admit(msg, env):
                 return
@@ -228,32 +245,54 @@ class ServiceBase:
     # -- intake --------------------------------------------------------------
 
     def decode(self, data: bytes, subject: str) -> Envelope | None:
-        """The verified envelope in ``data``, or None (logged) for garbage or a forgery."""
+        """The verified envelope in ``data``, or None (counted, logged) for garbage or a forgery."""
         try:
-            return decode_envelope(data)
-        except ProtocolError as exc:
-            self.log.info("dropped %s on %s: %s", exc.code, subject, exc.message)
+            return decode_verified(data)
+        except Refused as refused:
+            self.ctx.refusals.count(Intake.SERVICE, refused.rule)
+            self.log.info("dropped %s on %s: %s", refused.rule.upper(), subject, refused.detail)
             return None
+
+    def _inbound_guard(self) -> InboundGuard:
+        if self._guard is None:
+            cap = self.ctx.max_inbound_chars
+            self._guard = InboundGuard(
+                self.ctx.service_id,
+                window=self.ctx.freshness,
+                max_inbound_chars=cap if cap is not None else self.ctx.connection.max_payload,
+                memory=self._dedup,
+            )
+        return self._guard
+
+    def intake(self, msg: Msg, *, request: bool = True) -> Envelope:
+        """The service intake (module docstring, steps 1-3) of a live message:
+        decode ─► verify ─► §22 guard ─► kind. Raises :class:`Refused`.
+
+        ``request=False`` admits statement types (a heartbeat is an ``emit``).
+        """
+        env = decode_verified(msg.data)
+        guard(self._inbound_guard(), env, Path.LIVE, self.ctx.now_ms())
+        if request and env["type"] in NON_REQUEST_TYPES:
+            raise Refused("not_a_request", f"a {env['type']} envelope sent as a request", envelope=env)
+        return env
 
     def accept(self, msg: Msg, *, request: bool = True) -> Envelope | None:
-        """Decode, verify, dedup and freshness-check a live message (steps 1-3).
+        """:meth:`intake`, with a refusal counted and logged: None for anything
+        dropped (a statement intake has nobody to answer)."""
+        try:
+            return self.intake(msg, request=request)
+        except Refused as refused:
+            self._count_refusal(msg, refused)
+            return None
 
-        Returns None for anything to drop silently. ``request=False`` admits
-        statement types (a heartbeat is an ``emit``).
-        """
-        env = self.decode(msg.data, msg.subject)
+    def _count_refusal(self, msg: Msg, refused: Refused) -> None:
+        self.ctx.refusals.count(Intake.SERVICE, refused.rule)
+        env = refused.envelope
         if env is None:
-            return None
-        if self._dedup.check_and_remember(env["from"], env["id"]):
-            self.log.info("dropped a duplicate %s from %s on %s", env["id"], env["from"], msg.subject)
-            return None
-        if not check_freshness(env["ts"], self.ctx.now_ms(), DeliverySource.LIVE, self.ctx.freshness):
-            self.log.info("dropped a stale envelope %s from %s on %s", env["id"], env["from"], msg.subject)
-            return None
-        if request and env["type"] in NON_REQUEST_TYPES:
-            self.log.info("dropped a %s envelope sent as a request on %s", env["type"], msg.subject)
-            return None
-        return env
+            self.log.info("dropped %s on %s: %s", refused.rule.upper(), msg.subject, refused.detail)
+        else:
+            self.log.info("dropped %s (%s) from %s on %s: %s", env.get("id"), refused.rule,
+                          env.get("from"), msg.subject, refused.detail)
 
     async def admit(self, msg: Msg, env: Envelope) -> bool:
         """Count the request against the sender's budget; answer RATE_LIMITED when spent."""

@@ -47,18 +47,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from meshnode.agent.replies import RemoteError, Reply, RequestQueued, RequestTimeout
+from meshnode.agent.tasks import FollowUp, InputTimeout, RequesterTask, ResponderTask, StreamBroken
 from meshnode.protocol.artifacts import FileAttachment, Resource
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from meshnode.node.outbound import Reply
-    from meshnode.node.tasks import ResponderTask
     from meshnode.protocol.rests_on import Verdict
 
 __all__ = [
@@ -67,9 +67,18 @@ __all__ = [
     "Context",
     "Event",
     "FileAttachment",
+    "FollowUp",
+    "InputTimeout",
     "OfferingSpec",
     "Refusal",
+    "RemoteError",
+    "Reply",
+    "RequestQueued",
+    "RequestTimeout",
+    "RequesterTask",
     "Resource",
+    "ResponderTask",
+    "StreamBroken",
     "offering",
 ]
 
@@ -531,11 +540,3 @@ class Agent:
         A deadline already past is refused by the node without asking.
         """
 
-
-@dataclass
-class AgentFactory:
-    """How a plugin provides an agent: a class (and the name it was registered under)."""
-
-    plugin: str
-    agent_class: type[Agent]
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The caller's side of a request (§6.4, §6.4a, §6.5, D.2).
+"""The pending-request table: the caller's side of a request (§6.4, §6.4a, §6.5, D.2).
 
 A request's answers arrive where every answer arrives: at the requester's own
 inbox, through the same inbound pipeline as everything else, correlated by
@@ -6,95 +6,29 @@ inbox, through the same inbound pipeline as everything else, correlated by
 and the rules for waiting on them: an accept resets the wait but is not the
 answer; the first respond whose status is not ``accepted`` is; silence past
 the wait means *possibly queued*, not lost.
+
+Beside the table: :class:`DeliveryWatch`, the delivery-status signals of the
+requests in flight (§18.7: no responders, a queued ack), and :class:`SendPacer`,
+the recipient's published rate limits kept by the sender (§6.4b).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
+from meshnode.agent import Reply, RequestQueued, RequestTimeout
+from meshnode.protocol.accept import is_queued_ack
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.preflight import next_allowed_at, prune_history
+from meshnode.transport.connection import MeshConnection, Msg
 
-__all__ = ["PendingRequests", "RemoteError", "Reply", "RequestQueued", "RequestTimeout"]
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The substantive answer to a request (never the accept signal).
-
-    When the request became a Task (a non-terminal status with a task id),
-    ``task`` is the caller's handle on it: ``await reply.task.result()``,
-    ``async for data in reply.task.stream()``, ``await reply.task.cancel(reason)``.
-    """
-
-    envelope: Mapping[str, Any]
-    accepted: bool  # whether an accept preceded it (a live handler ran)
-    task: Any = None  # RequesterTask when the answer opened a Task
-
-    @property
-    def status(self) -> str:
-        payload = self.envelope.get("payload")
-        status = payload.get("status") if isinstance(payload, Mapping) else None
-        return str(status) if isinstance(status, str) else "completed"
-
-    @property
-    def output(self) -> Any:
-        payload = self.envelope.get("payload")
-        return payload.get("output") if isinstance(payload, Mapping) else None
-
-    @property
-    def task_id(self) -> str | None:
-        task_id = self.envelope.get("task_id")
-        return task_id if isinstance(task_id, str) else None
-
-    @property
-    def error(self) -> Mapping[str, Any] | None:
-        error = self.envelope.get("error")
-        return error if isinstance(error, Mapping) else None
-
-
-class RemoteError(ProtocolError):
-    """The recipient answered with a §12 error; ``envelope`` is its signed respond."""
-
-    def __init__(self, envelope: Mapping[str, Any]) -> None:
-        error = envelope.get("error")
-        error = error if isinstance(error, Mapping) else {}
-        super().__init__(
-            str(error.get("code") or "INTERNAL_ERROR"),
-            str(error.get("message") or ""),
-            dict(error.get("details") or {}),
-            error.get("retry_after_ms") if isinstance(error.get("retry_after_ms"), int) else None,
-        )
-        self.envelope = envelope
-
-
-class RequestTimeout(ProtocolError):
-    """No substantive answer within the wait. The request may still be queued
-    (the recipient's buffer holds it) and its answer may arrive later (§6.4)."""
-
-    def __init__(self, request_id: str, *, accepted: bool, possibly_queued: bool) -> None:
-        if accepted:
-            message = "accepted, but no answer arrived before the wait ended"
-        elif possibly_queued:
-            message = "no answer yet; the request may be queued for the recipient"
-        else:
-            message = "no answer arrived before the wait ended"
-        super().__init__("TRANSPORT_TIMEOUT", message, {"request_id": request_id})
-        self.request_id = request_id
-        self.accepted = accepted
-        self.possibly_queued = possibly_queued
-
-
-class RequestQueued(Exception):
-    """The recipient's node holds the request for a person's session (§6.4a queued
-    ack): its answer will arrive later at the requester's own inbox."""
-
-    def __init__(self, request_id: str, inbox_id: str | None) -> None:
-        super().__init__(f"request {request_id} is queued for a person (inbox {inbox_id})")
-        self.request_id = request_id
-        self.inbox_id = inbox_id
+__all__ = ["DeliveryWatch", "PendingRequests", "SendPacer"]
 
 
 @dataclass
@@ -199,3 +133,98 @@ class PendingRequests:
                 )
 
         return asyncio.get_running_loop().call_later(pending.timeout, expire)
+
+
+class DeliveryWatch:
+    """Delivery-status signals of the requests in flight (§18.7).
+
+    A request is published with a reply subject used only as a delivery-status
+    signal: ``{status prefix}.{request id}`` under one wildcard subscription
+    the node holds for all requests — no task, future or timer per request
+    (each request used to keep a nats-py request alive until its timeout). The
+    entry is dropped when the request's wait ends (:meth:`forget`).
+    """
+
+    def __init__(self, connection: MeshConnection, pending: PendingRequests) -> None:
+        self._connection = connection
+        self._pending = pending
+        # request id -> (requester, whether the target has a buffer)
+        self._waiters: dict[str, tuple[str, bool]] = {}
+        self._prefix: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def publish(self, requester: str, request_id: str, inbox: str, data: bytes, *, buffered: bool) -> None:
+        """Publish a request to ``inbox`` with its delivery-status reply subject."""
+        prefix = self._prefix or await self._open()
+        self._waiters[request_id] = (requester, buffered)
+        await self._connection.publish(inbox, data, reply=f"{prefix}.{request_id}")
+
+    def forget(self, request_id: str) -> None:
+        self._waiters.pop(request_id, None)
+
+    async def _open(self) -> str:
+        async with self._lock:
+            if self._prefix is None:
+                prefix = self._connection.new_inbox()
+                await self._connection.subscribe(f"{prefix}.*", self._on_status)
+                self._prefix = prefix
+            return self._prefix
+
+    async def _on_status(self, msg: Msg) -> None:
+        """A delivery-status signal: no responders, or a node's queued ack."""
+        request_id = msg.subject.rpartition(".")[2]
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is None:
+            return  # the request's wait already ended
+        requester, buffered = waiter
+        headers = msg.headers
+        if headers and headers.get("Status") == "503":  # the server's no-responders signal
+            if buffered:
+                self._pending.mark_queued(requester, request_id)
+            else:
+                self._pending.mark_unavailable(requester, request_id)
+            return
+        try:
+            ack = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            return
+        if is_queued_ack(ack):
+            inbox_id = ack.get("inbox_id")
+            self._pending.mark_queued(requester, request_id, str(inbox_id) if inbox_id is not None else None, acked=True)
+
+
+class SendPacer:
+    """Keeps to each recipient's published ``rate_limits`` (§6.4b), per (requester, target)."""
+
+    #: (requester, target) pairs remembered; the oldest are forgotten past it.
+    MAX_PAIRS = 10_000
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self._sent: dict[tuple[str, str], list[int]] = {}
+
+    async def wait_turn(
+        self, requester: str, target: str, manifest: Mapping[str, Any], timeout: float, counters: Counter[str]
+    ) -> None:
+        """Wait our turn, or refuse locally with RATE_LIMITED when the turn is beyond
+        the caller's wait (``counters["throttled"]`` counts the waits)."""
+        limits = manifest.get("rate_limits")
+        if not isinstance(limits, Mapping) or not limits:
+            return
+        key = (requester, target)
+        history = prune_history(self._sent.get(key, ()), limits, self._clock())
+        wait_ms = next_allowed_at(history, limits, self._clock()) - self._clock()
+        if wait_ms > timeout * 1000:
+            raise ProtocolError(
+                "RATE_LIMITED",
+                "the recipient's published rate limit allows no request before the wait ends",
+                {"limit": "rate_limits"},
+                retry_after_ms=wait_ms,
+            )
+        if wait_ms > 0:
+            counters["throttled"] += 1
+            await asyncio.sleep(wait_ms / 1000)
+        history.append(self._clock())
+        self._sent[key] = history
+        if len(self._sent) > self.MAX_PAIRS:  # bounded: forget the oldest pairs
+            self._sent.pop(next(iter(self._sent)))

@@ -1,0 +1,196 @@
+"""Fakes shared by the unit tests: the transport, and the one fake of the node.
+
+:class:`FakeConnection` stands in for :class:`meshnode.transport.connection.MeshConnection`
+(records publishes, answers requests from a script). :class:`FakeNode` is the
+one fake of :class:`meshnode.node.runtime.Node`: it implements
+:class:`meshnode.node.port.NodePort`, the narrow interface hosted agents,
+tasks, contexts and pub/sub depend on, recording what they ask of it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from meshnode.agent import Reply
+from meshnode.node.pipeline import RefusalCounter
+from meshnode.protocol.envelope import IdGenerator
+from meshnode.protocol.protections import DedupMemory, InboundGuard
+
+__all__ = ["FakeConnection", "FakeMsg", "FakeNode", "FakeSettings"]
+
+
+@dataclass
+class FakeMsg:
+    """What a subscription callback is given: the parts of nats' ``Msg`` the node reads."""
+
+    subject: str
+    data: bytes
+    reply: str = ""
+    headers: dict[str, str] | None = None
+
+    async def ack(self) -> None:
+        pass
+
+
+class FakeConnection:
+    """The transport, faked: records publishes; ``request`` answers from ``answers``."""
+
+    max_payload = 1024 * 1024
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+        #: subject -> bytes (or a function of the request bytes) that a request gets back.
+        self.answers: dict[str, bytes | Callable[[bytes], bytes]] = {}
+        self.subscriptions: dict[str, Callable[[Any], Awaitable[None]]] = {}
+
+    def on_reconnect(self, callback: Any) -> None:
+        pass
+
+    def on_error(self, callback: Any) -> None:
+        pass
+
+    async def publish(self, subject: str, data: bytes, **_: Any) -> None:
+        self.published.append((subject, bytes(data)))
+
+    async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]], **_: Any) -> Any:
+        self.subscriptions[subject] = cb
+        return _FakeSubscription()
+
+    async def request(self, subject: str, data: bytes, **_: Any) -> FakeMsg:
+        answer = self.answers[subject]
+        return FakeMsg(subject, answer(data) if callable(answer) else answer)
+
+    def new_inbox(self) -> str:
+        return "_INBOX.fake"
+
+    def responds_to(self, msg_id: object) -> list[dict[str, Any]]:
+        out = []
+        for _, data in self.published:
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and obj.get("in_reply_to") == msg_id:
+                out.append(obj)
+        return out
+
+
+class _FakeSubscription:
+    async def unsubscribe(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class FakeSettings:
+    registry_timeout_s: float = 5.0
+    max_inbound_chars: int = 65536
+
+
+class FakeNode:
+    """The one fake node (:class:`meshnode.node.port.NodePort`): a clock, ids,
+    counters and a fake connection; every call it gets is recorded."""
+
+    observability: Any = None
+    inbox: Any = None
+    trust: Any = None
+    a2a: Any = None
+
+    def __init__(
+        self,
+        *,
+        now_ms: int = 1_800_000_000_000,
+        manifests: Mapping[str, Mapping[str, Any]] | None = None,
+        trusted_operators: frozenset[str] = frozenset(),
+    ) -> None:
+        self.clock = now_ms
+        self.ids = IdGenerator()
+        self.counters: Counter[str] = Counter()
+        self.refusals = RefusalCounter()
+        self.connection = FakeConnection()
+        self.settings = FakeSettings()
+        self.agents: dict[str, Any] = {}
+        self.by_id: dict[str, Any] = {}
+        self.trust_attestation: dict[str, Any] | None = None
+        self.trusted_operators = trusted_operators
+        self.manifests = dict(manifests or {})
+        self.delivered: list[dict[str, Any]] = []
+        self.published: list[dict[str, Any]] = []
+        self.sent: list[dict[str, Any]] = []
+        self.a2a_calls: list[dict[str, Any]] = []
+        self.service_calls: list[tuple[str, str, Any]] = []
+        self.service_answers: dict[str, Callable[[Any], Awaitable[dict[str, Any]]]] = {}
+        self.pubsub: Any = None
+        self.responds: list[dict[str, Any]] = []
+        self.chunks: list[dict[str, Any]] = []
+        self.canceled: list[tuple[str, str, str]] = []
+        self.emitted: list[tuple[str, str, Any]] = []
+        self.subscribed: list[str] = []
+
+    # -- the clock and bookkeeping ---------------------------------------------------
+
+    def now_ms(self) -> int:
+        return self.clock
+
+    def audit(self, hosted: Any, env: Mapping[str, Any], *, direction: str, path: str) -> None:
+        self.counters[f"{direction}.{env.get('type')}.{path}"] += 1
+
+    def new_guard(self, agent_id: str, memory: DedupMemory | None = None) -> InboundGuard:
+        return InboundGuard(agent_id, memory=memory)
+
+    # -- what agents ask of it -------------------------------------------------------
+
+    async def reply_plain(self, reply_subject: str, obj: Any) -> None:
+        await self.connection.publish(reply_subject, orjson.dumps(obj))
+
+    def on_respond(self, hosted: Any, env: Mapping[str, Any]) -> bool:
+        self.responds.append(dict(env))
+        return False
+
+    async def publish_chunk(self, hosted: Any, task: Any, index: int, data: Any, **kw: Any) -> None:
+        self.chunks.append({"task_id": task.task_id, "index": index, "data": data, **kw})
+
+    async def cancel_task(self, hosted: Any, responder: str, task_id: str, reason: str, note: str | None,
+                          *, wait: bool = True) -> dict[str, Any]:
+        self.canceled.append((responder, task_id, reason))
+        return {"task_id": task_id, "status": "canceled"}
+
+    async def emit(self, hosted: Any, domain: str, event_type: str, data: Any, *, trace: Mapping[str, Any]) -> None:
+        self.emitted.append((domain, event_type, data))
+
+    async def subscribe_events(self, hosted: Any, pattern: str, *, durable: bool = True, replay: bool = False) -> str:
+        self.subscribed.append(pattern)
+        return pattern
+
+    async def durable_consume(self, hosted: Any, subject: str, **kw: Any) -> Any:
+        self.subscribed.append(subject)
+        return _FakeSubscription()
+
+    async def deliver(self, sender: Any, env: dict[str, Any], to_agent: str) -> None:
+        self.delivered.append(env)
+
+    async def publish_task(self, subject: str, env: Mapping[str, Any]) -> None:
+        self.published.append(dict(env))
+
+    async def service_call(
+        self, hosted: Any, subject: str, kind: str, payload: Any, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        self.service_calls.append((subject, kind, payload))
+        answer = self.service_answers.get(subject)
+        if answer is not None:
+            return await answer(payload)
+        if isinstance(payload, Mapping) and payload.get("agent_id") in self.manifests:
+            return dict(self.manifests[payload["agent_id"]])
+        raise AssertionError(f"no scripted answer on {subject}")
+
+    async def send_request(self, hosted: Any, target: str, offering: str, input: Any, **kw: Any) -> Reply:
+        self.sent.append({"target": target, "offering": offering, "input": input, **kw})
+        return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
+
+    async def call_a2a(self, hosted: Any, peer: str, offering: str, input: Any, **kw: Any) -> Reply:
+        self.a2a_calls.append({"peer": peer, "offering": offering, "input": input, **kw})
+        return Reply({"type": "respond", "payload": {"status": "completed"}}, accepted=True)
