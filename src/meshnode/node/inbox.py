@@ -197,10 +197,14 @@ class InboxStore:
                 # Only the persisted duplicate memory loses these pairs: after a
                 # restart their buffered copies may be dispatched a second time.
                 log.error("stopping with %d remembered pairs unwritten: %s", len(self._seen_pending), exc.cause)
-            with contextlib.suppress(Exception):
-                await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            await self._db.close()
-            self._db = None
+            # Under the lock: a write already waiting for it (a forced exit's
+            # final_write, which took its pairs off the queue) commits before
+            # the file is closed, instead of failing on a closed connection.
+            async with self._lock:
+                with contextlib.suppress(Exception):
+                    await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                await self._db.close()
+                self._db = None
 
     @property
     def db(self) -> aiosqlite.Connection:
@@ -461,6 +465,11 @@ class InboxStore:
         """
         if self._db is None:
             return
+        # The write-behind may be mid-transaction with pairs it already took off
+        # the queue: the lock is free only once it committed (or failed and put
+        # them back, for the flush below to write).
+        async with self._lock:
+            pass
         await self.flush()
 
     async def flush(self) -> None:
