@@ -168,9 +168,12 @@ class Daemon:
             Stage("mesh", 60.0, self._stage_mesh),
             Stage("connect", 30.0, self._stage_connect),
             Stage("services", 30.0, self._stage_services),
+            # The admin socket comes up before the agents start (issue #23 item 2):
+            # an operator can see (Status, state "starting") and stop a daemon
+            # whose plugins are slow or stuck in on_start.
+            Stage("admin", 10.0, self._stage_admin),
             Stage("agents", 120.0 + 0.05 * n_agents, self._stage_agents),
             Stage("a2a", 30.0, self._stage_a2a),
-            Stage("admin", 10.0, self._stage_admin),
         ]
         try:
             for stage in stages:

@@ -83,7 +83,7 @@ class CoreMethods:
             agents = [node.agent_status(h) for h in hosted]
             for entry, h in zip(agents, hosted, strict=True):
                 if h.state == AgentState.FAILED:
-                    entry["failure"] = self.d.failed_agents.get(h.name) or h.failure
+                    entry["failure"] = self.d.failed_agents.get(h.name)
         if agents_listed:
             # An agent whose on_start failed stays hosted (state failed) *and* is
             # recorded in failed_agents: list it once, as the hosted entry above
