@@ -171,6 +171,7 @@ class Daemon:
             # The admin socket comes up before the agents start (issue #23 item 2):
             # an operator can see (Status, state "starting") and stop a daemon
             # whose plugins are slow or stuck in on_start.
+            Stage("inbox", 30.0, self._stage_inbox),
             Stage("admin", 10.0, self._stage_admin),
             Stage("agents", 120.0 + 0.05 * n_agents, self._stage_agents),
             Stage("a2a", 30.0, self._stage_a2a),
@@ -275,9 +276,9 @@ class Daemon:
         self.platforms.append(platform)
         self._shutdown.push("close-connection", platform.stop)
 
-    async def _stage_agents(self) -> None:
-        mesh, hosting = self._mesh(), self._hosting()
-        assert mesh.connection is not None
+    async def _stage_inbox(self) -> None:
+        # Its own stage, before admin: the inbox is open (and a forced exit can
+        # do its final write) by the time the admin socket answers.
         p = self.config.protections
         inbox = InboxStore(self.data_dir / "inbox.sqlite3", seen_max_age_ms=ms(p.mailbox_max_age))
         self._shutdown.push("final-write", inbox.close)
@@ -286,6 +287,13 @@ class Daemon:
         recovered = await inbox.recover_interrupted(time.time_ns() // 1_000_000)
         if recovered:
             log.warning("%d inbox message(s) were being handled when the node last stopped; kept as interrupted", recovered)
+
+    async def _stage_agents(self) -> None:
+        mesh, hosting = self._mesh(), self._hosting()
+        assert mesh.connection is not None
+        p = self.config.protections
+        inbox = self.inbox
+        assert inbox is not None
         await self.gateways.open_outbound(self.config, self.data_dir, hosting.node_key, self._shutdown)
         node = Node(
             settings=node_settings(self.config),
