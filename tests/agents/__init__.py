@@ -215,6 +215,29 @@ class Tasks(Agent):
             await asyncio.sleep(float(input.get("pause", 0.05)))
             yield f"{i} "
 
+    @offering("gated", streaming=True, framing=False)
+    async def gated(self, ctx: Context, input: Any) -> Any:
+        """One chunk, then the rest only once the file its input names exists:
+        a test sees the first chunk while the stream is still open."""
+        import os
+
+        yield "first "
+        while not os.path.exists(str(input["gate"])):
+            await asyncio.sleep(0.02)
+        yield "last"
+
+    @offering("gated_task")
+    async def gated_task(self, ctx: Context, input: Any) -> Any:
+        """A Task that reports progress, then completes only once the file its
+        input names exists: a test sees the progress while the task still runs."""
+        import os
+
+        task = await ctx.defer("working", "starting")
+        await task.progress("waiting for the gate")
+        while not os.path.exists(str(input["gate"])):
+            await asyncio.sleep(0.02)
+        return {"opened": True}
+
     @offering("delegate")
     async def delegate(self, ctx: Context, input: Any) -> Any:
         await ctx.defer("working")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -59,7 +60,7 @@ from meshnode.protocol.a2a_extension import (
     sign_report,
     verify_envelope,
 )
-from meshnode.testing import free_port
+from meshnode.testing import eventually
 
 Scope = MutableMapping[str, Any]
 Event = MutableMapping[str, Any]
@@ -250,17 +251,19 @@ class Peer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Peer:
-        self.port = free_port()
-        config = uvicorn.Config(self.asgi(self._app()), host="127.0.0.1", port=self.port,
-                                log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        # Bind port 0 here and hand the listening socket to uvicorn: the port is
+        # known before the card (which names it) is built, and never released
+        # in between for another process to take.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        self.port = int(listener.getsockname()[1])
+        config = uvicorn.Config(self.asgi(self._app()), log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        self._server = server
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 15
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the test A2A peer did not start")
-            time.sleep(0.02)
+        eventually(lambda: server.started, timeout=15, what="the test A2A peer serving")
         return self
 
     def stop(self) -> None:

@@ -17,6 +17,7 @@ import pytest
 from nats.aio.client import Client
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.testing import DEFAULT_TIMEOUT_S, eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import nats_auth_callbacks
@@ -55,13 +56,6 @@ async def connect(mesh: EmbeddedNatsServer, key: KeyPair, jwt: str) -> MeshConne
     return conn
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 @dataclass
 class ClientErrors:
     """Errors nats-py reports asynchronously (permission violations arrive here)."""
@@ -74,17 +68,17 @@ class ClientErrors:
     def messages(self) -> list[str]:
         return [str(error) for error in self.seen]
 
-    async def wait_for(self, fragment: str, timeout: float = 2.0) -> str:
+    async def wait_for(self, fragment: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
         """The first error message containing ``fragment``, waiting for it to arrive.
 
         Case-insensitive: nats-py lowercases the server's -ERR text, subject included.
         """
-        async with asyncio.timeout(timeout):
-            while True:
-                for message in self.messages():
-                    if fragment.lower() in message.lower():
-                        return message
-                await asyncio.sleep(0.01)
+
+        def found() -> str | None:
+            return next((m for m in self.messages() if fragment.lower() in m.lower()), None)
+
+        return await eventually_async(found, timeout=timeout, what=f"a client error containing {fragment!r}",
+                                      detail=self.messages)
 
 
 @dataclass

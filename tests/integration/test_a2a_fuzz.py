@@ -45,7 +45,7 @@ from meshnode.protocol.a2a_extension import (
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -95,13 +95,10 @@ class Target:
 
     def settle(self, timeout: float = 60.0) -> int:
         """Wait until no bridge task runs; the agent's handler runs then."""
-        end = time.monotonic() + timeout
-        while True:
-            dispatched, running = self.counters()
-            if running == 0 or time.monotonic() > end:
-                assert running == 0, "bridge tasks still running"
-                return dispatched
-            time.sleep(0.05)
+        eventually(lambda: self.counters()[1] == 0, timeout=timeout, what="no bridge task running")
+        dispatched, running = self.counters()
+        assert running == 0, "bridge tasks still running"
+        return dispatched
 
     def counters(self) -> tuple[int, int]:
         """(the agent's handler runs, the bridge's running tasks)."""

@@ -38,7 +38,7 @@ from meshnode.protocol.a2a_extension import (
     verify_report,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -409,9 +409,7 @@ async def test_subscribe_then_cancel(bridge: Bridge) -> None:
                 seen.append(event)
 
         follower = asyncio.create_task(follow())
-        async with asyncio.timeout(30):
-            while not seen:
-                await asyncio.sleep(0.05)
+        await eventually_async(lambda: seen, what="the first event of the subscription")
         canceled = MessageToDict(await client.cancel_task(CancelTaskRequest(id=task["id"])))
         assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
         await asyncio.wait_for(follower, timeout=30)

@@ -40,7 +40,7 @@ from meshnode.protocol.a2a_extension import (
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -319,11 +319,13 @@ async def test_an_sdk_client_follows_its_trusted_task_with_the_ownership_proof(a
         # Without the proof a trusted caller's task is no one's to see (as if unknown).
         with pytest.raises(TaskNotFoundError):
             await client.get_task(GetTaskRequest(id=task["id"]), context=ClientCallContext(service_parameters=params))
-        deadline = time.monotonic() + 30
-        while task["status"]["state"] != "TASK_STATE_COMPLETED":
-            assert time.monotonic() < deadline, task
+        async def completed() -> dict[str, Any] | None:
             context = ClientCallContext(service_parameters={**params, **ownership("GetTask", task["id"])})
-            task = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"]), context=context))
+            seen = MessageToDict(await client.get_task(GetTaskRequest(id=task["id"]), context=context))
+            return seen if seen["status"]["state"] == "TASK_STATE_COMPLETED" else None
+
+        if task["status"]["state"] != "TASK_STATE_COMPLETED":
+            task = await eventually_async(completed, what="the trusted task completed (GetTask with the proof)")
     assert task["artifacts"][0]["parts"][0]["data"] == {"counted": 3}
 
 
@@ -373,13 +375,6 @@ def test_meshnode_to_meshnode_cancel_propagates_and_the_peer_task_stops(acme: Ac
     # The peer (our own bridge) took the proof: its task is canceled, not left running.
     assert "TASK_STATE_CANCELED" in row["note"] and row["charged"] == "0", row
     eventually(lambda: daemon.status()["a2a"]["running_tasks"] == 0)
-
-
-def eventually(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.05)
 
 
 # --- gap 6: history, historyLength, ListTasks -----------------------------------------------

@@ -12,15 +12,14 @@ set before the call.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
 from meshnode.admin.protocol import Refused
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 from tests.integration.a2a_peer import Behaviour, Peer
 
 pytestmark = pytest.mark.integration
@@ -75,13 +74,6 @@ def call(daemon: DaemonProcess, peer: str, **extra: Any) -> dict[str, Any]:
     assert result["status"] == "completed", result
     output: dict[str, Any] = result["output"]
     return output
-
-
-def poll_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.05)
 
 
 def charges(daemon: DaemonProcess, peer: str) -> list[dict[str, Any]]:
@@ -290,7 +282,7 @@ def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
                                    "input": {"peer": name, "input": {"city": "Oslo"}, "stream": streamed}})
     assert opened["status"] == "working", opened
     # The peer has the message and the bridge knows its task (a poll, or a streamed chunk).
-    poll_until(lambda: len(peer.received) > sends_before)
+    eventually(lambda: len(peer.received) > sends_before)
     if streamed:
         def stream_open() -> bool:  # the handler says so once the bridge knows the peer's task
             try:
@@ -298,19 +290,19 @@ def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
             except Refused:  # not recorded yet
                 return False
 
-        poll_until(stream_open)
+        eventually(stream_open)
     else:
-        poll_until(lambda: "GetTask" in peer.methods[methods_before:])
+        eventually(lambda: "GetTask" in peer.methods[methods_before:])
     answer = daemon.admin("Tasks.Cancel", {"task_id": opened["task_id"], "agent": "caller",
                                            "reason": "user_requested"})
     assert answer["status"] == "canceled"
-    poll_until(lambda: "CancelTask" in peer.methods[methods_before:])
+    eventually(lambda: "CancelTask" in peer.methods[methods_before:])
     assert peer.methods[methods_before:].count("CancelTask") == 1
     message_id = peer.received[sends_before].message_id
-    poll_until(lambda: any(r["message_id"] == message_id for r in charges(daemon, name)))
+    eventually(lambda: any(r["message_id"] == message_id for r in charges(daemon, name)))
     row = next(r for r in charges(daemon, name) if r["message_id"] == message_id)
     assert row["report"] == "canceled" and row["charged"] == "0" and "CancelTask sent" in row["note"]
-    poll_until(lambda: row["task_id"] in peer.canceled)
+    eventually(lambda: row["task_id"] in peer.canceled)
 
 
 def test_a_task_still_working_at_the_timeout_can_be_followed_later(

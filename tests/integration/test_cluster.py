@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 
 from meshnode.protocol.envelope import (
@@ -41,11 +42,11 @@ from meshnode.services.base import Envelope, ServiceContext
 from meshnode.services.identity import load_service_keys
 from meshnode.services.registry import RegistryService
 from meshnode.services.streams import ensure_mesh_streams, wait_jetstream_ready
-from meshnode.testing import DaemonProcess
+from meshnode.testing import DaemonProcess, eventually, eventually_async
 from meshnode.transport.connection import MeshConnection, Msg
 from meshnode.transport.permissions import node_inbox_prefix
 
-from .conftest import ClusterThread, wait_until
+from .conftest import ClusterThread
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +108,14 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             conn = await _connect(cluster, key, jwt, _rotated(urls, i))
             conns.append(conn)
             if i == 0:
-                await ensure_mesh_streams(conn.js, 3)
+                # A meta leader (what the fixture waited for) can be elected by two of
+                # the three servers; R3 placement needs the third to have joined too.
+                async def placed(js: Any = conn.js) -> bool:
+                    await ensure_mesh_streams(js, 3)
+                    return True
+
+                await eventually_async(placed, retry_on=(nats.js.errors.BadRequestError,), interval=0.5,
+                                       what="the R3 mesh streams placed (every server in the meta group)")
             ctx = ServiceContext(
                 connection=conn, key=registry_key, node_id=key.public_key, replicas=3,
                 limiter=SlidingWindowLimiter(limit=1_000_000, window_ms=60_000),
@@ -177,7 +185,7 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
             await asyncio.sleep(1.0 / RATE)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
         elapsed = time.monotonic() - started
-        await wait_until(cluster.all_ready, timeout=30)  # the killed member rejoined
+        await eventually_async(cluster.all_ready, timeout=30)  # the killed member rejoined
 
         # Every request has exactly one outcome at its caller; none ran twice.
         assert len(outcomes) == total
@@ -193,13 +201,9 @@ async def test_kill_one_server_under_load_answers_each_request_once_or_reports_i
         reader = conns[0]  # a service-role connection may read the whole stream
         # The rejoined member may still be catching up: let the streams settle first.
         assert await wait_jetstream_ready(reader.js, timeout=30)
-        consumer = None
-        for _ in range(6):
-            try:
-                consumer = await reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True)
-                break
-            except (nats.errors.Error, TimeoutError):
-                await asyncio.sleep(1.0)
+        consumer = await eventually_async(
+            lambda: reader.js.subscribe(task_subject, stream="MESH_TASKS", ordered_consumer=True),
+            retry_on=(nats.errors.Error, TimeoutError), interval=1.0, what="an ordered consumer on MESH_TASKS")
         assert consumer is not None, "could not read MESH_TASKS back"
         seen: Counter[str] = Counter()
         acked = {m for m, o in stored.items() if o == "acked"}
@@ -270,21 +274,6 @@ def _discover_ids(node: DaemonProcess) -> set[str]:
     return {a["id"] for a in result["agents"]}
 
 
-def _wait(predicate: Any, timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as exc:  # a service call may fail while the mesh heals
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not hold within {timeout}s (last: {last!r})")
-
-
 def test_killing_a_service_node_leaves_discovery_and_registration_to_the_other(
     nats_cluster: ClusterThread, daemon_root: Any
 ) -> None:
@@ -310,14 +299,14 @@ def test_killing_a_service_node_leaves_discovery_and_registration_to_the_other(
     added = p.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
     assert added["registered"] is True, added
     late = p.agent_id("late")
-    _wait(lambda: late in _discover_ids(p), what="the new agent being discoverable")
+    eventually(lambda: late in _discover_ids(p), what="the new agent being discoverable", retry_on=(Exception,))
     # An agent call across the mesh still works with one service node gone, and
     # so does the task manager: a Task's record reaches its final state.
     assert s2.call(echo, "echo", {"text": "still here"})["status"] == "completed"
     done = s2.call(p.agent_id("counter"), "count", {"to": 1, "every": 0})
     assert done["status"] == "completed", done
-    _wait(lambda: s2.admin("Tasks.Show", {"task_id": done["task_id"]})["state"] == "completed",
-          what="the task record reaching completed")
+    eventually(lambda: s2.admin("Tasks.Show", {"task_id": done["task_id"]})["state"] == "completed",
+               what="the task record reaching completed", retry_on=(Exception,))
 
     # The killed node comes back and serves again beside the other.
     s1.start()
@@ -346,8 +335,8 @@ def test_restarting_the_whole_cluster_keeps_registrations_tasks_and_buffered_mai
     assert done["status"] == "completed", done
     task_id = done["task_id"]
     # The task manager folds the final update into the record asynchronously.
-    _wait(lambda: s.admin("Tasks.Show", {"task_id": task_id})["state"] == "completed",
-          what="the task record reaching completed")
+    eventually(lambda: s.admin("Tasks.Show", {"task_id": task_id})["state"] == "completed",
+               what="the task record reaching completed", retry_on=(Exception,))
 
     # Mail for a stopped node waits in its agent's redelivery buffer.
     assert p.stop() == 0
@@ -361,24 +350,23 @@ def test_restarting_the_whole_cluster_keeps_registrations_tasks_and_buffered_mai
 
     # The service node reconnects by itself; restarted too, so that what it
     # answers below comes from the cluster's stores, not from its memory.
-    _wait(lambda: s.status()["mesh"]["connected"], what="the service node reconnecting")
+    eventually(lambda: s.status()["mesh"]["connected"], what="the service node reconnecting", retry_on=(Exception,))
     assert s.stop() == 0
     s.start()
-    _wait(lambda: {counter, work} <= _discover_ids(s), what="registrations after the restart")
-    record = _wait(lambda: s.admin("Tasks.Show", {"task_id": task_id}), what="the task record")
+    eventually(lambda: {counter, work} <= _discover_ids(s), what="registrations after the restart", retry_on=(Exception,))
+    record = eventually(lambda: s.admin("Tasks.Show", {"task_id": task_id}), what="the task record", retry_on=(Exception,))
     assert record["state"] == "completed", record
 
     # The stopped node starts, drains its buffer: every request handled exactly once.
     p.start()
-    _wait(lambda: journal.exists() and len(journal.read_text().split()) >= len(request_ids),
-          what="the buffered requests being handled")
+    eventually(lambda: journal.exists() and len(journal.read_text().split()) >= len(request_ids),
+               what="the buffered requests being handled", retry_on=(Exception,))
     handled = Counter(journal.read_text().split())
     assert set(request_ids) <= set(handled)
     assert max(handled.values()) == 1, f"dispatched twice: {handled}"
-    answered = _wait(
+    answered = eventually(
         lambda: {m["envelope"]["in_reply_to"] for m in _held(s)} >= set(request_ids) and _held(s),
-        what="the answers reaching the caller",
-    )
+        what="the answers reaching the caller", retry_on=(Exception,))
     assert Counter(m["envelope"]["in_reply_to"] for m in answered).most_common(1)[0][1] == 1
 
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from meshnode.testing import DaemonSet, run_cli
+from meshnode.testing import DaemonSet, eventually, run_cli
+from meshnode.transport.jwt import decode_jwt
 
 pytestmark = pytest.mark.integration
 
@@ -19,18 +20,13 @@ def test_renewal_before_expiry_and_reconnect_with_the_renewed_credential(meshnod
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     first = b.status()["credential"]["expires_at"]
     echo = a.agent_id("echo")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and b.status()["credential"]["expires_at"] == first:
-        time.sleep(0.5)
+    eventually(lambda: b.status()["credential"]["expires_at"] != first, what="B's credential renewed")
     assert b.status()["credential"]["expires_at"] > first, "the credential was not renewed"
     # Past the first credential's expiry the broker closed that connection; the
     # reconnect presented the renewed credential and traffic flows.
-    while time.time() < first + 2:
-        time.sleep(0.5)
-    for _ in range(20):
-        if b.status()["mesh"]["connected"]:
-            break
-        time.sleep(0.5)
+    # The broker's clock cannot be offset: this waits for the real expiry (≤ 6 s).
+    eventually(lambda: time.time() >= first + 2, what="the first credential's expiry (plus 2 s) passing")
+    eventually(lambda: b.status()["mesh"]["connected"], what="B connected again")
     assert b.call(echo, "echo", "after renewal")["output"] == {"ok": "after renewal"}
     assert a.call(b.agent_id("echo_b"), "echo", "both ways")["status"] == "completed"
 
@@ -40,7 +36,10 @@ def test_renewal_after_a_lapse_heals_on_start(meshnode_daemons: DaemonSet) -> No
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     stored = json.loads((b.data_dir / "credential.json").read_text())
     assert b.stop() == 0
-    time.sleep(7)  # the stored credential has lapsed while the node was away (a sleeping laptop)
+    # The stored credential lapses while the node is away (a sleeping laptop): wait for
+    # its own expiry, not a guess at it.
+    lapses_at = decode_jwt(stored["jwt"])[1]["exp"]
+    eventually(lambda: time.time() > lapses_at, what="the stored credential lapsing", interval=0.5)
     b.start()
     assert b.status()["mesh"]["connected"]
     renewed = json.loads((b.data_dir / "credential.json").read_text())
@@ -100,17 +99,19 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     assert b.process is not None
     pid = b.process.pid
+    echo = a.agent_id("echo")
+    expires_at = b.status()["credential"]["expires_at"]
     os.kill(pid, signal.SIGSTOP)  # asleep: no timers, no renewal
-    time.sleep(9)  # past the 6 s credential
+    # Past the credential's expiry (the broker closes the connection then; its clock
+    # cannot be offset), plus a second for the broker's expiry timer.
+    eventually(lambda: time.time() > expires_at + 1, what="B's credential expiring while it sleeps", interval=0.5)
     os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 90  # generous: a re-exec and renewal on a loaded machine
-    healed = False
-    while time.monotonic() < deadline and not healed:
-        time.sleep(0.5)
-        try:
-            healed = b.status()["mesh"]["connected"] and b.call(a.agent_id("echo"), "echo", "awake")["status"] == "completed"
-        except Exception:
-            healed = False
+
+    def awake() -> bool:
+        return bool(b.status()["mesh"]["connected"] and b.call(echo, "echo", "awake")["status"] == "completed")
+
+    # Generous: a re-exec and renewal on a loaded machine.
+    healed = eventually(awake, timeout=90, interval=0.5, retry_on=(Exception,), what="B healed and serving")
     assert healed, b.log_tail(30)
     assert b.process.pid == pid and b.process.poll() is None
 
@@ -129,5 +130,7 @@ def test_service_rate_limit_is_hit_and_recovers(meshnode_daemons: DaemonSet) -> 
             break
     assert refused is not None and refused.code == "RATE_LIMITED"
     assert refused.params["retryable"] is True and 0 < refused.params["retry_after_ms"] <= 2000
+    # The behaviour under test: a client that waits the advertised retry_after_ms
+    # (a wall-clock window on the service's side) is served again.
     time.sleep(refused.params["retry_after_ms"] / 1000 + 0.2)
     assert "agents" in a.admin("Discover", {})  # recovered once the window slid

@@ -23,14 +23,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, render_toml
 
 pytestmark = pytest.mark.integration
 
@@ -68,15 +66,6 @@ def _fill(path: Path) -> Path:
     finally:
         os.close(fd)
     return filler
-
-
-def _wait(predicate: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
 
 
 def _held_ids(node: DaemonProcess, agent: str) -> set[str]:
@@ -126,9 +115,10 @@ def test_a_full_inbox_disk_refuses_to_ack_reports_it_and_recovers_losing_nothing
         assert not (_held_ids(b, "desk") & set(desk_ids))
 
         filler.unlink()  # space returns
-        got = _wait(lambda: set(desk_ids) <= _held_ids(b, "desk"))
+        got = eventually(lambda: set(desk_ids) <= _held_ids(b, "desk"), timeout=60,
+                         detail=lambda: f"lost during the fault: {set(desk_ids) - _held_ids(b, 'desk')}\n{b.log_tail()}")
         assert got, f"lost during the fault: {set(desk_ids) - _held_ids(b, 'desk')}\n{b.log_tail()}"
-        assert _wait(lambda: b.status()["inbox"]["writable"] is True, 30)
+        assert eventually(lambda: b.status()["inbox"]["writable"] is True)
         assert "writable again" in b.log_text()
         # The work requests ran live once; their buffered copies were acked after
         # recovery without a second dispatch.

@@ -18,6 +18,7 @@ from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.streams import ensure_inbox_stream
+from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_inbox_prefix
@@ -44,6 +45,18 @@ class Recorder:
         return "answered"
 
 
+async def stored(stream_info: Any, agent_id: str, count: int) -> None:
+    """Wait until the agent's buffer holds ``count`` messages. A core publish and a
+    flush only say the server has the message; JetStream stores it a moment
+    later, and a pass reading its bound before then would rightly not see it."""
+    stream = subjects.inbox_stream_name(agent_id)
+
+    async def holds() -> bool:
+        return bool((await stream_info(stream)).state.last_seq >= count)
+
+    await eventually_async(holds, what=f"{count} message(s) stored in {stream}")
+
+
 class NodeStandIn:
     def __init__(self, connection: MeshConnection) -> None:
         self.connection = connection
@@ -64,7 +77,10 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
         await ensure_inbox_stream(conn.js, agent.public_key)
         inbox_subject = subjects.agent_inbox(agent.public_key)
 
+        sent = 0
+
         async def send(n: int) -> list[str]:
+            nonlocal sent
             ids = []
             for _ in range(n):
                 env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NodeStandIn(conn).now_ms(),
@@ -72,14 +88,16 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
                 await conn.publish(inbox_subject, encode_envelope(env))
                 ids.append(env["id"])
             await conn.flush()
+            sent += n
+            await stored(original, agent.public_key, sent)
             return ids
 
+        js = conn.js
+        original = js.stream_info
         first = await send(5)
         recorder = Recorder(agent.public_key)
         drain = InboxDrain(NodeStandIn(conn), recorder, store)  # type: ignore[arg-type]
 
-        js = conn.js
-        original = js.stream_info
         later: list[str] = []
 
         async def bound_then_more(name: str, *args: Any, **kw: Any) -> Any:
@@ -146,6 +164,7 @@ async def test_periodic_passes_skip_the_broker_until_mail_is_seen(mesh: Embedded
                                            to=agent.public_key, payload={"offering": "echo"}), sender)
         await conn.publish(subjects.agent_inbox(agent.public_key), encode_envelope(env))
         await conn.flush()
+        await stored(original, agent.public_key, 1)  # uncounted: the original stream_info
         drain.note_live_mail()  # what the node's live subscription does on every message
         await drain._periodic_pass()
         assert len(calls) == 3

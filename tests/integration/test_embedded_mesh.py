@@ -24,7 +24,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.transport.embedded import EmbeddedMeshError, EmbeddedNatsServer, find_nats_server
+from meshnode.testing import eventually_async
+from meshnode.transport.cluster import NatsCluster
+from meshnode.transport.embedded import (
+    ClusterRoutes,
+    EmbeddedMeshError,
+    EmbeddedNatsServer,
+    find_nats_server,
+)
 from meshnode.transport.jwt import decode_jwt, verify_jwt
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -33,7 +40,6 @@ from .conftest import (
     NodeFactory,
     connect_with_jwt,
     process_alive,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -148,12 +154,8 @@ async def test_services_answer_requests_through_the_response_permission(
     # in fifty on nats-server 2.15 answers that publish "no responders", and the
     # next one is delivered. Permissions are what this test is about, so allow
     # that first miss.
-    for _ in range(20):
-        try:
-            reply = await node.client.request("mesh.registry.discover", b"query", timeout=10)
-            break
-        except NoRespondersError:
-            await asyncio.sleep(0.1)
+    reply = await eventually_async(lambda: node.client.request("mesh.registry.discover", b"query", timeout=10),
+                                   retry_on=(NoRespondersError,), what="the registry's subscription visible")
     assert reply.data == b"discovered"
 
     # A participant's JetStream publish gets its PubAck on its private inbox.
@@ -226,10 +228,10 @@ async def test_jetstream_mailbox_for_its_node_only(node_factory: NodeFactory) ->
     # ... captures a request sent while nobody listens ...
     await mallory.client.publish(f"mesh.agent.{agent}.inbox", b"while you were out")
     await mallory.client.flush()
-    for _ in range(100):  # the stream stores asynchronously to the publish
-        if (await admin.stream_info(f"MESH_INBOX_{agent}")).state.last_seq == 1:
-            break
-        await asyncio.sleep(0.02)
+    async def captured() -> bool:  # the stream stores asynchronously to the publish
+        return bool((await admin.stream_info(f"MESH_INBOX_{agent}")).state.last_seq == 1)
+
+    await eventually_async(captured, what="the request captured by the mailbox stream")
 
     # ... and the hosting node drains it through its durable consumer (§18.6),
     # with nothing but its participant grants.
@@ -293,6 +295,57 @@ async def test_monitoring_is_opt_in(mesh: EmbeddedNatsServer, tmp_path: Path) ->
         assert health["status"] == "ok"
 
 
+async def test_port_zero_reads_every_bound_port_back_from_nats_server(tmp_path: Path) -> None:
+    # 0 means "any free port" for each listener; what the server bound is read
+    # back from the ports file nats-server writes, and kept for a restart.
+    server = EmbeddedNatsServer(
+        tmp_path / "data",
+        port=0,
+        monitor_port=0,
+        cluster=ClusterRoutes("solo", "127.0.0.1", 0, routes=("nats-route://x.invalid:1",)),
+        restart_backoff_s=(0.05, 0.5),
+    )
+    async with server:
+        ports = server.ports
+        assert ports is not None and ports.monitoring is not None and ports.cluster is not None
+        assert ports.client > 0 and server.port == ports.client
+        assert server.url == f"nats://127.0.0.1:{ports.client}"
+        assert server.monitor_port == ports.monitoring
+        assert server.monitor_url == f"http://127.0.0.1:{ports.monitoring}"
+        assert server.cluster_port == ports.cluster
+        assert len({ports.client, ports.monitoring, ports.cluster}) == 3
+        varz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/varz")
+        assert varz["port"] == ports.client
+        assert varz["cluster"]["cluster_port"] == ports.cluster
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=15)
+        assert server.ports == ports
+
+
+async def test_a_cluster_on_port_zero_routes_its_members_to_each_others_bound_ports(
+    tmp_path: Path,
+) -> None:
+    async with NatsCluster(tmp_path / "c", size=3, ready_timeout_s=20) as cluster:
+        client_ports = [m.port for m in cluster.members]
+        route_ports = [m.cluster_port for m in cluster.members]
+        assert all(client_ports) and all(route_ports)
+        assert cluster.urls == [f"nats://127.0.0.1:{p}" for p in client_ports]
+        recorded = json.loads((tmp_path / "c" / "cluster.json").read_text())
+        assert recorded == {"client_ports": client_ports, "route_ports": route_ports}
+        # Every member now knows the real routes of the others, for its restarts.
+        for i, member in enumerate(cluster.members):
+            assert member.cluster is not None
+            assert sorted(member.cluster.routes) == sorted(
+                f"nats-route://127.0.0.1:{p}" for j, p in enumerate(route_ports) if j != i
+            )
+    # Started again from the same directory, it listens where it did.
+    async with NatsCluster(tmp_path / "c", size=3, ready_timeout_s=20) as again:
+        assert [m.port for m in again.members] == client_ports
+        assert [m.cluster_port for m in again.members] == route_ports
+
+
 def _get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=2) as response:
         body: dict[str, Any] = json.load(response)
@@ -327,12 +380,14 @@ async def test_credential_signed_by_another_account_is_refused(
 
 async def test_broker_disconnects_when_credential_expires(mesh: EmbeddedNatsServer) -> None:
     node = KeyPair.generate(Prefix.USER)
-    jwt = mesh.mint_node_credential(node.public_key, [], 1)
+    # 3 s, not 1: on a loaded machine connecting can take a second or more, and a
+    # credential that lapses during the handshake fails the connect instead.
+    jwt = mesh.mint_node_credential(node.public_key, [], 3)
     client = await connect_with_jwt(
         mesh.url, node, jwt, inbox_prefix=node_inbox_prefix(node.public_key)
     )
     try:
-        await wait_until(lambda: client.is_closed, timeout=4)
+        await eventually_async(lambda: client.is_closed, what="the broker closing the expired connection")
         assert "expired" in str(client.last_error)
     finally:
         await client.close()
@@ -392,7 +447,7 @@ async def test_cancelling_the_owning_task_stops_the_server(tmp_path: Path) -> No
             await asyncio.Event().wait()
 
     owner = asyncio.create_task(own_the_mesh())
-    await wait_until(lambda: server.is_ready)
+    await eventually_async(lambda: server.is_ready)
     pid = server.pid
     assert pid is not None and process_alive(pid)
     owner.cancel()
@@ -409,7 +464,7 @@ async def test_cancelling_the_supervisor_stops_the_server(tmp_path: Path) -> Non
     assert pid is not None and server._supervisor is not None
     server._supervisor.cancel()
     await asyncio.wait([server._supervisor])
-    await wait_until(lambda: not process_alive(pid), timeout=5)
+    await eventually_async(lambda: not process_alive(pid), timeout=5)
     await server.stop()
 
 
@@ -442,12 +497,12 @@ async def test_crashed_server_is_restarted_on_the_same_port(tmp_path: Path) -> N
             await js.publish("mesh.task.t1.update", b"before the crash")
 
             os.kill(first_pid, signal.SIGKILL)
-            await wait_until(lambda: server.restarts == 1 and server.is_ready, timeout=10)
+            await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=10)
             assert server.port == port
             assert server.pid not in (None, first_pid)
             assert not process_alive(first_pid)
 
-            await wait_until(lambda: client.is_connected, timeout=5)
+            await eventually_async(lambda: client.is_connected, timeout=5)
             stored = await js.get_msg("MESH_TASKS", 1)
             assert stored.data == b"before the crash"
         finally:
@@ -481,7 +536,7 @@ async def test_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
         assert process_alive(child)
         parent.kill()  # SIGKILL: no cleanup code runs in the parent
         await parent.wait()
-        await wait_until(lambda: not process_alive(child), timeout=5)
+        await eventually_async(lambda: not process_alive(child), timeout=5)
     finally:
         if parent.returncode is None:
             parent.kill()

@@ -3,26 +3,17 @@ and by every reader, state values for late subscribers, durable stream feeds."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
 PLUGINS = {"plugin_modules": ["tests.agents:feeder_plugin"]}
 FEEDER = {"plugin": "test-feeder"}
 
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def ok(result: dict[str, Any]) -> Any:
@@ -57,7 +48,7 @@ def test_feeds_end_to_end(meshnode_daemons: DaemonSet) -> None:
     assert consumer.startswith(f"mesh_feed_{b.agent_id('reader')}_")
     ok(a.call("owner", "publish", {"topic": "status", "data": {"level": "ok"}}))
     ok(a.call("owner", "publish", {"topic": "changes", "data": {"seq": 1}}))
-    assert wait_for(lambda: len(seen(b, "reader")) == 2), seen(b, "reader")
+    assert eventually(lambda: len(seen(b, "reader")) == 2, detail=lambda: seen(b, "reader"))
     by_topic = {e["topic"]: e for e in seen(b, "reader")}
     assert by_topic["status"]["kind"] == "state" and by_topic["status"]["data"] == {"level": "ok"}
     assert by_topic["changes"]["kind"] == "stream" and by_topic["changes"]["sender"] == owner
@@ -67,19 +58,19 @@ def test_feeds_end_to_end(meshnode_daemons: DaemonSet) -> None:
     # A feed published by a non-owner is refused by the broker: B's credential
     # grants mesh.feed.{its own agents}.> only.
     ok(b.call("mallory", "publish_on", {"owner": owner, "topic": "status", "data": {"level": "forged"}}))
-    assert wait_for(lambda: b.admin("Metrics")["node"].get("refused.publish.feed", 0) >= 1)
+    assert eventually(lambda: b.admin("Metrics")["node"].get("refused.publish.feed", 0) >= 1)
     assert "permissions violation" in b.log_text() or "refused to publish" in b.log_text()
 
     # The owner's own node could publish for a co-hosted agent; every reader
     # refuses an envelope not signed by the subject's owner (the writer too).
     ok(a.call("twin", "publish_on", {"owner": owner, "topic": "status", "data": {"level": "spoofed"}}))
-    assert wait_for(lambda: counters(b, "reader").get("refused.feed.not_owner", 0) == 1), counters(b, "reader")
-    assert wait_for(lambda: "refused (not_owner)" in a.log_text())  # the platform's state writer
+    assert eventually(lambda: counters(b, "reader").get("refused.feed.not_owner", 0) == 1, detail=lambda: counters(b, "reader"))
+    assert eventually(lambda: "refused (not_owner)" in a.log_text())  # the platform's state writer
     assert ok(b.call("late", "read_state", {"owner": owner, "topic": "status"}))["data"] == {"level": "ok"}
 
     # A later value replaces the state; a late subscriber reads it without replay.
     v2 = ok(a.call("owner", "publish", {"topic": "status", "data": {"level": "busy"}}))["id"]
-    assert wait_for(lambda: len(seen(b, "reader")) == 3)
+    assert eventually(lambda: len(seen(b, "reader")) == 3)
     ok(b.call("late", "subscribe_feed", {"owner": owner, "topic": "status", "durable": False}))
     state = ok(b.call("late", "read_state", {"owner": owner, "topic": "status"}))
     assert state == {"found": True, "data": {"level": "busy"}, "id": v2, "kind": "state"}
@@ -94,9 +85,8 @@ def test_feeds_end_to_end(meshnode_daemons: DaemonSet) -> None:
     # The agent subscribes again as it starts (here: asked to); the same call binds
     # the same durable consumer, which kept what was published meanwhile.
     assert ok(b.call("reader", "subscribe_feed", {"owner": owner})) == consumer
-    assert wait_for(lambda: [e["data"]["seq"] for e in seen(b, "reader") if e["topic"] == "changes"] == [2, 3]), (
-        seen(b, "reader")
-    )
+    assert eventually(lambda: [e["data"]["seq"] for e in seen(b, "reader") if e["topic"] == "changes"] == [2, 3],
+                      detail=lambda: seen(b, "reader"))
     status = next(x for x in b.status()["agents"] if x["name"] == "reader")
     assert [s for s in status["subscriptions"] if s["kind"] == "feed"][0]["durable"] is True
 

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, consistently, eventually
 
 pytestmark = pytest.mark.integration
 
 PLUGINS = {"plugin_modules": ["tests.agents:plugin", "tests.agents:attended_plugin"]}
 
 
-def wait_for(predicate: Any, timeout: float = 15.0, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+
+def _counter(node: DaemonProcess, agent: str, name: str) -> int:
+    counters = next(x for x in node.status()["agents"] if x["name"] == agent).get("counters") or {}
+    return int(counters.get(name, 0))
 
 
 def held(node: DaemonProcess, agent: str | None = None) -> list[dict[str, Any]]:
@@ -48,14 +44,15 @@ def test_requests_to_a_stopped_node_are_answered_exactly_once_when_it_returns(me
 
     b.start()
     # B drains its buffer on start; the late answers land in A's CLI inbox (the caller stopped waiting).
-    answers = wait_for(lambda: len(held(a, "cli")) >= 12 and held(a, "cli"))
+    answers = eventually(lambda: len(held(a, "cli")) >= 12 and held(a, "cli"),
+                         detail=lambda: f"late answers did not arrive: {held(a, 'cli')}\n{b.log_tail()}")
     assert answers, f"late answers did not arrive: {held(a, 'cli')}\n{b.log_tail()}"
     outputs = sorted(m["output"]["ok"]["n"] for m in answers)
     assert outputs == sent  # every request answered, none twice
     assert len({m["msg_id"] for m in answers}) == 12
     drain = next(x for x in b.status()["agents"] if x["name"] == "echo_b")["drain"]
     assert drain["committed"] >= 12 and drain["passes"] >= 1
-    time.sleep(1.0)
+    consistently(lambda: len(held(a, "cli")) == 12, during=1.0, what="no further answer arriving")
     assert len(held(a, "cli")) == 12  # and nothing more arrives
 
 
@@ -67,9 +64,10 @@ def test_late_answer_to_a_stopped_requester_is_delivered_when_it_returns(meshnod
     result = b.call(faulty, "sleep", 2, timeout=0.5)
     assert result["status"] == "failed" and result["error"]["code"] == "TRANSPORT_TIMEOUT"
     assert b.stop() == 0
-    time.sleep(2.5)  # A answers into B's buffer meanwhile
+    # A answers into B's buffer meanwhile (its handler finishes while B is away).
+    eventually(lambda: _counter(a, "faulty", "completed") >= 1, what="A's slow handler finishing")
     b.start()
-    late = wait_for(lambda: held(b, "cli"))
+    late = eventually(lambda: held(b, "cli"))
     assert late and late[0]["output"] == {"slept": 2} and late[0]["sender"] == faulty
 
 
@@ -98,11 +96,11 @@ def test_interactive_agent_queued_ack_and_cli_reply(meshnode_daemons: DaemonSet)
     assert shown["envelope"]["payload"]["input"] == {"text": "please call me back"}
     run_cli("inbox", "reply", str(message["id"]), "--text", "calling you now", "--socket", b.socket_path)
     assert held(b, "desk") == []
-    answer = wait_for(lambda: held(a, "cli"))
+    answer = eventually(lambda: held(a, "cli"))
     assert answer and answer[0]["output"] == {"text": "calling you now"} and answer[0]["sender"] == desk
 
     # A second request, dismissed without an answer.
     a.call(desk, "chat", {"text": "never mind"}, timeout=5)
-    second = wait_for(lambda: held(b, "desk"))
+    second = eventually(lambda: held(b, "desk"))
     run_cli("inbox", "ack", str(second[0]["id"]), "--socket", b.socket_path)
     assert held(b, "desk") == []

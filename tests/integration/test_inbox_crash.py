@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonSet
+from meshnode.testing import DaemonSet, consistently, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +56,7 @@ def test_kill_9_during_drain_loses_nothing_and_never_dispatches_twice(meshnode_d
             return answered, kept
         return None
 
-    deadline = time.monotonic() + 60
-    outcome = settled()
-    while outcome is None and time.monotonic() < deadline:
-        time.sleep(0.3)
-        outcome = settled()
+    outcome = eventually(settled, timeout=60, what="every request answered or kept as interrupted")
     assert outcome is not None, "some requests were neither answered nor kept by the node"
     answered, kept = outcome
     with open(journal) as fh:
@@ -101,11 +97,12 @@ def test_kill_9_during_a_stream_tells_the_requester_and_never_reruns_it(meshnode
 
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (runs.exists() and runs.read_text().strip()):
-        time.sleep(0.05)
+    eventually(lambda: runs.exists() and runs.read_text().strip(), what="the stream's handler starting")
     assert runs.exists() and len(runs.read_text().split()) == 1, "the stream never started"
-    time.sleep(0.5)  # some chunks are out, and the write-behind has recorded the request as handled
+    # The stream is open on B, and the write-behind has recorded the request as handled.
+    eventually(lambda: any(t["agent"] == "streamer" for t in b.admin("Tasks.List")["tasks"])
+               and b.status()["inbox"]["write_behind_pending"] == 0,
+               what="B's stream task open and its write-behind flushed")
     b.kill()
 
     caller.join(timeout=60)
@@ -118,14 +115,13 @@ def test_kill_9_during_a_stream_tells_the_requester_and_never_reruns_it(meshnode
     assert result["error"]["details"]["task_id"] == result["task_id"]
     b.start()
     # Let the restarted node drain its buffer (the request's copy is there) and settle.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def drains_settled() -> list[dict[str, Any]] | None:
         drains = [ag.get("drain") or {} for ag in b.status()["agents"] if ag["name"] == "streamer"]
-        if drains and int(drains[0].get("passes", 0)) >= 1 and not drains[0].get("running"):
-            break
-        time.sleep(0.2)
+        return drains if drains and int(drains[0].get("passes", 0)) >= 1 and not drains[0].get("running") else None
+
+    drains = eventually(drains_settled, what="the restarted node's drain pass finishing")
     # The buffered copy was judged already handled, by this pass or by one
     # before the kill (live mail wakes the drain): either way, not new work.
     assert drains and drains[0]["dispatched"] == 0, drains
-    time.sleep(1.0)
+    consistently(lambda: len(runs.read_text().split()) == 1, during=1.0, what="no second run of the handler")
     assert len(runs.read_text().split()) == 1, "the handler ran again after the restart"

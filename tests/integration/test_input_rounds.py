@@ -3,12 +3,11 @@ with the requester's follow-up; strangers, wrong input and ended tasks refused."
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -80,9 +79,7 @@ def test_auth_round_and_an_unanswered_round_ends_canceled(meshnode_daemons: Daem
     # Nobody answers within the agent's wait: the paused task is canceled (§7.3).
     waiting = call(a, "ask", {"wait": 1})
     assert waiting["status"] == "input_required"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and task_state(a, waiting["task_id"]) is not None:
-        time.sleep(0.1)
+    eventually(lambda: task_state(a, waiting["task_id"]) is None, what="the paused task to be canceled")
     assert task_state(a, waiting["task_id"]) is None
     record = a.admin("Tasks.Show", {"task_id": waiting["task_id"]})
     assert record.get("state") == "canceled", record
@@ -95,14 +92,14 @@ def test_a_follow_up_after_the_responder_crashed_is_answered_not_dropped(meshnod
     target = b.agent_id("asker_b")
     opened = a.admin("Call", {"agent": target, "offering": "ask", "input": {}, "timeout": 30}, timeout=45)
     assert opened["status"] == "input_required", opened
+    # Kill only once B's write-behind has recorded the request as handled: a kill
+    # inside that window makes the restarted drain dispatch the buffered copy again
+    # (the at-most-once gap of issue #23 item 1, not what this test is about).
+    eventually(lambda: b.status()["inbox"]["write_behind_pending"] == 0, what="B's write-behind flushed")
     b.kill()  # the paused handler dies with its process
     b.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        agents = {x["name"]: x for x in b.status()["agents"]}
-        if agents.get("asker_b", {}).get("registered"):
-            break
-        time.sleep(0.2)
+    eventually(lambda: {x["name"]: x for x in b.status()["agents"]}.get("asker_b", {}).get("registered"),
+               what="asker_b registered again after the restart")
     late = a.admin("Call", {"agent": target, "offering": "ask", "input": {"name": "Ada"}, "timeout": 30,
                             "task_id": opened["task_id"]}, timeout=45)
     assert late["status"] == "failed" and late["error"]["code"] == "TASK_NOT_FOUND", late

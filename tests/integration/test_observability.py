@@ -4,13 +4,12 @@ ordinary observer on another node, and never carrying content."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 
 from meshnode.observability.otlp import otel_available
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async
 
 pytestmark = pytest.mark.integration
 
@@ -22,14 +21,6 @@ SPAN_DATA_MEMBERS = {"trace_id", "span_id", "parent_span_id", "agent_id", "kind"
 SPAN_ATTRIBUTES = {"agentmesh.primitive", "agentmesh.peer", "agentmesh.offering", "agentmesh.task_id",
                    "agentmesh.context_id", "agentmesh.outcome", "agentmesh.error_code"}
 
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def observed(node: DaemonProcess, prefix: str) -> list[dict[str, Any]]:
@@ -67,7 +58,7 @@ def test_spans_logs_and_metrics_only_when_enabled(meshnode_daemons: DaemonSet) -
             and s["data"]["status"] == outcome
         ]
 
-    assert wait_for(lambda: find(cli, "consumer", "respond", "refused")), spans()
+    assert eventually(lambda: find(cli, "consumer", "respond", "refused"), detail=lambda: spans())
     (request,) = [s for s in find(cli, "producer", "request") if s["tags"].get("agentmesh.offering") == "echo"]
     (handled,) = [s for s in find(echo, "consumer", "request") if s["tags"].get("agentmesh.offering") == "echo"]
     (answered,) = [s for s in find(echo, "producer", "respond") if s["tags"].get("agentmesh.offering") == "echo"]
@@ -101,7 +92,7 @@ def test_spans_logs_and_metrics_only_when_enabled(meshnode_daemons: DaemonSet) -
     def logs() -> list[dict[str, Any]]:
         return [e["data"] for e in observed(b, f"mesh.log.{feeder}.warn") if "n1" in e["data"]["message"]]
 
-    assert wait_for(logs), observed(b, "mesh.log.")
+    assert eventually(logs, detail=lambda: observed(b, "mesh.log."))
     (line,) = logs()
     assert line["level"] == "warn" and line["agent_id"] == feeder
     assert (line["trace_id"], line["span_id"]) == (logged["output"]["trace_id"], logged["output"]["span_id"])
@@ -110,7 +101,7 @@ def test_spans_logs_and_metrics_only_when_enabled(meshnode_daemons: DaemonSet) -
     def metrics() -> list[dict[str, Any]]:
         return [e["data"] for e in observed(b, f"mesh.metrics.{echo}") if e["data"]["requests_total"] >= 1]
 
-    assert wait_for(metrics), observed(b, "mesh.metrics.")
+    assert eventually(metrics, detail=lambda: observed(b, "mesh.metrics."))
     sample = metrics()[-1]
     assert set(sample) == {"agent_id", "timestamp", "requests_total", "requests_failed", "tasks_active",
                            "tasks_completed", "avg_latency_ms", "p99_latency_ms", "bytes_in", "bytes_out"}
@@ -134,7 +125,7 @@ def test_otlp_exporter_agent_turns_span_events_into_opentelemetry_spans(
         extra={"observability": {"spans": True}},
     )
     assert a.call("echo", "echo", {"n": 1})["status"] == "completed"
-    assert wait_for(lambda: '"name": "request echo"' in a.log_text()), a.log_tail()
+    assert eventually(lambda: '"name": "request echo"' in a.log_text(), detail=lambda: a.log_tail())
     assert '"kind": "SpanKind.CONSUMER"' in a.log_text() and '"kind": "SpanKind.PRODUCER"' in a.log_text()
     assert '"agentmesh.offering": "echo"' in a.log_text()
 
@@ -156,7 +147,6 @@ async def test_a_refused_metric_or_span_publish_is_counted_and_warned_once(
 ) -> None:
     """A real broker refusing a publish the credential does not cover (an agent
     missing from the roster): counted per family, warned once per subject."""
-    import asyncio
     from collections import Counter
 
     from meshnode.node.observe import ObservabilitySettings, install
@@ -185,9 +175,7 @@ async def test_a_refused_metric_or_span_publish_is_counted_and_warned_once(
         for _ in range(2):
             await obs.publish_metrics()
             await connection.flush()
-        async with asyncio.timeout(5):
-            while node.counters["refused.publish.metrics"] < 2:
-                await asyncio.sleep(0.02)
+        await eventually_async(lambda: node.counters["refused.publish.metrics"] >= 2)
         assert node.counters["observability.published.metrics"] == 4  # handed over; the broker said no to two
         assert node.agents["unlisted"].counters["refused.publish.metrics"] == 2
         assert node.agents["listed"].counters["refused.publish.metrics"] == 0

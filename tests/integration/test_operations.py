@@ -7,13 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -58,22 +58,35 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
     drained = ok_json(node, "drain", "--agent", "echo")["drained"]
     assert drained[0]["agent"] == "echo" and drained[0]["passes"] >= 1
     before = node.status()["agents"][1]["vouch_expires_at"]
-    time.sleep(1.1)
-    renewed = ok_json(node, "renew")
+    # Vouch expiries have one-second resolution: renew until the clock has moved on
+    # (at once on a second boundary, else within a second) instead of sleeping past one.
+    renewed = eventually(lambda: (r := ok_json(node, "renew"))["vouches"]["echo"] > before and r,
+                         interval=0.25, what="a renewal with a later vouch expiry")
     assert renewed["vouches"]["echo"] > before and renewed["credential"]["expires_at"]
 
     logs = cli(node, "logs", "--lines", "50")
     assert logs.returncode == 0 and "registered echo" in logs.stdout
     follow = subprocess.Popen([sys.executable, "-m", "meshnode.cli", "logs", "--follow", "--socket", node.socket_path],
                               stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(follow.stdout.readline, "")) if follow.stdout else None,
+                              daemon=True)
+    reader.start()
     try:
-        time.sleep(1.0)
         node.call("echo", "nope")  # produces a log line (admin call) — and a renew logs too
-        ok_json(node, "renew")
-        time.sleep(1.0)
+
+        def followed() -> bool:
+            # Nothing says when the follower has attached: renew (which logs
+            # "registered echo") until a renewal's line reaches it.
+            ok_json(node, "renew")
+            return "registered echo" in "".join(lines)
+
+        eventually(followed, interval=0.5, what="logs --follow showing a renewal's 'registered echo'")
     finally:
         follow.terminate()
-        out, _ = follow.communicate(timeout=10)
+        follow.wait(timeout=10)
+        reader.join(timeout=10)
+    out = "".join(lines)
     assert "registered echo" in out
 
     assert node.call("echo", "echo", "count me")["status"] == "completed"
@@ -107,9 +120,8 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
     node.config_path.write_text(text)
     assert node.process is not None
     node.process.send_signal(1)  # SIGHUP
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and {a["name"] for a in node.status()["agents"]} != {"cli", "echo", "old"}:
-        time.sleep(0.2)
+    eventually(lambda: {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"},
+               what="the SIGHUP reload applied")
     assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"}
 
 

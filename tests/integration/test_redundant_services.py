@@ -23,10 +23,11 @@ from meshnode.protocol.timeutil import parse_rfc3339
 from meshnode.services.base import ServiceContext
 from meshnode.services.registry import RegistryService
 from meshnode.services.streams import ensure_mesh_streams
+from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 
-from .conftest import connect, wait_until
+from .conftest import connect
 from .test_services import call, make_manifest, now_ms, signed
 
 pytestmark = pytest.mark.integration
@@ -89,7 +90,7 @@ async def _register(p: Pair, issued_ms: int) -> dict[str, object]:
 async def test_a_registration_through_either_instance_is_served_by_both(pair: Pair) -> None:
     await _register(pair, now_ms() - 1000)
     agent_id = pair.agent.public_key
-    await wait_until(lambda: all(r.manifest(agent_id) is not None for r in pair.registries))
+    await eventually_async(lambda: all(r.manifest(agent_id) is not None for r in pair.registries))
     # Discovery answers the same whichever instance the queue group picks.
     for _ in range(6):
         env = signed("discover", pair.agent, {})

@@ -40,11 +40,12 @@ from meshnode.services import (
 )
 from meshnode.services.query import decode_cursor, encode_cursor, parse_discover_query
 from meshnode.services.semver import VersionRange
+from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_permissions
 
-from .conftest import connect, wait_until
+from .conftest import connect
 
 pytestmark = pytest.mark.integration
 
@@ -282,7 +283,7 @@ async def test_register_on_the_bound_subject_stores_the_normalized_manifest(
     assert inbox.no_ack is True and inbox.max_age == 7 * 86400 and inbox.max_bytes == 25 * 1024 * 1024
     assert inbox.retention == RetentionPolicy.LIMITS
 
-    await wait_until(lambda: len(events) == 1)
+    await eventually_async(lambda: len(events) == 1)
     event = events[0]
     assert event["type"] == "emit" and event["from"] == platform.registry.ctx.service_id
     assert event["payload"] == {
@@ -296,7 +297,7 @@ async def test_register_on_the_bound_subject_stores_the_normalized_manifest(
     assert not await stream_exists(net.service_conn, f"MESH_INBOX_{agent.public_key}")
     got = await call(node.conn, f"mesh.registry.get.{agent.public_key}", signed("discover", agent, {}))
     assert error_code(got) == "NOT_FOUND"
-    await wait_until(lambda: len(events) == 2)
+    await eventually_async(lambda: len(events) == 2)
     assert events[1]["payload"]["event_type"] == "agent_deregistered"
 
 
@@ -537,10 +538,10 @@ async def test_registry_instances_share_the_bucket(net: Mesh, platform: Platform
         node = await net.participant(1)
         agent = node.agents[0]
         await node.register(agent)  # served by either instance (one queue group)
-        await wait_until(lambda: platform.registry.manifest(agent.public_key) is not None
+        await eventually_async(lambda: platform.registry.manifest(agent.public_key) is not None
                          and second.manifest(agent.public_key) is not None)
         await call(node.conn, "mesh.registry.deregister", signed("register", agent, {"deregister": True}))
-        await wait_until(lambda: platform.registry.manifest(agent.public_key) is None
+        await eventually_async(lambda: platform.registry.manifest(agent.public_key) is None
                          and second.manifest(agent.public_key) is None)
     finally:
         await second.stop()
@@ -568,7 +569,7 @@ async def test_presence_tracks_heartbeats(net: Mesh, platform: PlatformServices)
 
     await node.beat({"availability": "busy", "active_tasks": 3, "capacity": 10, "load": 0.3,
                      "node": KeyPair.generate().public_key})
-    await wait_until(lambda: presence.availability_of_node(node.node_id) == "busy")
+    await eventually_async(lambda: presence.availability_of_node(node.node_id) == "busy")
     view = await call(node.conn, "mesh.presence.get", signed("request", agent, {"node": node.node_id}))
     assert view["from"] == presence.ctx.service_id
     assert view["payload"]["node"] == node.node_id
@@ -583,15 +584,15 @@ async def test_presence_tracks_heartbeats(net: Mesh, platform: PlatformServices)
     # An unknown availability is absent, which reads as online; an agent the node
     # vouched for may beat for it.
     await node.beat({"availability": "sleepy"}, signer=agent)
-    await wait_until(lambda: presence.availability_of_node(node.node_id) == "online")
+    await eventually_async(lambda: presence.availability_of_node(node.node_id) == "online")
     assert (await discover(node, agent, {"availability": "online"}))["total"] == 1
     assert (await discover(node, agent, {"availability": "busy"}))["total"] == 0
 
     # Silence beyond 2 × interval: offline, announced, and the manifest stays.
-    await wait_until(lambda: presence.availability_of_node(node.node_id) == "offline", timeout=4 * HEARTBEAT_S + 2)
+    await eventually_async(lambda: presence.availability_of_node(node.node_id) == "offline", timeout=4 * HEARTBEAT_S + 2)
     assert (await discover(node, agent, {"availability": "online"}))["total"] == 0
     assert (await discover(node, agent, {"availability": "offline"}))["total"] == 1
-    await wait_until(lambda: [e["payload"]["event_type"] for e in events] == ["node_online", "node_offline"])
+    await eventually_async(lambda: [e["payload"]["event_type"] for e in events] == ["node_online", "node_offline"])
     assert events[1]["payload"]["data"]["node"] == node.node_id
 
     unknown = KeyPair.generate().public_key
@@ -624,7 +625,7 @@ async def test_presence_ignores_beats_not_from_the_node_or_its_agents(
 
     # A genuine beat from another node proves the forged ones were processed first.
     await elsewhere.beat()
-    await wait_until(lambda: presence.availability_of_node(elsewhere.node_id) == "online")
+    await eventually_async(lambda: presence.availability_of_node(elsewhere.node_id) == "online")
     assert presence.availability_of_node(victim.node_id) == "offline"
     assert victim.node_id not in {n["node"] for n in presence.nodes()}
 
@@ -632,7 +633,7 @@ async def test_presence_ignores_beats_not_from_the_node_or_its_agents(
 async def test_presence_seeds_from_the_heartbeat_stream(net: Mesh, platform: PlatformServices) -> None:
     node = await net.participant(1)
     await node.beat({"availability": "degraded"})
-    await wait_until(lambda: platform.presence.availability_of_node(node.node_id) == "degraded")
+    await eventually_async(lambda: platform.presence.availability_of_node(node.node_id) == "degraded")
     late = PresenceService(net.context(), 30.0)
     await late.start()
     try:
@@ -678,7 +679,7 @@ async def test_legacy_wire_shapes(net: Mesh, platform: PlatformServices) -> None
     # SDK heartbeat payload {node, availability}; get with payload {agent_id}.
     await node.register(rust_agent)
     await node.beat({"node": node.node_id, "availability": "online"})
-    await wait_until(lambda: platform.presence.availability_of_node(node.node_id) == "online")
+    await eventually_async(lambda: platform.presence.availability_of_node(node.node_id) == "online")
     got = await call(node.conn, f"mesh.registry.get.{rust_agent.public_key}",
                      signed("discover", rust_agent, {"agent_id": rust_agent.public_key}))
     assert got["payload"]["id"] == rust_agent.public_key and got["payload"]["availability"] == "online"

@@ -32,11 +32,12 @@ from meshnode.protocol.tasks import TRANSITIONS, TaskState
 from meshnode.protocol.timeutil import format_ts
 from meshnode.services import RegistryService, ServiceContext, ensure_mesh_streams
 from meshnode.services.task_record import Outcome, Record, Verdict
-from meshnode.services.tasks import TaskManagerService
+from meshnode.services.tasks import CONSUMER_NAME, TaskManagerService
+from meshnode.testing import consistently_async, eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 
-from .conftest import connect, wait_until
+from .conftest import connect
 
 pytestmark = pytest.mark.integration
 
@@ -164,18 +165,12 @@ class World:
     ) -> Record:
         """The stored record once ``until`` holds for it (bounded wait)."""
         manager = tm or self.managers[0]
-        found: list[Record] = []
 
-        async def poll() -> None:
-            while True:
-                record = await manager.read(task_id)
-                if record is not None and until(record):
-                    found.append(record)
-                    return
-                await asyncio.sleep(0.02)
+        async def matching() -> Record | None:
+            record = await manager.read(task_id)
+            return record if record is not None and until(record) else None
 
-        await asyncio.wait_for(poll(), WAIT_S)
-        return found[0]
+        return await eventually_async(matching, what=f"the record of {task_id} to match")
 
     async def rejected(self, task_id: str, env: dict[str, Any]) -> dict[str, Any]:
         """The meta.rejected_updates entry for ``env`` once recorded."""
@@ -212,10 +207,6 @@ async def world(mesh: EmbeddedNatsServer) -> AsyncIterator[World]:
         for c in (conn, service_conn):
             with contextlib.suppress(Exception):
                 await c.close(drain_timeout=1)
-
-
-async def _eventually(check: Callable[[], bool]) -> None:
-    await wait_until(check, WAIT_S)
 
 
 # --- creation and transitions ----------------------------------------------------------------
@@ -288,7 +279,7 @@ async def test_progress_is_recorded_and_illegal_moves_are_refused_not_applied(wo
     assert (await world.rejected(task_id, bad))["code"] == "INVALID_ENVELOPE"
     # A stranger is not recorded at all, only counted.
     await world.update(world.stranger, task_id, {"status": "completed"}, to=world.requester)
-    await _eventually(lambda: tm.counters["refused.unauthorized"] == 1)
+    await eventually_async(lambda: tm.counters["refused.unauthorized"] == 1)
 
     done = await world.update(world.responder, task_id, {"status": "completed", "output": {"text": "ok"}})
     record = await world.record(task_id, lambda r: r["state"] == "completed")
@@ -320,7 +311,12 @@ async def test_an_update_published_while_no_manager_runs_is_applied_when_one_sta
     await world.update(world.responder, task_id, {"status": "submitted"})
     await world.record(task_id)
     await first.stop()
-    await asyncio.sleep(0.5)  # let its last pull request expire
+
+    async def no_pull_waiting() -> bool:  # its last pull request has expired
+        info = await world.service_conn.js.consumer_info("MESH_TASKS", CONSUMER_NAME)
+        return info.num_waiting == 0
+
+    await eventually_async(no_pull_waiting, what="the stopped manager's last pull request expiring")
     await world.update(world.responder, task_id, {"status": "working"})
     second = await world.manager()
     record = await world.record(task_id, lambda r: r["state"] == "working", tm=second)
@@ -333,26 +329,27 @@ async def test_forged_stale_duplicate_and_misaddressed_updates_are_dropped_and_c
     await world.update(world.responder, task_id, {"status": "submitted"})
     await world.record(task_id)
     await world.update(world.responder, task_id, {"status": "working"}, signer=world.stranger)
-    await _eventually(lambda: tm.counters["refused.envelope"] == 1)
+    await eventually_async(lambda: tm.counters["refused.envelope"] == 1)
     await world.update(world.responder, task_id, {"status": "working"}, ts_ms=now_ms() - 20 * 60_000)
-    await _eventually(lambda: tm.counters["refused.stale"] == 1)
+    await eventually_async(lambda: tm.counters["refused.stale"] == 1)
     other = world.task_id()
     await world.update(world.responder, task_id, {"status": "working"}, envelope_task_id=other)
-    await _eventually(lambda: tm.counters["refused.invalid_envelope"] == 1)
+    await eventually_async(lambda: tm.counters["refused.invalid_envelope"] == 1)
     env = await world.update(world.responder, task_id, {"status": "working"})
     # The same envelope again, under a new message id so the stream keeps it.
     await world.conn.publish(subjects.task_update(task_id), encode_envelope(env))
-    await _eventually(lambda: tm.counters["refused.duplicate"] == 1)
+    await eventually_async(lambda: tm.counters["refused.duplicate"] == 1)
     record = await world.record(task_id)
     assert record["state"] == "working" and len(record["history"]) == 2
     assert await world.record(task_id) is not None and await tm.read(other) is None
 
 
 async def test_a_cancel_that_overtakes_the_first_update_is_applied_once_the_record_exists(world: World) -> None:
-    await world.manager()
+    tm = await world.manager()
     task_id = world.task_id()
     await world.update(world.requester, task_id, {"status": "canceled", "reason": "user_requested"})
-    await asyncio.sleep(0.2)
+    # The cancel arrives first and waits for its record (stashed as an orphan).
+    await eventually_async(lambda: tm.counters["orphans.stashed"] == 1, what="the overtaking cancel stashed")
     await world.update(world.responder, task_id, {"status": "submitted"})
     record = await world.record(task_id, lambda r: r["state"] == "canceled")
     assert record["requester"] == world.requester.public_key
@@ -405,7 +402,7 @@ async def test_budget_revisions_only_from_the_parties_only_forward_never_retroac
 
     await world.update(world.stranger, task_id, {"budget": {"revision": 9, "deadline": far}},
                        to=world.responder)
-    await _eventually(lambda: tm.counters["refused.unauthorized"] == 1)
+    await eventually_async(lambda: tm.counters["refused.unauthorized"] == 1)
     equal = await world.update(world.requester, task_id, {"budget": {"revision": 2, "deadline": far}})
     assert (await world.rejected(task_id, equal))["code"] == "TASK_INVALID_TRANSITION"
     past = await world.update(world.requester, task_id,
@@ -440,7 +437,7 @@ async def test_overdue_mark_notice_and_completed_late(world: World) -> None:
     record = await world.record(task_id, lambda r: r["meta"].get("overdue") is True)
     assert record["state"] == "working" and record["meta"]["overdue_at"] >= deadline
 
-    await _eventually(lambda: len(world.events_of("task.overdue", task_id)) == 1 and len(notices) == 1)
+    await eventually_async(lambda: len(world.events_of("task.overdue", task_id)) == 1 and len(notices) == 1)
     event = world.events_of("task.overdue", task_id)[0]
     assert event == {
         "task_id": task_id, "requester": world.requester.public_key, "responder": world.responder.public_key,
@@ -453,14 +450,14 @@ async def test_overdue_mark_notice_and_completed_late(world: World) -> None:
     assert notice["payload"] == {"status": "working", "overdue": True, "deadline": deadline,
                                  "overdue_at": record["meta"]["overdue_at"]}
     # The manager's own notice on the update subject is neither applied nor a refusal.
-    await _eventually(lambda: tm.counters["ignored.notice"] == 1)
+    await eventually_async(lambda: tm.counters["ignored.notice"] == 1)
 
     await world.update(world.responder, task_id, {"status": "completed", "output": "late but here"})
     record = await world.record(task_id, lambda r: r["state"] == "completed")
     assert record["meta"]["completed_late"] is True
     assert record["meta"]["late"]["code"] == "DEADLINE_EXCEEDED"
     assert record["meta"]["late"]["deadline"] == deadline
-    await _eventually(lambda: len(world.events_of("metering.task_completed", task_id)) == 1)
+    await eventually_async(lambda: len(world.events_of("metering.task_completed", task_id)) == 1)
     assert world.events_of("metering.task_completed", task_id)[0]["completed_late"] is True
     assert len(world.events_of("task.overdue", task_id)) == 1
 
@@ -509,7 +506,7 @@ async def test_a_canceled_task_flags_its_stranded_delegates(world: World) -> Non
     for task_id in (finished_child, other_context, not_its_delegate):
         assert not (await world.record(task_id))["meta"].get("stranded")
 
-    await _eventually(lambda: len(world.events_of("task.stranded")) == 1)
+    await eventually_async(lambda: len(world.events_of("task.stranded")) == 1)
     event = world.events_of("task.stranded")[0]
     assert event == {
         "task_id": child, "requester": world.responder.public_key, "responder": world.delegate.public_key,
@@ -565,7 +562,7 @@ async def test_failed_event_attribution_is_checked_against_the_registered_manife
         msg = await world.conn.request(subjects.registry_register(world.node_key.public_key),
                                        encode_envelope(register), timeout=3.0)
         assert decode_envelope(msg.data)["payload"]["status"] == "registered"
-        await _eventually(lambda: registry.manifest(world.responder.public_key) is not None)
+        await eventually_async(lambda: registry.manifest(world.responder.public_key) is not None)
 
         cases = {
             "declared": ({"reason": "needs_not_furnished", "unmet_need": "credential:Salesforce"}, "client"),
@@ -585,7 +582,7 @@ async def test_failed_event_attribution_is_checked_against_the_registered_manife
         await world.update(world.delegate, unknown, {"status": "working", "offering": "crm-sync"})
         await world.update(world.delegate, unknown, {"status": "failed", "reason": "needs_not_furnished",
                                                      "unmet_need": "credential:Salesforce"})
-        await _eventually(lambda: len(world.events_of("task.failed")) == 5)
+        await eventually_async(lambda: len(world.events_of("task.failed")) == 5)
         for name, (fields, attribution) in cases.items():
             event = world.events_of("task.failed", ids[name])[0]
             assert event["attribution"] == attribution, name
@@ -628,7 +625,7 @@ async def test_completed_receipt_and_usage_meter_events(world: World) -> None:
         "cost": {"amount_micro": 6315, "currency": "USD"},
     })
     record = await world.record(task_id, lambda r: r["state"] == "completed")
-    await _eventually(lambda: len(world.events_of("metering.usage", task_id)) == 4)
+    await eventually_async(lambda: len(world.events_of("metering.usage", task_id)) == 4)
 
     receipts = world.events_of("metering.task_completed", task_id)
     assert len(receipts) == 1
@@ -670,7 +667,7 @@ async def test_canceled_receipt_carries_the_reason_and_never_the_note(world: Wor
     record = await world.record(task_id, lambda r: r["state"] == "canceled")
     assert record["meta"]["cancel_reason"] == "superseded"
     assert record["meta"]["note"] == "a newer request replaces it"
-    await _eventually(lambda: len(world.events_of("metering.task_canceled", task_id)) == 1
+    await eventually_async(lambda: len(world.events_of("metering.task_canceled", task_id)) == 1
                       and len(world.events_of("metering.usage", task_id)) == 2)
     receipt = world.events_of("metering.task_canceled", task_id)[0]
     assert receipt == {
@@ -696,7 +693,7 @@ async def test_events_are_signed_by_the_task_manager_with_their_id_as_msg_id(wor
     task_id = world.task_id()
     await world.update(world.responder, task_id, {"status": "working"})
     await world.update(world.responder, task_id, {"status": "completed"})
-    await _eventually(lambda: len(seen) == 1)
+    await eventually_async(lambda: len(seen) == 1)
     env = decode_envelope(seen[0].data)
     assert env["type"] == "emit" and env["from"] == tm.ctx.service_id
     assert seen[0].headers is not None and seen[0].headers["Nats-Msg-Id"] == env["id"]
@@ -716,8 +713,9 @@ async def test_two_task_managers_share_the_work_and_lose_no_update(world: World)
         record = await world.record(task_id, lambda r: r["state"] == "completed")
         assert len(record["history"]) == len(steps), record["meta"]
         assert not record["meta"].get("rejected_updates")
-    await _eventually(lambda: len(world.events_of("metering.task_completed")) == len(tasks))
-    await asyncio.sleep(0.2)
+    await eventually_async(lambda: len(world.events_of("metering.task_completed")) == len(tasks))
+    await consistently_async(lambda: len(world.events_of("metering.task_completed")) == len(tasks), during=0.2,
+                             what="no second receipt for any task")
     assert sorted(e["task_id"] for e in world.events_of("metering.task_completed")) == sorted(tasks)
     applied = sum(tm.counters["verdict.created"] + tm.counters["verdict.applied"] + tm.counters["verdict.progress"]
                   for tm in (a, b))
@@ -777,13 +775,21 @@ async def test_concurrent_writers_lose_nothing_one_write_wins_the_loser_reapplie
 
 
 async def test_two_sweeping_managers_mark_a_task_overdue_once(world: World) -> None:
-    await world.manager()
-    await world.manager()
+    managers = [await world.manager(), await world.manager()]
+    sweeps = [0, 0]
+    for n, tm in enumerate(managers):
+        def counted(tm: TaskManagerService = tm, n: int = n) -> Any:
+            sweeps[n] += 1
+            return type(tm).sweep(tm)
+
+        tm.sweep = counted  # type: ignore[method-assign]
     task_id = world.task_id()
     await world.update(world.responder, task_id, {"status": "working"},
                        budget={"revision": 0, "deadline": _deadline(200)})
     await world.record(task_id, lambda r: r["meta"].get("overdue") is True)
-    await asyncio.sleep(0.5)  # several sweeps of both managers
+    marked = list(sweeps)
+    await eventually_async(lambda: all(now >= then + 3 for now, then in zip(sweeps, marked, strict=True)),
+                           what="several sweeps of both managers after the mark")
     assert len(world.events_of("task.overdue", task_id)) == 1
 
 

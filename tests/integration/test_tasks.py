@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -53,18 +52,17 @@ def test_cancel_stops_the_handler_and_propagates_to_delegates(meshnode_daemons: 
                               "input": {"target": a.agent_id("tasks")}, "wait_task": False, "timeout": 30})
     task_id = opened["task_id"]
     assert opened["status"] == "working"
-    deadline = time.monotonic() + 10
-    child: str | None = None
-    while time.monotonic() < deadline and child is None:
+    def sub_task() -> str | None:
         performing = a.admin("Tasks.List")["tasks"]  # A performs the delegate's sub-task
-        child = next((t["task_id"] for t in performing if t["agent"] == "tasks"), None)
-        time.sleep(0.1)
+        return next((t["task_id"] for t in performing if t["agent"] == "tasks"), None)
+
+    child: str | None = eventually(sub_task, what="the delegate's sub-task on A")
     assert child, "the delegate never started its sub-task"
     answer = a.admin("Tasks.Cancel", {"task_id": task_id, "agent": b.agent_id("tasks_b"), "reason": "superseded"})
     assert answer["status"] == "canceled"
     # B stopped its handler; the cancel was forwarded to A's sub-task as upstream_cancelled.
-    while time.monotonic() < deadline and any(t["task_id"] == child for t in a.admin("Tasks.List")["tasks"]):
-        time.sleep(0.1)
+    eventually(lambda: not any(t["task_id"] == child for t in a.admin("Tasks.List")["tasks"]),
+               what="A's sub-task to stop")
     assert not any(t["task_id"] == child for t in a.admin("Tasks.List")["tasks"])
     assert b.admin("Tasks.List")["tasks"] == []
     counters = next(x for x in a.status()["agents"] if x["name"] == "tasks")["counters"]
@@ -117,13 +115,9 @@ def test_failure_with_a_reason_from_the_closed_vocabulary(meshnode_daemons: Daem
     a = meshnode_daemons.embedded("a", agents={"fixer": {"plugin": "test-unfurnished"}}, node=plugins)
     result = a.call("fixer", "fix", {})
     assert result["status"] == "failed" and result["task_id"]
-    deadline = time.monotonic() + 10
-    record: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        record = a.admin("Tasks.Show", {"task_id": result["task_id"]})
-        if record.get("state") == "failed":
-            break
-        time.sleep(0.2)
+    record: dict[str, Any] = eventually(
+        lambda: (r := a.admin("Tasks.Show", {"task_id": result["task_id"]})).get("state") == "failed" and r,
+        what="the task record reaching failed")
     assert record["state"] == "failed"
     last = record["history"][-1]["payload"]
     assert last["reason"] == "needs_not_furnished" and last["unmet_need"] == "resource:git"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats.errors
 import pytest
@@ -24,7 +25,7 @@ from meshnode.daemon.platform import PlatformServices, start_platform_services
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import ServiceContext
-from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, render_toml
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import (
     EmbeddedNatsServer,
@@ -34,7 +35,7 @@ from meshnode.transport.embedded import (
 )
 from meshnode.transport.jwt import decode_jwt
 
-from .conftest import connect, wait_until
+from .conftest import connect
 from .test_services import Participant, call, signed
 
 pytestmark = pytest.mark.integration
@@ -186,7 +187,7 @@ async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: 
     # From b the exported inbox answers, through the account boundary...
     reply = await tenants.b.conn.request(exported, b"{}", timeout=3.0)
     assert reply.data == b'{"delivered":true}'
-    await wait_until(lambda: received == [exported])
+    await eventually_async(lambda: received == [exported])
     # ...and the private one has no route at all; nor has anything from c.
     for party, subject in ((tenants.b, private), (tenants.c, exported), (tenants.c, private)):
         with pytest.raises(nats.errors.NoRespondersError):
@@ -251,12 +252,15 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
 
 
 def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: DaemonSet) -> None:
-    # A fixed broker port: the embedded node restarts below, and the joined node
-    # reconnects to the address it knows.
     a = meshnode_daemons.embedded(
         "a", agents={"echo": {"plugin": "echo"}},
-        extra={"mesh.embedded": {"tenants": ["family"], "port": free_port()}},
+        extra={"mesh.embedded": {"tenants": ["family"]}},
     )
+    # The broker and the control plane took free ports (port 0); the embedded node
+    # restarts below on the same ones, read back here, so the joined node reconnects
+    # to the addresses it knows.
+    info = a.admin("Mesh.Info")
+    broker_port, control_port = urlsplit(info["nats_urls"][0]).port, urlsplit(info["control_plane"]).port
     f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
     echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
     before = f.call(echo, "echo", "hi", timeout=5)
@@ -266,6 +270,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     # The operator exports a's echo to family and f's caller back to mesh (an
     # answer travels to the requester's inbox), then restarts the mesh node.
     a.stop()
+    a.config["mesh.embedded"].update(port=broker_port, control_port=control_port)
     a.config["mesh.embedded"]["exports"] = [
         {"from": "mesh", "to": "family", "agents": [echo]},
         {"from": "family", "to": "mesh", "agents": [f_cli]},
@@ -279,8 +284,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
         answer.update(f.call(echo, "echo", "hi", timeout=5))
         return answer.get("status") == "completed"
 
-    deadline = time.monotonic() + 60
-    while not answered() and time.monotonic() < deadline:
-        time.sleep(0.5)  # f reconnects and re-registers on its own schedule
+    # f reconnects and re-registers on its own schedule.
+    eventually(answered, timeout=60, interval=0.5, what="f's call across the export answered")
     assert answer["status"] == "completed", answer
     assert answer["from"] == echo and "hi" in str(answer["output"]), answer

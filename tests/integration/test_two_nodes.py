@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +26,7 @@ import pytest
 from meshnode.agent import Agent, Context, offering
 from meshnode.plugins import hookimpl
 from meshnode.protocol.envelope import build_envelope, child_trace, sign_envelope
-from meshnode.testing import DaemonProcess, DaemonSet, run_cli
+from meshnode.testing import DaemonProcess, DaemonSet, consistently, eventually, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -122,18 +121,6 @@ def _two_nodes(daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess]:
     return a, b
 
 
-def _wait_for(what: str, probe: Callable[[], Any], timeout: float) -> Any:
-    """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def _counters(daemon: DaemonProcess) -> dict[str, dict[str, int]]:
     return {a["name"]: dict(a.get("counters") or {}) for a in daemon.status()["agents"] if "id" in a}
 
@@ -146,8 +133,8 @@ def _delta(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int
 def _wait_delta(daemon: DaemonProcess, agent: str, before: Mapping[str, int], expected: dict[str, int],
                 what: str, timeout: float = 5.0) -> None:
     """Wait until ``agent``'s counters moved by exactly ``expected`` since ``before``."""
-    _wait_for(f"{what}: {agent} counters to move by {expected}",
-              lambda: _delta(_counters(daemon)[agent], before) == expected, timeout)
+    eventually(lambda: _delta(_counters(daemon)[agent], before) == expected,
+               what=f"{what}: {agent} counters to move by {expected}", timeout=timeout)
 
 
 def _alive(pid: int) -> bool:
@@ -386,11 +373,12 @@ def test_presence_follows_heartbeats_registration_survives(meshnode_daemons: Dae
     else:
         b.kill()
     # Its last beat was at most one interval ago: offline within 2 x interval of it, plus margin.
-    _wait_for("B offline", lambda: a.admin("Presence", {"node": node_b})["availability"] == "offline",
-              2 * HEARTBEAT + 2.0)
+    eventually(lambda: a.admin("Presence", {"node": node_b})["availability"] == "offline",
+               what="B offline", timeout=2 * HEARTBEAT + 2.0)
 
     # A keeps beating through all of this.
-    time.sleep(HEARTBEAT)
+    consistently(lambda: a.admin("Presence", {"node": node_a})["availability"] == "online",
+                 during=HEARTBEAT, what="A staying online for a heartbeat interval")
     assert a.admin("Presence", {"node": node_a})["availability"] == "online"
     listed = {n["node"]: n["availability"] for n in a.admin("Presence", {})["nodes"]}
     assert listed[node_a] == "online" and listed[node_b] == "offline"
@@ -442,8 +430,8 @@ def test_broker_dies_with_the_daemon_on_stop_and_on_kill(meshnode_daemons: Daemo
         assert not any(_alive(pid) for pid in brokers["stopped"]), "nats-server outlived a clean stop"
 
         killed.kill()  # SIGKILL: no shutdown code runs; PR_SET_PDEATHSIG must take the broker down
-        _wait_for("the broker to die with its daemon",
-                  lambda: not any(_alive(pid) for pid in brokers["killed"]), 5.0)
+        eventually(lambda: not any(_alive(pid) for pid in brokers["killed"]),
+                   what="the broker to die with its daemon", timeout=5.0)
         # The admin socket file is left behind by the kill, but nothing serves it.
         assert os.path.exists(killed.socket_path)
         assert _cli("status", "--json", "--socket", killed.socket_path).returncode == 69

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet, run_cli
+from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, run_cli
 from tests.integration.wire_client import (
     Inbound,
     UserKey,
@@ -296,9 +296,10 @@ async def _fresh_resend_of_a_refused_id(wire: Wire) -> bytes:
     )
     before = (await wire.counters("echo")).get("refused.inbound_stale", 0)
     await wire.client.publish_request(stale, await wire.inbox_of(wire.echo_id))
-    async with asyncio.timeout(REPLY_TIMEOUT_S):
-        while (await wire.counters("echo")).get("refused.inbound_stale", 0) == before:
-            await asyncio.sleep(0.05)
+    async def refused_stale() -> bool:
+        return bool((await wire.counters("echo")).get("refused.inbound_stale", 0) != before)
+
+    await eventually_async(refused_stale, what="the stale request refused")
     return json_bytes(
         wire.client.request_envelope(wire.agent, wire.echo_id, "echo", "hi", id=stale["id"])
     )
@@ -486,13 +487,11 @@ async def test_a_sender_no_node_vouches_for_is_refused(wire: Wire) -> None:
     before = await wire.counters("echo")
     request = wire.client.request_envelope(stranger, wire.echo_id, "echo", "hi")
     await wire.client.publish_request(request, await wire.inbox_of(wire.echo_id))
-    deadline = asyncio.get_running_loop().time() + 5
-    after = before
-    while asyncio.get_running_loop().time() < deadline:
-        after = await wire.counters("echo")
-        if after.get("refused.sender_not_vouched", 0) > before.get("refused.sender_not_vouched", 0):
-            break
-        await asyncio.sleep(0.1)
+    async def refused_unvouched() -> dict[str, int] | None:
+        counters = await wire.counters("echo")
+        return counters if counters.get("refused.sender_not_vouched", 0) > before.get("refused.sender_not_vouched", 0) else None
+
+    after = await eventually_async(refused_unvouched, what="the unvouched sender refused")
     assert after.get("refused.sender_not_vouched", 0) == before.get("refused.sender_not_vouched", 0) + 1
     assert after.get("dispatched", 0) == before.get("dispatched", 0)
     # The registered agent of the same node is still served.

@@ -61,6 +61,7 @@ from meshnode.admin.server import (
 )
 from meshnode.cli import exitcodes
 from meshnode.protocol.errors import ProtocolError
+from meshnode.testing import eventually_async
 
 # ------------------------------------------------------------------ fixtures & helpers
 
@@ -849,8 +850,10 @@ async def test_close_finishes_calls_in_flight_and_ends_streams(sock_path: Path) 
 
 async def test_close_cancels_calls_over_budget(sock_path: Path) -> None:
     cancelled = asyncio.Event()
+    started = asyncio.Event()
 
     async def stuck(params: dict[str, Any], call: CallContext) -> None:
+        started.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -862,7 +865,7 @@ async def test_close_cancels_calls_over_budget(sock_path: Path) -> None:
     await server.start()
     raw = await Raw.connect(sock_path)
     await raw.send({"id": 1, "method": "Stuck"})
-    await asyncio.sleep(0.05)
+    await eventually_async(started.is_set, what="the Stuck call running")
     await asyncio.wait_for(server.close(), 3)
     assert cancelled.is_set()
     assert await raw.at_eof()
@@ -1008,7 +1011,8 @@ def test_exit_codes() -> None:
         (ProtocolViolation("junk"), exitcodes.EX_API_MISMATCH),
         (AdminTimeout("slow"), exitcodes.EX_TEMPFAIL),
         (NotReady("starting"), exitcodes.EX_TEMPFAIL),
-        (NotFound("x"), exitcodes.EX_ERROR),
+        # Issue #18: admin errors map to the sysexits table (NotFound was 70 before).
+        (NotFound("x"), exitcodes.EX_DATAERR),
         (AdminError("Chat.RoomFull", "full"), exitcodes.EX_ERROR),
     ]
     for exc, code in cases:

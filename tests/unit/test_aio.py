@@ -6,6 +6,7 @@ import asyncio
 import itertools
 
 from meshnode.aio import BackgroundTasks, backoff
+from meshnode.testing import eventually_async
 
 
 def test_backoff_doubles_up_to_its_cap_and_never_ends() -> None:
@@ -30,7 +31,7 @@ async def test_background_tasks_hold_each_task_until_it_ends() -> None:
     assert await first == 1
     await asyncio.gather(*tasks)
     assert sorted(done) == [1, 2]
-    await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+    await eventually_async(lambda: not tasks, what="the done callbacks (they run on a later loop iteration)")
     assert not tasks and list(tasks) == []
 
 

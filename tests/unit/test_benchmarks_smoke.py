@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import bench_canonical
 
 
@@ -12,6 +14,7 @@ def test_canonical_benchmark_reports_ratios() -> None:
     assert 500 < result["envelope_bytes"] < 1200
 
 
+@pytest.mark.integration  # real daemons and a broker: not in `make test-fast`
 def test_scale_benchmark_measures_a_real_daemon() -> None:
     """A few agents through the real daemon path: every figure is reported."""
     from benchmarks import bench_scale
@@ -22,6 +25,7 @@ def test_scale_benchmark_measures_a_real_daemon() -> None:
     assert result["idle_cpu_pct"] >= 0 and result["idle_js_api_per_s"] >= 0
 
 
+@pytest.mark.integration  # real daemons and a broker: not in `make test-fast`
 def test_two_process_roundtrip_benchmark_runs_real_daemons() -> None:
     """A handful of round trips between two daemon processes, and the raw
     baseline between two processes: every figure is reported (none asserted)."""

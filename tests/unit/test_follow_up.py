@@ -12,6 +12,7 @@ from meshnode.protocol.envelope import build_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.tasks import PausedTask, check_follow_up
+from meshnode.testing import eventually_async
 from tests.fakes import FakeNode
 
 REQUESTER = KeyPair.generate().public_key
@@ -99,8 +100,7 @@ PROBLEMS = [{"input": "name", "problem": "missing", "description": "whom?"}]
 async def test_ask_input_returns_the_follow_ups_input_after_working_is_sent() -> None:
     task = working_task()
     asking = asyncio.create_task(task.ask_input(PROBLEMS, schema={"type": "object", "required": ["name"]}))
-    while task.state != "input_required":
-        await asyncio.sleep(0)
+    await eventually_async(lambda: task.state == "input_required")
     follow = request(task_id="t1")
     assert code_of(task.paused(), context_id="ctx-1", offering="ask") is None
     with pytest.raises(ProtocolError) as wrong:
@@ -135,8 +135,7 @@ async def test_an_unanswered_round_ends_canceled_and_refuses_late_answers() -> N
 async def test_a_cancel_while_waiting_closes_the_round() -> None:
     task = working_task()
     asking = asyncio.create_task(task.ask_input(PROBLEMS))
-    while task.state != "input_required":
-        await asyncio.sleep(0)
+    await eventually_async(lambda: task.state == "input_required")
     asking.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asking

@@ -23,6 +23,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.node.periodic import PeriodicJob
 from meshnode.plugins import PluginLoadError, load_plugins
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
+from meshnode.testing import eventually_async
 
 # -- rate limiter (§16.1) ---------------------------------------------------------
 
@@ -71,11 +72,11 @@ async def test_periodic_job_never_overlaps_and_logs_failure_once(caplog: pytest.
 
     job = PeriodicJob("t", action, 0.001, jitter=0.0, first_delay=0.0)
     job.start()
-    for _ in range(200):
-        job.trigger()
-        await asyncio.sleep(0.005)
-        if calls >= 5:
-            break
+    def triggered_until_five_runs() -> bool:
+        job.trigger()  # a trigger storm: the runs must still never overlap
+        return calls >= 5
+
+    await eventually_async(triggered_until_five_runs, interval=0.005, what="five runs of the job")
     await job.stop()
     assert max_running == 1
     assert calls >= 5 and job.failures == 3 and not job.failing

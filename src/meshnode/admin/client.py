@@ -37,15 +37,25 @@ import orjson
 
 from .exitcodes import (
     EX_API_MISMATCH,
+    EX_CHECK_FAILED,
+    EX_DATAERR,
     EX_ERROR,
     EX_NOPERM,
     EX_NOT_RUNNING,
     EX_TEMPFAIL,
+    EX_USAGE,
 )
 from .protocol import (
     API_VERSION,
+    CONFLICT,
+    INTERNAL,
+    INVALID_PARAMETER,
+    INVALID_REQUEST,
     MAX_LINE_BYTES,
+    METHOD_NOT_FOUND,
+    NOT_FOUND,
     PRODUCT,
+    REFUSED,
     AdminError,
     MethodNotFound,
     NotReady,
@@ -333,4 +343,20 @@ def exit_code_for(exc: BaseException) -> int:
         return EX_API_MISMATCH
     if isinstance(exc, AdminTimeout | NotReady | TimeoutError):
         return EX_TEMPFAIL
+    if isinstance(exc, AdminError):
+        return _EXIT_BY_ERROR_NAME.get(exc.name, EX_ERROR)
     return EX_ERROR
+
+
+#: Admin error names and their exit codes (the table in :mod:`meshnode.admin.exitcodes`).
+#: A name not listed (Internal, or a plugin's own) is an internal error, 70.
+_EXIT_BY_ERROR_NAME: dict[str, int] = {
+    INVALID_PARAMETER: EX_USAGE,
+    INVALID_REQUEST: EX_USAGE,
+    NOT_FOUND: EX_DATAERR,
+    CONFLICT: EX_DATAERR,
+    METHOD_NOT_FOUND: EX_API_MISMATCH,
+    # The mesh said no (§12 error object in params): the same as a call answered failed.
+    REFUSED: EX_CHECK_FAILED,
+    INTERNAL: EX_ERROR,
+}

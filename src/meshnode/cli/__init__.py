@@ -2,7 +2,10 @@
 
 Each command group lives in its own module and registers its subcommands on
 the shared parser; ``main`` dispatches. Exit codes are part of the contract
-(see :mod:`meshnode.cli.exitcodes`).
+(the table is in :mod:`meshnode.cli.exitcodes`); ``--json`` and time formats
+follow :mod:`meshnode.cli.output`; every command's ``--help`` ends with an
+example (:data:`EXAMPLES`); ``meshnode completion SHELL`` is generated from
+this parser.
 """
 
 from __future__ import annotations
@@ -10,23 +13,86 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from meshnode import __version__
 
 from .exitcodes import EX_USAGE
 
+#: The example each command's ``--help`` ends with (command path -> lines).
+#: A command not listed (a plugin's) gets one made from its usage.
+EXAMPLES: dict[str, list[str]] = {
+    "run": ["meshnode run --config /etc/meshnode/meshnode.toml"],
+    "check-config": ["meshnode check-config --config meshnode.toml --json"],
+    "status": ["meshnode status", "meshnode status --brief --json"],
+    "call": ["meshnode call echo echo --text hello",
+             "meshnode call wordstream words --text 'one two three' --stream",
+             "meshnode call longtask count '{\"to\": 5}' --no-wait"],
+    "envelope canonical": ["echo '{\"b\": 1, \"a\": 2}' | meshnode envelope canonical"],
+    "envelope verify": ["meshnode envelope verify --json < envelope.json"],
+    "envelope sign": ["meshnode envelope sign --seed-file agent.seed < envelope.json"],
+    "envelope keygen": ["meshnode envelope keygen > agent.json"],
+    "mesh info": ["meshnode mesh info --json"],
+    "mesh nodes": ["meshnode mesh nodes"],
+    "mesh invite": ["meshnode mesh invite laptop --out laptop.creds"],
+    "mesh retire": ["meshnode mesh retire --node UABC..."],
+    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo"],
+    "inbox list": ["meshnode inbox list --all"],
+    "inbox show": ["meshnode inbox show 12"],
+    "inbox reply": ["meshnode inbox reply 12 --text 'yes, go ahead'"],
+    "inbox ack": ["meshnode inbox ack 12"],
+    "agents list": ["meshnode agents list --json"],
+    "agents show": ["meshnode agents show echo"],
+    "agents add": ["meshnode agents add echo2 --plugin echo --set greeting='\"hi\"'"],
+    "agents remove": ["meshnode agents remove echo2"],
+    "agents restart": ["meshnode agents restart echo"],
+    "presence": ["meshnode presence --agent UABC... --json"],
+    "discover": ["meshnode discover --offering echo --availability online"],
+    "drain": ["meshnode drain --agent echo"],
+    "renew": ["meshnode renew"],
+    "reload": ["meshnode reload"],
+    "logs": ["meshnode logs --follow --level warning"],
+    "tasks list": ["meshnode tasks list"],
+    "tasks show": ["meshnode tasks show t01HZX... --json"],
+    "tasks cancel": ["meshnode tasks cancel t01HZX... --reason superseded"],
+    "metrics": ["meshnode metrics --prometheus"],
+    "artifacts put": ["meshnode artifacts put report.pdf --retention 30d"],
+    "artifacts get": ["meshnode artifacts get mesh:artifacts:... --out report.pdf"],
+    "artifacts stat": ["meshnode artifacts stat mesh:artifacts:..."],
+    "artifacts rm": ["meshnode artifacts rm mesh:artifacts:..."],
+    "artifacts usage": ["meshnode artifacts usage"],
+    "a2a charges": ["meshnode a2a charges --peer travel"],
+    "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
+    "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
+    "completion": ["meshnode completion bash > ~/.local/share/bash-completion/completions/meshnode"],
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's exit code for a wrong command line (64, not 2)
+    and examples kept as written."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
     # its modules) alone does not pull in every command module.
-    from . import a2a, artifacts, daemon, envelope, inbox, mesh, ops
+    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="meshnode",
         description="The AgentMesh node daemon and its tools.",
+        epilog="Example:\n  meshnode status\n\nEach command has --help with an example.",
     )
     parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     daemon.register(commands)
     envelope.register(commands)
     mesh.register(commands)
@@ -34,11 +100,46 @@ def build_parser() -> argparse.ArgumentParser:
     ops.register(commands)
     artifacts.register(commands)
     a2a.register(commands)
+    events.register(commands)
+    completion.register(commands)
     _plugin_commands(commands)
+    completion.attach(parser, commands)
+    _add_examples(parser)
     return parser
 
 
-def _plugin_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_examples(parser: argparse.ArgumentParser, path: str = "") -> None:
+    """End every command's help with its example (:data:`EXAMPLES`)."""
+    children = _subcommands(parser)
+    for name, sub in children.items():
+        _add_examples(sub, f"{path} {name}".strip())
+    if not path:
+        return
+    lines = EXAMPLES.get(path) or [_made_example(parser, path, children)]
+    example = "Example:\n" + "\n".join(f"  {line}" for line in lines)
+    parser.epilog = f"{parser.epilog}\n\n{example}" if parser.epilog else example
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _made_example(parser: argparse.ArgumentParser, path: str, children: dict[str, argparse.ArgumentParser]) -> str:
+    """An example for a command without one (a plugin's): its required arguments."""
+    if children:
+        return f"meshnode {path} {next(iter(children))} --help"
+    required = [
+        str(a.metavar or a.dest.upper()) for a in parser._actions
+        if not a.option_strings and a.nargs not in ("?", "*")
+    ]
+    return " ".join(["meshnode", path, *required])
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _plugin_commands(commands: Any) -> None:
     """Let installed plugins add subcommands (hook ``meshnode_add_cli_commands``)."""
     import logging
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_OK
+from .output import emit_json
 
 
 def register(commands: Any) -> None:
@@ -28,7 +28,7 @@ def cmd_charges(args: argparse.Namespace) -> int:
     if code != EX_OK:
         return code
     if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        emit_json(result)
         return EX_OK
     if not result["charges"]:
         print("no A2A charges recorded")

@@ -18,15 +18,17 @@ import mimetypes
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
 from meshnode.admin.client import AdminClient, AdminClientError, exit_code_for
 from meshnode.admin.protocol import AdminError, Refused
-from meshnode.config import ConfigError, format_size, parse_duration
+from meshnode.config import ConfigError, parse_duration
 
 from .daemon import _client_args, _socket
-from .exitcodes import EX_CANTCREAT, EX_CHECK_FAILED, EX_CONFIG, EX_NOINPUT, EX_OK, EX_USAGE
+from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_NOINPUT, EX_OK, EX_USAGE
+from .output import emit_json, human_duration, human_rate, human_size, human_time, rfc3339_fields
 
 #: Raw bytes per admin call (the daemon's ADMIN_PIECE).
 PIECE = 512 * 1024
@@ -75,22 +77,40 @@ def register(commands: Any) -> None:
 
 
 class _Progress:
-    """``done/total`` on stderr: redrawn in place on a terminal, every quarter otherwise."""
+    """``done of total (pct), rate, ETA`` on stderr: redrawn in place on a
+    terminal, every quarter otherwise. Sizes and rates share one set of units
+    (:func:`~meshnode.cli.output.human_size`: binary, one decimal)."""
 
-    def __init__(self, verb: str, total: int, quiet: bool) -> None:
+    def __init__(self, verb: str, total: int, quiet: bool, *, clock: Any = time.monotonic) -> None:
         self.verb = verb
         self.total = total
         self.enabled = not quiet and total >= PROGRESS_FROM
         self.tty = sys.stderr.isatty()
         self._quarter = 0
+        self._clock = clock
+        self._started = clock()
+
+    def line(self, done: int) -> str:
+        """The progress line after ``done`` bytes."""
+        pct = 100 * done // max(1, self.total)
+        elapsed = self._clock() - self._started
+        line = f"{self.verb} {human_size(done)} of {human_size(self.total)} ({pct}%)"
+        if elapsed > 0 and done > 0:
+            rate = done / elapsed
+            line += f", {human_rate(rate)}"
+            if done < self.total:
+                line += f", ETA {human_duration((self.total - done) / rate)}"
+            else:
+                line += f", in {human_duration(elapsed)}"
+        return line
 
     def update(self, done: int) -> None:
         if not self.enabled:
             return
         pct = 100 * done // max(1, self.total)
-        line = f"{self.verb} {format_size(done)} of {format_size(self.total)} ({pct}%)"
+        line = self.line(done)
         if self.tty:
-            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+            print(f"\r\x1b[2K{line}", end="", file=sys.stderr, flush=True)
         elif pct // 25 > self._quarter or done >= self.total:
             self._quarter = pct // 25
             print(line, file=sys.stderr, flush=True)
@@ -107,7 +127,7 @@ def _refused(exc: Refused) -> int:
     if details:
         line += f" {json.dumps(details, ensure_ascii=False)}"
     print(line, file=sys.stderr)
-    return EX_CHECK_FAILED
+    return exit_code_for(exc)  # the mesh said no: EX_CHECK_FAILED
 
 
 def _run(args: argparse.Namespace, work: Any) -> tuple[int, Any]:
@@ -130,7 +150,22 @@ def _run(args: argparse.Namespace, work: Any) -> tuple[int, Any]:
 
 
 def _print(args: argparse.Namespace, result: Any, text: str) -> None:
-    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else text)
+    if args.json:
+        emit_json(result)
+    else:
+        print(text)
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether bytes would garble a terminal: a NUL, or not UTF-8 (a multi-byte
+    character cut at the end of ``head`` is fine)."""
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start < len(head) - 3
+    return False
 
 
 # --------------------------------------------------------------------------- put
@@ -267,14 +302,21 @@ def cmd_get(args: argparse.Namespace) -> int:
             return code
         if out_path is None:
             with open(spool_path, "rb") as handle:
+                if sys.stdout.isatty() and looks_binary(handle.read(8192)):
+                    print(f"meshnode: {args.ref} is binary ({result.get('media_type', 'unknown type')}, "
+                          f"{human_size(int(result.get('size') or 0))}); not writing it to a terminal: "
+                          "use --out FILE or a pipe", file=sys.stderr)
+                    return EX_USAGE
+                handle.seek(0)
                 while block := handle.read(1024 * 1024):
                     sys.stdout.buffer.write(block)
             sys.stdout.buffer.flush()
             if args.json:
-                print(json.dumps(result), file=sys.stderr)
+                # stdout holds the bytes: the record goes to stderr, one line.
+                print(json.dumps(rfc3339_fields(result)), file=sys.stderr)
         else:
             os.replace(spool_path, out_path)
-            _print(args, result, f"{out_path}: {format_size(result['size'])}, {result['digest']}")
+            _print(args, result, f"{out_path}: {human_size(result['size'])}, {result['digest']}")
         return EX_OK
     except OSError as exc:
         print(f"meshnode: cannot write {args.out or 'stdout'}: {exc}", file=sys.stderr)
@@ -297,10 +339,10 @@ def cmd_stat(args: argparse.Namespace) -> int:
             f"ref        {result['ref']}",
             f"name       {result.get('name', '-')}",
             f"media type {result['media_type']}",
-            f"size       {format_size(result['size'])} ({result['size']} bytes)",
+            f"size       {human_size(result['size'])} ({result['size']} bytes)",
             f"digest     {result.get('digest', '-')}",
-            f"created    {result.get('created_at', '-')}",
-            f"expires    {result.get('expires_at', '-')}",
+            f"created    {human_time(result.get('created_at'))}",
+            f"expires    {human_time(result.get('expires_at'))}",
         ]
         if result.get("owner"):
             lines += [f"owner      {result['owner']}", f"writer     {result['writer']}"]
@@ -326,10 +368,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if code == EX_OK:
         text = (
             f"owner    {result['owner']}\n"
-            f"bytes    {format_size(result['bytes'])} of {format_size(result['quota_bytes'])}"
-            f" ({format_size(result['reserved_bytes'])} in uploads)\n"
+            f"bytes    {human_size(result['bytes'])} of {human_size(result['quota_bytes'])}"
+            f" ({human_size(result['reserved_bytes'])} in uploads)\n"
             f"objects  {result['objects']} of {result['quota_objects']}\n"
-            f"largest  {format_size(result['max_object_bytes'])} per object"
+            f"largest  {human_size(result['max_object_bytes'])} per object"
         )
         _print(args, result, text)
     return code

@@ -9,11 +9,12 @@ import json
 import sys
 from typing import Any
 
-from meshnode.admin.client import AdminClientError, call_sync, exit_code_for
+from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, load_config
 
-from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_OK
+from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_INTERRUPTED, EX_OK, EX_USAGE
+from .output import emit_json, emit_json_line, human_time
 
 
 def register(commands: Any) -> None:
@@ -128,7 +129,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if code != EX_OK:
         return code
     if args.json:
-        print(json.dumps(status, indent=2))
+        emit_json(status)
         return EX_OK
     node, mesh = status["node"], status["mesh"]
     print(f"node      {node['name']}  {node['id']}")
@@ -159,7 +160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {agent['name']:<16} FAILED: {agent.get('failure')}")
             continue
         reg = "registered" if agent.get("registered") else f"NOT registered ({agent.get('registration_error')})"
-        print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {agent.get('vouch_expires_at')}")
+        print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {_when(agent.get('vouch_expires_at'))}")
         for sub in agent.get("subscriptions") or []:
             # Interest retention (§18.3): a durable subscription's history starts at its consumer.
             kept = f"durable, capturing since {sub.get('capturing_since')}" if sub.get("durable") else "live only"
@@ -177,18 +178,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _when(epoch_s: Any) -> str:
-    import time
-
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(float(epoch_s)))
-    except (TypeError, ValueError):
-        return str(epoch_s)
+    return human_time(epoch_s)
 
 
 def cmd_call(args: argparse.Namespace) -> int:
     if args.text is not None and args.input is not None:
         print("meshnode: give either INPUT or --text, not both", file=sys.stderr)
-        return EX_DATAERR
+        return EX_USAGE
     payload_input: Any = None
     if args.text is not None:
         payload_input = {"text": args.text}
@@ -209,11 +205,37 @@ def cmd_call(args: argparse.Namespace) -> int:
         params["task_id"] = args.task_id
     if args.context_id:
         params["context_id"] = args.context_id
+    follow = args.stream or (not args.no_wait and sys.stderr.isatty() and not args.json)
+    # An A2A peer's task is not on MESH_TASKS: the daemon waits for it (one Call).
+    follow = follow and not args.agent.startswith("a2a:")
+    if follow and not args.task_id:
+        # Open the task, then follow it: chunks and progress as they arrive
+        # (one Call waits for the end and answers everything at once).
+        params["wait_task"] = False
     code, result = _admin(args, "Call", params)
     if code != EX_OK:
         return code
+    streamed = False
+    if (
+        follow and not args.no_wait and result.get("task_id") and result.get("status") not in _ENDED
+        and not args.task_id
+    ):
+        code, followed, streamed = _follow_task(args, result)
+        if code != EX_OK:
+            return code
+        result = {**result, **followed}
+    if args.no_wait and result.get("task_id") and result.get("status") not in _ENDED:
+        # The id is what a caller that does not wait needs (tasks show/cancel ID).
+        if args.json:
+            emit_json(result)
+        else:
+            print(result["task_id"])
+        return EX_OK
     if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        if args.stream:
+            emit_json_line({"kind": "result", **result})
+        else:
+            print(json.dumps(result, indent=2, ensure_ascii=False))
     elif result.get("status") == "queued":
         print(f"queued: the agent's node holds it for a person (inbox {result.get('inbox_id')}); "
               "the answer will arrive in this node's inbox (meshnode inbox list)")
@@ -229,6 +251,8 @@ def cmd_call(args: argparse.Namespace) -> int:
                 print(f"  {problem.get('input')}: {problem.get('problem')}: {problem.get('description')}")
         print(f"answer with: meshnode call {args.agent} {args.offering} INPUT --task-id {result.get('task_id')}"
               + (f" --context-id {result['context_id']}" if result.get("context_id") else ""))
+    elif streamed:
+        print()  # the chunks were the output; end their line
     else:
         output = result.get("output")
         if isinstance(output, dict) and set(output) <= {"text", "truncated"} and isinstance(output.get("text"), str):
@@ -236,3 +260,72 @@ def cmd_call(args: argparse.Namespace) -> int:
         else:
             print(json.dumps(output, indent=2, ensure_ascii=False))
     return EX_CHECK_FAILED if result.get("status") == "failed" else EX_OK
+
+
+#: Call statuses after which there is nothing to follow.
+_ENDED = frozenset({"completed", "failed", "canceled", "rejected", "exhausted", "queued",
+                    "input_required", "auth_required"})
+
+
+def _follow_task(args: argparse.Namespace, opened: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
+    """Follow the task ``opened`` (``Tasks.Follow``): chunks to stdout as they
+    arrive, progress to stderr on a terminal. Returns (exit code, the task's
+    result, whether any chunk was printed)."""
+    socket = _socket(args)
+    if socket is None:
+        return EX_CONFIG, {}, False
+    progress = _LiveProgress(enabled=sys.stderr.isatty() and not args.json)
+    state: dict[str, Any] = {"result": {}, "chunks": 0}
+
+    async def follow() -> None:
+        async with AdminClient(socket, timeout=args.timeout + 10) as client:
+            params = {"task_id": opened["task_id"], "responder": opened.get("from"),
+                      "stream": bool(args.stream), "timeout": args.timeout}
+            async for item in client.stream("Tasks.Follow", params):
+                kind = item.get("kind")
+                if kind == "result":
+                    state["result"] = {k: v for k, v in item.items() if k != "kind"}
+                elif args.json:
+                    emit_json_line(item)
+                elif kind == "chunk":
+                    progress.clear()
+                    data = item.get("data")
+                    sys.stdout.write(data if isinstance(data, str) else json.dumps(data, ensure_ascii=False) + "\n")
+                    sys.stdout.flush()
+                    state["chunks"] += 1
+                elif kind == "update":
+                    progress.show(f"task {opened['task_id']} {item.get('state')}"
+                                  + (f": {item['message']}" if item.get("message") else ""))
+        progress.clear()
+
+    try:
+        asyncio.run(follow())
+    except KeyboardInterrupt:
+        progress.clear()
+        print(f"\nmeshnode: stopped following; task {opened['task_id']} goes on "
+              f"(meshnode tasks show {opened['task_id']}, meshnode tasks cancel {opened['task_id']})",
+              file=sys.stderr)
+        return EX_INTERRUPTED, {}, False
+    except (AdminClientError, AdminError) as exc:
+        progress.clear()
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return exit_code_for(exc), {}, False
+    return EX_OK, state["result"], state["chunks"] > 0
+
+
+class _LiveProgress:
+    """One status line on stderr, redrawn in place (only on a terminal)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._shown = False
+
+    def show(self, line: str) -> None:
+        if self.enabled:
+            print(f"\r\x1b[2K{line}", end="", file=sys.stderr, flush=True)
+            self._shown = True
+
+    def clear(self) -> None:
+        if self.enabled and self._shown:
+            print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
+            self._shown = False

@@ -38,6 +38,7 @@ def register(commands: Any) -> None:
     sub = parser.add_subparsers(dest="envelope_command", metavar="ACTION", required=True)
 
     canonical = sub.add_parser("canonical", help="stdin JSON -> canonical JSON bytes (RFC 8785 + §5.3)")
+    canonical.add_argument("--json", action="store_true", help="(the output is JSON already: canonical bytes)")
     canonical.set_defaults(handler=cmd_canonical)
 
     verify = sub.add_parser("verify", help="stdin envelope -> ok, or which check failed")
@@ -53,9 +54,11 @@ def register(commands: Any) -> None:
     sign.add_argument("--seed-file", required=True, help="file holding the signer's nkey seed (SU...)")
     sign.add_argument("--no-fill", action="store_true", help="sign exactly what is given")
     sign.add_argument("--pretty", action="store_true", help="indent the output")
+    sign.add_argument("--json", action="store_true", help="(the output is JSON already: the signed envelope)")
     sign.set_defaults(handler=cmd_sign)
 
     keygen = sub.add_parser("keygen", help="print a fresh agent key pair as JSON")
+    keygen.add_argument("--json", action="store_true", help="(the output is JSON already)")
     keygen.set_defaults(handler=cmd_keygen)
 
 

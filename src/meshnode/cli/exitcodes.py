@@ -1,5 +1,6 @@
-"""Exit codes of the ``meshnode`` CLI: defined in :mod:`meshnode.admin.exitcodes`
-(the admin client maps failures to them, and sits below the CLI)."""
+"""Exit codes of the ``meshnode`` CLI: defined, with the table scripts rely on,
+in :mod:`meshnode.admin.exitcodes` (the admin client maps failures to them, and
+sits below the CLI)."""
 
 from meshnode.admin.exitcodes import (
     EX_API_MISMATCH,
@@ -8,6 +9,7 @@ from meshnode.admin.exitcodes import (
     EX_CONFIG,
     EX_DATAERR,
     EX_ERROR,
+    EX_INTERRUPTED,
     EX_NOINPUT,
     EX_NOPERM,
     EX_NOT_RUNNING,
@@ -23,6 +25,7 @@ __all__ = [
     "EX_CONFIG",
     "EX_DATAERR",
     "EX_ERROR",
+    "EX_INTERRUPTED",
     "EX_NOINPUT",
     "EX_NOPERM",
     "EX_NOT_RUNNING",

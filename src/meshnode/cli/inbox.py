@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_DATAERR, EX_OK
+from .output import emit_json
 
 
 def register(commands: Any) -> None:
@@ -49,7 +51,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if code != EX_OK:
         return code
     if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        emit_json(result)
         return EX_OK
     if not result["messages"]:
         print("no held messages")
@@ -67,7 +69,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     code, result = _admin(args, "Inbox.Show", {"id": args.id})
     if code == EX_OK:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        # JSON with or without --json: the message in full, the sender's text
+        # inside its frame exactly as the daemon gave it (scripts parse this).
+        emit_json(result)
     return code
 
 
@@ -79,7 +83,7 @@ def cmd_reply(args: argparse.Namespace) -> int:
         try:
             params["output"] = json.loads(args.output)
         except json.JSONDecodeError as exc:
-            print(f"meshnode: --output is not JSON ({exc})")
+            print(f"meshnode: --output is not JSON ({exc})", file=sys.stderr)
             return EX_DATAERR
     else:
         params.update(status="failed", code="UNAUTHORIZED", message=args.decline)

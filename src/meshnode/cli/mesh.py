@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from meshnode.transport.control_plane import InviteBundle, InviteError, read_inv
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK
+from .output import emit_json, human_time
 
 
 def register(commands: Any) -> None:
@@ -75,7 +75,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if code != EX_OK:
         return code
     if args.json:
-        print(json.dumps(info, indent=2))
+        emit_json(info)
     else:
         print(f"mesh           {info['name']} ({info['mode']})")
         print(f"nats           {', '.join(info['nats_urls'])}")
@@ -115,9 +115,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
 
 def _when(epoch_s: int | None) -> str:
-    if epoch_s is None:
-        return "-"
-    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return human_time(epoch_s)
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -125,7 +123,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if code != EX_OK:
         return code
     if args.json:
-        print(json.dumps(result))
+        emit_json(result, indent=None)
         return EX_OK
     print(f"{'NAME':<20} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
     for n in result["nodes"]:

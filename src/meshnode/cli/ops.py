@@ -12,6 +12,7 @@ from meshnode.admin.protocol import AdminError
 
 from .daemon import _admin, _client_args, _socket
 from .exitcodes import EX_CONFIG, EX_DATAERR, EX_OK
+from .output import emit_json, human_time, render
 
 
 def register(commands: Any) -> None:
@@ -92,7 +93,7 @@ def register(commands: Any) -> None:
     p.set_defaults(handler=cmd_tasks_show)
     p = tsub.add_parser("cancel", help="cancel a task (sent as this node's CLI identity)")
     p.add_argument("task_id")
-    p.add_argument("--agent", required=True, help="the agent performing it (name or id)")
+    p.add_argument("--agent", help="the agent performing it (name or id; default: the one the daemon knows)")
     p.add_argument("--reason", default="user_requested",
                    choices=["user_requested", "superseded", "deadline_exceeded", "budget_exhausted",
                             "upstream_cancelled", "policy", "needs_not_furnished", "dependency_failed"])
@@ -107,7 +108,11 @@ def register(commands: Any) -> None:
 
 
 def _print(args: argparse.Namespace, result: Any) -> None:
-    print(json.dumps(result, indent=2, ensure_ascii=False))
+    """``--json``: the result as JSON; otherwise a ``key  value`` listing for people."""
+    if getattr(args, "json", False):
+        emit_json(result)
+    else:
+        render(result)
 
 
 def _simple(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> int:
@@ -203,7 +208,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if code != EX_OK:
             return code
         for record in result["records"]:
-            print(json.dumps(record) if args.json else f"{record['ts']} {record['level']:<7} {record['logger']}: {record['message']}")
+            print(json.dumps(record) if args.json else _log_line(record))
         return EX_OK
     socket = _socket(args)
     if socket is None:
@@ -215,8 +220,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     async def follow() -> None:
         async with AdminClient(socket, timeout=None) as client:
             async for record in client.stream("Logs.Follow", {"level": args.level}):
-                line = json.dumps(record) if args.json else f"{record['ts']} {record['level']:<7} {record['logger']}: {record['message']}"
-                print(line, flush=True)
+                print(json.dumps(record) if args.json else _log_line(record), flush=True)
 
     try:
         asyncio.run(follow())
@@ -226,6 +230,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         print(f"meshnode: {exc}", file=sys.stderr)
         return exit_code_for(exc)
     return EX_OK
+
+
+def _log_line(record: dict[str, Any]) -> str:
+    return f"{human_time(record['ts'])} {record['level']:<7} {record['logger']}: {record['message']}"
 
 
 def cmd_tasks_list(args: argparse.Namespace) -> int:
@@ -243,11 +251,72 @@ def cmd_tasks_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks_show(args: argparse.Namespace) -> int:
-    return _simple(args, "Tasks.Show", {"task_id": args.task_id})
+    code, record = _admin(args, "Tasks.Show", {"task_id": args.task_id})
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(record)
+        return EX_OK
+    print(render_task(record))
+    return EX_OK
+
+
+def render_task(record: dict[str, Any]) -> str:
+    """A task manager record (``Tasks.Show``) for people: who, what, where it stands, how it went."""
+    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    assert isinstance(meta, dict)
+    lines = [
+        f"task       {record.get('id')}" + (f"  (context {record['context_id']})" if record.get("context_id") else ""),
+        f"offering   {record.get('offering') or '-'}",
+        f"state      {record.get('state')}" + (f": {meta['status_message']}" if meta.get("status_message") else ""),
+        f"requester  {record.get('requester')}",
+        f"responder  {record.get('responder')}",
+        f"created    {human_time(record.get('created_at'))}",
+        f"updated    {human_time(record.get('updated_at'))}",
+    ]
+    if meta.get("ended_at"):
+        lines.append(f"ended      {human_time(meta['ended_at'])}")
+    for key, label in (("cancel_reason", "canceled"), ("failure_reason", "failure"), ("note", "note")):
+        if meta.get(key):
+            lines.append(f"{label:<10} {meta[key]}")
+    if isinstance(meta.get("cost"), dict):
+        lines.append(f"cost       {meta['cost'].get('amount_micro')} micro-{meta['cost'].get('currency')}")
+    error = record.get("error")
+    if isinstance(error, dict):
+        lines.append(f"error      {error.get('code')}: {error.get('message')}")
+    if "output" in record:
+        output = record["output"]
+        text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+        lines.append(f"output     {text if len(text) <= 200 else text[:200] + '...'}")
+    history = record.get("history") if isinstance(record.get("history"), list) else []
+    assert isinstance(history, list)
+    if history:
+        lines.append(f"updates    {len(history)}" + (f" ({meta['history_dropped']} older dropped)" if meta.get("history_dropped") else ""))
+        for env in history[-10:]:
+            raw = env.get("payload") if isinstance(env, dict) else None
+            payload: dict[str, Any] = raw if isinstance(raw, dict) else {}
+            status = payload.get("status") or "-"
+            message = f"  {payload['message']}" if payload.get("message") else ""
+            lines.append(f"  {human_time(env.get('ts') if isinstance(env, dict) else None)}  {status:<14}{message}")
+    return "\n".join(lines)
 
 
 def cmd_tasks_cancel(args: argparse.Namespace) -> int:
-    params: dict[str, Any] = {"task_id": args.task_id, "agent": args.agent, "reason": args.reason}
+    agent = args.agent
+    if agent is None:
+        # The daemon knows the task: one its agents perform, or one the task manager recorded.
+        code, performing = _admin(args, "Tasks.List")
+        if code != EX_OK:
+            return code
+        agent = next((t["agent"] for t in performing["tasks"] if t["task_id"] == args.task_id), None)
+        if agent is None:
+            code, record = _admin(args, "Tasks.Show", {"task_id": args.task_id})
+            if code != EX_OK:
+                print(f"meshnode: name the performer with --agent (the daemon does not know task {args.task_id})",
+                      file=sys.stderr)
+                return code
+            agent = record.get("responder")
+    params: dict[str, Any] = {"task_id": args.task_id, "agent": agent, "reason": args.reason}
     if args.note:
         params["note"] = args.note
     return _simple(args, "Tasks.Cancel", params)
@@ -257,8 +326,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     code, result = _admin(args, "Metrics", {"format": "prometheus" if args.prometheus else "json"})
     if code != EX_OK:
         return code
-    if args.prometheus:
-        sys.stdout.write(result["text"])
+    if args.prometheus and not args.json:
+        sys.stdout.write(result["text"])  # --json: {"text": ...} like every other result
     else:
         _print(args, result)
     return EX_OK

@@ -38,6 +38,7 @@ from meshnode.daemon.methods import CoreMethods, register_core_methods
 from meshnode.daemon.operations import register_operations, reload_config
 from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
@@ -337,6 +338,7 @@ class Daemon:
         self.methods = register_core_methods(self, methods)
         register_operations(self, methods)
         register_artifact_methods(self, methods)
+        register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(
             self.config.admin.socket,

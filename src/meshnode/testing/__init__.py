@@ -29,8 +29,26 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.admin.client import call_sync
+from meshnode.testing.waiting import (
+    DEFAULT_TIMEOUT_S,
+    WaitTimeout,
+    consistently,
+    consistently_async,
+    eventually,
+    eventually_async,
+)
 
-__all__ = ["DaemonProcess", "DaemonSet", "free_port"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DaemonProcess",
+    "DaemonSet",
+    "WaitTimeout",
+    "consistently",
+    "consistently_async",
+    "eventually",
+    "eventually_async",
+    "free_port",
+]
 
 
 def _stop_with_parent() -> None:
@@ -211,7 +229,10 @@ class DaemonSet:
         """A daemon running the embedded mesh (and the platform services)."""
         workdir = self._workdir(name)
         config = self._base(name, workdir, agents or {}, node)
-        config["mesh.embedded"] = {"port": 0, "control_port": free_port()}
+        # Port 0 for both listeners: each binds a free port itself and Mesh.Info reports
+        # the bound one (no free_port() bind-then-release race). A restart binds anew;
+        # a test that restarts this node under joined ones pins the ports it read back.
+        config["mesh.embedded"] = {"port": 0, "control_port": 0}
         for table, values in (extra or {}).items():
             config.setdefault(table, {}).update(values)
         daemon = DaemonProcess(workdir, name, config)

@@ -30,7 +30,7 @@ from meshnode.daemon.credentials import store_credential
 from meshnode.keystore import FileKeyStore
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
-from meshnode.transport.cluster import NatsCluster, free_port
+from meshnode.transport.cluster import NatsCluster
 from meshnode.transport.control_plane import ControlPlaneServer
 from meshnode.transport.permissions import Role
 
@@ -65,7 +65,7 @@ class LocalCluster:
             route_ports=route_ports,
             restart_backoff_s=restart_backoff_s,
         )
-        control_port = self._control_port(host, control_port)
+        control_port = self._control_port(control_port)
         self.service_key_dir = self.root / "service-keys"
         load_service_keys(self.service_key_dir, create=True)
         self.control = ControlPlaneServer(
@@ -78,18 +78,16 @@ class LocalCluster:
             role_of=self._role_of,
         )
 
-    def _control_port(self, host: str, asked: int) -> int:
-        # 0 picks a free port once; like the NATS ports it is then kept, so the
-        # node configurations written on the first run stay valid on the next.
-        path = self.root / "control-port"
-        port = asked
-        if port == 0:
+    def _control_port(self, asked: int) -> int:
+        # 0 lets the first start pick a free port (read back from the socket and
+        # recorded by start()); like the NATS ports it is then kept, so the node
+        # configurations written on the first run stay valid on the next.
+        if asked == 0:
             try:
-                port = int(path.read_text(encoding="ascii").strip())
+                return int((self.root / "control-port").read_text(encoding="ascii").strip())
             except (OSError, ValueError):
-                port = free_port(host)
-        path.write_text(f"{port}\n", encoding="ascii")
-        return port
+                return 0
+        return asked
 
     # -- roles --
 
@@ -122,6 +120,7 @@ class LocalCluster:
         except BaseException:
             await self.nats.stop()
             raise
+        (self.root / "control-port").write_text(f"{self.control.port}\n", encoding="ascii")
 
     async def stop(self) -> None:
         try:

@@ -8,9 +8,12 @@ has its own directory (``<data_dir>/n<i>/mesh/``: config, log, JetStream store)
 and the members route to each other on loopback, so JetStream runs clustered
 and streams can be created with three replicas.
 
-Ports are chosen once (free ports, or the ones given) and recorded in
-``<data_dir>/cluster.json``, so a cluster started again from the same
-directory listens where its nodes' configurations say it does.
+Ports are chosen once and recorded in ``<data_dir>/cluster.json``, so a
+cluster started again from the same directory listens where its nodes'
+configurations say it does. A port not given (or given as 0) is picked by
+nats-server itself and read back from it (never bound and released here
+beforehand, which races with every other process choosing ports); see
+:meth:`NatsCluster.start` for how members then find each other's routes.
 
 The cluster offers what the control plane needs from a mesh (``urls`` and
 :meth:`mint_node_credential`), so a :class:`~meshnode.transport.control_plane.ControlPlaneServer`
@@ -24,9 +27,9 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -43,19 +46,18 @@ from .embedded import (
 from .jwt import ResponsePermission
 from .permissions import Role
 
-__all__ = ["NatsCluster", "cluster_size_of", "free_port"]
+__all__ = ["NatsCluster", "cluster_size_of"]
 
 log = logging.getLogger(__name__)
 
 _PORTS_FILE = "cluster.json"
 _REPLY_ONCE = ResponsePermission()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+# A route that never resolves (RFC 2606 reserves .invalid): it lets the first
+# member of a fresh cluster start with one configured route, which clustered
+# JetStream requires, before any peer's route port is known. The member keeps
+# retrying it (logging the failure) until its next start, whose config lists
+# the real routes.
+_PLACEHOLDER_ROUTE = "nats-route://meshnode-peers-not-started.invalid:1"
 
 
 def _host_port(url: str) -> str:
@@ -105,7 +107,7 @@ class NatsCluster:
         # Tenancy (§15) is an embedded-mesh feature; a cluster serves the mesh account.
         self.tenants: tuple[str, ...] = ()
         clients, routes = self._ports(client_ports, route_ports)
-        route_urls = tuple(f"nats-route://{host}:{port}" for port in routes)
+        route_urls = self._route_urls(routes)
         self.members: list[EmbeddedNatsServer] = [
             EmbeddedNatsServer(
                 self.data_dir / f"n{i + 1}",
@@ -127,25 +129,42 @@ class NatsCluster:
             for i in range(size)
         ]
 
+    def _route_urls(self, ports: Sequence[int]) -> list[str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return [f"nats-route://{host}:{port}" for port in ports]
+
     def _ports(
         self, client_ports: Sequence[int] | None, route_ports: Sequence[int] | None
     ) -> tuple[list[int], list[int]]:
-        path = self.data_dir / _PORTS_FILE
+        """The client and route port of each member: given, else recorded by an
+        earlier start, else 0 (nats-server picks one at the first start)."""
         recorded: dict[str, Any] = {}
         with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(path.read_text(encoding="utf-8"))
+            loaded = json.loads((self.data_dir / _PORTS_FILE).read_text(encoding="utf-8"))
             if isinstance(loaded, dict):
                 recorded = loaded
-        clients = list(client_ports or recorded.get("client_ports") or [])
-        routes = list(route_ports or recorded.get("route_ports") or [])
+        clients = [int(p) for p in client_ports or recorded.get("client_ports") or []]
+        routes = [int(p) for p in route_ports or recorded.get("route_ports") or []]
         if len(clients) != self.size:
-            clients = [free_port(self.host) for _ in range(self.size)]
+            clients = [0] * self.size
         if len(routes) != self.size:
-            routes = [free_port(self.host) for _ in range(self.size)]
-        path.write_text(
+            routes = [0] * self.size
+        return clients, routes
+
+    def _record_ports(self) -> None:
+        """Write the bound ports to ``cluster.json`` and give every member the real
+        routes of all the others, for its restarts and the cluster's next start."""
+        clients = [m.port or 0 for m in self.members]
+        routes = [m.cluster_port or 0 for m in self.members]
+        urls = self._route_urls(routes)
+        for i, member in enumerate(self.members):
+            assert member.cluster is not None
+            member.cluster = replace(
+                member.cluster, routes=tuple(u for j, u in enumerate(urls) if j != i)
+            )
+        (self.data_dir / _PORTS_FILE).write_text(
             json.dumps({"client_ports": clients, "route_ports": routes}) + "\n", encoding="utf-8"
         )
-        return clients, routes
 
     # -- what clients and the control plane need --
 
@@ -212,13 +231,35 @@ class NatsCluster:
         await self.stop()
 
     async def start(self) -> None:
-        """Start every member and return once JetStream answers (a meta leader exists)."""
+        """Start every member and return once JetStream answers (a meta leader exists).
+
+        When every route port is known (given, recorded, or bound by an earlier
+        start), the members start together, each routing to all the others.
+        Otherwise they start one after another on route port 0: each routes to
+        the members already up, whose bound ports it reads back from them, and
+        the first gets a placeholder route (clustered JetStream refuses to start
+        with none). Once all are up the real ports are recorded, so restarts
+        and later starts use the full route lists.
+        """
         try:
-            await asyncio.gather(*(m.start() for m in self.members))
+            if all(m.cluster_port for m in self.members):
+                await asyncio.gather(*(m.start() for m in self.members))
+            else:
+                await self._start_in_turn()
+            self._record_ports()
             await self.wait_jetstream()
         except BaseException:
             await self.stop()
             raise
+
+    async def _start_in_turn(self) -> None:
+        started: list[str] = []
+        for member in self.members:
+            assert member.cluster is not None
+            routes = tuple(started) if started else (_PLACEHOLDER_ROUTE,)
+            member.cluster = replace(member.cluster, routes=routes)
+            await member.start()
+            started += self._route_urls([member.cluster_port or 0])
 
     async def stop(self) -> None:
         """Stop every member (SIGTERM, SIGKILL on overrun). Idempotent."""

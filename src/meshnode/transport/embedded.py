@@ -39,10 +39,10 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from meshnode.aio import backoff
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix, is_valid_public
@@ -67,6 +67,7 @@ from .permissions import (
 )
 
 __all__ = [
+    "BoundPorts",
     "ClusterRoutes",
     "DEFAULT_MAX_CONTROL_LINE",
     "DEFAULT_MAX_PAYLOAD",
@@ -341,12 +342,37 @@ class ClusterRoutes:
 
     ``routes`` are ``nats-route://host:port`` URLs of the other members (a
     member may list itself too; nats-server ignores a route to itself).
+    ``port=0`` lets the server pick a free route port; the bound one is then
+    read back (:attr:`EmbeddedNatsServer.cluster_port`) and kept across restarts.
     """
 
     name: str
     host: str
     port: int
     routes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundPorts:
+    """The ports a running nats-server actually listens on, as it reported them.
+
+    Read from the ``<executable>_<pid>.ports`` file nats-server writes into its
+    ``ports_file_dir`` once every listener is up, so a port configured as 0
+    ("any free port") is known without binding and releasing one beforehand
+    (which races with every other process picking ports). nats-server does not
+    list leafnode listeners there; meshnode configures none.
+    """
+
+    client: int
+    monitoring: int | None = None
+    cluster: int | None = None
+    websocket: int | None = None
+
+
+def _listen_port(port: int | None) -> int:
+    """nats-server's spelling of a configured port: -1 is "any free port" (its
+    0 means "the default port", 4222 for clients, which is not what 0 means here)."""
+    return port or -1
 
 
 def _conf_string(value: str) -> str:
@@ -372,9 +398,10 @@ def render_server_config(
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
-    ``port=None`` (and ``monitor_port=None`` when monitoring is wanted, see
-    :class:`EmbeddedNatsServer`) lets the server pick a free port; the chosen
-    ports are then read from the ports file it writes into ``ports_file_dir``.
+    ``port`` 0 or None (and ``monitor_port=0``, ``cluster.port=0``) lets the
+    server pick a free port; the chosen ports are then read from the ports
+    file it writes into ``ports_file_dir`` (:class:`BoundPorts`).
+    ``monitor_port=None`` serves no monitoring.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
     """
@@ -385,7 +412,7 @@ def render_server_config(
         "# Written by meshnode on every start; edits are overwritten.",
         f"server_name: {_conf_string(server_name)}",
         f"host: {_conf_string(host)}",
-        f"port: {-1 if port is None else port}",
+        f"port: {_listen_port(port)}",
         f"max_payload: {max_payload}",
         f"max_control_line: {max_control_line}",
         f"ports_file_dir: {_conf_string(str(ports_file_dir))}",
@@ -403,14 +430,14 @@ def render_server_config(
         lines += [
             "cluster {",
             f"  name: {_conf_string(cluster.name)}",
-            f"  listen: {_conf_string(f'{cluster.host}:{cluster.port}')}",
+            f"  listen: {_conf_string(f'{cluster.host}:{_listen_port(cluster.port)}')}",
             "  routes: [",
             *(f"    {_conf_string(route)}" for route in cluster.routes),
             "  ]",
             "}",
         ]
     if monitor_port is not None:
-        lines.insert(6, f"http: {_conf_string(f'{host}:{monitor_port or -1}')}")
+        lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
     return "\n".join(lines) + "\n"
 
 
@@ -492,8 +519,10 @@ class EmbeddedNatsServer:
     Cancelling the task that awaits :meth:`start`, :meth:`stop` or the ``async
     with`` body stops the broker too.
 
-    ``port=None`` picks a free port on first start and keeps it across
-    restarts, so clients reconnect to the URL they know. ``monitor_port=None``
+    ``port=0`` (or None) lets nats-server pick a free port on first start;
+    the bound port is read back from nats-server (:attr:`ports`) and kept
+    across restarts, so clients reconnect to the URL they know. Likewise for
+    a cluster member's route port (``cluster.port=0``). ``monitor_port=None``
     serves no HTTP monitoring (it is unauthenticated and would show every
     local user the mesh's connections); ``0`` serves it on a free port.
     """
@@ -544,9 +573,10 @@ class EmbeddedNatsServer:
         self.restart_backoff_s = restart_backoff_s
         self.stable_after_s = stable_after_s
         self._binary = binary
-        self._port = port
+        self._port = port or None
         self._monitor_port = monitor_port
         self._monitor_url: str | None = None
+        self._ports: BoundPorts | None = None
         # A cluster member is handed the cluster's keys rather than keeping its own.
         self._keys: MeshKeys | None = keys
         self._process: asyncio.subprocess.Process | None = None
@@ -586,6 +616,26 @@ class EmbeddedNatsServer:
         return self._port
 
     @property
+    def ports(self) -> BoundPorts | None:
+        """Every port the broker listens on, as nats-server reported them at its
+        last start; None before the first start."""
+        return self._ports
+
+    @property
+    def monitor_port(self) -> int | None:
+        """The HTTP monitoring port, once known (None when monitoring is off)."""
+        return self._ports.monitoring if self._ports is not None else None
+
+    @property
+    def cluster_port(self) -> int | None:
+        """The route port of a cluster member, once known (None outside a cluster)."""
+        if self.cluster is None:
+            return None
+        if self._ports is not None and self._ports.cluster is not None:
+            return self._ports.cluster
+        return self.cluster.port or None
+
+    @property
     def url(self) -> str:
         """The client URL (``nats://host:port``) of the running broker."""
         if self._port is None:
@@ -611,10 +661,6 @@ class EmbeddedNatsServer:
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set()
-
-    async def wait_ready(self) -> None:
-        """Return once the broker accepts clients (again, after a restart)."""
-        await self._ready.wait()
 
     # -- credentials --
 
@@ -847,12 +893,8 @@ class EmbeddedNatsServer:
                     f"{self._log_tail()}"
                 )
             ports = self._read_ports_file(run_dir, process.pid)
-            if ports is not None and await self._accepts_clients(ports[0]):
-                self._port = ports[0]
-                if ports[1] is not None:
-                    self._monitor_port = ports[1]
-                    host = f"[{self.host}]" if ":" in self.host else self.host
-                    self._monitor_url = f"http://{host}:{ports[1]}"
+            if ports is not None and await self._accepts_clients(ports.client):
+                self._adopt(ports)
                 return
             if time.monotonic() > deadline:
                 raise EmbeddedMeshError(
@@ -861,19 +903,41 @@ class EmbeddedNatsServer:
                 )
             await asyncio.sleep(0.02)
 
+    def _adopt(self, ports: BoundPorts) -> None:
+        """Record the bound ports and keep them for restarts: a broker that comes
+        back must listen where its clients (and its cluster peers) know it."""
+        self._ports = ports
+        self._port = ports.client
+        if ports.monitoring is not None:
+            self._monitor_port = ports.monitoring
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            self._monitor_url = f"http://{host}:{ports.monitoring}"
+        if self.cluster is not None and ports.cluster is not None:
+            self.cluster = replace(self.cluster, port=ports.cluster)
+
     @staticmethod
-    def _read_ports_file(run_dir: Path, pid: int) -> tuple[int, int | None] | None:
-        # nats-server writes <executable>_<pid>.ports once it accepts clients:
-        # {"nats": ["nats://127.0.0.1:4222"], "monitoring": ["http://..."]}.
+    def _read_ports_file(run_dir: Path, pid: int) -> BoundPorts | None:
+        # nats-server writes <executable>_<pid>.ports once all its listeners
+        # are up: {"nats": ["nats://127.0.0.1:4222"], "monitoring": ["http://..."],
+        # "cluster": ["nats://..."], "websocket": ["ws://..."]}.
+        def port_of(listing: dict[str, Any], key: str) -> int | None:
+            urls = listing.get(key) or []
+            return int(str(urls[0]).rsplit(":", 1)[1]) if urls else None
+
         for path in run_dir.glob(f"*_{pid}.ports"):
             try:
                 listing = json.loads(path.read_text())
-                client = int(listing["nats"][0].rsplit(":", 1)[1])
-                monitoring = listing.get("monitoring") or []
-                monitor = int(monitoring[0].rsplit(":", 1)[1]) if monitoring else None
-            except (OSError, ValueError, KeyError, IndexError, TypeError):
+                client = port_of(listing, "nats")
+                if client is None:
+                    return None
+                return BoundPorts(
+                    client=client,
+                    monitoring=port_of(listing, "monitoring"),
+                    cluster=port_of(listing, "cluster"),
+                    websocket=port_of(listing, "websocket"),
+                )
+            except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
                 return None  # not fully written yet
-            return client, monitor
         return None
 
     async def _accepts_clients(self, port: int) -> bool:
