@@ -156,7 +156,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 caller = await node_a.host(name="caller", kind="echo", agent_class=EchoAgent, settings={}, key=caller_key)
                 local_echo = await node_a.host(name="echo_local", kind="echo", agent_class=EchoAgent, settings={}, key=local_echo_key)
                 remote_echo = await node_b.host(name="echo", kind="echo", agent_class=EchoAgent, settings={}, key=echo_key)
-                node_a._manifests[remote_echo.agent_id] = (remote_echo.manifest, 1e18)
+                node_a.manifest_cache.remember(remote_echo.manifest, ttl_s=1e18)
                 ctx = AgentContext(caller, trace=new_root_trace())
 
                 async def remote_call() -> None:

@@ -8,7 +8,7 @@ ready-to-run configurations for 2 service nodes and N participant nodes.
 prints the client URLs, the control-plane URL and, per node, the command that
 starts it; then serves until Ctrl-C. Run again with the same --dir to restart
 the same mesh (same ports, keys, enrolled nodes, JetStream data).
-See README "Running on a cluster".
+See docs/operations/cluster.md.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ and compare what the local path (§4.7) and the broker path do with it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ import pytest
 from meshnode.agent import Agent, Context, offering
 from meshnode.plugins import hookimpl
 from meshnode.protocol.envelope import build_envelope, child_trace, sign_envelope
+from meshnode.protocol.errors import ProtocolError
 from meshnode.testing import DaemonProcess, DaemonSet, consistently, eventually, run_cli
 
 pytestmark = pytest.mark.integration
@@ -91,6 +94,22 @@ class Probe(Agent):
             "request_trace": request_trace,
             "reply_trace": reply.envelope["trace"],
         }
+
+
+    @offering("fanout", framing=False)
+    async def fanout(self, ctx: Context, input: Any) -> Any:
+        """``count`` concurrent ``ctx.request``s to ``target``'s ``echo``, all at once:
+        the outcome of each (``completed`` or its error code)."""
+
+        async def one(i: int) -> str:
+            try:
+                reply = await ctx.request(input["target"], "echo", {"i": i}, timeout=20.0)
+            except ProtocolError as exc:
+                return exc.code
+            return str(reply.status)
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(int(input["count"]))))
+        return {"outcomes": dict(Counter(outcomes))}
 
 
 class ProbePlugin:
@@ -282,6 +301,16 @@ def test_local_delivery_is_equivalent_to_remote(meshnode_daemons: DaemonSet) -> 
             assert probed["error"]["code"] == result["error"]["code"] == code
             errors.append((result["error"], probed["error"]))
         assert errors[0] == errors[1]
+
+
+def test_64_concurrent_first_requests_to_another_node_all_succeed(meshnode_daemons: DaemonSet) -> None:
+    """Issue #21: the first requests from one agent to a target on another node
+    share one registry look-up of its manifest; none fails RATE_LIMITED because
+    the platform's bookkeeping spent the agent's 60-a-minute budget."""
+    a, b = _two_nodes(meshnode_daemons)
+    result = a.call("probe", "fanout", {"target": b.agent_id("echo_b"), "count": 64}, timeout=60.0)
+    assert result["status"] == "completed", result
+    assert result["output"]["outcomes"] == {"completed": 64}
 
 
 def test_local_path_runs_the_same_guard(meshnode_daemons: DaemonSet) -> None:

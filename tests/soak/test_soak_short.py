@@ -7,7 +7,7 @@ warm-up, every operation but at most one had its expected outcome (or, at most
 1 %, was reported to its caller as timed out around a reconnect), and both
 daemons live.
 ``MESHNODE_SOAK_SECONDS`` lengthens it; the hour-long run is
-``python -m benchmarks soak --minutes 60`` (see README).
+``python -m benchmarks soak --minutes 60`` (see docs/operations/reliability.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
+from meshnode.node.resolver import ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
 from meshnode.node.supervise import supervise_start
@@ -95,7 +96,8 @@ class Node:
         #: with the platform services the daemon hosts, when it passes one).
         self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
-        self._manifests: dict[str, tuple[dict[str, Any], float]] = {}
+        # Targets' manifests, one registry look-up in flight per target (#21).
+        self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
         self._jobs: dict[str, PeriodicJob] = {}
         # Delivery-status signals of requests in flight (§18.7): request id ->
         # (requester, whether the target has a buffer), under one subscription.
@@ -394,16 +396,7 @@ class Node:
         local = self.by_id.get(target)
         if local is not None:
             return local.manifest
-        cached = self._manifests.get(target)
-        if cached is not None and time.monotonic() - cached[1] < self.settings.resolve_ttl_s:
-            return cached[0]
-        manifest = await self.service_call(
-            requester, subjects.registry_get(target), "discover", {"agent_id": target}
-        )
-        if manifest.get("id") != target:
-            raise ProtocolError("IDENTITY_MISMATCH", "registry answered for another agent")
-        self._manifests[target] = (manifest, time.monotonic())
-        return manifest
+        return await self.manifest_cache.resolve(requester, target)
 
     # -- delivery --------------------------------------------------------------
 
@@ -694,6 +687,7 @@ class Node:
         if self.observability is not None:
             await self.observability.stop()
         await self.pubsub.stop()
+        await self.manifest_cache.close()  # refreshes in flight
 
     # -- status ----------------------------------------------------------------
 

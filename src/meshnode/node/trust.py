@@ -16,12 +16,12 @@ attestation expires. :meth:`VouchMemo.tier_of` answers it; an agent that sets
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from meshnode.node.singleflight import SingleFlightCache
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation, verify_vouch
 from meshnode.protocol.errors import ProtocolError
@@ -44,8 +44,9 @@ class VouchMemo:
         self.vouched_ttl_s = vouched_ttl_s
         self.unvouched_ttl_s = unvouched_ttl_s
         self.capacity = capacity
-        self._memo: dict[str, tuple[str, float]] = {}
-        self._inflight: dict[str, asyncio.Future[str]] = {}
+        # One registry look-up in flight per sender, however many envelopes of
+        # it arrive at once (the registry counts each against the asker).
+        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity)
         self._outage_logged = False
         self.lookups = 0
         self._tiers: dict[str, tuple[str, int]] = {}  # sender -> (attested tier, expires ms)
@@ -88,36 +89,24 @@ class VouchMemo:
                 self._tiers.pop(next(iter(self._tiers)))
             self._tiers[sender] = (tier, expires // 1000)  # parsed as microseconds
 
-    def _remember(self, sender: str, status: str) -> None:
-        if len(self._memo) >= self.capacity:
-            self._memo.pop(next(iter(self._memo)))  # oldest first; revoked entries are re-learnt
-        ttl = float("inf") if status == REVOKED else self.vouched_ttl_s if status == VOUCHED else self.unvouched_ttl_s
-        self._memo[sender] = (status, time.monotonic() + ttl)
+    def _ttl(self, status: str) -> float:
+        """How long a status is remembered: revoked for good (entries evicted for
+        capacity are re-learnt), unknown not at all."""
+        if status == REVOKED:
+            return math.inf
+        if status == VOUCHED:
+            return self.vouched_ttl_s
+        return self.unvouched_ttl_s if status == UNVOUCHED else 0.0
 
     async def status(self, asker: HostedAgent, sender: str) -> str:
         if sender in self.node.by_id:
             return VOUCHED  # we vouch for our own agents
-        cached = self._memo.get(sender)
-        if cached is not None and (cached[0] == REVOKED or cached[1] > time.monotonic()):
-            return cached[0]
-        pending = self._inflight.get(sender)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._inflight[sender] = future
-        try:
-            result = await self._lookup(asker, sender)
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        finally:
-            self._inflight.pop(sender, None)
-            if not future.done():
-                future.cancel()
-            elif future.exception() is not None:
-                future.exception()  # retrieved: no "never retrieved" warning
+
+        async def load() -> tuple[str, float]:
+            status = await self._lookup(asker, sender)
+            return status, self._ttl(status)
+
+        return await self._memo.get(sender, load)
 
     async def _lookup(self, asker: HostedAgent, sender: str) -> str:
         self.lookups += 1
@@ -128,10 +117,8 @@ class VouchMemo:
         except ProtocolError as exc:
             details: Mapping[str, Any] = exc.details or {}
             if exc.code == "NOT_FOUND":
-                self._remember(sender, UNVOUCHED)
                 return UNVOUCHED
             if exc.code == "UNAUTHORIZED" and details.get("reason") == "agent_key_revoked":
-                self._remember(sender, REVOKED)
                 return REVOKED
             if not self._outage_logged:
                 log.warning("registry unreachable (%s); sender vouches are not being checked", exc.code)
@@ -143,9 +130,7 @@ class VouchMemo:
         try:
             verify_vouch(attestation, now_ms=self.node.now_ms(), expected_agent=sender)
         except ProtocolError:
-            self._remember(sender, UNVOUCHED)
             return UNVOUCHED
-        self._remember(sender, VOUCHED)
         if isinstance(node, Mapping):
             self._learn_tier(sender, node)
         return VOUCHED
