@@ -19,6 +19,15 @@ class CrashOnStart(Agent):
         raise RuntimeError("this agent cannot start")
 
 
+class HangOnStart(Agent):
+    """An on_start that never returns: only this agent may fail (issue #23 item 2)."""
+
+    description = "never finishes starting"
+
+    async def on_start(self, ctx: Context) -> None:
+        await asyncio.Event().wait()
+
+
 class Faulty(Agent):
     """Handlers that crash, refuse, answer big, or call another agent."""
 
@@ -73,6 +82,7 @@ class TestAgents:
     @hookimpl
     def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
         register("test-crash-on-start", CrashOnStart)
+        register("test-hang-on-start", HangOnStart)
         register("test-faulty", Faulty)
         register("test-tier", TierProbe)
         register("test-picky", Picky)

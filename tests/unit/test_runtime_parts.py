@@ -84,6 +84,36 @@ async def test_periodic_job_never_overlaps_and_logs_failure_once(caplog: pytest.
     assert sum("t recovered" in r.message for r in caplog.records) == 1
 
 
+async def test_periodic_job_trigger_during_a_run_causes_a_second_run() -> None:
+    # Issue #23 item 5: a trigger while the action is in flight must not be lost
+    # (a reconnect during a drain pass would otherwise wait a full interval).
+    in_run = asyncio.Event()
+    release = asyncio.Event()
+    second = asyncio.Event()
+    calls = 0
+
+    async def action() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            in_run.set()
+            await release.wait()
+        else:
+            second.set()
+
+    job = PeriodicJob("t", action, 3600.0, jitter=0.0, first_delay=0.0)
+    job.start()
+    try:
+        await asyncio.wait_for(in_run.wait(), timeout=5)
+        job.trigger()  # during the first run
+        job.trigger()  # coalesces with the one above
+        release.set()
+        await asyncio.wait_for(second.wait(), timeout=5)  # not after the 1 h interval
+        assert calls == 2
+    finally:
+        await job.stop()
+
+
 # -- lifecycle stages -----------------------------------------------------------------
 
 

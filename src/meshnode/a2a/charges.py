@@ -20,6 +20,8 @@ from typing import Any
 
 import aiosqlite
 
+from meshnode.node.private_db import prepare_private_db, tighten_side_files
+
 __all__ = ["Charge", "ChargeStore", "REPORT_STATES"]
 
 #: What became of the run report of a charged call.
@@ -92,11 +94,12 @@ class ChargeStore:
         self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prepare_private_db(self.path)  # born 0600, so are its -wal/-shm
         self._db = await aiosqlite.connect(self.path)
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.executescript(_SCHEMA)
         await self._db.commit()
+        tighten_side_files(self.path)
 
     async def close(self) -> None:
         if self._db is not None:

@@ -20,6 +20,8 @@ from typing import Any
 import aiosqlite
 import orjson
 
+from meshnode.node.private_db import prepare_private_db, tighten_side_files
+
 __all__ = ["BridgeStore", "Remembered", "Stored"]
 
 _SCHEMA = """
@@ -70,15 +72,14 @@ class BridgeStore:
         self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_private_db(self.path)  # born 0600, so are its -wal/-shm
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a task row is on disk before the caller is told about the task.
         await self._db.execute("PRAGMA synchronous=FULL")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
-        with contextlib.suppress(OSError):
-            self.path.chmod(0o600)
+        tighten_side_files(self.path)
 
     async def close(self) -> None:
         if self._db is not None:

@@ -79,6 +79,10 @@ class NodeConfig(BaseModel):
     vouch_ttl: OptionalDuration = None
     """Explicit vouch lifetime; None lets the runtime choose."""
     heartbeat_interval: Duration = timedelta(seconds=30)
+    agent_start_warn: Duration = timedelta(seconds=10)
+    """An agent's ``on_start`` still running after this long is logged as slow."""
+    agent_start_timeout: Duration = timedelta(seconds=60)
+    """An agent whose ``on_start`` runs longer is cancelled and failed (that agent only)."""
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
     plugin_modules: list[

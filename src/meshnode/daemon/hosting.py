@@ -23,6 +23,7 @@ from meshnode.config import AgentConfig, Config
 from meshnode.keystore import KeyStore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
+from meshnode.node.supervise import StartTimeout
 from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
@@ -60,6 +61,8 @@ def node_settings(config: Config) -> NodeSettings:
         emit_limit=config.events.emit_limit,
         emit_window_ms=ms(config.events.emit_window),
         drain_interval_s=config.inbox.drain_interval.total_seconds(),
+        agent_start_warn_s=config.node.agent_start_warn.total_seconds(),
+        agent_start_timeout_s=config.node.agent_start_timeout.total_seconds(),
     )
 
 
@@ -160,7 +163,12 @@ class AgentHost:
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
-            log.error("agent %s (%s) failed to start: %s", name, kind, exc)
+            # With its traceback (a plugin bug is found from the log), except a
+            # timeout, whose traceback is only the supervisor's.
+            log.error(
+                "agent %s (%s) failed to start: %s", name, kind, exc,
+                exc_info=None if isinstance(exc, StartTimeout) else exc,
+            )
             if strict:
                 raise
 

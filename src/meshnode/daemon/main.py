@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ from meshnode.daemon.operations import register_operations, reload_config
 from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.terminal import register_terminal_methods
-from meshnode.keystore import KeyStore, open_keystore
+from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -168,9 +169,13 @@ class Daemon:
             Stage("mesh", 60.0, self._stage_mesh),
             Stage("connect", 30.0, self._stage_connect),
             Stage("services", 30.0, self._stage_services),
+            # The admin socket comes up before the agents start (issue #23 item 2):
+            # an operator can see (Status, state "starting") and stop a daemon
+            # whose plugins are slow or stuck in on_start.
+            Stage("inbox", 30.0, self._stage_inbox),
+            Stage("admin", 10.0, self._stage_admin),
             Stage("agents", 120.0 + 0.05 * n_agents, self._stage_agents),
             Stage("a2a", 30.0, self._stage_a2a),
-            Stage("admin", 10.0, self._stage_admin),
         ]
         try:
             for stage in stages:
@@ -193,6 +198,7 @@ class Daemon:
 
     async def _stage_keys(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tighten_data_dir(self.data_dir, self.config)
         self.keystore = await asyncio.to_thread(open_keystore, self.config.keystore.backend, self.data_dir)
         self.hosting = await AgentHost.open(
             self.config, self.keystore, runs_services=self.runs_services, embedded=self.embedded_mode
@@ -271,9 +277,9 @@ class Daemon:
         self.platforms.append(platform)
         self._shutdown.push("close-connection", platform.stop)
 
-    async def _stage_agents(self) -> None:
-        mesh, hosting = self._mesh(), self._hosting()
-        assert mesh.connection is not None
+    async def _stage_inbox(self) -> None:
+        # Its own stage, before admin: the inbox is open (and a forced exit can
+        # do its final write) by the time the admin socket answers.
         p = self.config.protections
         inbox = InboxStore(self.data_dir / "inbox.sqlite3", seen_max_age_ms=ms(p.mailbox_max_age))
         self._shutdown.push("final-write", inbox.close)
@@ -282,6 +288,13 @@ class Daemon:
         recovered = await inbox.recover_interrupted(time.time_ns() // 1_000_000)
         if recovered:
             log.warning("%d inbox message(s) were being handled when the node last stopped; kept as interrupted", recovered)
+
+    async def _stage_agents(self) -> None:
+        mesh, hosting = self._mesh(), self._hosting()
+        assert mesh.connection is not None
+        p = self.config.protections
+        inbox = self.inbox
+        assert inbox is not None
         await self.gateways.open_outbound(self.config, self.data_dir, hosting.node_key, self._shutdown)
         node = Node(
             settings=node_settings(self.config),
@@ -427,10 +440,32 @@ class Daemon:
 
     def _on_sigint(self) -> None:
         self._force += 1
-        if self._force > 1:
-            log.error("second interrupt: exiting now")
+        if self._force > 2:
+            log.error("third interrupt: exiting now, without the inbox's final write")
             os._exit(130)
+        if self._force > 1:
+            # Forced, but not careless: the inbox's write-behind pairs (the
+            # duplicate memory of requests answered live) are written first, or
+            # a restart would dispatch their buffered copies again (issue #23
+            # item 6). Signal handlers only set things in motion: the write is a
+            # task, bounded by FORCE_EXIT_WRITE_S; the loop answers signals, so
+            # it runs (a third interrupt skips it).
+            log.error("second interrupt: writing the inbox's remembered pairs, then exiting")
+            self._signal_tasks.spawn(self._force_exit(), name="force-exit")
+            return
         self.request_stop()
+
+    async def _force_exit(self) -> None:
+        try:
+            inbox = self.inbox
+            if inbox is not None:
+                await asyncio.wait_for(inbox.final_write(), timeout=FORCE_EXIT_WRITE_S)
+        except Exception as exc:  # the exit happens whatever the write did
+            log.error("forced exit: the inbox's final write failed: %s", exc)
+        finally:
+            # Even when cancelled (a shutdown stage stopping tasks): the exit was asked for.
+            logging.shutdown()
+            os._exit(130)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -474,7 +509,11 @@ async def run_daemon(config: Config) -> int:
     except StageFailed as exc:
         log.error("%s", exc)
         await daemon.stop()
-        return 1
+        # A keystore backend named in the configuration that cannot work here is
+        # the operator's configuration to fix, not a runtime failure: sysexits'
+        # EX_CONFIG (78), which systemd's RestartPreventExitStatus= can name.
+        # The message names the backend and the fix (keystore.open_keystore).
+        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable) else 1
     try:
         await daemon.wait()
     finally:
@@ -483,6 +522,34 @@ async def run_daemon(config: Config) -> int:
     if daemon.relaunch:
         return RELAUNCH
     return 0
+
+
+#: How long a forced exit (second SIGINT) waits for the inbox's final write.
+FORCE_EXIT_WRITE_S = 5.0
+
+#: sysexits.h EX_CONFIG: the configuration cannot work here (cli.exitcodes has the same).
+EX_CONFIG = 78
+
+
+def tighten_data_dir(data_dir: Path, config: Config) -> None:
+    """Take group and world access off a pre-created data directory (issue #23 item 12).
+
+    The directory holds the keys (file backend), the inbox and the broker's
+    state; ``mkdir(mode=0o700)`` does nothing to one that already exists, so a
+    directory made 0755 by hand or by a package kept its loose mode. It is
+    tightened to 0700, with a warning naming the path and both modes. The one
+    grant kept: group search/read when the admin socket lives directly in the
+    data directory and ``[admin] group`` is set (the admin server itself makes
+    the socket's directory 0750 then).
+    """
+    mode = stat.S_IMODE(data_dir.stat().st_mode)
+    keep = 0o750 if config.admin.group and config.admin.socket.parent == data_dir else 0o700
+    if mode & ~keep:
+        tight = mode & keep | 0o700
+        os.chmod(data_dir, tight)
+        log.warning(
+            "data directory %s was %04o (open to group or others); tightened to %04o", data_dir, mode, tight
+        )
 
 
 #: run_daemon's answer when the process should start over (see ``relaunch``).

@@ -81,9 +81,18 @@ class CoreMethods:
         hosted = list(node.agents.values()) if node is not None else []
         if agents_listed and node is not None:
             agents = [node.agent_status(h) for h in hosted]
+            for entry, h in zip(agents, hosted, strict=True):
+                if h.state == AgentState.FAILED:
+                    entry["failure"] = self.d.failed_agents.get(h.name)
         if agents_listed:
+            # An agent whose on_start failed stays hosted (state failed) *and* is
+            # recorded in failed_agents: list it once, as the hosted entry above
+            # (issue #23 item 12); failed_agents adds only those never hosted
+            # (unknown kind, a plugin that did not load, a failed instantiation).
+            listed = {h.name for h in hosted} if node is not None else set()
             for name, why in self.d.failed_agents.items():
-                agents.append({"name": name, "state": AgentState.FAILED.value, "failure": why})
+                if name not in listed:
+                    agents.append({"name": name, "state": AgentState.FAILED.value, "failure": why})
         summary = {
             "hosted": len(hosted),
             "registered": sum(1 for h in hosted if h.registered),

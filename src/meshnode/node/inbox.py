@@ -38,6 +38,8 @@ from typing import Any
 
 import aiosqlite
 
+from meshnode.node.private_db import prepare_private_db, tighten_side_files
+
 __all__ = ["HeldMessage", "InboxStore", "InboxRow", "InboxUnwritable", "STATES"]
 
 log = logging.getLogger("meshnode.inbox")
@@ -164,15 +166,14 @@ class InboxStore:
     # -- lifecycle -------------------------------------------------------------
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_private_db(self.path)  # born 0600, so are its -wal/-shm (item 8)
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk before we ack the broker (the durability rule).
         await self._db.execute(f"PRAGMA synchronous={self.synchronous}")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
-        with contextlib.suppress(OSError):
-            self.path.chmod(0o600)
+        tighten_side_files(self.path)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="inbox-flush")
 
     async def close(self) -> None:
@@ -196,10 +197,14 @@ class InboxStore:
                 # Only the persisted duplicate memory loses these pairs: after a
                 # restart their buffered copies may be dispatched a second time.
                 log.error("stopping with %d remembered pairs unwritten: %s", len(self._seen_pending), exc.cause)
-            with contextlib.suppress(Exception):
-                await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            await self._db.close()
-            self._db = None
+            # Under the lock: a write already waiting for it (a forced exit's
+            # final_write, which took its pairs off the queue) commits before
+            # the file is closed, instead of failing on a closed connection.
+            async with self._lock:
+                with contextlib.suppress(Exception):
+                    await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                await self._db.close()
+                self._db = None
 
     @property
     def db(self) -> aiosqlite.Connection:
@@ -449,6 +454,23 @@ class InboxStore:
             (agent, limit),
         ) as cur:
             return [(str(s), str(m)) for s, m in await cur.fetchall()]
+
+    async def final_write(self) -> None:
+        """The write a forced exit still does: every pair and outcome written
+        behind, in one transaction, whether or not :meth:`close` is under way.
+
+        The write waits for the store's lock, so a write-behind batch already in
+        flight commits first; then everything still behind is written. A store
+        already closed has nothing left to write.
+        """
+        if self._db is None:
+            return
+        # The write-behind may be mid-transaction with pairs it already took off
+        # the queue: the lock is free only once it committed (or failed and put
+        # them back, for the flush below to write).
+        async with self._lock:
+            pass
+        await self.flush()
 
     async def flush(self) -> None:
         """Write the behind-writes now (one transaction)."""

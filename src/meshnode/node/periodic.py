@@ -55,7 +55,11 @@ class PeriodicJob:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"job:{self.name}")
 
     def trigger(self) -> None:
-        """Run as soon as the current wait ends (e.g. on reconnect); never overlaps."""
+        """Run as soon as possible (e.g. on reconnect); never overlaps.
+
+        Called while a run is in flight, it causes one more run right after that
+        run ends (triggers coalesce: several during one run give one extra run).
+        """
         self._wake.set()
 
     async def stop(self) -> None:
@@ -91,7 +95,9 @@ class PeriodicJob:
             self.last_error = None
 
     async def _sleep(self, seconds: float) -> None:
-        self._wake.clear()
+        # The wake event is not cleared here: a trigger() that arrived while the
+        # previous run was in flight must end this wait at once (issue #23 item 5);
+        # _run clears it just before each run instead.
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
         except TimeoutError:
@@ -103,6 +109,9 @@ class PeriodicJob:
             first = self._next_interval() * random.uniform(0.0, self._jitter) if self._jitter else 0.0
         await self._sleep(first)
         while True:
+            # Cleared before the run, not before the wait: a trigger during the run
+            # stays set and makes the next wait return at once (a second run).
+            self._wake.clear()
             await self.run_once()
             interval = self._next_interval()
             if self._jitter:

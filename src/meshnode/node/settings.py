@@ -32,3 +32,7 @@ class NodeSettings:
     emit_window_ms: int = 60_000
     #: Seconds between passes of each agent's mailbox drain (§16.4).
     drain_interval_s: float = 60.0
+    #: An agent's on_start is warned about after this long, and failed (that agent
+    #: only) after agent_start_timeout_s (issue #23 item 2).
+    agent_start_warn_s: float = 10.0
+    agent_start_timeout_s: float = 60.0

@@ -137,8 +137,10 @@ class DaemonProcess:
                 )
             if os.path.exists(self.socket_path):
                 try:
-                    call_sync(self.socket_path, "Status", {"agents": False}, timeout=5.0)
-                    return self
+                    # The socket answers while agents still start: ready is "serving".
+                    status = call_sync(self.socket_path, "Status", {"agents": False}, timeout=5.0)
+                    if status.get("state") == "serving":
+                        return self
                 except Exception:
                     pass
             time.sleep(0.1)
