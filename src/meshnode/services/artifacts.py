@@ -145,7 +145,6 @@ class ArtifactService(ChunkedObjects, ServiceBase):
         self._maps: OrderedDict[str, list[tuple[int, int, int]]] = OrderedDict()
         self._transfer = SlidingWindowLimiter(limit=self.limits.transfer_limit, window_ms=60_000)
         self._sweeper: PeriodicJob | None = None
-        self._reconnect_hooked = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -172,9 +171,7 @@ class ArtifactService(ChunkedObjects, ServiceBase):
         except BaseException:
             await self.stop()
             raise
-        if not self._reconnect_hooked:
-            self.ctx.connection.on_reconnect(self._on_reconnect)
-            self._reconnect_hooked = True
+        self.hook_reconnect(self._on_reconnect)
         await self.serve(subjects.ARTIFACTS_PUT, self._put)
         await self.serve(subjects.ARTIFACTS_FETCH, self._fetch)
         await self.serve(subjects.ARTIFACTS_STAT, self._stat)
