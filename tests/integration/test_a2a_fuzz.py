@@ -45,7 +45,7 @@ from meshnode.protocol.a2a_extension import (
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, eventually, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -88,9 +88,10 @@ ACTIVATED = {"A2A-Version": "1.0", "A2A-Extensions": EXTENSION_URI}
 
 
 class Target:
-    def __init__(self, daemon: DaemonProcess, port: int) -> None:
+    def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon = daemon
-        self.url = f"http://127.0.0.1:{port}/agents/{AGENT}"
+        # The bridge listens on port 0: its Status names the port it bound.
+        self.url = f"{daemon.status()['a2a']['url']}/agents/{AGENT}"
         self.http = httpx.Client(timeout=60)
 
     def settle(self, timeout: float = 60.0) -> int:
@@ -110,18 +111,17 @@ class Target:
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
     daemons = DaemonSet()
-    port = free_port()
     try:
         daemon = daemons.embedded(
             "a2afz",
             agents={AGENT: {"plugin": "echo"}},
             extra={
-                "a2a": {"listen": f"127.0.0.1:{port}", "expose": [AGENT], "application": APP,
+                "a2a": {"listen": "127.0.0.1:0", "expose": [AGENT], "application": APP,
                         "send_wait": "5s"},
                 "a2a.issuers.caller": {"key": CALLER.public_key},
             },
         )
-        found = Target(daemon, port)
+        found = Target(daemon)
         yield found
         found.http.close()
     finally:

@@ -38,7 +38,7 @@ from meshnode.protocol.a2a_extension import (
     verify_report,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, render_toml
 
 pytestmark = pytest.mark.integration
 
@@ -53,12 +53,13 @@ ACTIVATE = {**HEADERS, "A2A-Extensions": EXTENSION_URI}
 
 
 class Bridge:
-    def __init__(self, daemon: DaemonProcess, port: int) -> None:
+    def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon = daemon
-        self.base = f"http://127.0.0.1:{port}"
+        status = daemon.status()["a2a"]
+        # The bridge listens on port 0: its Status names the port it bound.
+        self.base = status["url"]
         # The bridge identity's key signs the run reports; it survives restarts.
         self.report_key = parse_verify_key(daemon.agent_id("a2a-bridge"))
-        status = daemon.status()["a2a"]
         assert status["report_key"] == daemon.agent_id("a2a-bridge") and status["application"] == APP
 
     def url(self, agent: str) -> str:
@@ -76,7 +77,6 @@ class Bridge:
 @pytest.fixture(scope="module")
 def bridge() -> Iterator[Bridge]:
     daemons = DaemonSet()
-    port = free_port()
     try:
         daemon = daemons.embedded(
             "a2a",
@@ -84,7 +84,7 @@ def bridge() -> Iterator[Bridge]:
             node={"plugin_modules": ["tests.agents:a2a_target_plugin", "tests.agents:asker_plugin"]},
             extra={
                 "a2a": {
-                    "listen": f"127.0.0.1:{port}",
+                    "listen": "127.0.0.1:0",
                     "expose": ["target", "echo", "asker"],
                     "application": APP,
                     "max_mesh_hops": 3,
@@ -94,7 +94,12 @@ def bridge() -> Iterator[Bridge]:
                 "a2a.issuers.caller": {"key": CALLER.public_key},
             },
         )
-        yield Bridge(daemon, port)
+        found = Bridge(daemon)
+        # The restart test restarts it on the port this run bound (read back, and
+        # held by the daemon until then: no bind-then-release race).
+        daemon.config["a2a"]["listen"] = found.base.removeprefix("http://")
+        daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")
+        yield found
     finally:
         daemons.close()
 

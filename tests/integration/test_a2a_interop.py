@@ -40,7 +40,7 @@ from meshnode.protocol.a2a_extension import (
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, free_port
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, render_toml
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +53,10 @@ ACTIVATE = {**HEADERS, "A2A-Extensions": EXTENSION_URI}
 
 
 class Acme:
-    def __init__(self, daemon: DaemonProcess, port: int) -> None:
+    def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon = daemon
-        self.base = f"http://127.0.0.1:{port}"
+        # The bridge listens on port 0: its Status names the port it bound.
+        self.base = daemon.status()["a2a"]["url"]
 
     def url(self, agent: str) -> str:
         return f"{self.base}/agents/{agent}"
@@ -73,7 +74,6 @@ class Acme:
 @pytest.fixture(scope="module")
 def acme() -> Iterator[Acme]:
     daemons = DaemonSet()
-    port = free_port()
     try:
         daemon = daemons.embedded(
             APP,
@@ -82,21 +82,28 @@ def acme() -> Iterator[Acme]:
             node={"plugin_modules": ["tests.agents.a2a_caller:plugin", "tests.agents:a2a_target_plugin"]},
             extra={
                 "a2a": {
-                    "listen": f"127.0.0.1:{port}",
+                    "listen": "127.0.0.1:0",
                     "expose": ["longtask", "target"],
                     "application": APP,
                     # Trust agent-id issuers: the outbound signs as the calling agent.
                     "allow_issuers": ["*"],
                     "send_wait": "2s",
                 },
-                "a2a.peers.self": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05"},
-                "a2a.peers.target": {"url": f"http://127.0.0.1:{port}/agents/target", "contract_price": "0.05"},
-                # Our own bridge, called with an envelope addressed to someone else: a 401.
-                "a2a.peers.wrong": {"url": f"http://127.0.0.1:{port}/agents/longtask", "contract_price": "0.05",
-                                    "audience": "someone-else"},
             },
         )
-        yield Acme(daemon, port)
+        # Its own bridge as its peers: restarted pinned to the port the first run
+        # bound (read back from Status; the daemon held it, so no bind-then-release race).
+        base = daemon.status()["a2a"]["url"]
+        daemon.stop()
+        daemon.config["a2a"]["listen"] = base.removeprefix("http://")
+        daemon.config["a2a.peers.self"] = {"url": f"{base}/agents/longtask", "contract_price": "0.05"}
+        daemon.config["a2a.peers.target"] = {"url": f"{base}/agents/target", "contract_price": "0.05"}
+        # Our own bridge, called with an envelope addressed to someone else: a 401.
+        daemon.config["a2a.peers.wrong"] = {"url": f"{base}/agents/longtask", "contract_price": "0.05",
+                                            "audience": "someone-else"}
+        daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")
+        daemon.start()
+        yield Acme(daemon)
     finally:
         daemons.close()
 

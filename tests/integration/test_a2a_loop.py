@@ -23,7 +23,7 @@ from a2a.types.a2a_pb2 import Message
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from meshnode.protocol.a2a_extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
-from meshnode.testing import DaemonProcess, DaemonSet, free_port, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, render_toml
 from tests.integration.a2a_peer import Behaviour, Peer
 
 pytestmark = pytest.mark.integration
@@ -41,21 +41,24 @@ def weather() -> Iterator[Peer]:
 @pytest.fixture(scope="module")
 def acme(weather: Peer) -> Iterator[tuple[DaemonProcess, int]]:
     daemons = DaemonSet()
-    port = free_port()
     try:
         daemon = daemons.embedded(
             "acme",
             agents={"entry": {"plugin": "test-a2a-caller"}, "caller": {"plugin": "test-a2a-caller"}},
             node={"plugin_modules": ["tests.agents.a2a_caller:plugin"]},
             extra={
-                "a2a": {"listen": f"127.0.0.1:{port}", "expose": ["entry"], "application": "acme"},
+                "a2a": {"listen": "127.0.0.1:0", "expose": ["entry"], "application": "acme"},
                 "a2a.peers.weather": {"url": weather.url, "contract_price": "0.10",
                                       "issuer_key": weather.issuer_key},
             },
         )
         # acme as its own peer too (meshnode -> meshnode). No audience or issuer
         # key configured: a meshnode card publishes both in the extension's params.
+        # It restarts pinned to the port its first run bound (read back from
+        # Status): the daemon held that port, so this is no bind-then-release race.
+        port = int(daemon.status()["a2a"]["url"].rsplit(":", 1)[1])
         daemon.stop()
+        daemon.config["a2a"]["listen"] = f"127.0.0.1:{port}"
         daemon.config["a2a.peers.self"] = {
             "url": f"http://127.0.0.1:{port}/agents/entry", "contract_price": "0.05",
         }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from meshnode.protocol.a2a_extension import CLOCK_SKEW_S, EnvelopeCheck, IssuerTrust
@@ -71,8 +71,16 @@ class BridgeSettings:
     clock_skew_s: float = CLOCK_SKEW_S
     trust: IssuerTrust = field(default_factory=IssuerTrust)
 
+    def bound_to(self, port: int) -> BridgeSettings:
+        """These settings once the server has bound ``port``: a configured port 0
+        ("any free port") becomes the bound one, so every URL the bridge publishes
+        (cards, discovery document, Status) names where it really serves. An
+        explicit port is kept as configured."""
+        return replace(self, port=port) if self.port == 0 else self
+
     @property
     def base_url(self) -> str:
+        """The base of every published URL: ``public_url`` when set, else ``http://host:port``."""
         if self.public_url:
             return self.public_url.rstrip("/")
         host = self.host if ":" not in self.host or self.host.startswith("[") else f"[{self.host}]"

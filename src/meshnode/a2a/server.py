@@ -140,6 +140,10 @@ class A2ABridge:
                 exc = self._serve_task.exception()
                 raise RuntimeError(f"[a2a] listen {self.settings.host}:{self.settings.port}: {exc or 'server exited'}")
             await asyncio.sleep(0.02)
+        # Read the bound port back from uvicorn's own listening socket (``listen =
+        # "host:0"`` binds any free port); nothing has the URL before this, so no
+        # card can have been served with the unbound one.
+        self._publish(self.settings.bound_to(_bound_port(server, self.settings.port)))
         log.info(
             "A2A bridge serving %s at %s (application %r, report key %s)",
             ", ".join(self.settings.expose) or "no agents",
@@ -147,6 +151,12 @@ class A2ABridge:
             self.settings.application,
             self.bridge.agent_id,
         )
+
+    def _publish(self, settings: BridgeSettings) -> None:
+        """Use ``settings`` everywhere the bridge builds what it publishes."""
+        self.settings = settings
+        self.intake.settings = settings
+        self.tasks.settings = settings
 
     async def stop_intake(self) -> None:
         """Stop the HTTP server (open streams get a short grace), then the live tasks' runners."""
@@ -174,3 +184,13 @@ class A2ABridge:
 
     def app(self) -> Starlette:
         return self.intake.app()
+
+
+def _bound_port(server: uvicorn.Server, configured: int) -> int:
+    """The TCP port a started ``server`` listens on (the first socket's: a host
+    name that resolves to several addresses binds each), or ``configured`` when
+    it shows none."""
+    for listener in server.servers:
+        for sock in listener.sockets:
+            return int(sock.getsockname()[1])
+    return configured

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,6 @@ __all__ = [
     "consistently_async",
     "eventually",
     "eventually_async",
-    "free_port",
 ]
 
 
@@ -58,13 +56,6 @@ def _stop_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _toml_value(value: Any) -> str:
@@ -230,7 +221,7 @@ class DaemonSet:
         workdir = self._workdir(name)
         config = self._base(name, workdir, agents or {}, node)
         # Port 0 for both listeners: each binds a free port itself and Mesh.Info reports
-        # the bound one (no free_port() bind-then-release race). A restart binds anew;
+        # the bound one (no bind-then-release race). A restart binds anew;
         # a test that restarts this node under joined ones pins the ports it read back.
         config["mesh.embedded"] = {"port": 0, "control_port": 0}
         for table, values in (extra or {}).items():
