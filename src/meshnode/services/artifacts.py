@@ -81,15 +81,11 @@ large object is bounded by its size, not by the request budget.
 from __future__ import annotations
 
 import base64
-import binascii
-import bisect
 import contextlib
 import hashlib
 import secrets
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -97,9 +93,7 @@ import orjson
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol import subjects
 from meshnode.protocol.artifacts import (
-    DEFAULT_RETENTION_S,
     INDEX_BUCKET,
-    OBJECT_STORE_BUCKET,
     UPLOADS_BUCKET,
     chunk_budget,
     object_id_of,
@@ -111,13 +105,18 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.rests_on import is_valid_digest
 from meshnode.protocol.timeutil import format_ts
 from meshnode.transport.connection import Message
-from meshnode.transport.errors import Conflict, NotFound, StoreFull, TransportError
-from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue
+from meshnode.transport.errors import Conflict, NotFound, TransportError
+from meshnode.transport.jetstream import KV_DELETE_OPS
 from meshnode.transport.streams import artifact_buckets, ensure_key_value, ensure_object_store
 
+from .artifact_chunks import PIECE, STREAM, ChunkedObjects, _chunk_subject
+from .artifact_limits import ArtifactLimits, OwnerResolver, check_limits, registry_owner_resolver
+from .artifact_payloads import _b64decode, _int, _new_id, _payload, _str
 from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 
 __all__ = [
+    "PIECE",
+    "STREAM",
     "ArtifactLimits",
     "ArtifactService",
     "OwnerResolver",
@@ -125,104 +124,8 @@ __all__ = [
     "registry_owner_resolver",
 ]
 
-#: The agent id in, its owner out (None: not a registered agent).
-OwnerResolver = Callable[[str], Awaitable[str | None]]
 
-#: Size of each stored chunk message (the object store's customary default).
-PIECE = 128 * 1024
-STREAM = f"OBJ_{OBJECT_STORE_BUCKET}"
-_CHUNK_MAPS = 256  # chunk layouts remembered per instance
-
-
-@dataclass(frozen=True)
-class ArtifactLimits:
-    """Per-owner quota, per-object limit and lifetimes (§7.5.2; deployment-specific)."""
-
-    quota_bytes: int = 1024**3
-    quota_objects: int = 10_000
-    max_object_bytes: int = 256 * 1024**2
-    default_retention_s: int = DEFAULT_RETENTION_S
-    max_retention_s: int = 365 * 86_400
-    upload_idle_s: float = 3600.0
-    sweep_interval_s: float = 300.0
-    #: Continuation messages (chunks, ranged fetches) per sender per minute.
-    transfer_limit: int = 12_000
-
-
-def registry_owner_resolver(ctx: ServiceContext) -> OwnerResolver:
-    """Resolve owners by reading the registry's KV bucket (for a store without a registry)."""
-    kv: KeyValue | None = None
-
-    async def owner_of(agent_id: str) -> str | None:
-        nonlocal kv
-        if kv is None:
-            kv = await ctx.connection.jetstream.key_value(subjects.KV_REGISTRY)
-        try:
-            entry = await kv.get(agent_id)
-        except NotFound:
-            return None
-        try:
-            manifest = orjson.loads(entry.value or b"")
-        except orjson.JSONDecodeError:
-            return None
-        owner = manifest.get("owner") if isinstance(manifest, dict) else None
-        return owner if isinstance(owner, str) and owner else None
-
-    return owner_of
-
-
-def _b64decode(value: object, member: str) -> bytes:
-    if not isinstance(value, str):
-        raise ProtocolError("INPUT_INVALID", f"{member} is base64 text", {"member": member})
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProtocolError("INPUT_INVALID", f"{member} is not valid base64", {"member": member}) from None
-
-
-def _payload(env: Envelope) -> dict[str, Any]:
-    payload = env.get("payload")
-    if payload is None:
-        return {}
-    if not isinstance(payload, dict):
-        raise ProtocolError("INPUT_INVALID", "the payload is an object", {"member": "payload"})
-    return payload
-
-
-def _int(payload: Mapping[str, Any], name: str, *, default: int | None = None, minimum: int = 0) -> int:
-    value = payload.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ProtocolError(
-            "INPUT_INVALID", f"{name} is an integer of at least {minimum}", {"member": f"payload.{name}"}
-        )
-    return value
-
-
-def _str(payload: Mapping[str, Any], name: str, *, required: bool = False, max_len: int = 1024) -> str | None:
-    value = payload.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value or len(value) > max_len:
-        raise ProtocolError(
-            "INPUT_INVALID", f"{name} is a non-empty string (at most {max_len})", {"member": f"payload.{name}"}
-        )
-    return value
-
-
-def _meta_subject(key: str) -> str:
-    return f"$O.{OBJECT_STORE_BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
-
-
-def _chunk_subject(nuid: str) -> str:
-    return f"$O.{OBJECT_STORE_BUCKET}.C.{nuid}"
-
-
-def _new_id() -> str:
-    """128 random bits, base64url without padding (§7.5.4, §18.5)."""
-    return base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
-
-
-class ArtifactService(ServiceBase):
+class ArtifactService(ChunkedObjects, ServiceBase):
     """The artifact store (module docstring)."""
 
     def __init__(
@@ -242,7 +145,6 @@ class ArtifactService(ServiceBase):
         self._maps: OrderedDict[str, list[tuple[int, int, int]]] = OrderedDict()
         self._transfer = SlidingWindowLimiter(limit=self.limits.transfer_limit, window_ms=60_000)
         self._sweeper: PeriodicJob | None = None
-        self._reconnect_hooked = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -269,9 +171,7 @@ class ArtifactService(ServiceBase):
         except BaseException:
             await self.stop()
             raise
-        if not self._reconnect_hooked:
-            self.ctx.connection.on_reconnect(self._on_reconnect)
-            self._reconnect_hooked = True
+        self.hook_reconnect(self._on_reconnect)
         await self.serve(subjects.ARTIFACTS_PUT, self._put)
         await self.serve(subjects.ARTIFACTS_FETCH, self._fetch)
         await self.serve(subjects.ARTIFACTS_STAT, self._stat)
@@ -357,161 +257,18 @@ class ArtifactService(ServiceBase):
         }
 
     def _check_limits(self, owner: str, size: int, retention_s: int, *, exclude_upload: str | None = None) -> None:
-        limits = self.limits
-        if size > limits.max_object_bytes:
-            raise ProtocolError(
-                "PAYLOAD_TOO_LARGE",
-                f"one object may hold at most {limits.max_object_bytes} bytes",
-                {"limit": "max_object_bytes", "max": limits.max_object_bytes, "size": size},
-            )
-        if retention_s > limits.max_retention_s:
-            raise ProtocolError(
-                "QUOTA_EXCEEDED",
-                f"retention beyond {limits.max_retention_s} s is not offered by this store",
-                {"limit": "retention_s", "quota": limits.max_retention_s, "requested": retention_s},
-            )
         usage = self.usage_of(owner)
         if exclude_upload is not None:
             mine = self.uploads.entries.get(exclude_upload)
             if mine is not None:
                 usage["reserved_bytes"] -= int(mine.get("size", 0))
                 usage["reserved_objects"] -= 1
-        used_bytes = usage["bytes"] + usage["reserved_bytes"]
-        used_objects = usage["objects"] + usage["reserved_objects"]
-        if used_objects + 1 > limits.quota_objects:
-            raise ProtocolError(
-                "QUOTA_EXCEEDED",
-                f"the owner is at its limit of {limits.quota_objects} objects",
-                {"limit": "objects", "quota": limits.quota_objects, "used": used_objects, "requested": 1},
-            )
-        if used_bytes + size > limits.quota_bytes:
-            raise ProtocolError(
-                "QUOTA_EXCEEDED",
-                f"the owner's storage quota of {limits.quota_bytes} bytes would be exceeded",
-                {"limit": "bytes", "quota": limits.quota_bytes, "used": used_bytes, "requested": size},
-            )
+        check_limits(self.limits, usage, size, retention_s)
 
     def _retention(self, payload: Mapping[str, Any]) -> int:
         if payload.get("retention_s") is None:
             return self.limits.default_retention_s
         return _int(payload, "retention_s", minimum=1)
-
-    # -- the object store, at the level of chunk messages ---------------------------
-
-    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
-        try:
-            ack = await self.ctx.connection.jetstream.publish(subject, data, headers=headers)
-        except StoreFull:
-            # account limits, insufficient resources, storage exceeded, store failed (full)
-            raise ProtocolError(
-                "QUOTA_EXCEEDED",
-                "the store is full",
-                {"limit": "store_capacity"},
-            ) from None
-        return ack.seq
-
-    async def _write(self, nuid: str, data: bytes) -> list[int]:
-        """Append ``data`` to the chunk subject of ``nuid``; the stream sequences written."""
-        subject = _chunk_subject(nuid)
-        return [await self._publish(subject, data[i : i + PIECE]) for i in range(0, len(data), PIECE)]
-
-    async def _purge(self, subject: str) -> None:
-        with contextlib.suppress(NotFound):
-            await self.ctx.connection.jetstream.purge_subject(STREAM, subject)
-
-    async def _commit(self, key: str, nuid: str, size: int, chunks: int, sha: bytes, now_ms: int) -> None:
-        """Publish the object's meta record, which makes it readable by any object store client."""
-        info = {
-            "name": key,
-            "bucket": OBJECT_STORE_BUCKET,
-            "nuid": nuid,
-            "size": size,
-            "chunks": chunks,
-            "digest": "SHA-256=" + base64.urlsafe_b64encode(sha).decode(),
-            "mtime": datetime.fromtimestamp(now_ms / 1000, UTC).isoformat(),
-            "options": {"max_chunk_size": PIECE},
-        }
-        await self._publish(_meta_subject(key), orjson.dumps(info), headers={"Nats-Rollup": "sub"})
-
-    async def _object_info(self, key: str) -> dict[str, Any] | None:
-        """The object store's current meta record for ``key`` (None when absent or deleted)."""
-        try:
-            msg = await self.ctx.connection.jetstream.last_message(STREAM, _meta_subject(key), direct=True)
-        except NotFound:
-            return None
-        try:
-            info = orjson.loads(msg.data or b"")
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(info, dict) or info.get("deleted") or not isinstance(info.get("nuid"), str):
-            return None
-        return info
-
-    async def _delete_object(self, key: str) -> None:
-        info = await self._object_info(key)
-        if info is not None:
-            await self._purge(_chunk_subject(info["nuid"]))
-            self._maps.pop(info["nuid"], None)
-        await self._purge(_meta_subject(key))
-
-    async def _walk(self, nuid: str, chunks: int) -> tuple[list[tuple[int, int, int]], Any]:
-        """Read every chunk of ``nuid`` in order: its layout ``[(seq, start, length)]``
-        and the SHA-256 of its bytes (what is stored, not what was claimed)."""
-        js = self.ctx.connection.jetstream
-        subject = _chunk_subject(nuid)
-        layout: list[tuple[int, int, int]] = []
-        sha = hashlib.sha256()
-        seq, offset = 1, 0
-        for _ in range(chunks):
-            try:
-                msg = await js.message(STREAM, seq=seq, subject=subject, next=True, direct=True)
-            except NotFound:
-                break
-            data = msg.data or b""
-            layout.append((msg.seq or 0, offset, len(data)))
-            sha.update(data)
-            offset += len(data)
-            seq = (msg.seq or 0) + 1
-        return layout, sha
-
-    def _remember_layout(self, nuid: str, layout: list[tuple[int, int, int]]) -> None:
-        self._maps[nuid] = layout
-        self._maps.move_to_end(nuid)
-        while len(self._maps) > _CHUNK_MAPS:
-            self._maps.popitem(last=False)
-
-    async def _layout(self, info: Mapping[str, Any]) -> list[tuple[int, int, int]]:
-        nuid: str = info["nuid"]
-        layout = self._maps.get(nuid)
-        if layout is None:
-            layout, _ = await self._walk(nuid, int(info.get("chunks") or 0))
-            self._remember_layout(nuid, layout)
-        else:
-            self._maps.move_to_end(nuid)
-        return layout
-
-    async def _read(self, info: Mapping[str, Any], offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset+length)`` of the stored object, as stored."""
-        layout = await self._layout(info)
-        if not layout or length <= 0:
-            return b""
-        starts = [start for _, start, _ in layout]
-        i = max(0, bisect.bisect_right(starts, offset) - 1)
-        out = bytearray()
-        end = offset + length
-        js = self.ctx.connection.jetstream
-        while i < len(layout) and layout[i][1] < end:
-            seq, start, size = layout[i]
-            if start + size > offset:
-                try:
-                    msg = await js.message(STREAM, seq=seq, direct=True)
-                except NotFound:
-                    self._maps.pop(info["nuid"], None)  # rewritten underneath us; relearn next time
-                    raise
-                data = msg.data or b""
-                out += data[max(0, offset - start) : min(size, end - start)]
-            i += 1
-        return bytes(out)
 
     # -- index records ----------------------------------------------------------------
 

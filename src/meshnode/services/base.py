@@ -60,9 +60,9 @@ from meshnode.protocol.protections import (
 )
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
-from meshnode.transport.connection import MeshConnection, Message, Subscription
+from meshnode.transport.connection import ConnectionListener, MeshConnection, Message, Subscription
 from meshnode.transport.errors import NotFound
-from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, KvWatch
+from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, KvWatch, PullConsumer
 
 __all__ = [
     "NON_REQUEST_TYPES",
@@ -136,8 +136,47 @@ class ServiceBase:
         self._subs: list[Subscription] = []
         self._tasks = BackgroundTasks()
         self._running = False
+        self._reconnect_hooked = False
 
     # -- lifecycle -----------------------------------------------------------
+
+    def hook_reconnect(self, listener: ConnectionListener) -> None:
+        """Run ``listener`` after every reconnect; registered once per instance,
+        however often the service is stopped and started again."""
+        if not self._reconnect_hooked:
+            self.ctx.connection.on_reconnect(listener)
+            self._reconnect_hooked = True
+
+    async def consume_pull(
+        self,
+        pull_of: Callable[[], PullConsumer | None],
+        handle: Callable[[Message], Awaitable[None]],
+        *,
+        batch: int,
+        timeout_s: float,
+        retry_s: float,
+        what: str,
+    ) -> None:
+        """Fetch from a durable pull consumer and hand each message to ``handle``, while running.
+
+        ``pull_of`` is read every round: stop() clears the consumer, which ends
+        the loop. A failed fetch (a disconnect) is logged as ``fetching {what}
+        failed`` and retried after ``retry_s``: the durable cursor resumes where it was.
+        """
+        while self.running:
+            pull = pull_of()
+            if pull is None:
+                return
+            try:
+                msgs = await pull.fetch(batch, timeout=timeout_s)  # [] on timeout
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("fetching %s failed: %s", what, exc)
+                await asyncio.sleep(retry_s)
+                continue
+            for msg in msgs:
+                await handle(msg)
 
     @property
     def running(self) -> bool:

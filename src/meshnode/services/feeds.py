@@ -28,7 +28,6 @@ subscribes to the feed first (subscribe before snapshot, §9.6).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Mapping
@@ -119,20 +118,14 @@ class FeedService(ServiceBase):
                 await js.delete_consumer(subjects.FEED_STREAM, WRITER_CONSUMER)
 
     async def _consume(self) -> None:
-        while self.running:
-            pull = self._pull
-            if pull is None:
-                return
-            try:
-                msgs = await pull.fetch(_FETCH_BATCH, timeout=_FETCH_TIMEOUT_S)  # [] on timeout
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a disconnect: the durable cursor resumes where it was
-                self.log.warning("fetching feed messages failed: %s", exc)
-                await asyncio.sleep(_FETCH_TIMEOUT_S)
-                continue
-            for msg in msgs:
-                await self._on_feed(msg)
+        await self.consume_pull(
+            lambda: self._pull,
+            self._on_feed,
+            batch=_FETCH_BATCH,
+            timeout_s=_FETCH_TIMEOUT_S,
+            retry_s=_FETCH_TIMEOUT_S,
+            what="feed messages",
+        )
 
     async def _on_feed(self, msg: Message) -> None:
         try:

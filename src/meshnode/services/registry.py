@@ -131,7 +131,6 @@ class RegistryService(ServiceBase):
         self._is_revoked = is_revoked
         self._kv: KeyValue | None = None
         self._mirror: KVMirror | None = None
-        self._reconnect_hooked = False
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -149,9 +148,7 @@ class RegistryService(ServiceBase):
         except BaseException:
             await self.stop()
             raise
-        if not self._reconnect_hooked:
-            self.ctx.connection.on_reconnect(self._on_reconnect)
-            self._reconnect_hooked = True
+        self.hook_reconnect(self._on_reconnect)
         await self.serve("mesh.registry.register.*", self._register)
         await self.serve(subjects.REGISTRY_REGISTER, self._register)
         await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister)

@@ -185,7 +185,6 @@ class TaskManagerService(ServiceBase):
         self._synced = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
         self._pull: PullConsumer | None = None
-        self._reconnect_hooked = False
         self._max_record_bytes = 0
 
     # -- lifecycle -----------------------------------------------------------
@@ -223,9 +222,7 @@ class TaskManagerService(ServiceBase):
         except BaseException:
             await self.stop()
             raise
-        if not self._reconnect_hooked:
-            self.ctx.connection.on_reconnect(self._on_reconnect)
-            self._reconnect_hooked = True
+        self.hook_reconnect(self._on_reconnect)
         self.spawn(self._consume, "updates")
         await self.serve(TASK_GET_PATTERN, self._get)
         self.spawn(self._sweep_loop, "sweep")
@@ -340,20 +337,14 @@ class TaskManagerService(ServiceBase):
     # -- updates -----------------------------------------------------------------
 
     async def _consume(self) -> None:
-        while self.running:
-            pull = self._pull
-            if pull is None:
-                return
-            try:
-                msgs = await pull.fetch(1, timeout=self.fetch_timeout_s)  # [] on timeout
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a disconnect: the consumer resumes where it was
-                self.log.warning("fetching task updates failed: %s", exc)
-                await asyncio.sleep(min(1.0, self.fetch_timeout_s))
-                continue
-            for msg in msgs:
-                await self._on_update(msg)
+        await self.consume_pull(
+            lambda: self._pull,
+            self._on_update,
+            batch=1,
+            timeout_s=self.fetch_timeout_s,
+            retry_s=min(1.0, self.fetch_timeout_s),
+            what="task updates",
+        )
 
     def _count(self, signal: str, msg: Message, detail: str) -> None:
         self.counters[signal] += 1
