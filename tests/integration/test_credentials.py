@@ -102,9 +102,11 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
     echo = a.agent_id("echo")
     expires_at = b.status()["credential"]["expires_at"]
     os.kill(pid, signal.SIGSTOP)  # asleep: no timers, no renewal
-    # Past the credential's expiry (the broker closes the connection then; its clock
-    # cannot be offset), plus a second for the broker's expiry timer.
-    eventually(lambda: time.time() > expires_at + 1, what="B's credential expiring while it sleeps", interval=0.5)
+    # Well past the credential's expiry, as the sleeping laptop this test is about: the
+    # broker closes the connection at expiry by its own timer (its clock cannot be offset),
+    # which runs late on a loaded machine. Waking within a second or so of the expiry, while
+    # the broker may still hold the connection, is a different case (see the #23 note).
+    eventually(lambda: time.time() > expires_at + 3, what="B's credential expiring while it sleeps", interval=0.5)
     os.kill(pid, signal.SIGCONT)
 
     def awake() -> bool:
