@@ -338,6 +338,12 @@ def _check_rpc(doc: Any, status: int) -> bool:
     return False
 
 
+def _json(raw: str | bytes) -> object:
+    """Parse an answer: a JSON-RPC id may be an integer past a double's range (echoed as
+    sent), which orjson refuses; the standard parser keeps it exact."""
+    return json.loads(raw)
+
+
 def _check(answer: httpx.Response) -> bool:
     """Invariants on one HTTP answer; True when something was accepted."""
     assert answer.status_code in (200, 401, 413), (answer.status_code, answer.text[:300])
@@ -348,9 +354,9 @@ def _check(answer: httpx.Response) -> bool:
         accepted = False
         for line in answer.text.split("\n"):  # not splitlines(): U+2028 is no SSE line break
             if line.startswith("data:"):
-                accepted = _check_rpc(orjson.loads(line[5:]), answer.status_code) or accepted
+                accepted = _check_rpc(_json(line[5:]), answer.status_code) or accepted
         return accepted
-    doc = orjson.loads(answer.content)
+    doc = _json(answer.content)
     if isinstance(doc, list):  # a batch answer
         results = [_check_rpc(item, answer.status_code) for item in doc]  # every item checked
         return any(results)
