@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from meshnode.cli import exitcodes
-from meshnode.testing import DaemonProcess, DaemonSet
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -59,10 +59,7 @@ def _read_until(stream: Any, wanted: Callable[[bytes], bool], timeout: float) ->
 
 
 def _wait_for(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    eventually(check, what=what, timeout=timeout)
 
 
 def test_call_stream_prints_chunks_before_the_stream_ends(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
