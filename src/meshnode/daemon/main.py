@@ -305,6 +305,7 @@ class Daemon:
             trust_attestation=mesh.trust_attestation(),
             a2a=self.gateways.outbound,
             refusals=self.refusals,
+            grants=mesh.grants,
         )
         self.node = hosting.node = node
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from meshnode.protocol.envelope import IdGenerator
     from meshnode.protocol.protections import DedupMemory, InboundGuard
     from meshnode.transport.connection import MeshConnection, Message
+    from meshnode.transport.grants import Grants
 
 __all__ = ["NodePort"]
 
@@ -73,6 +74,9 @@ class NodePort(Protocol):
     def trust_attestation(self) -> dict[str, Any] | None: ...
     @property
     def trusted_operators(self) -> frozenset[str]: ...
+    @property
+    def grants(self) -> Grants:
+        """What the node's own credential lets it publish and subscribe (§14.3)."""
 
     # -- bookkeeping ------------------------------------------------------------------
 

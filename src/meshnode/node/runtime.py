@@ -33,7 +33,7 @@ from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
-from meshnode.node.resolver import ManifestCache
+from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
 from meshnode.node.supervise import supervise_start
@@ -59,7 +59,9 @@ from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
 from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.errors import NoResponders, Reconnecting, TransportTimeout
+from meshnode.transport.grants import Grants, register_subjects
 from meshnode.transport.jetstream import DurableSubscription
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -81,8 +83,18 @@ class Node:
         check_sender_vouch: bool = False,
         trust_attestation: dict[str, Any] | None = None,
         a2a: OutboundGateway | None = None,
+        grants: Grants | None = None,
     ) -> None:
         self.settings = settings
+        #: What the node's credential lets it publish (§14.3); a mesh built
+        #: elsewhere may grant less than meshnode's own credentials do.
+        self.grants = grants if grants is not None else Grants.unrestricted()
+        # The registration subjects to try, in order; narrowed to the one that
+        # worked once a registry answered (see register()).
+        self._no_drain_logged = False
+        self._register_subjects: list[str] = list(
+            register_subjects(self.grants, subjects.registry_register(node_key.public_key))
+        )
         self.key = node_key
         self.node_id = node_key.public_key
         self.connection = connection
@@ -235,11 +247,31 @@ class Node:
             raise
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
-        if self.inbox is not None:
+        if self.inbox is not None and self._may_drain(hosted):
             drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s)
             self.drains[name] = drain
             drain.start()
         return hosted
+
+    def _may_drain(self, hosted: HostedAgent) -> bool:
+        """Whether the credential lets the node read ``hosted``'s redelivery buffer.
+
+        meshnode's own credentials always do; §14.3's example grants no
+        JetStream API, so there the live path is the only one: mail that arrives
+        while the node is away stays in the broker's buffer (up to its limits)
+        and is not drained. Said once rather than failing every drain pass.
+        """
+        stream = subjects.inbox_stream_name(hosted.agent_id)
+        if self.grants.can_publish(JS_STREAM_INFO.format(stream=stream)):
+            return True
+        if not self._no_drain_logged:
+            self._no_drain_logged = True
+            log.info(
+                "the node credential grants no JetStream API on %s: mail that arrives while this node "
+                "is offline is not drained (only live delivery), for this and any such agent",
+                stream,
+            )
+        return False
 
     async def unhost(self, name: str, *, deregister: bool = False, grace: float = 5.0) -> None:
         """Stop one agent: unsubscribe, let handlers finish, call on_stop.
@@ -359,6 +391,15 @@ class Node:
             kind, hosted.agent_id, now_ms=self.now_ms(), payload=payload, ids=self.ids
         )
         sign_envelope(env, hosted.key)
+        if not self.grants.can_publish(subject):
+            # The broker would drop it and the caller wait out the timeout; on a
+            # mesh built elsewhere (§14.3's example grants no mesh.registry.get.*)
+            # that is every lookup. Answer at once, as the service's absence.
+            raise ProtocolError(
+                "AGENT_UNAVAILABLE",
+                f"the node credential does not grant publishing to {subject}",
+                {"reason": NOT_GRANTED, "subject": subject},
+            )
         try:
             msg = await self.connection.request(
                 subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
@@ -374,11 +415,17 @@ class Node:
         return payload_out if isinstance(payload_out, dict) else {}
 
     async def register(self, hosted: HostedAgent) -> None:
-        """Register on the connection-bound subject (§4.4 b); refusals are surfaced."""
+        """Register on the connection-bound subject (§4.4 b); refusals are surfaced.
+
+        On a mesh whose credential grants the untokenized ``mesh.registry.register``
+        too (§14.3's example), a bound attempt that no registry answers (no
+        responders, or no answer) is retried there once, and the subject that
+        worked is kept for every later registration; without the bound grant the
+        untokenized one is the only subject. meshnode's own credentials never
+        grant the untokenized subject, so its own nodes never fall back.
+        """
         try:
-            await self.service_call(
-                hosted, subjects.registry_register(self.node_id), "register", hosted.manifest
-            )
+            await self._register_once(hosted)
         except ProtocolError as exc:
             hosted.registered = False
             hosted.registration_error = f"{exc.code}: {exc.message}"
@@ -387,6 +434,24 @@ class Node:
         hosted.registered = True
         hosted.registration_error = None
         log.info("registered %s as %s", hosted.name, hosted.agent_id)
+
+    async def _register_once(self, hosted: HostedAgent) -> None:
+        candidates = self._register_subjects
+        for i, subject in enumerate(candidates):
+            last = i == len(candidates) - 1
+            try:
+                await self.service_call(hosted, subject, "register", hosted.manifest)
+            except ProtocolError as exc:
+                if last or exc.code not in ("AGENT_UNAVAILABLE", "TRANSPORT_TIMEOUT"):
+                    raise
+                log.info(
+                    "no registry answers on %s (%s); registering on %s from now on (spec §14.1: both forms are accepted)",
+                    subject, exc.code, candidates[i + 1],
+                )
+                continue
+            if len(candidates) > 1:
+                self._register_subjects = [subject]
+            return
 
     async def deregister(self, hosted: HostedAgent) -> None:
         await self.service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})
