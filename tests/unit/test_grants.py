@@ -1,4 +1,5 @@
-"""Reading the node's own credential (issue #17): reply prefix and registration subject.
+"""Reading the node's own credential (issue #17): reply prefix and registration subject;
+and the embedded mesh's WebSocket listener.
 
 meshnode's own credentials grant the private ``_INBOX_<node>.>`` and only the
 connection-bound register subject, and must keep doing so; a credential minted
@@ -11,6 +12,7 @@ from typing import Any, cast
 
 import pytest
 
+from meshnode.config.sections import EmbeddedMeshConfig, MeshConfig
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.runtime import Node
@@ -41,6 +43,7 @@ from meshnode.transport.permissions import (
     node_inbox_prefix,
     node_permissions,
 )
+from meshnode.transport.serverconf import render_server_config
 from tests.fakes import FakeConnection, FakeNode
 
 NOW = 1_800_000_000_000
@@ -242,3 +245,25 @@ async def test_without_registry_get_targets_and_senders_are_looked_up_through_di
     assert await memo.status(cast(Any, None), agent.public_key) == VOUCHED
     # Discovery does not show unlisted agents: not seen is unknown (let through), not unvouched.
     assert await memo.status(cast(Any, None), hidden) == UNKNOWN
+
+
+# --------------------------------------------------------------------------- the WebSocket listener
+
+
+def test_the_websocket_listener_is_off_by_default_and_plain_ws_on_the_mesh_host(tmp_path: Any) -> None:
+    def render(websocket_port: int | None) -> str:
+        return render_server_config(
+            server_name="x", host="127.0.0.1", port=None, monitor_port=None, max_payload=1024,
+            max_control_line=1024, operator_jwt="op", system_account="SYS", account_jwts={},
+            store_dir=tmp_path, ports_file_dir=tmp_path, websocket_port=websocket_port,
+        )
+
+    assert "websocket {" not in render(None)
+    any_port = render(0)
+    assert 'websocket {\n  host: "127.0.0.1"\n  port: -1\n  no_tls: true\n}' in any_port
+    assert "  port: 8443\n" in render(8443)
+    assert EmbeddedMeshConfig().websocket_port is None
+    assert EmbeddedMeshConfig(websocket_port=0).websocket_port == 0
+    assert MeshConfig().inbox_prefix is None
+    with pytest.raises(ValueError, match="inbox_prefix"):
+        MeshConfig(inbox_prefix="_INBOX.>")

@@ -80,6 +80,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"mesh           {info['name']} ({info['mode']})")
         print(f"nats           {', '.join(info['nats_urls'])}")
         print(f"control plane  {info.get('control_plane') or '-'}")
+        if info.get("websocket_url"):
+            print(f"websocket      {info['websocket_url']}")
     return EX_OK
 
 

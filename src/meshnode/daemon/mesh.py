@@ -137,6 +137,7 @@ class MeshLink:
             tenants=cfg.tenants,
             exports=[TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports],
             monitor_port=cfg.monitor_port,
+            websocket_port=cfg.websocket_port,
         )
         self.embedded = embedded
         shutdown.push("stop-mesh-server", embedded.stop)

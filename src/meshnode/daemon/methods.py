@@ -399,6 +399,8 @@ class CoreMethods:
             "node_id": self.d.node_key.public_key if self.d.node_key else None,
             # Set only when [mesh.embedded] monitor_port asks for it.
             "monitor_url": self.d.embedded.monitor_url if self.d.embedded is not None else None,
+            # Set only when [mesh.embedded] websocket_port asks for it (nats.ws clients).
+            "websocket_url": self.d.embedded.websocket_url if self.d.embedded is not None else None,
         }
 
     async def mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:

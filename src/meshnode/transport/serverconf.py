@@ -70,13 +70,15 @@ def render_server_config(
     store_dir: Path,
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
+    websocket_port: int | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
     ``port`` 0 or None (and ``monitor_port=0``, ``cluster.port=0``) lets the
     server pick a free port; the chosen ports are then read from the ports
     file it writes into ``ports_file_dir`` (:class:`BoundPorts`).
-    ``monitor_port=None`` serves no monitoring.
+    ``monitor_port=None`` serves no monitoring; ``websocket_port`` likewise
+    (None: no WebSocket listener, 0: a free port) for nats.ws clients.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
     """
@@ -109,6 +111,19 @@ def render_server_config(
             "  routes: [",
             *(f"    {_conf_string(route)}" for route in cluster.routes),
             "  ]",
+            "}",
+        ]
+    if websocket_port is not None:
+        # Same host as the client port and the same JWT authentication (operator
+        # mode applies to every client listener). Plain ws: nats-server demands
+        # TLS on a WebSocket listener unless told otherwise; the embedded mesh
+        # listens on loopback by default, and a public one belongs behind a
+        # TLS-terminating proxy (docs/operations/foreign-mesh.md).
+        lines += [
+            "websocket {",
+            f"  host: {_conf_string(host)}",
+            f"  port: {_listen_port(websocket_port)}",
+            "  no_tls: true",
             "}",
         ]
     if monitor_port is not None:
