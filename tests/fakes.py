@@ -120,6 +120,7 @@ class FakeNode:
         self.trusted_operators = trusted_operators
         #: What the node's credential grants (meshnode.transport.grants).
         self.grants = Grants.unrestricted()
+        self.platform_keys: set[str] = set()
         self.manifests = dict(manifests or {})
         self.delivered: list[dict[str, Any]] = []
         self.published: list[dict[str, Any]] = []

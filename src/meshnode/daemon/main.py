@@ -308,6 +308,8 @@ class Daemon:
             grants=mesh.grants,
         )
         self.node = hosting.node = node
+        # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
+        node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         o = self.config.observability
         install(node, ObservabilitySettings(

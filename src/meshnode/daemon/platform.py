@@ -151,6 +151,12 @@ async def start_platform_services(
         imported=imported,
     )
     presence.vouched_by = registry.vouched_by
+    # The registry names its sibling services' keys in each registration reply,
+    # so a node (which pins the registry's key) knows every platform emitter and
+    # applies §5.3 step 2 to events without refusing the platform's own.
+    registry.platform_keys = frozenset(
+        contexts(name).key.public_key for name in ("registry", "presence", "artifacts", "tasks", "feeds")
+    )
 
     async def owner_of(agent_id: str) -> str | None:
         # Artifact owners resolve from the registry's cache (§7.5.2, §8.6).

@@ -50,7 +50,7 @@ from meshnode.protocol.envelope import (
     sign_envelope,
 )
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.nkeys import KeyPair, is_valid_public
 from meshnode.protocol.preflight import (
     check_envelope_size,
     preflight_request,
@@ -109,6 +109,11 @@ class Node:
         #: with the platform services the daemon hosts, when it passes one).
         self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
+        #: Keys of the platform services (§5.3 step 2 does not apply to them: no
+        #: node vouches for a service): those pinned from service replies, those
+        #: the pinned registry names in its registration replies, and the node's
+        #: own services' (the daemon adds them).
+        self.platform_keys: set[str] = set()
         # Targets' manifests, one registry look-up in flight per target (#21).
         self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
         self._jobs: dict[str, PeriodicJob] = {}
@@ -409,6 +414,7 @@ class Node:
         except TransportTimeout:
             raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
         reply = receive_service_reply(msg.data, env, subject, self.service_keys, self.refusals)
+        self.platform_keys.add(reply["from"])  # verified and pinned: a platform key
         if reply.get("error"):
             raise RemoteError(reply)
         payload_out = reply.get("payload")
@@ -440,7 +446,7 @@ class Node:
         for i, subject in enumerate(candidates):
             last = i == len(candidates) - 1
             try:
-                await self.service_call(hosted, subject, "register", hosted.manifest)
+                answer = await self.service_call(hosted, subject, "register", hosted.manifest)
             except ProtocolError as exc:
                 if last or exc.code not in ("AGENT_UNAVAILABLE", "TRANSPORT_TIMEOUT"):
                     raise
@@ -451,6 +457,10 @@ class Node:
                 continue
             if len(candidates) > 1:
                 self._register_subjects = [subject]
+            # The registry's signed word (its key pinned) for its sibling services' keys.
+            named = answer.get("platform_keys")
+            if isinstance(named, list):
+                self.platform_keys.update(k for k in named if isinstance(k, str) and is_valid_public(k))
             return
 
     async def deregister(self, hosted: HostedAgent) -> None:
