@@ -17,7 +17,6 @@ answer a request, and make one (resolving its target through discovery).
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import tempfile
 import threading
@@ -33,6 +32,8 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
 from meshnode.testing import DaemonProcess, eventually
 from meshnode.transport.embedded import EmbeddedNatsServer
+
+pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
 
@@ -150,8 +151,7 @@ def foreign() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
             except Exception:
                 daemon.kill()
         broker.close()
-        if not os.environ.get("KEEP_FOREIGN"):
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _registered(node: DaemonProcess, name: str) -> bool:

@@ -8,15 +8,18 @@ as in spec §14.3's example grants ``_INBOX.>`` and both register forms.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
 
+from meshnode.agent import Agent, AgentSettings
 from meshnode.config.sections import EmbeddedMeshConfig, MeshConfig
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.runtime import Node
 from meshnode.node.settings import NodeSettings
+from meshnode.node.tasks import RequesterTask
 from meshnode.node.trust import UNKNOWN, VOUCHED, VouchMemo
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import make_vouch
@@ -44,7 +47,7 @@ from meshnode.transport.permissions import (
     node_permissions,
 )
 from meshnode.transport.serverconf import render_server_config
-from tests.fakes import FakeConnection, FakeNode
+from tests.fakes import FakeConnection, FakeMsg, FakeNode
 
 NOW = 1_800_000_000_000
 
@@ -267,3 +270,31 @@ def test_the_websocket_listener_is_off_by_default_and_plain_ws_on_the_mesh_host(
     assert MeshConfig().inbox_prefix is None
     with pytest.raises(ValueError, match="inbox_prefix"):
         MeshConfig(inbox_prefix="_INBOX.>")
+
+
+async def test_a_deferred_task_is_followed_live_without_the_jetstream_api() -> None:
+    node_key = KeyPair.generate()
+    node, _, conn = _node(_example(node_key.public_key, node_key.public_key))
+    responder, key = KeyPair.generate(), KeyPair.generate()
+    hosted = HostedAgent(node, name="asker", kind="t", agent=Agent("asker", AgentSettings()), key=key,
+                         guard=node.new_guard(key.public_key), interaction="service")
+    opening = sign_envelope(build_envelope("respond", responder.public_key, now_ms=NOW, to=key.public_key,
+                                           in_reply_to="r1", task_id="t1", payload={"status": "working"}), responder)
+    task = RequesterTask(hosted, opening)
+    updates = task.updates(timeout=5.0)
+    pending = asyncio.ensure_future(anext(updates))
+    subject = subjects.task_update("t1")
+    await _until(lambda: subject in conn.subscriptions)  # a core subscription, no consumer
+    done = sign_envelope(build_envelope("respond", responder.public_key, now_ms=NOW, to=key.public_key,
+                                        in_reply_to="r1", task_id="t1", payload={"status": "completed"}), responder)
+    await conn.subscriptions[subject](FakeMsg(subject, encode_envelope(done)))
+    assert (await pending)["payload"]["status"] == "completed"
+    await updates.aclose()
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    pytest.fail("condition never held")

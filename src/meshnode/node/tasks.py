@@ -44,6 +44,7 @@ from meshnode.protocol.tasks import (
     check_state_update,
 )
 from meshnode.transport.messages import Message, Subscription
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -407,6 +408,7 @@ class RequesterTask:
         self.responder = str(opening["from"])
         self.sign_chunks = sign_chunks
         self.last_update: Mapping[str, Any] = opening
+        self._live = False  # followed by a core subscription (no JetStream API granted)
 
     def _consumer_name(self, kind: str) -> str:
         """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``)."""
@@ -425,7 +427,14 @@ class RequesterTask:
             except Exception:
                 pass
 
-        sub = await self.hosted.node.connection.jetstream.replay_push(
+        node = self.hosted.node
+        if not node.grants.can_publish(JS_STREAM_INFO.format(stream="MESH_TASKS")):
+            # A mesh built elsewhere (§14.3's example grants mesh.task.*.update but no
+            # JetStream API): follow live. What the responder published before this
+            # subscription is missed; a node on such a mesh says so in its docs.
+            self._live = True
+            return queue, await node.connection.subscribe(subject, on_msg)
+        sub = await node.connection.jetstream.replay_push(
             subject,
             on_msg,
             stream="MESH_TASKS",
@@ -443,10 +452,12 @@ class RequesterTask:
         try:
             await sub.unsubscribe()
         finally:
+            # A live follow (self._live) made no consumer to delete.
             with contextlib.suppress(Exception):
-                await self.hosted.node.connection.jetstream.delete_consumer(
-                    "MESH_TASKS", self._consumer_name(kind)
-                )
+                if not self._live:
+                    await self.hosted.node.connection.jetstream.delete_consumer(
+                        "MESH_TASKS", self._consumer_name(kind)
+                    )
 
     @property
     def state(self) -> str:
