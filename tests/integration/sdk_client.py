@@ -13,6 +13,9 @@ what an SDK does rather than what a meshnode node does:
 * request/reply under the NATS client's default reply prefix ``_INBOX.``;
 * registration on the untokenized ``mesh.registry.register`` subject;
 * heartbeats signed by the agent, on ``mesh.heartbeat.{node_id}``;
+* ``self_vouch=True``: the node key is the agent's own key (the Python SDK's
+  default when no node seed is given), so the vouch and the heartbeat subject
+  name the agent;
 * a deferred answer: ``working`` with a task id at once, the final respond on
   ``mesh.task.{task_id}.update``;
 * its mailbox drained over JetStream (``MESH_INBOX_{agent}``, durable
@@ -78,7 +81,8 @@ class SdkClient(WireClient):
     """One SDK agent on one connection: ``bootstrap`` → ``connect`` → ``register``."""
 
     def __init__(
-        self, control_plane: str, agent: WireAgent, *, servers: Sequence[str] | None = None
+        self, control_plane: str, agent: WireAgent, *, servers: Sequence[str] | None = None,
+        self_vouch: bool = False,
     ) -> None:
         # Deliberately not WireClient.__init__: there is no invite, only a token.
         self.control_plane = control_plane
@@ -97,6 +101,12 @@ class SdkClient(WireClient):
         #: Offerings answered the deferred way (working now, the result as a task update).
         self.deferred: set[str] = set()
         self.events: list[dict[str, Any]] = []
+        self.self_vouch = self_vouch
+
+    @property
+    def vouching_key(self) -> UserKey:
+        """The key in ``manifest.node``: the credential's, or the agent's for a self-vouch."""
+        return self.agent.key if self.self_vouch else self.node_key
 
     @property
     def inbox_prefix(self) -> str:
@@ -128,11 +138,13 @@ class SdkClient(WireClient):
         """Register on the untokenized subject, vouched by the credential's key."""
         if agent is not self.agent:
             raise ValueError("an SDK connection hosts exactly one agent")
-        return await self.service_request("mesh.registry.register", "register", agent, agent.manifest(self.node_key))
+        manifest = agent.manifest(self.vouching_key)
+        return await self.service_request("mesh.registry.register", "register", agent, manifest)
 
     async def heartbeat(self, availability: str = "online") -> None:
-        env = build_envelope("emit", self.agent.key, payload={"node": self.node_id, "availability": availability})
-        await self.conn.publish(f"mesh.heartbeat.{self.node_id}", json.dumps(env).encode("utf-8"))
+        node = self.vouching_key.public_key
+        env = build_envelope("emit", self.agent.key, payload={"node": node, "availability": availability})
+        await self.conn.publish(f"mesh.heartbeat.{node}", json.dumps(env).encode("utf-8"))
         await self.conn.flush()
 
     async def discover(self, query: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -243,3 +243,24 @@ async def test_untokenized_registration_from_a_meshnode_node_is_refused(
             await sdk.close()
     finally:
         await plain.close()
+
+
+async def test_a_self_vouching_sdk_agent_registers_and_goes_online(hub: DaemonProcess) -> None:
+    # The Python SDK vouches with the agent's own key unless given a node seed.
+    token = await asyncio.to_thread(_token, hub, "self-vouch")
+    agent = WireAgent(UserKey.generate(), "self-vouch", offerings={"twice": _twice})
+    client = SdkClient(await asyncio.to_thread(_control_plane, hub), agent, self_vouch=True)
+    try:
+        _, registered = await client.start(token)
+        assert registered["payload"]["node_binding"] == "sdk_enrolled"
+        await client.heartbeat()
+
+        async def online() -> bool:
+            found = await client.discover({"agent_ids": [agent.id]})
+            return bool(found) and found[0].get("availability") == "online"
+
+        await eventually_async(online, timeout=20)
+        bare = await asyncio.to_thread(hub.call, agent.id, "twice", 7)
+        assert bare["output"] == {"twice": 7}
+    finally:
+        await client.close()

@@ -704,6 +704,11 @@ def test_token_is_stored_hashed_and_exchanged_once(
     [node] = control.list_nodes()
     assert (node.profile, node.agent_id, node.trust_tier) == ("sdk", agents[0].public_key, "verified")
     assert control.sdk_agent_of(node_id) == agents[0].public_key
+    # A self-vouch (the Python SDK's default node key is the agent's): the agent
+    # key answers for itself, with the enrolment's tier; other keys for nothing.
+    assert control.sdk_agent_of(agents[0].public_key) == agents[0].public_key
+    assert control.trust_tier_of(agents[0].public_key) == "verified"
+    assert control.sdk_agent_of(agents[1].public_key) is None
     # Single use, whoever asks.
     assert _bootstrap_code(control, {"token": token, "agent_id": agents[1].public_key}) == (403, "token_used")
     # Renewal keeps the one agent; another roster is refused.
@@ -713,6 +718,7 @@ def test_token_is_stored_hashed_and_exchanged_once(
     assert _code(control, node_credential_request(key, agents[:2], NOW)) == (403, "roster_mismatch")
     control.retire_node(node_id)
     assert control.sdk_agent_of(node_id) is None
+    assert control.sdk_agent_of(agents[0].public_key) is None
     assert _code(control, node_credential_request(key, agents[:1], NOW)) == (403, "node_retired")
 
 

@@ -250,8 +250,13 @@ class Enrolment:
         )
 
     def trust_tier_of(self, node_id: str) -> str | None:
-        """The attested tier of an enrolled node, or None for a node never enrolled."""
-        node = self._store.load().nodes.get(node_id)
+        """The attested tier of an enrolled node, or None for a node never enrolled.
+
+        A self-vouching SDK agent's key (see :meth:`sdk_agent_of`) has its
+        enrolment's tier: a sandbox token's agent stays sandboxed.
+        """
+        state = self._store.load()
+        node = state.nodes.get(node_id) or _sdk_enrolment(state, node_id)[0]
         return None if node is None else node.trust_tier
 
     def is_sandbox_node(self, node_id: str) -> bool:
@@ -511,14 +516,16 @@ class Enrolment:
         return f"enrolment token {name} revoked: it can no longer be exchanged"
 
     def sdk_agent_of(self, node_id: str) -> str | None:
-        """The one agent of an active ``sdk`` enrolment of ``node_id``, else None.
+        """The agent ``node_id`` may vouch for untokenized as an ``sdk`` enrolment, else None.
 
         The registry asks this before it accepts an untokenized registration.
+        ``node_id`` is an active sdk enrolment's node key (the credential key,
+        which the SDKs can vouch with), or that enrolment's agent key itself:
+        the Python SDK's default node key is the agent's own, so its vouch is
+        a self-vouch. Either way only the holder of that enrolment's keys can
+        sign the vouch.
         """
-        node = self._store.load().nodes.get(node_id)
-        if node is None or node.retired or node.profile != "sdk":
-            return None
-        return node.agent_id
+        return _sdk_enrolment(self._store.load(), node_id)[1]
 
     def bootstrap(self, body: object, *, peer: str = "-") -> dict[str, Any]:
         """Exchange an enrolment token: the ``POST /v1/bootstrap`` of the AgentMesh SDKs.
@@ -654,3 +661,16 @@ class Enrolment:
             return CredentialRequestError(403, f"agent {agent_id} is paused", "agent_paused")
         return None
 
+
+
+def _sdk_enrolment(state: _State, key: str) -> tuple[EnrolledNode | None, str | None]:
+    """The active sdk enrolment whose node key or agent key is ``key``, and its agent."""
+    node = state.nodes.get(key)
+    if node is not None:
+        if node.retired or node.profile != "sdk":
+            return None, None
+        return node, node.agent_id
+    for node in state.nodes.values():
+        if node.profile == "sdk" and not node.retired and node.agent_id == key:
+            return node, key
+    return None, None

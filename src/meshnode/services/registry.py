@@ -18,9 +18,10 @@ Subjects and payloads (the contract):
     the vouch must verify for that node and this agent, and be unexpired.
     The untokenized subject carries no identity. It is accepted from an
     ``sdk``-enrolled node (an AgentMesh SDK agent enrolled with ``meshnode mesh
-    token``): the manifest's ``node.id`` must be an active sdk enrolment whose
-    agent is the manifest's ``id``, and the vouch must verify for that node, so
-    only the holder of that enrolment's node key can produce it. Stored with
+    token``): the manifest's ``node.id`` must be an active sdk enrolment's node
+    key whose agent is the manifest's ``id`` (or that agent's own key: a
+    self-vouch, the Python SDK's default), and the vouch must verify for that
+    node, so only the holder of that enrolment's keys can produce it. Stored with
     ``node_binding: "sdk_enrolled"`` and ``node.profile.enrolment: "sdk"``.
     Every other untokenized registration is refused ``UNAUTHORIZED``
     (``details.reason: "untokenized_registration"``, or

@@ -392,6 +392,9 @@ def sdk_permissions(node_id: str, agent_id: str) -> NodePermissions:
         FEED_GET,
         HEARTBEAT.format(node=node_id),
         HEARTBEAT_AGENT.format(node=node_id),
+        # The Python SDK's node key defaults to the agent key (a self-vouch),
+        # so it beats for the agent key; nobody else's node is reachable so.
+        HEARTBEAT.format(node=agent_id),
         ANY_AGENT_INBOX,
         TASK_UPDATE,
         EVENTS,
