@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +79,11 @@ async def test_an_sdk_agent_joins_and_works_both_ways(hub: DaemonProcess) -> Non
                                   "--socket", hub.socket_path)
     token = json.loads(out.stdout)["token"]
     assert token.startswith("am_")
+    # Where a client learns the reply prefix its credential allows.
+    info = await asyncio.to_thread(hub.admin, "Mesh.Info")
+    assert info["inbox_prefixes"] == {"node": "_INBOX_{node_id}", "sdk": "_INBOX"}
+    with urllib.request.urlopen(info["control_plane"] + "/v1/mesh", timeout=10) as response:
+        assert json.loads(response.read())["inbox_prefixes"] == info["inbox_prefixes"]
     agent = WireAgent(UserKey.generate(), "sdk-bot", offerings={"twice": _twice, "later": _twice})
     client = SdkClient(await asyncio.to_thread(_control_plane, hub), agent)
     client.deferred.add("later")
@@ -153,6 +159,9 @@ async def test_an_sdk_agent_joins_and_works_both_ways(hub: DaemonProcess) -> Non
         nodes = await asyncio.to_thread(hub.admin, "Mesh.Nodes", {})
         [enrolled] = [n for n in nodes["nodes"] if n["node_id"] == client.node_id]
         assert (enrolled["profile"], enrolled["agent_id"]) == ("sdk", agent.id)
+        listing = await asyncio.to_thread(run_cli, "mesh", "nodes", "--socket", hub.socket_path)
+        [line] = [ln for ln in listing.stdout.splitlines() if client.node_id in ln]
+        assert line.split()[:2] == ["sdk-bot", "sdk"] and agent.id in line
         await asyncio.to_thread(hub.admin, "Mesh.Retire", {"node_id": client.node_id})
         with pytest.raises(CredentialRefused) as refused:
             await client.renew()
