@@ -412,9 +412,10 @@ class Enrolment:
                     node_id, len(agent_ids), peer, refusal.error, refusal.code,
                 )
                 raise refusal
-            role = self._role_of(node_id)
             node = state.nodes[node_id]
             profile: Profile = "sdk" if node.profile == "sdk" else "node"
+            # An SDK agent is a participant whatever role_of says of other nodes.
+            role: Role = "participant" if profile == "sdk" else self._role_of(node_id)
             if profile == "sdk" and list(agent_ids) != [node.agent_id]:
                 raise CredentialRequestError(
                     403,
