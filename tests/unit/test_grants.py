@@ -31,7 +31,7 @@ from meshnode.protocol.envelope import (
 )
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.transport.errors import NoResponders
+from meshnode.transport.errors import NoResponders, TransportTimeout
 from meshnode.transport.grants import (
     Grants,
     check_inbox_prefix,
@@ -100,7 +100,9 @@ def test_meshnodes_own_credentials_keep_the_private_prefix_and_the_bound_subject
         choice = choose_inbox_prefix(grants, node)
         assert (choice.prefix, choice.source) == (node_inbox_prefix(node), "private")
         bound = subjects.registry_register(node)
-        assert list(register_subjects(grants, bound)) == [bound]  # no fallback to the untokenized form
+        # The bound form first (the untokenized one is granted too, so that the
+        # registry can answer UNAUTHORIZED: see test_a_timeout_is_not_retried_untokenized).
+        assert list(register_subjects(grants, bound))[0] == bound
         # Everything the node asks of the platform stays granted (no fast-fail on its own mesh).
         for subject in (subjects.registry_get(agent), subjects.REGISTRY_DISCOVER, "mesh.registry.deregister",
                         "mesh.presence.get", JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(agent)),
@@ -157,9 +159,9 @@ def test_no_permission_block_allows_everything() -> None:
 # --------------------------------------------------------------------------- registration fallback
 
 
-def _node(grants: Grants) -> tuple[Node, HostedAgent, FakeConnection]:
+def _node(grants: Grants, node_key: KeyPair | None = None) -> tuple[Node, HostedAgent, FakeConnection]:
     conn = FakeConnection()
-    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+    node = Node(settings=NodeSettings(name="t"), node_key=node_key or KeyPair.generate(),
                 connection=cast(Any, conn), clock=lambda: NOW, grants=grants)
     key = KeyPair.generate()
     hosted = cast(HostedAgent, type("H", (), {"agent_id": key.public_key, "key": key, "name": "a",
@@ -201,15 +203,25 @@ async def test_a_bound_registration_nobody_answers_falls_back_once_and_sticks() 
     assert hosted.registered and tried == [bound]
 
 
-async def test_meshnodes_own_credential_never_falls_back() -> None:
+async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
     node_key = KeyPair.generate()
     perms = node_permissions(node_key.public_key, [])
-    node, hosted, conn = _node(Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow)))
-    conn.answers[subjects.registry_register(node.node_id)] = _no_responders
-    conn.answers[REGISTER_UNBOUND] = _registry_answer(KeyPair.generate())
+    node, hosted, conn = _node(Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow)), node_key)
+    tried: list[str] = []
+
+    def timeout(data: bytes) -> bytes:
+        tried.append("bound")
+        raise TransportTimeout("nats: timeout")
+
+    def untokenized(data: bytes) -> bytes:
+        tried.append("untokenized")
+        return _registry_answer(KeyPair.generate())(data)
+
+    conn.answers[subjects.registry_register(node.node_id)] = timeout
+    conn.answers[REGISTER_UNBOUND] = untokenized
     await node.register(hosted)
-    assert not hosted.registered
-    assert hosted.registration_error is not None and hosted.registration_error.startswith("AGENT_UNAVAILABLE")
+    assert not hosted.registered and tried == ["bound"]
+    assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
 
 
 async def test_a_service_subject_the_credential_does_not_grant_fails_at_once() -> None:

@@ -423,12 +423,15 @@ class Node:
     async def register(self, hosted: HostedAgent) -> None:
         """Register on the connection-bound subject (§4.4 b); refusals are surfaced.
 
-        On a mesh whose credential grants the untokenized ``mesh.registry.register``
-        too (§14.3's example), a bound attempt that no registry answers (no
-        responders, or no answer) is retried there once, and the subject that
-        worked is kept for every later registration; without the bound grant the
-        untokenized one is the only subject. meshnode's own credentials never
-        grant the untokenized subject, so its own nodes never fall back.
+        When the credential grants the untokenized ``mesh.registry.register`` too
+        (§14.3's example; meshnode's own credentials also grant it, so the
+        registry can answer UNAUTHORIZED), a bound attempt that *nobody listens
+        to* (no responders: a registry that serves the untokenized form only) is
+        retried there, and once that succeeds the untokenized subject is kept
+        for every later registration (logged once). A timeout or a refusal is
+        never retried on the other form: meshnode's registry listens on the
+        bound subject, so its own nodes never fall back. Without the bound grant
+        the untokenized subject is the only one.
         """
         try:
             await self._register_once(hosted)
@@ -443,19 +446,21 @@ class Node:
 
     async def _register_once(self, hosted: HostedAgent) -> None:
         candidates = self._register_subjects
+        unanswered: str | None = None  # the bound subject nobody listened on
         for i, subject in enumerate(candidates):
             last = i == len(candidates) - 1
             try:
                 answer = await self.service_call(hosted, subject, "register", hosted.manifest)
             except ProtocolError as exc:
-                if last or exc.code not in ("AGENT_UNAVAILABLE", "TRANSPORT_TIMEOUT"):
+                if last or exc.code != "AGENT_UNAVAILABLE":
                     raise
-                log.info(
-                    "no registry answers on %s (%s); registering on %s from now on (spec §14.1: both forms are accepted)",
-                    subject, exc.code, candidates[i + 1],
-                )
+                unanswered = subject
                 continue
-            if len(candidates) > 1:
+            if unanswered is not None:
+                log.info(
+                    "no registry listens on %s; registered on %s, kept from now on (spec §14.1: both forms are accepted)",
+                    unanswered, subject,
+                )
                 self._register_subjects = [subject]
             # The registry's signed word (its key pinned) for its sibling services' keys.
             named = answer.get("platform_keys")

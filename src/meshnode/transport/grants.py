@@ -158,8 +158,8 @@ def register_subjects(grants: Grants, bound: str) -> Sequence[str]:
     """The registration subjects to try, in order (§14.1: both forms are accepted).
 
     The connection-bound ``bound`` first when granted; then the untokenized
-    ``mesh.registry.register`` when granted (tried after a bound attempt no
-    registry answers, or alone when the bound one is not granted). When neither
+    ``mesh.registry.register`` when granted (tried after a bound attempt nobody
+    listens to, or alone when the bound one is not granted). When neither
     is granted the bound one alone, so the refusal is seen where it happens.
     """
     found = [s for s in (bound, REGISTER_UNBOUND) if grants.can_publish(s)]
