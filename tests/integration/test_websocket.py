@@ -6,6 +6,9 @@ and shown by ``meshnode mesh info``. The independent wire client
 (:mod:`tests.integration.wire_client`, nothing from meshnode) joins over
 ``ws://`` with an invite, registers its agent, calls a hosted echo and is
 called by the daemon: the same credential and the same traffic as over TCP.
+The SDK-shaped client (:mod:`tests.integration.sdk_client`) does the same the
+way a nats.ws SDK agent would: bootstrap token, ``_INBOX.``, untokenized
+registration.
 nats-py's WebSocket transport needs aiohttp (the ``test`` extra).
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 import pytest
 
 from meshnode.testing import DaemonProcess, DaemonSet, run_cli
+from tests.integration.sdk_client import SdkClient
 from tests.integration.wire_client import (
     UserKey,
     WireAgent,
@@ -95,5 +99,31 @@ async def test_a_client_over_websocket_exchanges_requests_with_a_hosted_agent(
         result = await asyncio.to_thread(hub.call, agent.id, "ping", {"n": 1}, 10.0)
         assert result["status"] == "completed" and result["output"] == {"pong": {"n": 1}}
         assert client.errors == []
+    finally:
+        await client.close()
+
+
+async def test_an_sdk_shaped_agent_over_websocket_joins_with_a_token(hub: DaemonProcess) -> None:
+    """The nats.ws case of the SDK-shaped client (tests/integration/sdk_client.py):
+    bootstrap token, default _INBOX. prefix, untokenized registration, over ws://."""
+    ws_url = await asyncio.to_thread(_ws_url, hub)
+    token = (await asyncio.to_thread(hub.admin, "Mesh.Token", {"name": "ws-sdk"}))["token"]
+    control_plane = (await asyncio.to_thread(hub.admin, "Mesh.Info"))["control_plane"]
+    agent = WireAgent(UserKey.generate(), "ws-sdk", offerings={"ping": _pong})
+    client = SdkClient(control_plane, agent, servers=[ws_url])
+    try:
+        _, reply = await client.start(token)
+        assert reply["payload"]["status"] == "registered"
+        assert client.conn.connected_url is not None and client.conn.connected_url.scheme == "ws"
+
+        echo = await asyncio.to_thread(hub.agent_id, "echo")
+        inbox = await client.resolve_inbox(agent, echo)
+        request = client.request_envelope(agent, echo, "echo", {"sdk": "ws"})
+        await client.publish_request(request, inbox)
+        *_, completed = await client.wait_for(agent, request["id"], timeout=10.0)
+        assert completed["payload"]["output"] == {"ok": {"sdk": "ws"}}
+
+        result = await asyncio.to_thread(hub.call, agent.id, "ping", {"n": 2}, 10.0)
+        assert result["status"] == "completed" and result["output"] == {"pong": {"n": 2}}
     finally:
         await client.close()
