@@ -107,8 +107,12 @@ class RegistryService(ServiceBase):
         trust_tier_of: Callable[[str], str | None] | None = None,
         trusted_issuers: Collection[str] = (),
         imported: Mapping[str, str] | None = None,
+        allow_foreign_endpoints: bool = False,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Endpoints are carried verbatim to callers (§14.4): unless the operator
+        # opts out, only the agent's own subjects are stored (§8.2).
+        self.allow_foreign_endpoints = allow_foreign_endpoints
         # Agents another tenant exported to this one (§15.2): agent id -> the
         # subject where the exporting tenant's registry answers a get for it.
         self._imported = dict(imported or {})
@@ -261,6 +265,11 @@ class RegistryService(ServiceBase):
         except ProtocolError:
             return None  # expired since it was stored: it proves nothing any more
 
+    def bound_node(self, msg: Message) -> str | None:
+        """A connection-bound registration counts against the node its subject names."""
+        parsed = subjects.parse_register_subject(msg.subject)
+        return parsed[1] if parsed is not None and parsed[0] else None
+
     async def _register(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)
         if parsed is None:
@@ -297,6 +306,7 @@ class RegistryService(ServiceBase):
             now_ms=now,
             subject_node=subject_node,
             require_connection_bound=self.require_connection_bound,
+            own_endpoints_only=not self.allow_foreign_endpoints,
             sandbox=sandbox,
         )
         stored = result.manifest

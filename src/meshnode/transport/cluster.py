@@ -221,6 +221,20 @@ class NatsCluster(AsyncService):
             node_id, agent_ids, expires_in_s, role=role, trust_tier=trust_tier, now=now, tenant=tenant
         )
 
+    def mint_starter_credential(
+        self,
+        node_id: str,
+        expires_in_s: int,
+        *,
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """An invite's starter credential (grants nothing), valid on every member."""
+        return self.members[0].mint_starter_credential(
+            node_id, expires_in_s, trust_tier=trust_tier, now=now, tenant=tenant
+        )
+
     # -- lifecycle --
 
     async def start(self) -> None:
