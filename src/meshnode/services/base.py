@@ -100,7 +100,8 @@ class NodeBudget:
     it holds for that key (connection-bound registrations only, so a node can
     vouch for keys under its own id, never another's). A registration counts
     against the node its subject binds. Senders no node vouches for share one
-    budget (``unvouched``), so fresh keys buy nothing there either.
+    budget (``unvouched``), so fresh keys buy nothing there either. The node
+    hosting the services is not budgeted (its own agents are local).
     ``node_of`` is set once the registry runs (it maps sender -> node or None).
     """
 
@@ -382,6 +383,10 @@ class ServiceBase:
             node, limiter, decision = self.ctx.node_budget.check(
                 env["from"], self.bound_node(msg), now_ms
             )
+            if node == self.ctx.node_id:
+                # The node hosting the platform itself: its agents and its operator's
+                # CLI are local, and throttling them would throttle the platform.
+                decision = RateDecision(True)
             if not decision.allowed:
                 self.log.warning("rate-limited node %s (sender %s) on %s", node, env["from"], msg.subject)
                 await self.reply(
