@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from meshnode.config import load_config
 from meshnode.control_plane import ControlPlaneClient, ControlPlaneUnreachable
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.testing import DaemonProcess, DaemonSet, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, render_toml, run_cli
 from meshnode.transport.tls import client_context
 
 pytestmark = pytest.mark.integration
@@ -102,3 +103,18 @@ async def test_clear_text_and_unverified_clients_are_refused(
         assert b"PONG" not in answer, answer
     finally:
         writer.close()
+
+
+def test_join_writes_the_ca_file_into_the_configuration(
+    nodes: tuple[DaemonProcess, DaemonProcess], certificate: tuple[Path, Path], tmp_path: Path
+) -> None:
+    host, _ = nodes
+    cert, _ = certificate
+    invite = tmp_path / "late.creds"
+    run_cli("mesh", "invite", "late", "--out", str(invite), "--socket", host.socket_path)
+    config = tmp_path / "late.toml"
+    run_cli("join", str(invite), "--data-dir", str(tmp_path / "data"), "--config-out", str(config),
+            "--ca-file", str(cert))
+    mesh = load_config(config).mesh
+    assert mesh.ca_file == cert and all(u.startswith("tls://") for u in mesh.servers)
+    assert mesh.control_plane is not None and str(mesh.control_plane).startswith("https://")
