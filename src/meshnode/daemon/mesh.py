@@ -138,6 +138,11 @@ class MeshLink:
             tls=TlsFiles(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
         )
         self.embedded = embedded
+        if embedded.tls is None and not (cfg.host in ("localhost", "::1") or cfg.host.startswith("127.")):
+            log.warning(
+                "the embedded NATS listener is bound to %s without TLS: set [mesh.embedded] "
+                "tls_cert and tls_key before exposing it beyond loopback", cfg.host,
+            )
         shutdown.push("stop-mesh-server", embedded.stop)
         await embedded.start()
         self.jwt = self._mint_own_jwt()
