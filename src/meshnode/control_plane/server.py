@@ -191,13 +191,15 @@ class ControlPlaneServer(Enrolment, AsyncService):
         if request.method != "POST" or request.path != "/v1/node-credential":
             return None
         try:
-            node_id, _ = verify_node_credential_request(
-                _json_body(request), int(self._clock()), self.max_skew_s
-            )
-            node = self._store.load().nodes.get(node_id)
+            body = _json_body(request)
+            claimed = body.get("node_id") if isinstance(body, dict) else None
+            node = self._store.load().nodes.get(claimed) if isinstance(claimed, str) else None
+            if node is None or node.retired:
+                return None  # checked first: junk costs no signature verification
+            node_id, _ = verify_node_credential_request(body, int(self._clock()), self.max_skew_s)
         except (CredentialRequestError, ControlPlaneStateError):
             return None
-        return node_id if node is not None and not node.retired else None
+        return node_id
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
