@@ -433,9 +433,20 @@ def render_grants() -> str:
     for role in typing.get_args(permissions.Role):
         grants = permissions.node_permissions(node, [agent], role=role)
         out += [f"## `{role}`\n", *_grant_rows(grants.pub_allow, grants.sub_allow, node, agent), ""]
+    sdk = getattr(permissions, "sdk_permissions", None)
+    if sdk is not None:
+        grants = sdk(node, agent)
+        out += [
+            "## `sdk` profile (an agent written with the AgentMesh SDKs)\n",
+            "A participant credential for one agent, minted by `POST /v1/bootstrap`; replies",
+            "under the NATS clients' default `_INBOX.` prefix (see the module note in",
+            "`permissions.py` for what that costs).\n",
+            *_grant_rows(grants.pub_allow, grants.sub_allow, node, agent),
+            "",
+        ]
     starter = permissions.STARTER_PERMISSIONS
     out += [
-        "## starter (an invite's credential)\n",
+        "## `starter` (an invite's credential)\n",
         f"Tagged `{permissions.STARTER_TAG}`, no `resp` permission. It opens a connection and",
         "nothing more: the node's first start exchanges the invite's key for its real credential",
         "over the control plane (HTTP), and a node never connects with a starter credential.\n",

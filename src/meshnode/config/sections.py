@@ -239,6 +239,10 @@ class RegistryConfig(BaseModel):
     model_config = _FORBID
 
     require_connection_bound: bool = True
+    """Refuse untokenized registrations (``mesh.registry.register``, §4.4 b) except
+    from SDK agents enrolled with ``meshnode mesh token``; ``false`` accepts them
+    from any node, stored as ``self_asserted`` (every credential may publish the
+    subject, so either answer reaches the registrant)."""
     allow_foreign_endpoints: bool = False
     """Store a manifest's ``endpoint``/``endpoints`` even when they are not the agent's own
     subjects (``mesh.agent.<id>.inbox``, subjects under ``mesh.agent.<id>.``/``mesh.feed.<id>.``).
