@@ -125,6 +125,7 @@ class FakeNode:
         self.service_calls: list[tuple[str, str, Any]] = []
         self.service_answers: dict[str, Callable[[Any], Awaitable[dict[str, Any]]]] = {}
         self.pubsub: Any = None
+        self.directory: Any = None
         self.responds: list[dict[str, Any]] = []
         self.chunks: list[dict[str, Any]] = []
         self.canceled: list[tuple[str, str, str]] = []
