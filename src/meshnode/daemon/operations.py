@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
-from meshnode.config import ConfigError, load_config
+from meshnode.config import Config, ConfigError, load_config
+from meshnode.daemon.hosting import scan_plugins
 from meshnode.daemon.logs import BUFFER, level_number
+from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import prometheus_text
 from meshnode.node.runtime import Node
+from meshnode.plugins import AgentCatalog, rescan_installed
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -251,24 +254,47 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     A bad file raises Refused and the running configuration stays in force.
     """
     old = daemon.config
+    hosting = daemon._hosting()
     try:
         new = await asyncio.to_thread(load_config, old.source_file)
+        # Entry points are read again: a plugin pip-installed since the start is
+        # found (importlib's caches dropped first), and every [agents.X] table is
+        # checked against the plugins as check-config checks it.
+        catalog, upgraded = await asyncio.to_thread(_rescan, new, hosting.catalog)
+        raise_if_problems(new, agent_problems(new, catalog))
     except ConfigError as exc:
         log.error("reload refused: the configuration does not validate:\n%s", exc)
-        raise Refused("the new configuration does not validate; nothing changed", {"problems": str(exc)}) from None
+        raise Refused(f"the new configuration does not validate; nothing changed:\n{exc}",
+                      {"problems": str(exc)}) from None
     daemon.notifier.reloading()
     report: dict[str, Any] = {"added": [], "removed": [], "restarted": [], "requires_restart": []}
     try:
+        hosting.catalog = catalog
+        running = daemon.node.agents if daemon.node is not None else {}
         old_agents = {n: a for n, a in old.agents.items() if a.enabled}
         new_agents = {n: a for n, a in new.agents.items() if a.enabled}
         for name in sorted(set(old_agents) - set(new_agents)):
-            await daemon.remove_agent(name, deregister=True, reconnect=False)
+            if name in running:
+                await daemon.remove_agent(name, deregister=True, reconnect=False)
+            hosting.failed_agents.pop(name, None)
             report["removed"].append(name)
-        for name in sorted(set(new_agents) - set(old_agents)):
+        # New tables, and tables not hosted until now (their plugin was missing).
+        to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
+        for name in to_add:
             cfg = new_agents[name]
             await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
             report["added"].append(name)
+        for kind, change in sorted(upgraded.items()):
+            users = sorted(n for n, a in new_agents.items() if a.plugin == kind and n in running and n not in to_add)
+            if users:
+                # The old module stays imported: Python cannot swap a loaded
+                # plugin's code in place, so this one truly needs a restart.
+                report["requires_restart"].append(
+                    f"plugin {kind}: {change}; agents {', '.join(users)} run the old code until the daemon restarts"
+                )
         for name in sorted(set(old_agents) & set(new_agents)):
+            if name in to_add:
+                continue
             if old_agents[name] != new_agents[name]:
                 daemon.config.agents[name] = new_agents[name]
                 await daemon.restart_agent(name, new_agents[name])
@@ -283,6 +309,27 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+def _rescan(config: Config, running: AgentCatalog) -> tuple[AgentCatalog, dict[str, str]]:
+    """The plugins installed now (entry points re-read), merged over the running
+    catalog: a kind already loaded keeps its class (its module is imported and
+    agents run it). Returns the catalog and, for each kind whose distribution
+    changed version since, ``"old -> new"``."""
+    rescan_installed()
+    _, fresh = scan_plugins(config, strict=False)
+    merged = AgentCatalog(
+        kinds={**fresh.kinds, **running.kinds},
+        origins={**fresh.origins, **running.origins},
+        failures={k: v for k, v in fresh.failures.items() if k not in running.kinds},
+        versions={**fresh.versions, **{k: v for k, v in running.versions.items() if k in running.kinds}},
+    )
+    upgraded = {
+        kind: f"{running.versions[kind]} -> {fresh.versions[kind]} installed"
+        for kind in running.kinds
+        if kind in running.versions and kind in fresh.versions and running.versions[kind] != fresh.versions[kind]
+    }
+    return merged, upgraded
 
 
 def runtime_gauges() -> dict[str, int | None]:
