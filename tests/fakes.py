@@ -88,6 +88,7 @@ class _FakeSubscription:
 @dataclass(frozen=True)
 class FakeSettings:
     registry_timeout_s: float = 5.0
+    resolve_ttl_s: float = 30.0
     max_inbound_chars: int = 65536
 
 

@@ -130,14 +130,29 @@ def test_new_agent_pip_install_and_reload_host_it(node: DaemonProcess, site: Pat
         str(p.relative_to(package)) for p in package.rglob("*") if p.is_file()
     }
     offline = ["--no-build-isolation", "--no-index"] if _can_build_offline() else []
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *offline, "--target", str(site), str(package)],
-        check=True, capture_output=True, text=True, timeout=240,
-    )
+
+    def pip_install() -> None:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", *offline,
+             "--target", str(site), str(package)],
+            check=True, capture_output=True, text=True, timeout=240,
+        )
+
+    pip_install()
     report = json.loads(run_cli("reload", "--json", "--socket", node.socket_path).stdout)
     assert report["added"] == ["greeter"], report
     answer = node.call("greeter", "hello", {"name": "Ada"})
     assert answer["status"] == "completed" and answer["output"] == {"text": "welcome, Ada"}, answer
+
+    # An upgrade of a plugin agents run: the old code stays loaded, and reload says a restart is needed.
+    pyproject = package / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text(encoding="utf-8").replace('version = "0.1.0"', 'version = "0.2.0"'),
+                         encoding="utf-8")
+    pip_install()
+    report = json.loads(run_cli("reload", "--json", "--socket", node.socket_path).stdout)
+    assert report["added"] == [] and len(report["requires_restart"]) == 1, report
+    assert "plugin greeter: meshnode-greeter 0.1.0 -> meshnode-greeter 0.2.0 installed" in report["requires_restart"][0]
+    assert "until the daemon restarts" in report["requires_restart"][0]
 
     # The scaffold's own test passes against it (its own daemon, meshnode.testing).
     env = {**os.environ, "PYTHONPATH": str(site)}

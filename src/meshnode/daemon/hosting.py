@@ -31,12 +31,12 @@ from meshnode.keystore import KeyStore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
-from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
+from meshnode.plugins import AgentCatalog, PluginManager, load_plugins, rescan_installed
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "scan_plugins"]
+__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
@@ -81,6 +81,27 @@ def scan_plugins(config: Config, *, strict: bool | None = None) -> tuple[PluginM
         builtins=[("meshnode.builtin", BuiltinAgents())],
         extra_modules=config.node.plugin_modules,
     )
+
+
+def rescan_catalog(config: Config, running: AgentCatalog) -> tuple[AgentCatalog, dict[str, str]]:
+    """The plugins installed now (entry points re-read), merged over the running
+    catalog: a kind already loaded keeps its class (its module is imported and
+    agents run it). Returns the catalog and, for each kind whose distribution
+    changed version since, ``"old -> new"``."""
+    rescan_installed()
+    _, fresh = scan_plugins(config, strict=False)
+    merged = AgentCatalog(
+        kinds={**fresh.kinds, **running.kinds},
+        origins={**fresh.origins, **running.origins},
+        failures={k: v for k, v in fresh.failures.items() if k not in running.kinds},
+        versions={**fresh.versions, **{k: v for k, v in running.versions.items() if k in running.kinds}},
+    )
+    upgraded = {
+        kind: f"{running.versions[kind]} -> {fresh.versions[kind]} installed"
+        for kind in running.kinds
+        if kind in running.versions and kind in fresh.versions and running.versions[kind] != fresh.versions[kind]
+    }
+    return merged, upgraded
 
 
 def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
@@ -254,6 +275,9 @@ class AgentHost:
             agent_cfg = AgentConfig.model_validate({"plugin": name, **table})
         except ValueError as exc:
             raise InvalidParameter(f"[agents.{name}]: {exc}") from None
+        if agent_cfg.plugin not in self.catalog.kinds:
+            # Installed since the last scan? (pip install, then agents add)
+            self.catalog, _ = await asyncio.to_thread(rescan_catalog, config, self.catalog)
         if agent_cfg.plugin not in self.catalog.kinds:
             raise InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(agent_cfg.plugin, self.catalog)}")
         self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")

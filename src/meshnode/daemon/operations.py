@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
-from meshnode.config import Config, ConfigError, load_config
-from meshnode.daemon.hosting import scan_plugins
+from meshnode.config import ConfigError, load_config
+from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import prometheus_text
 from meshnode.node.runtime import Node
-from meshnode.plugins import AgentCatalog, rescan_installed
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -260,7 +259,7 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         # Entry points are read again: a plugin pip-installed since the start is
         # found (importlib's caches dropped first), and every [agents.X] table is
         # checked against the plugins as check-config checks it.
-        catalog, upgraded = await asyncio.to_thread(_rescan, new, hosting.catalog)
+        catalog, upgraded = await asyncio.to_thread(rescan_catalog, new, hosting.catalog)
         raise_if_problems(new, agent_problems(new, catalog))
     except ConfigError as exc:
         log.error("reload refused: the configuration does not validate:\n%s", exc)
@@ -309,27 +308,6 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
-
-
-def _rescan(config: Config, running: AgentCatalog) -> tuple[AgentCatalog, dict[str, str]]:
-    """The plugins installed now (entry points re-read), merged over the running
-    catalog: a kind already loaded keeps its class (its module is imported and
-    agents run it). Returns the catalog and, for each kind whose distribution
-    changed version since, ``"old -> new"``."""
-    rescan_installed()
-    _, fresh = scan_plugins(config, strict=False)
-    merged = AgentCatalog(
-        kinds={**fresh.kinds, **running.kinds},
-        origins={**fresh.origins, **running.origins},
-        failures={k: v for k, v in fresh.failures.items() if k not in running.kinds},
-        versions={**fresh.versions, **{k: v for k, v in running.versions.items() if k in running.kinds}},
-    )
-    upgraded = {
-        kind: f"{running.versions[kind]} -> {fresh.versions[kind]} installed"
-        for kind in running.kinds
-        if kind in running.versions and kind in fresh.versions and running.versions[kind] != fresh.versions[kind]
-    }
-    return merged, upgraded
 
 
 def runtime_gauges() -> dict[str, int | None]:
