@@ -121,6 +121,8 @@ class AgentDirectory:
         return [agent_info(m, local=m.get("id") in self.node.by_id) for m in manifests]
 
     async def _search(self, requester: HostedAgent, query: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+        # Per asking agent: what the registry lists depends on who asks (private
+        # agents are listed to their own owner only, §8.6).
         key = json.dumps([requester.agent_id, query, limit], sort_keys=True, default=str)
 
         async def load() -> tuple[list[dict[str, Any]], float]:
