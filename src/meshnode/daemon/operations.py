@@ -48,7 +48,8 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Renew.Now", ops.renew_now, level="admin",
                 doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
     methods.add("Reload", ops.reload, level="admin",
-                doc="params {} -> {added, removed, restarted, requires_restart}; a bad file is refused (Refused) and nothing changes")
+                doc="params {} -> {added, removed, restarted, requires_restart, failed?}; plugins re-scanned first;"
+                " a bad file or [agents.X] table is refused (Refused) and nothing changes")
     methods.add("Logs.Tail", ops.logs_tail, level="operator",
                 doc="params {lines?=100, level?} -> {records: [{ts, level, logger, message}]}")
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
@@ -251,6 +252,14 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     connection (an added agent needs a re-minted credential, presented by a
     reconnect); everything else that changed is reported as needing a restart.
     A bad file raises Refused and the running configuration stays in force.
+
+    The installed plugins are scanned again first (a plugin pip-installed since
+    the start is found) and every ``[agents.X]`` table is checked against them
+    as ``check-config`` does: a problem refuses the reload like a bad file. A
+    table not hosted until now (its plugin was missing) is hosted (``added``);
+    one that fails to start is listed under ``failed`` (name -> why) and the
+    rest applies; an upgraded plugin that agents run is listed under
+    ``requires_restart`` (its old module stays imported).
     """
     old = daemon.config
     hosting = daemon._hosting()
@@ -281,7 +290,13 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
         for name in to_add:
             cfg = new_agents[name]
-            await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
+            try:
+                await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
+            except InvalidParameter as exc:
+                # One agent failing to start (its on_start raised) fails alone:
+                # the rest of the new configuration still applies.
+                report.setdefault("failed", {})[name] = exc.message
+                continue
             report["added"].append(name)
         for kind, change in sorted(upgraded.items()):
             users = sorted(n for n, a in new_agents.items() if a.plugin == kind and n in running and n not in to_add)
