@@ -84,3 +84,12 @@ def test_a_plugin_that_failed_to_load_is_named_as_such() -> None:
     catalog = AgentCatalog(failures={"greeter": "ImportError: no module named greeter"})
     message = unknown_kind_message("greeter", catalog)
     assert "installed but failed to load: ImportError" in message
+
+
+def test_a_plugin_module_that_fails_to_load_is_the_files_problem(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[node]\nplugin_modules = ["no_such_module_here:Thing"]\n')
+    proc = _check(path)
+    assert proc.returncode == 78, proc.stderr
+    assert (f"{path}: node.plugin_modules[0]: cannot load 'no_such_module_here:Thing': "
+            "ModuleNotFoundError: No module named 'no_such_module_here'") in proc.stderr
+    assert proc.stderr.count("no_such_module_here'") == 1  # said once, not by the loader's log too

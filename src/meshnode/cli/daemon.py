@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from typing import Any
 
@@ -13,7 +14,13 @@ from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, load_config
 from meshnode.daemon.hosting import scan_plugins
-from meshnode.daemon.plugin_check import agent_problems, installed_kinds, raise_if_problems
+from meshnode.daemon.plugin_check import (
+    agent_problems,
+    installed_kinds,
+    module_problems,
+    raise_if_problems,
+    unused_failures,
+)
 
 from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_INTERRUPTED, EX_OK, EX_USAGE
 from .output import emit_json, emit_json_line, human_time
@@ -100,9 +107,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         if not args.no_plugins:
             # Like Caddy's validate: load the plugins the daemon would load, and
             # check every [agents.X] table against them (kind known, Settings valid).
+            # The loader's own log lines would say each failure twice: it is reported below.
+            logging.getLogger("meshnode.plugins").setLevel(logging.CRITICAL)
             _, catalog = scan_plugins(config, strict=False)
-            raise_if_problems(config, agent_problems(config, catalog))
+            raise_if_problems(config, agent_problems(config, catalog), module_problems(config, catalog))
             kinds = installed_kinds(catalog)
+            for name, failure in unused_failures(config, catalog).items():
+                print(f"warning: installed plugin {name!r} failed to load (no table uses it): {failure}",
+                      file=sys.stderr)
     except ConfigError as exc:
         if args.json:
             problems = [{"file": p.file, "key": p.key, "message": p.message} for p in exc.problems]

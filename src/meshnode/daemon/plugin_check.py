@@ -19,15 +19,17 @@ from pydantic import ValidationError
 
 from meshnode.agent import Agent
 from meshnode.config import AgentConfig, Config, ConfigError, ConfigProblem, settings_problems
-from meshnode.plugins import AgentCatalog
+from meshnode.plugins import AgentCatalog, module_entry_points
 
 __all__ = [
     "agent_problems",
     "config_file_label",
     "installed_kinds",
+    "module_problems",
     "raise_if_problems",
     "settings_error",
     "unknown_kind_message",
+    "unused_failures",
 ]
 
 #: The keys of an ``[agents.<name>]`` table that are meshnode's, not the plugin's.
@@ -91,8 +93,31 @@ def agent_problems(config: Config, catalog: AgentCatalog) -> dict[str, list[Conf
     return found
 
 
-def raise_if_problems(config: Config, found: Mapping[str, list[ConfigProblem]]) -> None:
-    """A :class:`ConfigError` of every problem found (nothing when none)."""
-    problems = [p for name in found for p in found[name]]
+def module_problems(config: Config, catalog: AgentCatalog) -> list[ConfigProblem]:
+    """``[node] plugin_modules`` entries that failed to load, at their keys: named
+    in the file, so a failure is the file's problem even when no table uses it."""
+    file = config_file_label(config)
+    problems = []
+    for index, ep in enumerate(module_entry_points(config.node.plugin_modules)):
+        failure = catalog.failures.get(ep.name)
+        if failure is not None:
+            problems.append(ConfigProblem(file, f"node.plugin_modules[{index}]", f"cannot load {ep.value!r}: {failure}"))
+    return problems
+
+
+def unused_failures(config: Config, catalog: AgentCatalog) -> dict[str, str]:
+    """Installed plugins that failed to load although no table names them (a
+    warning, not an error: a broken package elsewhere in the environment)."""
+    named = {a.plugin for a in config.agents.values() if a.enabled}
+    modules = {ep.name for ep in module_entry_points(config.node.plugin_modules)}
+    return {k: v for k, v in catalog.failures.items() if k not in named and k not in modules}
+
+
+def raise_if_problems(
+    config: Config, found: Mapping[str, list[ConfigProblem]], first: list[ConfigProblem] | None = None
+) -> None:
+    """A :class:`ConfigError` of every problem found (``first``, then each
+    agent's; nothing when there is none)."""
+    problems = [*(first or ()), *(p for name in found for p in found[name])]
     if problems:
         raise ConfigError(problems, config.source_file)
