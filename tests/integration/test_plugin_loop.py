@@ -116,7 +116,9 @@ def _can_build_offline() -> bool:
 
 def test_new_agent_pip_install_and_reload_host_it(node: DaemonProcess, site: Path, tmp_path: Path) -> None:
     status = {a["name"]: a for a in node.status()["agents"]}
-    assert "greeter" not in status or status["greeter"].get("state") != "running"
+    # Not hosted at start, and status says why in the words check-config uses.
+    assert status["greeter"]["state"] == "failed", status["greeter"]
+    assert status["greeter"]["failure"].startswith("agents.greeter.plugin: no installed plugin provides agent kind")
     # Before the plugin is installed, reload refuses and says what is missing.
     early = subprocess.run([sys.executable, "-m", "meshnode.cli", "reload", "--socket", node.socket_path],
                            capture_output=True, text=True, timeout=60)
@@ -143,6 +145,8 @@ def test_new_agent_pip_install_and_reload_host_it(node: DaemonProcess, site: Pat
     assert report["added"] == ["greeter"], report
     answer = node.call("greeter", "hello", {"name": "Ada"})
     assert answer["status"] == "completed" and answer["output"] == {"text": "welcome, Ada"}, answer
+    status = {a["name"]: a for a in node.status()["agents"]}
+    assert status["greeter"]["state"] == "running" and "failure" not in status["greeter"], status["greeter"]
 
     # An upgrade of a plugin agents run: the old code stays loaded, and reload says a restart is needed.
     pyproject = package / "pyproject.toml"
