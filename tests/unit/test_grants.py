@@ -46,7 +46,7 @@ from meshnode.transport.permissions import (
     node_inbox_prefix,
     node_permissions,
 )
-from meshnode.transport.serverconf import render_server_config
+from meshnode.transport.serverconf import TlsFiles, render_server_config
 from tests.fakes import FakeConnection, FakeMsg, FakeNode
 
 NOW = 1_800_000_000_000
@@ -277,6 +277,14 @@ def test_the_websocket_listener_is_off_by_default_and_plain_ws_on_the_mesh_host(
     any_port = render(0)
     assert 'websocket {\n  host: "127.0.0.1"\n  port: -1\n  no_tls: true\n}' in any_port
     assert "  port: 8443\n" in render(8443)
+    secure = render_server_config(
+        server_name="x", host="127.0.0.1", port=None, monitor_port=None, max_payload=1024,
+        max_control_line=1024, operator_jwt="op", system_account="SYS", account_jwts={},
+        store_dir=tmp_path, ports_file_dir=tmp_path, websocket_port=0,
+        tls=TlsFiles(tmp_path / "c.pem", tmp_path / "k.pem"),
+    )
+    websocket = secure[secure.index("websocket {"):]
+    assert "no_tls" not in websocket and f'cert_file: "{tmp_path / "c.pem"}"' in websocket
     assert EmbeddedMeshConfig().websocket_port is None
     assert EmbeddedMeshConfig(websocket_port=0).websocket_port == 0
     assert MeshConfig().inbox_prefix is None

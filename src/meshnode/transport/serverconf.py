@@ -7,8 +7,15 @@ from pathlib import Path
 
 from .errors import EmbeddedMeshError
 
-__all__ = ["BoundPorts", "ClusterRoutes", "render_server_config"]
+__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "render_server_config"]
 
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """A PEM certificate (chain) and its private key: TLS on a listener."""
+
+    cert: Path
+    key: Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,7 @@ def render_server_config(
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
     websocket_port: int | None = None,
+    tls: TlsFiles | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
@@ -81,6 +89,8 @@ def render_server_config(
     (None: no WebSocket listener, 0: a free port) for nats.ws clients.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
+    ``tls`` makes the client listener require TLS (nats-server's ``tls {}``
+    block; clients then connect with ``tls://``).
     """
     preload = "\n".join(
         f"  {_conf_string(account)}: {_conf_string(jwt)}" for account, jwt in account_jwts.items()
@@ -113,19 +123,31 @@ def render_server_config(
             "  ]",
             "}",
         ]
-    if websocket_port is not None:
-        # Same host as the client port and the same JWT authentication (operator
-        # mode applies to every client listener). Plain ws: nats-server demands
-        # TLS on a WebSocket listener unless told otherwise; the embedded mesh
-        # listens on loopback by default, and a public one belongs behind a
-        # TLS-terminating proxy (docs/operations/foreign-mesh.md).
+    if tls is not None:
         lines += [
-            "websocket {",
-            f"  host: {_conf_string(host)}",
-            f"  port: {_listen_port(websocket_port)}",
-            "  no_tls: true",
+            "tls {",
+            f"  cert_file: {_conf_string(str(tls.cert))}",
+            f"  key_file: {_conf_string(str(tls.key))}",
+            "  timeout: 5",
             "}",
         ]
+    if websocket_port is not None:
+        # Same host as the client port and the same JWT authentication (operator
+        # mode applies to every client listener). With the mesh's TLS files the
+        # listener is wss://, else plain ws:// (nats-server demands TLS on a
+        # WebSocket listener unless told no_tls): the embedded mesh listens on
+        # loopback by default (docs/operations/foreign-mesh.md).
+        lines += ["websocket {", f"  host: {_conf_string(host)}", f"  port: {_listen_port(websocket_port)}"]
+        if tls is not None:
+            lines += [
+                "  tls {",
+                f"    cert_file: {_conf_string(str(tls.cert))}",
+                f"    key_file: {_conf_string(str(tls.key))}",
+                "  }",
+            ]
+        else:
+            lines.append("  no_tls: true")
+        lines.append("}")
     if monitor_port is not None:
         lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
     return "\n".join(lines) + "\n"
