@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from meshnode.daemon.credentials import store_credential
 from meshnode.keystore import FileKeyStore
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.identity import load_service_keys
-from meshnode.testing import DaemonProcess, eventually
+from meshnode.testing import DaemonProcess, eventually, run_cli
 from meshnode.transport.embedded import EmbeddedNatsServer
+from meshnode.transport.jwt import format_creds
 
 pytestmark = pytest.mark.integration
 
@@ -95,14 +95,15 @@ def _daemon(
     service: bool,
     extra: dict[str, dict[str, Any]] | None = None,
 ) -> DaemonProcess:
-    """A node set up as ``meshnode join`` leaves one, on a credential the foreign
-    operator minted for it (no control plane: the stored credential is used)."""
+    """A node joined with ``meshnode join FILE --server URL`` on a credential the
+    foreign operator minted for it (no control plane: the stored credential is used)."""
     work = root / name
     data_dir = work / "data"
     data_dir.mkdir(mode=0o700, parents=True)
+    # The agents' keys first: the foreign operator's credential names their inboxes.
     store = FileKeyStore(data_dir)
-    node_key = store.import_key("node", KeyPair.generate())
     agent_ids = [store.get_or_create(f"agent.{a}").public_key for a in ["cli", *agents]]
+    node_key = KeyPair.generate()
     mesh = broker.server
     if service:
         # The foreign operator's service node may do anything in its account.
@@ -110,7 +111,12 @@ def _daemon(
     else:
         pub, sub = example_permissions(node_key.public_key, agent_ids)
         jwt = mesh.mint_user(f"node {name}", node_key.public_key, pub, sub, TTL_S)
-    store_credential(data_dir, jwt, [])
+    # What the operator hands over: a plain .creds file (no meshnode comment lines),
+    # joined as a person would, naming the mesh's URL by hand.
+    creds = work / f"{name}.creds"
+    creds.write_text(format_creds(jwt, node_key.seed), encoding="utf-8")
+    run_cli("join", str(creds), "--server", mesh.url, "--data-dir", str(data_dir),
+            "--config-out", str(work / "joined.toml"))
     config: dict[str, dict[str, Any]] = {
         "node": {"name": name, "data_dir": str(data_dir)},
         "mesh": {"servers": [mesh.url]},

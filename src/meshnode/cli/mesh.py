@@ -90,6 +90,14 @@ def register(commands: Any) -> None:
         help="PEM CA bundle that verifies the mesh's TLS certificate (tls:// and https:// URLs); "
         "written as [mesh] ca_file",
     )
+    join.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a NATS URL of the mesh (repeatable): for a plain .creds file from a mesh meshnode "
+        "did not build, which names none; overrides the invite's URLs",
+    )
     join.add_argument("--json", action="store_true")
     join.set_defaults(handler=cmd_join)
 
@@ -221,8 +229,12 @@ def cmd_join(args: argparse.Namespace) -> int:
     except (InviteError, OSError) as exc:
         print(f"meshnode: {args.invite} is not a usable invite: {exc}", file=sys.stderr)
         return EX_DATAERR
-    if not invite.nats_urls:
-        print("meshnode: the invite names no NATS URL (a plain creds file); set [mesh] servers by hand", file=sys.stderr)
+    servers = list(args.server) or list(invite.nats_urls or ())
+    if not servers:
+        print(
+            f"meshnode: {args.invite} names no NATS URL (a plain creds file); give the mesh's with --server URL",
+            file=sys.stderr,
+        )
         return EX_DATAERR
     ca_file = Path(args.ca_file).expanduser().absolute() if args.ca_file else None
     if ca_file is not None and not ca_file.is_file():
@@ -251,7 +263,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         f"data_dir = {_toml_str(str(data_dir))}",
         "",
         "[mesh]",
-        f"servers = [{', '.join(_toml_str(u) for u in invite.nats_urls)}]",
+        f"servers = [{', '.join(_toml_str(u) for u in servers)}]",
     ]
     if invite.control_plane_url:
         lines.append(f"control_plane = {_toml_str(invite.control_plane_url)}")
