@@ -27,6 +27,7 @@ from meshnode.transport.jwt import (
 from meshnode.transport.permissions import (
     LEGACY_INBOX_PREFIX,
     SERVICE_WILDCARD_ROSTER,
+    node_denials,
     node_inbox_prefix,
     node_permissions,
 )
@@ -343,6 +344,23 @@ def test_participant_publishes_only_for_itself(roster: tuple[str, list[str]]) ->
     assert "$JS.API.>" not in pub
     assert not any(s.startswith("$JS.API.STREAM.") and "INFO" not in s for s in pub)
     assert not any(s.startswith("_INBOX") for s in pub)
+
+
+def test_participant_manages_no_consumer_on_the_shared_streams(roster: tuple[str, list[str]]) -> None:
+    """#22: no create, pull or delete on MESH_TASKS/EVENTS/FEED (names cannot be
+    granted per owner); the consumer service does it, on this node's own subjects."""
+    node, agents = roster
+    pub, _ = node_permissions(node, agents)
+    for stream in ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED"):
+        ops = [s for s in pub if s.startswith(("$JS.API.CONSUMER.", "$JS.ACK.")) and f".{stream}." in s]
+        assert ops == [f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.ACK.{stream}.>"], ops
+    assert f"mesh.consumers.ensure.{node}" in pub and f"mesh.consumers.delete.{node}" in pub
+    assert not any(s.startswith("mesh.consumers.") and s.endswith(("*", ">")) for s in pub)
+    assert node_denials("participant") == [
+        "$JS.ACK.MESH_TASKS.mesh_task_manager.>", "$JS.ACK.MESH_FEED.mesh_feed_state_writer.>"]
+    assert node_denials("service") == []
+    _, service_sub = node_permissions(node, agents, role="service")
+    assert "mesh.consumers.>" in service_sub
 
 
 def test_participant_reads_only_its_own_inboxes(roster: tuple[str, list[str]]) -> None:

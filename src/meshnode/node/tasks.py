@@ -12,7 +12,6 @@ unsigned by default, the final chunk signed and carrying ``chunk_count``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from meshnode.agent import FollowUp, InputTimeout, StreamBroken
+from meshnode.node.consumers import bind_shared, release_shared, request_for
 from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
@@ -43,6 +43,7 @@ from meshnode.protocol.tasks import (
     TaskState,
     check_state_update,
 )
+from meshnode.transport.jetstream import DurableSubscription
 from meshnode.transport.messages import Message, Subscription
 
 if TYPE_CHECKING:
@@ -425,28 +426,32 @@ class RequesterTask:
             except Exception:
                 pass
 
-        sub = await self.hosted.node.connection.jetstream.replay_push(
-            subject,
-            on_msg,
-            stream="MESH_TASKS",
-            name=self._consumer_name(kind),
-            max_deliver=3,
-            inactive_threshold_s=120.0,
-        )
+        name = self._consumer_name(kind)
+
+        async def direct() -> DurableSubscription:
+            return await self.hosted.node.connection.jetstream.replay_push(
+                subject,
+                on_msg,
+                stream="MESH_TASKS",
+                name=name,
+                max_deliver=3,
+                inactive_threshold_s=120.0,
+            )
+
+        # The consumer service makes it (a participant holds no grant to): #22.
+        sub = await bind_shared(self.hosted, request_for("MESH_TASKS", subject), name, on_msg, fallback=direct)
         return queue, sub
 
     async def _release(self, sub: Subscription, subject: str, kind: str) -> None:
         """Unsubscribe and delete the replay consumer now. Unsubscribing alone left
         it on the server until its inactive threshold (120 s): at a few tasks a
         second the account filled with idle consumers and every new task failed
-        ("maximum consumers limit reached", found by the soak)."""
+        ("maximum consumers limit reached", found by the soak). A failed delete
+        is counted and logged once (:func:`release_shared`), not swallowed."""
         try:
             await sub.unsubscribe()
         finally:
-            with contextlib.suppress(Exception):
-                await self.hosted.node.connection.jetstream.delete_consumer(
-                    "MESH_TASKS", self._consumer_name(kind)
-                )
+            await release_shared(self.hosted, request_for("MESH_TASKS", subject), "MESH_TASKS", self._consumer_name(kind))
 
     @property
     def state(self) -> str:

@@ -55,6 +55,7 @@ from .meshkeys import MeshKeys, load_or_create_mesh_keys
 from .permissions import (
     RESERVED_SUBJECTS,
     Role,
+    node_denials,
     node_permissions,
 )
 from .serverconf import BoundPorts, ClusterRoutes, render_server_config
@@ -342,13 +343,14 @@ class EmbeddedNatsServer(AsyncService):
         now: int | None = None,
         tags: Sequence[str] = (),
         tenant: str | None = None,
+        pub_deny: Sequence[str] = (),
     ) -> str:
         """A user JWT in ``tenant``'s account (default: the mesh account) for
         ``user_public_key``, valid ``expires_in_s``.
 
         The reserved federation subjects are denied in both directions whatever
-        the allow lists say. ``response`` (on by default) lets the user answer
-        requests it receives; ``now`` (epoch seconds) defaults to the clock.
+        the allow lists say; ``pub_deny`` adds publish denials. ``response`` (on
+        by default) lets the user answer requests it receives; ``now`` (epoch seconds) defaults to the clock.
         """
         if expires_in_s <= 0:
             raise ValueError("expires_in_s must be positive")
@@ -361,7 +363,7 @@ class EmbeddedNatsServer(AsyncService):
             expires_at=issued_at + expires_in_s,
             pub_allow=pub_allow,
             sub_allow=sub_allow,
-            pub_deny=RESERVED_SUBJECTS,
+            pub_deny=[*RESERVED_SUBJECTS, *pub_deny],
             sub_deny=RESERVED_SUBJECTS,
             response=response,
             tags=tags,
@@ -398,6 +400,7 @@ class EmbeddedNatsServer(AsyncService):
             now=now,
             tags=tags,
             tenant=tenant,
+            pub_deny=node_denials(role),
         )
 
     # -- lifecycle --
