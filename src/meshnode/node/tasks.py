@@ -542,31 +542,29 @@ class RequesterTask:
         return reply
 
     async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
-        """Chunk data in order; raises StreamBroken on a gap, an injection, a
-        chunk from anyone but the opener, or a final chunk that does not verify."""
+        """Chunk data in order; raises StreamBroken on a gap or a final chunk that
+        does not verify or whose count does not match what arrived.
+
+        Anybody may publish on ``mesh.task.*.stream`` (§14.3: the grant cannot
+        name a runtime task id), so a chunk that is not the opener's — not JSON,
+        another task's, from someone else, a signature that does not verify, an
+        unsigned one where chunks are signed, an index already seen or not yet
+        due — is dropped and counted (intake ``task_stream``), never fatal:
+        the opener's stream completes around it. A chunk that is really
+        missing still breaks the stream, at the final chunk's count.
+        """
         queue, sub = await self._replay(subjects.task_stream(self.task_id), "s")
         expected = 0
+        refusals = self.hosted.node.refusals
         try:
             while True:
                 raw = await asyncio.wait_for(queue.get(), timeout=timeout)
                 try:
-                    env = orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    raise StreamBroken("a stream chunk is not JSON") from None
-                payload = env.get("payload") if isinstance(env, dict) else None
-                if not isinstance(payload, dict) or env.get("task_id") != self.task_id:
-                    raise StreamBroken("a chunk does not belong to this task")
-                if env.get("from") != self.responder:
-                    raise StreamBroken("a chunk from someone other than the agent that opened the stream")
+                    env, payload = self._chunk(raw, expected)
+                except Refused as refused:
+                    refusals.count(Intake.TASK_STREAM, refused.rule)
+                    continue
                 final = payload.get("final") is True
-                if final or self.sign_chunks or "sig" in env:
-                    try:
-                        verify_envelope(env)
-                    except ProtocolError:
-                        raise StreamBroken("a chunk signature does not verify") from None
-                index = payload.get("chunk_index")
-                if index != expected:
-                    raise StreamBroken(f"chunk {index} arrived where {expected} was due (missing or injected)")
                 expected += 1
                 if "data" in payload:
                     yield payload["data"]
@@ -576,6 +574,37 @@ class RequesterTask:
                     return
         finally:
             await self._release(sub, subjects.task_stream(self.task_id), "s")
+
+    def _chunk(self, raw: bytes, expected: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """The chunk in ``raw`` if it is the opener's and the one due; raises Refused."""
+        try:
+            env = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise Refused("not_json", "a stream chunk is not JSON") from None
+        payload = env.get("payload") if isinstance(env, dict) else None
+        if not isinstance(payload, dict) or env.get("task_id") != self.task_id:
+            raise Refused("not_this_task", "a chunk does not belong to this task")
+        if env.get("from") != self.responder:
+            raise Refused("not_a_party", "a chunk from someone other than the agent that opened the stream")
+        final = payload.get("final") is True
+        verified = final or self.sign_chunks or "sig" in env
+        if verified:
+            try:
+                verify_envelope(env)
+            except ProtocolError:
+                raise Refused("identity_mismatch", "a chunk signature does not verify") from None
+        elif self.sign_chunks:
+            raise Refused("unsigned", "an unsigned chunk where the stream's chunks are signed")
+        index = payload.get("chunk_index")
+        if index != expected:
+            if final and isinstance(index, int) and index > expected:
+                # The opener's own signed final chunk past the one due: chunks
+                # are really missing (an unsigned injection cannot get here).
+                raise StreamBroken(f"chunk {index} arrived where {expected} was due (missing or injected)")
+            # Earlier: a replayed or duplicated chunk. Later and unsigned:
+            # injected, or a gap the final chunk's count will reveal.
+            raise Refused("out_of_order", f"chunk {index!r} arrived where {expected} was due")
+        return env, payload
 
     async def cancel(self, reason: str, note: str | None = None) -> Mapping[str, Any]:
         """Cancel with a reason from the closed enum (§10.8): the cancel request
