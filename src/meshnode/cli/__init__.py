@@ -43,7 +43,7 @@ EXAMPLES: dict[str, list[str]] = {
     "inbox ack": ["meshnode inbox ack 12"],
     "agents list": ["meshnode agents list --json"],
     "agents show": ["meshnode agents show echo"],
-    "agents add": ["meshnode agents add echo2 --plugin echo --set greeting='\"hi\"'"],
+    "agents add": ["meshnode agents add echo2 --plugin echo --set greeting='\"hi\"' --save"],
     "agents remove": ["meshnode agents remove echo2"],
     "agents restart": ["meshnode agents restart echo"],
     "presence": ["meshnode presence --agent UABC... --json"],

@@ -192,6 +192,31 @@ class AgentHost:
             for name, agent_cfg in config.agents.items()
             if agent_cfg.enabled and name not in self.failed_agents
         ))
+        await self.deregister_stale(config)
+
+    async def deregister_stale(self, config: Config) -> list[str]:
+        """Deregister the agents whose keys this node holds but that the
+        configuration no longer hosts (removed, disabled, or added at runtime
+        without ``--save``); their names. An agent that is configured but failed
+        to start keeps its registration (and its broker buffer): it is meant to
+        come back. Best effort: a registry that does not answer is logged."""
+        node = self.running()
+        hosted = {CLI_AGENT_NAME, BRIDGE_AGENT_NAME, *node.agents,
+                  *(n for n, a in config.agents.items() if a.enabled)}
+        names = await asyncio.to_thread(self.keystore.names)
+        stale = [n.removeprefix("agent.") for n in names
+                 if n.startswith("agent.") and n.removeprefix("agent.") not in hosted]
+        gone: list[str] = []
+        for name in stale:
+            key = await asyncio.to_thread(self.keystore.get, f"agent.{name}")
+            if key is None:
+                continue
+            try:
+                if await node.deregister_stale(name, key):
+                    gone.append(name)
+            except Exception as exc:
+                log.info("could not deregister %s, no longer hosted here: %s", name, exc)
+        return gone
 
     async def stop_all(self) -> None:
         """The ``stop-agents`` stage: let handlers finish and call ``on_stop``,
@@ -203,9 +228,10 @@ class AgentHost:
             await self.node.unhost(name, grace=3.0)
 
     async def stop_intake(self) -> None:
-        """Unsubscribe every agent's inboxes (part of ``stop-intake``)."""
+        """Say offline, then unsubscribe every agent's inboxes (part of ``stop-intake``)."""
         if self.node is None:
             return
+        await self.node.say_offline()
         for hosted in self.node.agents.values():
             for sub in list(hosted.subscriptions):
                 try:
