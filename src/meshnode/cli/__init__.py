@@ -36,7 +36,8 @@ EXAMPLES: dict[str, list[str]] = {
     "mesh nodes": ["meshnode mesh nodes"],
     "mesh invite": ["meshnode mesh invite laptop --out laptop.creds"],
     "mesh retire": ["meshnode mesh retire --node UABC..."],
-    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo"],
+    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo",
+             "meshnode join laptop.creds --data-dir ~/.local/share/meshnode --force  # keeps a .bak"],
     "inbox list": ["meshnode inbox list --all"],
     "inbox show": ["meshnode inbox show 12"],
     "inbox reply": ["meshnode inbox reply 12 --text 'yes, go ahead'"],
@@ -64,6 +65,8 @@ EXAMPLES: dict[str, list[str]] = {
     "a2a charges": ["meshnode a2a charges --peer travel"],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
+    "install-service": ["sudo .venv/bin/meshnode install-service",
+                        "meshnode install-service --user --dry-run"],
     "completion": ["meshnode completion bash > ~/.local/share/bash-completion/completions/meshnode"],
 }
 
@@ -84,7 +87,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
     # its modules) alone does not pull in every command module.
-    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops
+    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops, service
 
     parser = Parser(
         prog="meshnode",
@@ -101,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     artifacts.register(commands)
     a2a.register(commands)
     events.register(commands)
+    service.register(commands)
     completion.register(commands)
     _plugin_commands(commands)
     completion.attach(parser, commands)

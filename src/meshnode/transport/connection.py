@@ -122,7 +122,13 @@ class MeshConnection:
         except Exception as exc:  # a failed drain must not block shutdown
             log.warning("drain on close failed: %s", exc)
         if not nc.is_closed:
-            await nc.close()
+            try:
+                await nc.close()
+            except Exception as exc:
+                # Stopping while the mesh is unreachable: nats-py flushes its
+                # pending buffer into a transport that is already gone. Nothing
+                # is left to close, so this is not a failed shutdown stage.
+                log.info("closed the mesh connection while it was down (%s: %s)", type(exc).__name__, exc)
         for task in list(self._tasks):
             task.cancel()
 
