@@ -149,20 +149,24 @@ class AgentHost:
         """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
+        key = self.agent_keys[name]
         if agent_class is None:
             self.failed_agents[name] = f"unknown agent kind {kind!r}"
+            node.absent_agents[key.public_key] = name
             return
+        node.absent_agents.pop(key.public_key, None)
         try:
             await node.host(
                 name=name,
                 kind=kind,
                 agent_class=agent_class,
                 settings=settings,
-                key=self.agent_keys[name],
+                key=key,
                 interaction=interaction,
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
+            node.absent_agents[self.agent_keys[name].public_key] = name
             # With its traceback (a plugin bug is found from the log), except a
             # timeout, whose traceback is only the supervisor's.
             log.error(
@@ -270,8 +274,14 @@ class AgentHost:
         node = self.running()
         if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
+        hosted_id = node.agents[name].agent_id
         await node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
+        if deregister:
+            node.absent_agents.pop(hosted_id, None)
+        else:
+            # Registration and buffer kept, nothing answering: shown offline.
+            node.absent_agents[hosted_id] = name
 
     async def restart(self, config: Config, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
         """Stop and start one agent with its key kept (and its registration, inbox)."""

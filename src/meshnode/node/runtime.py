@@ -93,6 +93,11 @@ class Node:
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
+        #: Agents configured here that are not running (failed to start): agent id
+        #: -> name. Their registrations stay (they are meant to come back, with
+        #: their broker buffer), so each beat says they are offline (§10.10
+        #: per-agent override) and discovery does not show them online.
+        self.absent_agents: dict[str, str] = {}
         #: Every inbound refusal of every intake, counted the one way (shared
         #: with the platform services the daemon hosts, when it passes one).
         self.refusals = refusals if refusals is not None else RefusalCounter()
@@ -686,6 +691,22 @@ class Node:
         sign_envelope(env, self.key)
         await self.connection.publish(subjects.heartbeat(self.node_id), encode_envelope(env))
         self.counters["heartbeats"] += 1
+        if availability != "offline":
+            await self._beat_absent_agents()
+
+    async def _beat_absent_agents(self) -> None:
+        """The per-agent ``offline`` override for every agent configured here but
+        not running: failed to start, or failed since (supervised)."""
+        absent = dict(self.absent_agents)
+        absent.update({h.agent_id: h.name for h in self.agents.values() if h.state == AgentState.FAILED})
+        for agent_id in absent:
+            if agent_id in self.by_id and self.by_id[agent_id].state != AgentState.FAILED:
+                continue  # came back meanwhile
+            env = build_envelope(
+                "emit", self.node_id, now_ms=self.now_ms(), payload={"availability": "offline"}, ids=self.ids
+            )
+            sign_envelope(env, self.key)
+            await self.connection.publish(subjects.heartbeat(self.node_id, agent_id), encode_envelope(env))
 
     async def say_offline(self) -> None:
         """A graceful stop's last beat: ``availability: offline`` (§10.10).
