@@ -182,6 +182,8 @@ def test_readme_quickstart_and_second_node(meshnode_daemons: DaemonSet, monkeypa
         run_line = call_line = None
         placeholders = 0
         for line in _sh_lines(second):
+            if line.lstrip().startswith("#"):
+                continue
             # "<an agent id from the first node's status>": the id `status` shows there.
             line, n = re.subn(r"<[^<>]*agent id[^<>]*>", first.agent_id("echo"), line)
             placeholders += n
