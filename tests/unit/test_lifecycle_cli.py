@@ -22,17 +22,21 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_repository_units_are_the_generated_ones() -> None:
     binary = "/usr/local/bin/meshnode"
     assert (REPO / "systemd" / "meshnode.service").read_text() == (
-        REFERENCE_HEADER.format(binary=binary) + system_unit(binary))
+        REFERENCE_HEADER.format(binary=binary) + system_unit(binary, home_visible=False))
     home = "%h/.local/bin/meshnode"
     assert (REPO / "systemd" / "meshnode-user.service").read_text() == (
         REFERENCE_HEADER.format(binary=home) + user_unit(home))
 
 
-def test_a_binary_under_home_stays_visible_to_the_system_unit() -> None:
-    assert "ProtectHome=yes" in system_unit("/usr/bin/meshnode")
+def test_a_binary_under_home_stays_visible_to_the_system_unit(tmp_path: Path) -> None:
+    assert "ProtectHome=yes" in system_unit("/nonexistent/bin/meshnode")
     unit = system_unit("/home/ada/meshnode/.venv/bin/meshnode")
     assert "ProtectHome=read-only" in unit and "ProtectHome=yes" not in unit
     assert "ExecStart=/home/ada/meshnode/.venv/bin/meshnode run --config /etc/meshnode/meshnode.toml" in unit
+    # A script outside /home whose interpreter is under one (a venv on ~/.pyenv's python).
+    script = tmp_path / "meshnode"
+    script.write_text("#!/root/.pyenv/versions/3.11/bin/python3\nimport sys\n")
+    assert "ProtectHome=read-only" in system_unit(str(script))
 
 
 def test_install_service_writes_refuses_and_dry_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,14 +49,14 @@ def test_install_service_writes_refuses_and_dry_runs(tmp_path: Path, capsys: pyt
     assert main([*args, "--json"]) == EX_OK
     written = json.loads(capsys.readouterr().out)
     unit = tmp_path / "meshnode.service"
-    assert written["unit"] == str(unit) and unit.read_text() == system_unit(binary)
+    assert written["unit"] == str(unit) and unit.read_text() == system_unit(binary, home_visible=False)
     assert main(args) == EX_OK  # the same text again: nothing to refuse
 
     unit.write_text(unit.read_text() + "Environment=MINE=1\n")
     assert main(args) == EX_CANTCREAT
     assert "--force" in capsys.readouterr().err
     assert main([*args, "--force"]) == EX_OK
-    assert unit.read_text() == system_unit(binary)
+    assert unit.read_text() == system_unit(binary, home_visible=False)
 
     assert main(["install-service", "--binary", "relative/meshnode", "--dry-run"]) == EX_USAGE
 

@@ -127,16 +127,43 @@ WantedBy=default.target
 _HOME_HIDDEN = "ProtectHome=yes"
 # A binary in a virtualenv under /home (or /root) must stay visible to the service.
 _HOME_VISIBLE = (
-    "# The meshnode binary lives under a home directory: readable, not hidden.\n"
+    "# meshnode (or its Python) lives under a home directory: readable, not hidden.\n"
     "ProtectHome=read-only"
 )
 
 
-def system_unit(binary: str, config: str = SYSTEM_CONFIG, user: str = SERVICE_USER) -> str:
-    """The system unit for ``binary`` (an absolute path)."""
-    under_home = any(binary == p or binary.startswith(p + "/") for p in ("/home", "/root", "/run/user"))
+_HOMES = ("/home", "/root", "/run/user")
+
+
+def _under_home(path: str) -> bool:
+    return any(path == h or path.startswith(h + "/") for h in _HOMES)
+
+
+def runs_from_home(binary: str) -> bool:
+    """Whether running ``binary`` touches a home directory: the path itself, the
+    file it links to, or its script's interpreter (a virtualenv's python is
+    often a link into ~/.pyenv or /root/.pyenv), each followed to the real file."""
+    paths = [binary, os.path.realpath(binary)]
+    try:
+        with open(binary, "rb") as handle:
+            first = handle.readline(512)
+    except OSError:
+        first = b""
+    if first.startswith(b"#!"):
+        words = first[2:].decode("utf-8", "replace").split()
+        if words:
+            paths += [words[0], os.path.realpath(words[0])]
+    return any(_under_home(p) for p in paths)
+
+
+def system_unit(binary: str, config: str = SYSTEM_CONFIG, user: str = SERVICE_USER,
+                *, home_visible: bool | None = None) -> str:
+    """The system unit for ``binary`` (an absolute path). ``home_visible``
+    (default: :func:`runs_from_home`) gives ``ProtectHome=read-only`` instead of
+    ``yes``, so a binary or interpreter under a home directory can still run."""
+    visible = runs_from_home(binary) if home_visible is None else home_visible
     return _SYSTEM_UNIT.format(
-        binary=binary, config=config, user=user, protect_home=_HOME_VISIBLE if under_home else _HOME_HIDDEN
+        binary=binary, config=config, user=user, protect_home=_HOME_VISIBLE if visible else _HOME_HIDDEN
     )
 
 
