@@ -242,6 +242,11 @@ def cmd_install_service(args: argparse.Namespace) -> int:
         text = system_unit(binary, args.service_config or SYSTEM_CONFIG)
         directory = Path(args.dir) if args.dir else Path("/etc/systemd/system")
     unit = directory / "meshnode.service"
+    if not args.user_unit and runs_from_home(binary):
+        # ProtectHome=read-only keeps it visible; ordinary permissions still apply.
+        print(f"meshnode: note: {binary} (or its Python) is under a home directory: the {SERVICE_USER} "
+              "user must be able to read it (a 0700 home is not); for a system service prefer an "
+              "install outside /home and /root (e.g. a virtualenv in /opt/meshnode)", file=sys.stderr)
     create_user = None
     if not args.user_unit and not args.no_create_user and not _user_exists(SERVICE_USER):
         create_user = _create_user_command(SERVICE_USER)
