@@ -28,7 +28,7 @@ from typing import Any
 import meshnode
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
-from meshnode.config import AgentConfig, Config
+from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
@@ -46,7 +46,7 @@ from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
-from meshnode.plugins import PluginManager
+from meshnode.plugins import PluginLoadError, PluginManager
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import NodeBudget, ServiceBase, ServiceContext
@@ -523,7 +523,10 @@ async def run_daemon(config: Config) -> int:
         # the operator's configuration to fix, not a runtime failure: sysexits'
         # EX_CONFIG (78), which systemd's RestartPreventExitStatus= can name.
         # The message names the backend and the fix (keystore.open_keystore).
-        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable) else 1
+        # So are plugin problems under [node] strict_plugins: an agent kind no
+        # installed plugin provides, settings its plugin refuses, a plugin that
+        # fails to load (plugin_check words them like every config error).
+        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError) else 1
     try:
         await daemon.wait()
     finally:
