@@ -22,6 +22,7 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
 from meshnode.node.directory import AgentDirectory
 from meshnode.node.drain import InboxDrain
@@ -667,9 +668,14 @@ class Node:
                 hosted.agent.log.exception("%s pipeline failed", stream)
             await msg.ack()
 
-        return await self.connection.jetstream.durable_push(
-            subject, on_durable, stream=stream, durable=name, replay=replay, max_deliver=5
-        )
+        async def direct() -> DurableSubscription:
+            return await self.connection.jetstream.durable_push(
+                subject, on_durable, stream=stream, durable=name, replay=replay, max_deliver=5
+            )
+
+        # Made by the consumer service, which asserts its configuration: a
+        # participant may not create consumers on the shared streams (#22).
+        return await bind_shared(hosted, request_for(stream, subject, replay=replay), name, on_durable, fallback=direct)
 
 
     # -- heartbeat -------------------------------------------------------------

@@ -59,6 +59,7 @@ from .permissions import (
     STARTER_TAG,
     Profile,
     Role,
+    node_denials,
     node_permissions,
     sdk_permissions,
 )
@@ -357,13 +358,14 @@ class EmbeddedNatsServer(AsyncService):
         now: int | None = None,
         tags: Sequence[str] = (),
         tenant: str | None = None,
+        pub_deny: Sequence[str] = (),
     ) -> str:
         """A user JWT in ``tenant``'s account (default: the mesh account) for
         ``user_public_key``, valid ``expires_in_s``.
 
         The reserved federation subjects are denied in both directions whatever
-        the allow lists say. ``response`` (on by default) lets the user answer
-        requests it receives; ``now`` (epoch seconds) defaults to the clock.
+        the allow lists say; ``pub_deny`` adds publish denials. ``response`` (on
+        by default) lets the user answer requests it receives; ``now`` (epoch seconds) defaults to the clock.
         """
         if expires_in_s <= 0:
             raise ValueError("expires_in_s must be positive")
@@ -376,7 +378,7 @@ class EmbeddedNatsServer(AsyncService):
             expires_at=issued_at + expires_in_s,
             pub_allow=pub_allow,
             sub_allow=sub_allow,
-            pub_deny=RESERVED_SUBJECTS,
+            pub_deny=[*RESERVED_SUBJECTS, *pub_deny],
             sub_deny=RESERVED_SUBJECTS,
             response=response,
             tags=tags,
@@ -426,6 +428,7 @@ class EmbeddedNatsServer(AsyncService):
             now=now,
             tags=tags,
             tenant=tenant,
+            pub_deny=node_denials(role),
         )
 
     def mint_starter_credential(
