@@ -52,6 +52,7 @@ from .sections import (
     ProtectionsConfig,
     RegistryConfig,
     ServicesConfig,
+    StorageConfig,
 )
 from .values import (
     CONFIG_ENV,
@@ -86,6 +87,7 @@ __all__ = [
     "EmbeddedMeshConfig",
     "EventsConfig",
     "InboxConfig",
+    "StorageConfig",
     "KeystoreConfig",
     "LoggingConfig",
     "MeshConfig",

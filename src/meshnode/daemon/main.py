@@ -37,8 +37,14 @@ from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed,
 from meshnode.daemon.mesh import MeshLink, credential_profile
 from meshnode.daemon.methods import CoreMethods, register_core_methods
 from meshnode.daemon.operations import register_operations, reload_config
-from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
+from meshnode.daemon.platform import (
+    PlatformServices,
+    PlatformSettings,
+    start_platform_services,
+    stream_limits,
+)
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.inbox import InboxStore
@@ -86,6 +92,8 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._signal_tasks = BackgroundTasks()
+        #: The store reading of a service node (None elsewhere), issue #22.3.
+        self.store_watch: StoreWatch | None = None
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
         self._force = 0
@@ -231,6 +239,14 @@ class Daemon:
             limit=self.config.registry.rate_limit, window_ms=ms(self.config.registry.rate_window)
         )
         await self._start_platform(mesh.connection, limiter, "mesh", hosting)
+        s = self.config.storage
+        self.store_watch = StoreWatch(
+            mesh.connection.jetstream,
+            threshold=s.low_store_warning,
+            interval_s=s.check_interval.total_seconds(),
+        )
+        self.store_watch.start()
+        self._shutdown.push("stop-intake", self.store_watch.stop)  # before the connection closes
         # §15: every tenant is its own account, so its own registry, presence,
         # task records, feeds and artifacts (streams and KV are account-scoped).
         # The services keep the same keys in every tenant: one platform, whose
@@ -248,6 +264,8 @@ class Daemon:
         replicas = mesh.replicas()
         log.info("platform services (%s): JetStream objects with %d replica(s)", tenant, replicas)
 
+        limits = stream_limits(self.config)
+
         def context(name: str) -> ServiceContext:
             return ServiceContext(
                 connection=connection,
@@ -258,6 +276,7 @@ class Daemon:
                 replicas=replicas,
                 limiter=limiter,
                 refusals=self.refusals,
+                stream_limits=limits,
             )
 
         plane = mesh.control_plane

@@ -75,7 +75,13 @@ from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 from meshnode.transport.connection import Message
 from meshnode.transport.errors import Conflict, NotFound
 from meshnode.transport.jetstream import KeyValue
-from meshnode.transport.streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
+from meshnode.transport.streams import (
+    DEFAULT_MAILBOX_BYTES,
+    DEFAULT_MAILBOX_MSGS,
+    ensure_inbox_stream,
+    ensure_key_value,
+    registry_bucket_config,
+)
 
 from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
@@ -100,7 +106,8 @@ class RegistryService(ServiceBase):
         *,
         require_connection_bound: bool = True,
         inbox_max_age_s: float = 7 * 86400,
-        inbox_max_bytes: int = 25 * 1024 * 1024,
+        inbox_max_bytes: int = DEFAULT_MAILBOX_BYTES,
+        inbox_max_msgs: int = DEFAULT_MAILBOX_MSGS,
         presence: PresenceService | None = None,
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
@@ -119,6 +126,7 @@ class RegistryService(ServiceBase):
         self.require_connection_bound = require_connection_bound
         self.inbox_max_age_s = inbox_max_age_s
         self.inbox_max_bytes = inbox_max_bytes
+        self.inbox_max_msgs = inbox_max_msgs
         self.presence = presence
         if presence is not None and presence.vouched_by is None:
             presence.vouched_by = self.vouched_by
@@ -139,7 +147,7 @@ class RegistryService(ServiceBase):
         if self.running:
             return
         js = self.ctx.connection.jetstream
-        await ensure_key_value(js, registry_bucket_config(self.ctx.replicas))
+        await ensure_key_value(js, registry_bucket_config(self.ctx.replicas, self.ctx.stream_limits))
         self._kv = await js.key_value(subjects.KV_REGISTRY)
         self._running = True
         self._mirror = KVMirror(self, self._kv, "registry")
@@ -321,6 +329,7 @@ class RegistryService(ServiceBase):
                 agent_id,
                 max_age_s=self.inbox_max_age_s,
                 max_bytes=self.inbox_max_bytes,
+                max_msgs=self.inbox_max_msgs,
                 replicas=self.ctx.replicas,
             )
         revision, kept = await self._store(agent_id, stored)

@@ -70,6 +70,7 @@ def render_server_config(
     store_dir: Path,
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
+    max_file_store: int | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
@@ -79,6 +80,9 @@ def render_server_config(
     ``monitor_port=None`` serves no monitoring.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
+    ``max_file_store`` caps the server's JetStream file store (bytes; None is
+    nats-server's default, most of the disk). nats-server enforces it against
+    the sum of the streams' ``max_bytes`` reservations as well as what is stored.
     """
     preload = "\n".join(
         f"  {_conf_string(account)}: {_conf_string(jwt)}" for account, jwt in account_jwts.items()
@@ -99,6 +103,7 @@ def render_server_config(
         "}",
         "jetstream {",
         f"  store_dir: {_conf_string(str(store_dir))}",
+        *([f"  max_file_store: {int(max_file_store)}"] if max_file_store is not None else []),
         "}",
     ]
     if cluster is not None:

@@ -1,0 +1,235 @@
+"""A participant flooding the mesh's store (issue #22.3, #22.4, #23.9), real daemons and nats-server.
+
+One mesh for the module, configured with small bounds so a flood of a few
+MiB reaches them: a participant credential (an ordinary ``meshnode mesh
+invite``) floods the streams it may publish on, and the platform keeps
+registering, discovering and recording tasks; the flood is bounded, the
+oversize message is refused at the flooder's PubAck, ``status`` reports the
+store low, and a flood to an offline agent's mailbox leaves the requests
+buffered before it deliverable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.errors import APIError
+
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from meshnode.testing import run_cli as _run_cli
+from meshnode.transport.jwt import nats_auth_callbacks, parse_creds
+from meshnode.transport.permissions import node_inbox_prefix
+
+pytestmark = pytest.mark.integration
+
+KIB = 1024
+MIB = 1024 * KIB
+PLUGINS = {"plugin_modules": ["tests.agents:tasks_plugin"]}
+TASKS_BOUND = 2 * MIB
+MAILBOX_BOUND = 1 * MIB
+MAX_MSG = 256 * KIB
+
+# Every platform object bounded small (17 MiB reserved in all), in a 64 MiB store.
+STORAGE = {
+    "tasks_max_bytes": TASKS_BOUND,
+    "events_max_bytes": 1 * MIB,
+    "feed_max_bytes": 1 * MIB,
+    "heartbeat_max_bytes": 1 * MIB,
+    "registry_events_max_bytes": 1 * MIB,
+    "registry_max_bytes": 2 * MIB,
+    "task_records_max_bytes": 2 * MIB,
+    "feed_state_max_bytes": 1 * MIB,
+    "artifacts_max_bytes": 4 * MIB,
+    "artifact_index_max_bytes": 1 * MIB,
+    "artifact_uploads_max_bytes": 1 * MIB,
+    "max_msg_size": MAX_MSG,
+    "low_store_warning": 0.8,
+    "check_interval": "300ms",
+}
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[tuple[DaemonSet, DaemonProcess, DaemonProcess]]:
+    daemons = DaemonSet()
+    try:
+        host = daemons.embedded(
+            "store",
+            agents={"echo": {"plugin": "echo"}, "tasks": {"plugin": "test-tasks"}},
+            node=PLUGINS,
+            extra={
+                "mesh.embedded": {"jetstream_max_store": 64 * MIB},
+                "storage": STORAGE,
+                "inbox": {"buffer_max_bytes": MAILBOX_BOUND, "buffer_max_msgs": 500},
+            },
+        )
+        away = daemons.joined("away", via=host, agents={"echo_away": {"plugin": "echo"}})
+        yield daemons, host, away
+    finally:
+        daemons.close()
+
+
+class Flooder:
+    """A participant's raw NATS connection, with the invite's own credential."""
+
+    def __init__(self, creds: Path, url: str) -> None:
+        jwt, seed = parse_creds(creds.read_text(encoding="utf-8"))
+        self.key = KeyPair.from_seed(seed)
+        self._jwt = jwt
+        self.url = url
+        self.nc: Any = None
+
+    async def __aenter__(self) -> Flooder:
+        user_jwt, sign = nats_auth_callbacks(lambda: self._jwt, self.key)
+        self.nc = await nats.connect(
+            self.url,
+            user_jwt_cb=user_jwt,
+            signature_cb=sign,
+            inbox_prefix=node_inbox_prefix(self.key.public_key),
+            allow_reconnect=False,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+
+@pytest.fixture(scope="module")
+def flooder_creds(mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess]) -> tuple[Path, str]:
+    daemons, host, _away = mesh
+    path = daemons.root / "flooder.creds"
+    _run_cli("mesh", "invite", "flooder", "--out", str(path), "--socket", host.socket_path)
+    return path, host.admin("Mesh.Info")["nats_urls"][0]
+
+
+def _stream(host: DaemonProcess, name: str) -> dict[str, Any] | None:
+    storage = host.status()["storage"] or {}
+    return next((s for s in storage.get("streams", []) if s["name"] == name), None)
+
+
+def test_a_task_stream_flood_is_bounded_refused_oversize_and_the_platform_keeps_working(
+    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+) -> None:
+    _daemons, host, away = mesh
+    creds, url = flooder_creds
+    junk = os.urandom(64 * KIB)
+
+    async def flood() -> tuple[int, APIError]:
+        async with Flooder(creds, url) as f:
+            js = f.nc.jetstream()
+            acked = 0
+            # Three times the stream's bound, spread over many task subjects as the attack was.
+            for i in range(3 * TASKS_BOUND // len(junk)):
+                await js.publish(f"mesh.task.tjunk{i}.update", junk)
+                acked += 1
+            with pytest.raises(APIError) as refused:
+                await js.publish("mesh.task.tbig.update", os.urandom(MAX_MSG + KIB))
+            return acked, refused.value
+
+    acked, refused = asyncio.run(flood())
+    # Discard-old at the bound: the flood only ever evicts its own history.
+    assert acked == 3 * TASKS_BOUND // (64 * KIB)
+    # The oversize message is refused at the flooder's PubAck, saying why.
+    assert refused.err_code == 10054 and "message size exceeds maximum" in str(refused.description)
+    tasks = eventually(lambda: _stream(host, "MESH_TASKS"), what="MESH_TASKS in status")
+    assert tasks["max_bytes"] == TASKS_BOUND and tasks["bytes"] <= TASKS_BOUND
+
+    # The platform is untouched: a registration, discovery, a call across the
+    # mesh and a task record that reaches its final state.
+    added = away.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    assert added["registered"] is True, added
+    found = host.admin("Discover", {"agent_ids": [added["id"]]})["agents"]
+    assert [a["id"] for a in found] == [added["id"]]
+    assert host.call(added["id"], "echo", "after the flood")["output"] == {"ok": "after the flood"}
+    done = away.call(host.agent_id("tasks"), "slow", {"steps": 2})
+    assert done["status"] == "completed" and done["task_id"], done
+    record = eventually(
+        lambda: (r := away.admin("Tasks.Show", {"task_id": done["task_id"]})).get("state") == "completed" and r,
+        what="the task record reaching completed",
+    )
+    assert record["state"] == "completed"
+    away.admin("Agents.Remove", {"name": "late"})
+
+
+def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
+    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+) -> None:
+    _daemons, host, _away = mesh
+    creds, url = flooder_creds
+
+    async def fill() -> None:
+        async with Flooder(creds, url) as f:
+            js = f.nc.jetstream()
+            for i in range(2 * TASKS_BOUND // (64 * KIB)):
+                await js.publish(f"mesh.task.tfill{i}.update", os.urandom(64 * KIB))
+
+    asyncio.run(fill())
+    storage = eventually(
+        lambda: (s := host.status()["storage"]) and s["state"] == "low" and s, what="status saying low"
+    )
+    assert any(r.startswith("stream MESH_TASKS:") for r in storage["low"]), storage
+    # The account's figures: a limit (the whole 64 MiB store, one account), the
+    # reservations of every bounded object, and the headroom left.
+    assert storage["limit_bytes"] == 64 * MIB
+    assert storage["reserved_bytes"] >= 17 * MIB
+    assert 0 < storage["headroom_bytes"] <= 64 * MIB - storage["reserved_bytes"]
+    text = host.log_text()
+    assert text.count("JetStream store low: stream MESH_TASKS") == 1, text
+    metrics = host.admin("Metrics")["runtime"]
+    assert metrics["jetstream_store_limit_bytes"] == 64 * MIB and metrics["jetstream_store_low"] == 1
+    prom = host.admin("Metrics", {"format": "prometheus"})["text"]
+    assert "meshnode_jetstream_store_headroom_bytes " in prom
+    human = _run_cli("status", "--socket", host.socket_path).stdout
+    assert "store     low:" in human and "LOW     stream MESH_TASKS" in human
+
+
+def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
+    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+) -> None:
+    _daemons, host, away = mesh
+    creds, url = flooder_creds
+    target = away.agent_id("echo_away")
+    mailbox = f"MESH_INBOX_{target}"
+    assert host.call(target, "echo", "warm-up")["status"] == "completed"
+    assert away.stop() == 0
+
+    before = {m["msg_id"] for m in host.admin("Inbox.List", {"states": ["held"], "agent": "cli"})["messages"]}
+    for i in range(5):
+        result = host.call(target, "echo", {"n": i}, timeout=0.5)
+        assert result["status"] == "failed" and result["error"]["code"] == "TRANSPORT_TIMEOUT"
+
+    async def flood() -> None:
+        # Twice the mailbox's bound of junk, on core NATS as a participant may.
+        async with Flooder(creds, url) as f:
+            for _ in range(2 * MAILBOX_BOUND // (32 * KIB)):
+                await f.nc.publish(f"mesh.agent.{target}.inbox", os.urandom(32 * KIB))
+            await f.nc.flush()
+
+    asyncio.run(flood())
+    # Full and refusing (discard-new): the junk stops at the bound and the
+    # five requests buffered before it are still there.
+    full = eventually(
+        lambda: (s := _stream(host, mailbox)) and s["bytes"] >= 0.8 * MAILBOX_BOUND and s,
+        what="the mailbox at its bound",
+    )
+    assert full["bytes"] <= MAILBOX_BOUND and full["max_bytes"] == MAILBOX_BOUND
+
+    away.start()
+
+    def late() -> list[dict[str, Any]]:
+        held = host.admin("Inbox.List", {"states": ["held"], "agent": "cli"})["messages"]
+        return [m for m in held if m["msg_id"] not in before]
+
+    answers = eventually(lambda: len(late()) >= 5 and late(), what="the five late answers",
+                         detail=away.log_tail)
+    assert sorted(m["output"]["ok"]["n"] for m in answers) == [0, 1, 2, 3, 4]
+    # The drain emptied the mailbox it committed, so it takes mail again.
+    eventually(lambda: (s := _stream(host, mailbox)) is None or s["messages"] == 0,
+               what="the drained mailbox purged", retry_on=(Exception,))
+    assert host.call(target, "echo", "back")["output"] == {"ok": "back"}
