@@ -12,7 +12,10 @@ buffered before it deliverable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,9 @@ PLUGINS = {"plugin_modules": ["tests.agents:tasks_plugin"]}
 TASKS_BOUND = 2 * MIB
 MAILBOX_BOUND = 1 * MIB
 MAX_MSG = 256 * KIB
+ACCOUNT = 26 * MIB
 
-# Every platform object bounded small (17 MiB reserved in all), in a 64 MiB store.
+# Every platform object bounded small (17 MiB reserved in all).
 STORAGE = {
     "tasks_max_bytes": TASKS_BOUND,
     "events_max_bytes": 1 * MIB,
@@ -64,7 +68,9 @@ def mesh() -> Iterator[tuple[DaemonSet, DaemonProcess, DaemonProcess]]:
             agents={"echo": {"plugin": "echo"}, "tasks": {"plugin": "test-tasks"}},
             node=PLUGINS,
             extra={
-                "mesh.embedded": {"jetstream_max_store": 64 * MIB},
+                # The account gets 26 of the server's 64 MiB: the platform's 17 MiB,
+                # the mailboxes of the agents here and a few more.
+                "mesh.embedded": {"jetstream_max_store": 64 * MIB, "account_max_store": ACCOUNT},
                 "storage": STORAGE,
                 "inbox": {"buffer_max_bytes": MAILBOX_BOUND, "buffer_max_msgs": 500},
             },
@@ -174,15 +180,15 @@ def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
         lambda: (s := host.status()["storage"]) and s["state"] == "low" and s, what="status saying low"
     )
     assert any(r.startswith("stream MESH_TASKS:") for r in storage["low"]), storage
-    # The account's figures: a limit (the whole 64 MiB store, one account), the
-    # reservations of every bounded object, and the headroom left.
-    assert storage["limit_bytes"] == 64 * MIB
+    # The account's figures: its limit, the reservations of every bounded
+    # object (the platform's and one mailbox per agent), and the headroom left.
+    assert storage["limit_bytes"] == ACCOUNT
     assert storage["reserved_bytes"] >= 17 * MIB
-    assert 0 < storage["headroom_bytes"] <= 64 * MIB - storage["reserved_bytes"]
+    assert 0 < storage["headroom_bytes"] <= ACCOUNT - storage["reserved_bytes"]
     text = host.log_text()
     assert text.count("JetStream store low: stream MESH_TASKS") == 1, text
     metrics = host.admin("Metrics")["runtime"]
-    assert metrics["jetstream_store_limit_bytes"] == 64 * MIB and metrics["jetstream_store_low"] == 1
+    assert metrics["jetstream_store_limit_bytes"] == ACCOUNT and metrics["jetstream_store_low"] == 1
     prom = host.admin("Metrics", {"format": "prometheus"})["text"]
     assert "meshnode_jetstream_store_headroom_bytes " in prom
     human = _run_cli("status", "--socket", host.socket_path).stdout
@@ -233,3 +239,103 @@ def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
     eventually(lambda: (s := _stream(host, mailbox)) is None or s["messages"] == 0,
                what="the drained mailbox purged", retry_on=(Exception,))
     assert host.call(target, "echo", "back")["output"] == {"ok": "back"}
+
+
+def test_a_registration_past_the_accounts_store_is_refused_quota_exceeded_naming_the_store(
+    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess],
+) -> None:
+    # Each agent reserves its mailbox; past the account's limit nats-server
+    # refuses the reservation (10047) and the registry answers QUOTA_EXCEEDED
+    # naming the JetStream store, not INTERNAL_ERROR.
+    _daemons, host, away = mesh
+    headroom = host.status()["storage"]["headroom_bytes"]
+    added: list[str] = []
+    refused: dict[str, Any] | None = None
+    try:
+        for i in range(headroom // MAILBOX_BOUND + 2):
+            result = away.admin("Agents.Add", {"name": f"extra{i}", "config": {"plugin": "echo"}})
+            added.append(f"extra{i}")
+            if not result["registered"]:
+                refused = result
+                break
+        assert refused is not None, f"{len(added)} agents registered within {headroom} bytes of headroom"
+        error = str(refused.get("registration_error"))
+        assert "QUOTA_EXCEEDED" in error and "JetStream store" in error, refused
+        assert "reserving the mailbox MESH_INBOX_" in error and "buffer_max_bytes" in error
+        assert "INTERNAL_ERROR" not in error
+        # The agents registered before the limit still work.
+        if len(added) > 1:
+            first = away.agent_id(added[0])
+            assert host.call(first, "echo", "still")["output"] == {"ok": "still"}
+    finally:
+        for name in added:
+            away.admin("Agents.Remove", {"name": name})
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def _fill(path: Path) -> Path:
+    """A filler file that leaves the filesystem not one byte."""
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 20, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_mesh_host_whose_disk_filled_comes_back_when_space_returns_losing_nothing() -> None:
+    # #23.9: the host's own data disk (the embedded broker's store) fills; a
+    # restart while full fails and says why; once space returns the next start
+    # (systemd's Restart=) serves again, and the task record written before is
+    # still there (the broker's store survived).
+    daemons = DaemonSet()
+    try:
+        host = daemons.embedded(
+            "disk",
+            agents={"echo": {"plugin": "echo"}, "tasks": {"plugin": "test-tasks"}},
+            node=PLUGINS,
+            extra={"mesh.embedded": {"jetstream_max_store": 24 * MIB}, "storage": STORAGE},
+            start=False,
+        )
+        store = host.data_dir / "mesh"
+        if not _mount_tmpfs(store, "40m"):
+            pytest.skip("needs root and mount to give the broker's store a small tmpfs")
+        try:
+            host.start()
+            done = host.call("tasks", "slow", {"steps": 1})
+            assert done["status"] == "completed" and done["task_id"], done
+
+            def recorded() -> dict[str, Any] | None:
+                record: dict[str, Any] = host.admin("Tasks.Show", {"task_id": done["task_id"]})
+                return record if record.get("state") == "completed" else None
+
+            eventually(recorded, what="the task record before the fill", retry_on=(Exception,))
+            assert host.stop() == 0
+            filler = _fill(store)
+            # A full disk is temporary: EX_TEMPFAIL (75), saying so, not a bare 1.
+            with pytest.raises(RuntimeError, match="exited with 75"):
+                host.start()
+            assert "is full; free space and start again" in host.log_text(), host.log_tail()
+            filler.unlink()
+            host.start()
+            assert host.call("echo", "echo", "after")["output"] == {"ok": "after"}
+            record = eventually(recorded, what="the task record after recovery", retry_on=(Exception,),
+                                detail=host.log_tail)
+            assert record["state"] == "completed"
+            host.stop()
+        finally:
+            subprocess.run(["umount", "-l", str(store)], capture_output=True, check=False)
+    finally:
+        daemons.close()

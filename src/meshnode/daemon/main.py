@@ -16,6 +16,7 @@ API; :mod:`.operations` also applies a reloaded configuration).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -532,7 +533,17 @@ async def run_daemon(config: Config) -> int:
         # the operator's configuration to fix, not a runtime failure: sysexits'
         # EX_CONFIG (78), which systemd's RestartPreventExitStatus= can name.
         # The message names the backend and the fix (keystore.open_keystore).
-        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable) else 1
+        if isinstance(exc.cause, KeyStoreUnavailable):
+            return EX_CONFIG
+        if _disk_full(exc.cause):
+            # Temporary by nature (#23.9): nothing is lost, and the start after
+            # space returns serves again (systemd's Restart= makes that automatic).
+            log.error(
+                "the data disk of %s is full; free space and start again (nothing is lost: the "
+                "broker's store and the inbox recover on the next start)", config.node.data_dir,
+            )
+            return EX_TEMPFAIL
+        return 1
     try:
         await daemon.wait()
     finally:
@@ -548,6 +559,22 @@ FORCE_EXIT_WRITE_S = 5.0
 
 #: sysexits.h EX_CONFIG: the configuration cannot work here (cli.exitcodes has the same).
 EX_CONFIG = 78
+#: sysexits.h EX_TEMPFAIL: try again later (a full data disk).
+EX_TEMPFAIL = 75
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """True when ``exc`` or one of its causes is a full filesystem (ENOSPC, or a
+    broker that said so in its log tail)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "no space left on device" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def tighten_data_dir(data_dir: Path, config: Config) -> None:

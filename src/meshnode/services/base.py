@@ -100,7 +100,7 @@ def store_full_error(service: str, exc: StoreFull) -> dict[str, Any]:
         "QUOTA_EXCEEDED",
         f"{service}: the mesh's JetStream store refused the write ({exc}{code}); "
         "`meshnode status` on the mesh host shows store use; the operator frees space "
-        "or raises [storage] / [mesh.embedded] jetstream_max_store",
+        "or raises [storage] / [mesh.embedded] jetstream_max_store / account_max_store",
         {"store": "jetstream", "service": service, **({"err_code": exc.err_code} if exc.err_code else {})},
     )
 

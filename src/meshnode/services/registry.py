@@ -73,7 +73,7 @@ from meshnode.protocol.manifest import check_registration
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 from meshnode.transport.connection import Message
-from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.errors import Conflict, NotFound, StoreFull
 from meshnode.transport.jetstream import KeyValue
 from meshnode.transport.streams import (
     DEFAULT_MAILBOX_BYTES,
@@ -324,14 +324,24 @@ class RegistryService(ServiceBase):
                 await js.delete_stream(subjects.inbox_stream_name(agent_id))
         else:
             # The buffer exists before the manifest says the agent is reachable.
-            await ensure_inbox_stream(
-                js,
-                agent_id,
-                max_age_s=self.inbox_max_age_s,
-                max_bytes=self.inbox_max_bytes,
-                max_msgs=self.inbox_max_msgs,
-                replicas=self.ctx.replicas,
-            )
+            try:
+                await ensure_inbox_stream(
+                    js,
+                    agent_id,
+                    max_age_s=self.inbox_max_age_s,
+                    max_bytes=self.inbox_max_bytes,
+                    max_msgs=self.inbox_max_msgs,
+                    replicas=self.ctx.replicas,
+                )
+            except StoreFull as exc:
+                # Name the store that is full: the mailbox's reservation did not fit.
+                stream = subjects.inbox_stream_name(agent_id)
+                raise StoreFull(
+                    f"reserving the mailbox {stream} ({self.inbox_max_bytes} bytes, [inbox] "
+                    f"buffer_max_bytes) in the account's store: {exc}",
+                    code=exc.code,
+                    err_code=exc.err_code,
+                ) from exc
         revision, kept = await self._store(agent_id, stored)
         if kept is not None:
             # Another instance stored a registration with a newer vouch while
