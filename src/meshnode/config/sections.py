@@ -311,8 +311,10 @@ class StorageConfig(BaseModel):
     """The artifact object store, all owners together (``[artifacts]`` has the per-owner quota)."""
     artifact_index_max_bytes: ByteSize = 8 * 1024**2
     artifact_uploads_max_bytes: ByteSize = 8 * 1024**2
-    max_msg_size: ByteSize = 1024**2
-    """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``."""
+    max_msg_size: ByteSize | None = None
+    """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``;
+    None (absent) is ``[mesh.embedded] max_payload`` (1 MiB by default), so a raised
+    payload limit is not refused by the streams."""
     low_store_warning: Annotated[float, Field(gt=0, le=1)] = 0.8
     """Share of the store (account limit, or a platform object's bound) in use at
     which the node logs a warning once and ``status`` says ``low``."""

@@ -69,7 +69,7 @@ def stream_limits(config: Config) -> StreamLimits:
         artifacts=s.artifacts_max_bytes,
         artifact_index=s.artifact_index_max_bytes,
         artifact_uploads=s.artifact_uploads_max_bytes,
-        max_msg_size=s.max_msg_size,
+        max_msg_size=s.max_msg_size if s.max_msg_size is not None else config.mesh.embedded.max_payload,
     )
 
 
