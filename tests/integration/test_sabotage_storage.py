@@ -25,10 +25,12 @@ import pytest
 from nats.js.errors import APIError
 
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async
 from meshnode.testing import run_cli as _run_cli
+from meshnode.transport.jetstream import JetStream
 from meshnode.transport.jwt import nats_auth_callbacks, parse_creds
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.streams import ensure_inbox_stream, purge_acked_mailboxes
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +62,7 @@ STORAGE = {
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[tuple[DaemonSet, DaemonProcess, DaemonProcess]]:
+def store_mesh() -> Iterator[tuple[DaemonSet, DaemonProcess, DaemonProcess]]:
     daemons = DaemonSet()
     try:
         host = daemons.embedded(
@@ -107,8 +109,8 @@ class Flooder:
 
 
 @pytest.fixture(scope="module")
-def flooder_creds(mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess]) -> tuple[Path, str]:
-    daemons, host, _away = mesh
+def flooder_creds(store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess]) -> tuple[Path, str]:
+    daemons, host, _away = store_mesh
     path = daemons.root / "flooder.creds"
     _run_cli("mesh", "invite", "flooder", "--out", str(path), "--socket", host.socket_path)
     return path, host.admin("Mesh.Info")["nats_urls"][0]
@@ -120,9 +122,9 @@ def _stream(host: DaemonProcess, name: str) -> dict[str, Any] | None:
 
 
 def test_a_task_stream_flood_is_bounded_refused_oversize_and_the_platform_keeps_working(
-    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
 ) -> None:
-    _daemons, host, away = mesh
+    _daemons, host, away = store_mesh
     creds, url = flooder_creds
     junk = os.urandom(64 * KIB)
 
@@ -164,9 +166,9 @@ def test_a_task_stream_flood_is_bounded_refused_oversize_and_the_platform_keeps_
 
 
 def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
-    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
 ) -> None:
-    _daemons, host, _away = mesh
+    _daemons, host, _away = store_mesh
     creds, url = flooder_creds
 
     async def fill() -> None:
@@ -196,9 +198,9 @@ def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
 
 
 def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
-    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
 ) -> None:
-    _daemons, host, away = mesh
+    _daemons, host, away = store_mesh
     creds, url = flooder_creds
     target = away.agent_id("echo_away")
     mailbox = f"MESH_INBOX_{target}"
@@ -242,12 +244,12 @@ def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
 
 
 def test_a_registration_past_the_accounts_store_is_refused_quota_exceeded_naming_the_store(
-    mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess],
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess],
 ) -> None:
     # Each agent reserves its mailbox; past the account's limit nats-server
     # refuses the reservation (10047) and the registry answers QUOTA_EXCEEDED
     # naming the JetStream store, not INTERNAL_ERROR.
-    _daemons, host, away = mesh
+    _daemons, host, away = store_mesh
     headroom = host.status()["storage"]["headroom_bytes"]
     added: list[str] = []
     refused: dict[str, Any] | None = None
@@ -339,3 +341,39 @@ def test_a_mesh_host_whose_disk_filled_comes_back_when_space_returns_losing_noth
             subprocess.run(["umount", "-l", str(store)], capture_output=True, check=False)
     finally:
         daemons.close()
+
+
+async def test_the_registry_purges_what_any_client_acked_and_a_full_mailbox_keeps_the_rest(
+    mesh: Any, node_factory: Any
+) -> None:
+    # Not a meshnode node: a client that drains its mailbox through the §18.6
+    # durable and acks, but never purges (as an SDK does). The platform's sweep
+    # gives the room back; at its bound the mailbox refuses, keeping the oldest.
+    service = await node_factory(0, role="service")
+    client = await node_factory(1)
+    agent = client.agent_ids[0]
+    stream = f"MESH_INBOX_{agent}"
+    platform = JetStream(service.client.jetstream())
+    await ensure_inbox_stream(platform, agent, max_bytes=64 * KIB, max_msgs=10)
+    for i in range(6):
+        await client.client.publish(f"mesh.agent.{agent}.inbox", f"m{i}".encode())
+    await client.client.flush()
+    js = client.client.jetstream()
+    await eventually_async(lambda: _messages(js, stream, 6), what="six buffered")
+    reader = await js.pull_subscribe(f"mesh.agent.{agent}.inbox", durable=f"inbox_{agent}", stream=stream)
+    for msg in await reader.fetch(4, timeout=5):
+        await msg.ack_sync()
+    purged = await purge_acked_mailboxes(platform)
+    assert purged == {stream: 4}
+    state = (await js.stream_info(stream)).state
+    assert (state.messages, state.first_seq) == (2, 5)
+    for i in range(6, 30):  # a flood past max_msgs
+        await client.client.publish(f"mesh.agent.{agent}.inbox", f"m{i}".encode())
+    await client.client.flush()
+    await eventually_async(lambda: _messages(js, stream, 10), what="the mailbox at its bound")
+    state = (await js.stream_info(stream)).state
+    assert (state.messages, state.first_seq, state.last_seq) == (10, 5, 14)  # the newest refused
+
+
+async def _messages(js: Any, stream: str, count: int) -> bool:
+    return bool((await js.stream_info(stream)).state.messages == count)

@@ -102,3 +102,11 @@ def test_store_pressure_names_the_store_and_headroom_is_what_is_left() -> None:
     assert usage.headroom == 15 * MIB
     assert StoreUsage(used=1, reserved=0, limit=-1).headroom is None
     assert StoreUsage(used=1, reserved=0, limit=-1).pressure(0.8) == []
+
+
+def test_a_mesh_whose_clients_never_ack_may_choose_the_earlier_eviction() -> None:
+    from meshnode.config import Config
+
+    assert Config().inbox.buffer_discard == "new"
+    assert Config.model_validate({"inbox": {"buffer_discard": "old"}}).inbox.buffer_discard == "old"
+    assert inbox_stream_config(AGENT, discard="old").discard == DiscardPolicy.OLD

@@ -282,6 +282,12 @@ class InboxConfig(BaseModel):
     cannot evict buffered requests); the drain empties it."""
     buffer_max_msgs: Annotated[int, Field(ge=1)] = 2000
     """Messages one mailbox holds (the same refusal when reached)."""
+    buffer_discard: Annotated[Literal["new", "old"], _choice("new", "old")] = "new"
+    """``new``: a full mailbox refuses new mail (a flood cannot evict what is buffered).
+    ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
+    drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
+    buffer_sweep_interval: Duration = timedelta(seconds=60)
+    """How often the registry purges every mailbox up to what its drain consumer acked."""
 
 
 class StorageConfig(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from meshnode.config import Config
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
@@ -96,6 +96,8 @@ class PlatformSettings:
     inbox_max_age_s: int = 7 * 86400
     inbox_max_bytes: int = DEFAULT_MAILBOX_BYTES
     inbox_max_msgs: int = DEFAULT_MAILBOX_MSGS
+    inbox_discard: Literal["new", "old"] = "new"
+    inbox_sweep_interval_s: float = 60.0
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
 
     @classmethod
@@ -106,6 +108,8 @@ class PlatformSettings:
             inbox_max_age_s=int(config.inbox.buffer_max_age.total_seconds()),
             inbox_max_bytes=config.inbox.buffer_max_bytes,
             inbox_max_msgs=config.inbox.buffer_max_msgs,
+            inbox_discard=config.inbox.buffer_discard,
+            inbox_sweep_interval_s=config.inbox.buffer_sweep_interval.total_seconds(),
             artifacts=artifact_limits(config),
         )
 
@@ -176,6 +180,8 @@ async def start_platform_services(
         inbox_max_age_s=settings.inbox_max_age_s,
         inbox_max_bytes=settings.inbox_max_bytes,
         inbox_max_msgs=settings.inbox_max_msgs,
+        inbox_discard=settings.inbox_discard,
+        inbox_sweep_interval_s=settings.inbox_sweep_interval_s,
         presence=presence,
         is_revoked=is_revoked,
         trust_tier_of=trust_tier_of,

@@ -68,9 +68,10 @@ Subjects and payloads (the contract):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -89,6 +90,7 @@ from meshnode.transport.streams import (
     DEFAULT_MAILBOX_MSGS,
     ensure_inbox_stream,
     ensure_key_value,
+    purge_acked_mailboxes,
     registry_bucket_config,
 )
 
@@ -117,6 +119,8 @@ class RegistryService(ServiceBase):
         inbox_max_age_s: float = 7 * 86400,
         inbox_max_bytes: int = DEFAULT_MAILBOX_BYTES,
         inbox_max_msgs: int = DEFAULT_MAILBOX_MSGS,
+        inbox_discard: Literal["new", "old"] = "new",
+        inbox_sweep_interval_s: float = 60.0,
         presence: PresenceService | None = None,
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
@@ -142,6 +146,8 @@ class RegistryService(ServiceBase):
         self.inbox_max_age_s = inbox_max_age_s
         self.inbox_max_bytes = inbox_max_bytes
         self.inbox_max_msgs = inbox_max_msgs
+        self.inbox_discard: Literal["new", "old"] = inbox_discard
+        self.inbox_sweep_interval_s = inbox_sweep_interval_s
         self.presence = presence
         if presence is not None and presence.vouched_by is None:
             presence.vouched_by = self.vouched_by
@@ -178,6 +184,24 @@ class RegistryService(ServiceBase):
         await self.serve(subjects.REGISTRY_DISCOVER, self._discover)
         await self.serve("mesh.registry.get.*", self._get)
         await self.ctx.connection.flush()
+        if self.inbox_sweep_interval_s > 0:
+            self.spawn(self._mailbox_sweep_loop, "mailbox-sweep")
+
+    async def _mailbox_sweep_loop(self) -> None:
+        # Issue #22.4: the mailboxes refuse new mail at their bound, so what a
+        # client has acked through its drain durable is purged here, whatever
+        # the client (a meshnode node also purges its own after each drain).
+        while self.running:
+            await asyncio.sleep(self.inbox_sweep_interval_s)
+            try:
+                purged = await purge_acked_mailboxes(self.ctx.connection.jetstream)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("mailbox sweep failed: %s", exc)
+                continue
+            if purged:
+                self.log.debug("mailbox sweep purged %d mailbox(es)", len(purged))
 
     async def stop(self) -> None:
         await super().stop()
@@ -347,6 +371,7 @@ class RegistryService(ServiceBase):
                     max_age_s=self.inbox_max_age_s,
                     max_bytes=self.inbox_max_bytes,
                     max_msgs=self.inbox_max_msgs,
+                    discard=self.inbox_discard,
                     replicas=self.ctx.replicas,
                 )
             except StoreFull as exc:

@@ -79,6 +79,7 @@ __all__ = [
     "ensure_key_value",
     "ensure_mesh_streams",
     "ensure_stream",
+    "purge_acked_mailboxes",
     "feed_state_bucket_config",
     "feed_stream_config",
     "inbox_stream_config",
@@ -292,6 +293,7 @@ def feed_state_bucket_config(
     )
 
 
+_MAILBOX_PREFIX = "MESH_INBOX_"
 DEFAULT_MAILBOX_BYTES = 8 * _MIB
 DEFAULT_MAILBOX_MSGS = 2000
 
@@ -303,6 +305,7 @@ def inbox_stream_config(
     max_bytes: int = DEFAULT_MAILBOX_BYTES,
     max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
+    discard: Literal["new", "old"] = "new",
 ) -> StreamConfig:
     """``MESH_INBOX_{agent_id}``: the agent's redelivery buffer (§16.4, §18.3).
 
@@ -311,6 +314,8 @@ def inbox_stream_config(
     discards **new** mail: a flood is refused rather than evicting the
     requests buffered before it (issue #22.4); the node's drain purges what it
     has committed, so the bound holds only mail not yet taken in.
+    ``discard="old"`` is the earlier eviction, for meshes whose clients neither
+    purge nor ack their mailbox (``[inbox] buffer_discard``).
     """
     return StreamConfig(
         name=subjects.inbox_stream_name(agent_id),
@@ -320,7 +325,7 @@ def inbox_stream_config(
         max_age=max_age_s,
         max_bytes=max_bytes,
         max_msgs=max_msgs,
-        discard=DiscardPolicy.NEW,
+        discard=DiscardPolicy.NEW if discard == "new" else DiscardPolicy.OLD,
         storage=StorageType.FILE,
         num_replicas=replicas,
         no_ack=True,
@@ -500,14 +505,57 @@ async def ensure_inbox_stream(
     max_bytes: int = DEFAULT_MAILBOX_BYTES,
     max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
+    discard: Literal["new", "old"] = "new",
 ) -> EnsureOutcome:
     """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`)."""
     return await ensure_stream(
         js,
         inbox_stream_config(
-            agent_id, max_age_s=max_age_s, max_bytes=max_bytes, max_msgs=max_msgs, replicas=replicas
+            agent_id,
+            max_age_s=max_age_s,
+            max_bytes=max_bytes,
+            max_msgs=max_msgs,
+            replicas=replicas,
+            discard=discard,
         ),
     )
+
+
+async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
+    """Purge every mailbox up to what its drain consumer has acked; returns the
+    purged mailboxes with the sequence each was purged through.
+
+    The platform's half of the discard-new mailbox (issue #22.4): a meshnode
+    node purges its own mailbox after a drain, but any client that drains
+    through the §18.6 durable (``inbox_{agent}``) and acks gets the same room
+    back here, without a purge grant. A mailbox without that consumer, or
+    with nothing acked past its first message, is left alone.
+    """
+    js = jetstream.native
+    purged: dict[str, int] = {}
+    with translated():
+        offset = 0
+        while True:
+            page = await js.streams_info(offset=offset)
+            if not page:
+                break
+            offset += len(page)
+            for info in page:
+                name = str(info.config.name)
+                if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
+                    continue
+                try:
+                    durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
+                    consumer = await js.consumer_info(name, durable)
+                except (NotFoundError, ValueError):
+                    continue  # nobody drains it through the §18.6 durable (or not an agent's)
+                floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
+                if floor >= int(info.state.first_seq or 0):
+                    await js.purge_stream(name, seq=floor + 1)
+                    purged[name] = floor
+            if len(page) < 256:  # the JetStream API's page size: this was the last page
+                break
+    return purged
 
 
 async def ensure_mesh_streams(
