@@ -97,7 +97,6 @@ def test_readme_plugin_example_runs(meshnode_daemons: DaemonSet, tmp_path: Path,
     greeted = run_cli(*hello, "--socket", node.socket_path).stdout
     assert greeted.strip() == "welcome, Ada"
 
-    # "<echo id>": the id `meshnode status` shows for the echo agent.
-    relay = [re.sub(r"<echo id>", by_name["echo"]["id"], word) for word in relay]
+    # The relay finds the echo agent by name (ctx.resolve), no id pasted in.
     relayed = json.loads(run_cli(*relay, "--socket", node.socket_path).stdout)
-    assert relayed == {"status": "completed", "echoed": {"ok": "hi"}}
+    assert relayed == {"status": "completed", "echoed": {"ok": "hi"}, "from": "echo"}

@@ -2,7 +2,7 @@
 
 One mesh for the module, configured with small bounds so a flood of a few
 MiB reaches them: a participant credential (an ordinary ``meshnode mesh
-invite``) floods the streams it may publish on, and the platform keeps
+invite``, renewed for its roster) floods the streams it may publish on, and the platform keeps
 registering, discovering and recording tasks; the flood is bounded, the
 oversize message is refused at the flooder's PubAck, ``status`` reports the
 store low, and a flood to an offline agent's mailbox leaves the requests
@@ -24,11 +24,12 @@ import nats
 import pytest
 from nats.js.errors import APIError
 
+from meshnode.control_plane import ControlPlaneClient
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async
 from meshnode.testing import run_cli as _run_cli
 from meshnode.transport.jetstream import JetStream
-from meshnode.transport.jwt import nats_auth_callbacks, parse_creds
+from meshnode.transport.jwt import nats_auth_callbacks
 from meshnode.transport.permissions import node_inbox_prefix
 from meshnode.transport.streams import ensure_inbox_stream, purge_acked_mailboxes
 
@@ -84,19 +85,19 @@ def store_mesh() -> Iterator[tuple[DaemonSet, DaemonProcess, DaemonProcess]]:
 
 
 class Flooder:
-    """A participant's raw NATS connection, with the invite's own credential."""
+    """A participant's raw NATS connection with its roster credential: enrolled
+    by an ordinary invite, renewed over the control plane as any node does."""
 
-    def __init__(self, creds: Path, url: str) -> None:
-        jwt, seed = parse_creds(creds.read_text(encoding="utf-8"))
+    def __init__(self, seed: str, control_plane: str) -> None:
         self.key = KeyPair.from_seed(seed)
-        self._jwt = jwt
-        self.url = url
+        self.control_plane = control_plane
         self.nc: Any = None
 
     async def __aenter__(self) -> Flooder:
-        user_jwt, sign = nats_auth_callbacks(lambda: self._jwt, self.key)
+        grant = await ControlPlaneClient(self.control_plane).request_credential(self.key, [KeyPair.generate()])
+        user_jwt, sign = nats_auth_callbacks(lambda: grant.jwt, self.key)
         self.nc = await nats.connect(
-            self.url,
+            grant.nats_endpoints[0],
             user_jwt_cb=user_jwt,
             signature_cb=sign,
             inbox_prefix=node_inbox_prefix(self.key.public_key),
@@ -109,11 +110,11 @@ class Flooder:
 
 
 @pytest.fixture(scope="module")
-def flooder_creds(store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess]) -> tuple[Path, str]:
-    daemons, host, _away = store_mesh
-    path = daemons.root / "flooder.creds"
-    _run_cli("mesh", "invite", "flooder", "--out", str(path), "--socket", host.socket_path)
-    return path, host.admin("Mesh.Info")["nats_urls"][0]
+def flooder_creds(store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess]) -> tuple[str, str]:
+    """The invite's node seed and the control plane's URL."""
+    _daemons, host, _away = store_mesh
+    invite = host.admin("Mesh.Invite", {"name": "flooder"})
+    return str(invite["node_seed"]), str(host.admin("Mesh.Info")["control_plane"])
 
 
 def _stream(host: DaemonProcess, name: str) -> dict[str, Any] | None:
@@ -122,14 +123,14 @@ def _stream(host: DaemonProcess, name: str) -> dict[str, Any] | None:
 
 
 def test_a_task_stream_flood_is_bounded_refused_oversize_and_the_platform_keeps_working(
-    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[str, str]
 ) -> None:
     _daemons, host, away = store_mesh
-    creds, url = flooder_creds
+    seed, control = flooder_creds
     junk = os.urandom(64 * KIB)
 
     async def flood() -> tuple[int, APIError]:
-        async with Flooder(creds, url) as f:
+        async with Flooder(seed, control) as f:
             js = f.nc.jetstream()
             acked = 0
             # Three times the stream's bound, spread over many task subjects as the attack was.
@@ -166,13 +167,13 @@ def test_a_task_stream_flood_is_bounded_refused_oversize_and_the_platform_keeps_
 
 
 def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
-    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[str, str]
 ) -> None:
     _daemons, host, _away = store_mesh
-    creds, url = flooder_creds
+    seed, control = flooder_creds
 
     async def fill() -> None:
-        async with Flooder(creds, url) as f:
+        async with Flooder(seed, control) as f:
             js = f.nc.jetstream()
             for i in range(2 * TASKS_BOUND // (64 * KIB)):
                 await js.publish(f"mesh.task.tfill{i}.update", os.urandom(64 * KIB))
@@ -198,10 +199,10 @@ def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
 
 
 def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
-    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[Path, str]
+    store_mesh: tuple[DaemonSet, DaemonProcess, DaemonProcess], flooder_creds: tuple[str, str]
 ) -> None:
     _daemons, host, away = store_mesh
-    creds, url = flooder_creds
+    seed, control = flooder_creds
     target = away.agent_id("echo_away")
     mailbox = f"MESH_INBOX_{target}"
     assert host.call(target, "echo", "warm-up")["status"] == "completed"
@@ -214,7 +215,7 @@ def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
 
     async def flood() -> None:
         # Twice the mailbox's bound of junk, on core NATS as a participant may.
-        async with Flooder(creds, url) as f:
+        async with Flooder(seed, control) as f:
             for _ in range(2 * MAILBOX_BOUND // (32 * KIB)):
                 await f.nc.publish(f"mesh.agent.{target}.inbox", os.urandom(32 * KIB))
             await f.nc.flush()

@@ -64,6 +64,7 @@ EXAMPLES: dict[str, list[str]] = {
     "a2a charges": ["meshnode a2a charges --peer travel"],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
+    "new-agent": ["meshnode new-agent greeter --dir ~/src && pip install -e ~/src/greeter"],
     "completion": ["meshnode completion bash > ~/.local/share/bash-completion/completions/meshnode"],
 }
 
@@ -84,7 +85,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
     # its modules) alone does not pull in every command module.
-    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops
+    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops, scaffold
 
     parser = Parser(
         prog="meshnode",
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     artifacts.register(commands)
     a2a.register(commands)
     events.register(commands)
+    scaffold.register(commands)
     completion.register(commands)
     _plugin_commands(commands)
     completion.attach(parser, commands)

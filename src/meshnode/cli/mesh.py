@@ -85,6 +85,11 @@ def register(commands: Any) -> None:
         metavar="NAME[=PLUGIN]",
         help="host an agent (repeatable); PLUGIN defaults to NAME",
     )
+    join.add_argument(
+        "--ca-file",
+        help="PEM CA bundle that verifies the mesh's TLS certificate (tls:// and https:// URLs); "
+        "written as [mesh] ca_file",
+    )
     join.add_argument("--json", action="store_true")
     join.set_defaults(handler=cmd_join)
 
@@ -217,6 +222,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     if not invite.nats_urls:
         print("meshnode: the invite names no NATS URL (a plain creds file); set [mesh] servers by hand", file=sys.stderr)
         return EX_DATAERR
+    ca_file = Path(args.ca_file).expanduser().absolute() if args.ca_file else None
+    if ca_file is not None and not ca_file.is_file():
+        print(f"meshnode: --ca-file {ca_file}: no such file", file=sys.stderr)
+        return EX_NOINPUT
     data_dir = Path(args.data_dir).expanduser().absolute()
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(data_dir, 0o700)
@@ -244,6 +253,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     ]
     if invite.control_plane_url:
         lines.append(f"control_plane = {_toml_str(invite.control_plane_url)}")
+    if ca_file is not None:
+        lines.append(f"ca_file = {_toml_str(str(ca_file))}")
     lines += [
         "",
         "[admin]",

@@ -233,7 +233,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _log_line(record: dict[str, Any]) -> str:
-    return f"{human_time(record['ts'])} {record['level']:<7} {record['logger']}: {record['message']}"
+    line = f"{human_time(record['ts'])} {record['level']:<7} {record['logger']}: {record['message']}"
+    exception = record.get("exception")
+    return f"{line}\n{exception}" if isinstance(exception, str) and exception else line
 
 
 def cmd_tasks_list(args: argparse.Namespace) -> int:

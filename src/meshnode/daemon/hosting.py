@@ -19,17 +19,24 @@ from datetime import timedelta
 from typing import Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound
-from meshnode.config import AgentConfig, Config
+from meshnode.config import AgentConfig, Config, ConfigError
+from meshnode.daemon.plugin_check import (
+    agent_problems,
+    config_file_label,
+    raise_if_problems,
+    settings_error,
+    unknown_kind_message,
+)
 from meshnode.keystore import KeyStore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
-from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
+from meshnode.plugins import AgentCatalog, PluginManager, load_plugins, rescan_installed
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings"]
+__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
@@ -66,21 +73,50 @@ def node_settings(config: Config) -> NodeSettings:
     )
 
 
-def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
-    """The ``plugins`` stage: load every plugin; an agent whose kind no plugin
-    provides is recorded in ``failed`` (fatal with ``strict_plugins``)."""
-    manager, catalog = load_plugins(
-        strict=config.node.strict_plugins,
+def scan_plugins(config: Config, *, strict: bool | None = None) -> tuple[PluginManager, AgentCatalog]:
+    """Load every installed plugin afresh (entry points re-read: a distribution
+    pip-installed since the last scan is found; see :func:`meshnode.plugins.rescan`)."""
+    return load_plugins(
+        strict=config.node.strict_plugins if strict is None else strict,
         builtins=[("meshnode.builtin", BuiltinAgents())],
         extra_modules=config.node.plugin_modules,
     )
-    for name, agent_cfg in config.agents.items():
-        if agent_cfg.enabled and agent_cfg.plugin not in catalog.kinds:
-            message = f"no installed plugin provides agent kind {agent_cfg.plugin!r}"
-            if config.node.strict_plugins:
-                raise RuntimeError(f"[agents.{name}]: {message}")
-            failed[name] = message
-            log.error("agent %s not hosted: %s", name, message)
+
+
+def rescan_catalog(config: Config, running: AgentCatalog) -> tuple[AgentCatalog, dict[str, str]]:
+    """The plugins installed now (entry points re-read), merged over the running
+    catalog: a kind already loaded keeps its class (its module is imported and
+    agents run it). Returns the catalog and, for each kind whose distribution
+    changed version since, ``"old -> new"``."""
+    rescan_installed()
+    _, fresh = scan_plugins(config, strict=False)
+    merged = AgentCatalog(
+        kinds={**fresh.kinds, **running.kinds},
+        origins={**fresh.origins, **running.origins},
+        failures={k: v for k, v in fresh.failures.items() if k not in running.kinds},
+        versions={**fresh.versions, **{k: v for k, v in running.versions.items() if k in running.kinds}},
+    )
+    upgraded = {
+        kind: f"{running.versions[kind]} -> {fresh.versions[kind]} installed"
+        for kind in running.kinds
+        if kind in running.versions and kind in fresh.versions and running.versions[kind] != fresh.versions[kind]
+    }
+    return merged, upgraded
+
+
+def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
+    """The ``plugins`` stage: load every plugin and check each ``[agents.<name>]``
+    table against it (:mod:`meshnode.daemon.plugin_check`). An agent whose kind
+    no plugin provides, or whose settings its plugin refuses, is recorded in
+    ``failed`` and not hosted; with ``strict_plugins`` the problems raise as a
+    :class:`~meshnode.config.ConfigError` (the daemon exits 78)."""
+    manager, catalog = scan_plugins(config)
+    found = agent_problems(config, catalog)
+    if config.node.strict_plugins:
+        raise_if_problems(config, found)
+    for name, problems in found.items():
+        failed[name] = "; ".join(f"{p.key}: {p.message}" for p in problems)
+        log.error("agent %s not hosted:\n%s", name, "\n".join(str(p) for p in problems))
     return manager, catalog
 
 
@@ -98,6 +134,8 @@ class AgentHost:
     failed_agents: dict[str, str] = field(default_factory=dict)
     catalog: AgentCatalog = field(default_factory=AgentCatalog)
     node: Node | None = None
+    #: How configuration problems name the file (:func:`plugin_check.config_file_label`).
+    config_file: str = "(built-in defaults)"
 
     @classmethod
     async def open(cls, config: Config, keystore: KeyStore, *, runs_services: bool, embedded: bool) -> AgentHost:
@@ -105,7 +143,7 @@ class AgentHost:
         service node, the services' keys."""
         store = keystore
         node_key = await asyncio.to_thread(store.get_or_create, "node")
-        host = cls(keystore=store, node_key=node_key)
+        host = cls(keystore=store, node_key=node_key, config_file=config_file_label(config))
         names = [CLI_AGENT_NAME, *(n for n, a in config.agents.items() if a.enabled)]
         if config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
@@ -150,7 +188,15 @@ class AgentHost:
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
         if agent_class is None:
-            self.failed_agents[name] = f"unknown agent kind {kind!r}"
+            self.failed_agents[name] = unknown_kind_message(kind, self.catalog)
+            return
+        problems = settings_error(self.config_file, name, agent_class, settings)
+        if problems:
+            # Worded like every config error (file, key, expectation), not pydantic's dump.
+            self.failed_agents[name] = "; ".join(f"{p.key}: {p.message}" for p in problems)
+            log.error("agent %s (%s) not hosted:\n%s", name, kind, "\n".join(str(p) for p in problems))
+            if strict:
+                raise ConfigError(problems)
             return
         try:
             await node.host(
@@ -230,7 +276,10 @@ class AgentHost:
         except ValueError as exc:
             raise InvalidParameter(f"[agents.{name}]: {exc}") from None
         if agent_cfg.plugin not in self.catalog.kinds:
-            raise InvalidParameter(f"no installed plugin provides agent kind {agent_cfg.plugin!r}")
+            # Installed since the last scan? (pip install, then agents add)
+            self.catalog, _ = await asyncio.to_thread(rescan_catalog, config, self.catalog)
+        if agent_cfg.plugin not in self.catalog.kinds:
+            raise InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(agent_cfg.plugin, self.catalog)}")
         self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
         self.failed_agents.pop(name, None)
         await refresh()

@@ -29,7 +29,6 @@ from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
-from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.protections import sender_body
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -161,10 +160,10 @@ class CoreMethods:
             raise InvalidParameter("timeout must be a number of seconds in (0, 3600]")
         local = self.d.node.agents.get(target)
         target_id = local.agent_id if local is not None else target
-        if local is None and not is_valid_public(target) and not target.startswith("a2a:"):
-            raise InvalidParameter(
-                f"{target!r} is neither a local agent name, an agent id (U...) nor an A2A peer (a2a:<name>)"
-            )
+        if not target:
+            raise InvalidParameter("agent must name an agent: a local name, an id (U...), a registry name or a2a:<peer>")
+        # Anything else is a name the registry may know: ctx.request resolves it
+        # (§14.4) and answers NOT_FOUND / INVALID_QUERY (ambiguous) when it cannot.
         cli: HostedAgent = self.d.node.agents[CLI_AGENT_NAME]
 
         ctx = AgentContext(cli, trace=new_root_trace())

@@ -23,6 +23,7 @@ import orjson
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
 from meshnode.node.context import AgentContext
+from meshnode.node.directory import AgentDirectory
 from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
@@ -99,6 +100,7 @@ class Node:
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         # Targets' manifests, one registry look-up in flight per target (#21).
         self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
+        self.directory = AgentDirectory(self, self.manifest_cache)
         self._jobs: dict[str, PeriodicJob] = {}
         # Delivery-status signals of requests in flight (§18.7): request id ->
         # (requester, whether the target has a buffer), under one subscription.
@@ -681,6 +683,7 @@ class Node:
             await self.observability.stop()
         await self.pubsub.stop()
         await self.manifest_cache.close()  # refreshes in flight
+        await self.directory.close()
 
     # -- status ----------------------------------------------------------------
 

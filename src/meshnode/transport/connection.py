@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -52,8 +53,11 @@ class MeshConnection:
         connect_timeout: float = 5.0,
         reconnect_wait: float = 1.0,
         reconnect_buffer_bytes: int = 8 * 1024 * 1024,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.servers = list(servers)
+        # TLS to the broker (``tls://`` URLs, or a server that requires it).
+        self._tls = tls
         self._node_key = node_key
         self._jwt_source = jwt_source
         self._name = name
@@ -96,6 +100,8 @@ class MeshConnection:
         }
         if self._inbox_prefix:
             options["inbox_prefix"] = self._inbox_prefix
+        if self._tls is not None:
+            options["tls"] = self._tls
         if self._jwt_source is not None and self._node_key is not None:
             key = self._node_key
             source = self._jwt_source

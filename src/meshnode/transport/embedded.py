@@ -56,12 +56,14 @@ from .lifecycle import AsyncService
 from .meshkeys import MeshKeys, load_or_create_mesh_keys
 from .permissions import (
     RESERVED_SUBJECTS,
+    STARTER_PERMISSIONS,
+    STARTER_TAG,
     Profile,
     Role,
     node_permissions,
     sdk_permissions,
 )
-from .serverconf import BoundPorts, ClusterRoutes, render_server_config
+from .serverconf import BoundPorts, ClusterRoutes, TlsFiles, render_server_config
 from .tenants import (
     DEFAULT_TENANT,
     TenantExport,
@@ -220,8 +222,11 @@ class EmbeddedNatsServer(AsyncService):
         cluster: ClusterRoutes | None = None,
         max_store: int | None = None,
         account_max_store: int | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
+        self.tls = tls
+        """TLS on the client listener (clients use ``tls://`` URLs), or None."""
         if DEFAULT_TENANT in names or len(set(names)) != len(names):
             raise EmbeddedMeshError(
                 f"tenant names must be unique and not {DEFAULT_TENANT!r} (the mesh's own account)"
@@ -314,11 +319,11 @@ class EmbeddedNatsServer(AsyncService):
 
     @property
     def url(self) -> str:
-        """The client URL (``nats://host:port``) of the running broker."""
+        """The client URL (``nats://host:port``, ``tls://`` with TLS) of the running broker."""
         if self._port is None:
             raise EmbeddedMeshError("the embedded mesh has not started yet")
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"nats://{host}:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://{host}:{self._port}"
 
     @property
     def urls(self) -> list[str]:
@@ -419,6 +424,32 @@ class EmbeddedNatsServer(AsyncService):
             permissions.pub_allow,
             permissions.sub_allow,
             expires_in_s,
+            now=now,
+            tags=tags,
+            tenant=tenant,
+        )
+
+    def mint_starter_credential(
+        self,
+        node_id: str,
+        expires_in_s: int,
+        *,
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """An invite's starter credential: :data:`STARTER_PERMISSIONS` (nothing), tagged
+        :data:`STARTER_TAG`, no reply permission. It only carries the invite's format."""
+        tags = [STARTER_TAG, f"agentmesh:trust_tier:{trust_tier}"]
+        if tenant is not None and tenant != DEFAULT_TENANT:
+            tags.append(f"agentmesh:tenant:{tenant}")
+        return self.mint_user(
+            f"starter {node_id[:12]}",
+            node_id,
+            STARTER_PERMISSIONS.pub_allow,
+            STARTER_PERMISSIONS.sub_allow,
+            expires_in_s,
+            response=None,
             now=now,
             tags=tags,
             tenant=tenant,
@@ -529,6 +560,7 @@ class EmbeddedNatsServer(AsyncService):
             ports_file_dir=run_dir,
             cluster=self.cluster,
             max_file_store=self.max_store,
+            tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE
         write_private_file(path, config, replace=True)
