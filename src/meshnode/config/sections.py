@@ -282,6 +282,10 @@ class ServicesConfig(BaseModel):
     ``presence.nk``, ...). Every service node of one mesh must sign with the
     same keys, because callers pin a service's key on first use; None keeps
     per-node keys in the keystore (fine for a single service node)."""
+    max_consumers_per_agent: Annotated[int, Field(ge=1)] = 256
+    """Consumers one agent may hold on each shared stream (MESH_EVENTS, MESH_FEED,
+    MESH_TASKS), made for it by the consumer service; one more is refused
+    QUOTA_EXCEEDED. Raise it for an agent with that many durable subscriptions."""
 
 
 class AdminConfig(BaseModel):

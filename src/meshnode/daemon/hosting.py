@@ -187,28 +187,33 @@ class AgentHost:
         """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
+        key = self.agent_keys[name]
         if agent_class is None:
             self.failed_agents[name] = unknown_kind_message(kind, self.catalog)
+            node.absent_agents[key.public_key] = name
             return
         problems = settings_error(self.config_file, name, agent_class, settings)
         if problems:
             # Worded like every config error (file, key, expectation), not pydantic's dump.
             self.failed_agents[name] = "; ".join(f"{p.key}: {p.message}" for p in problems)
+            node.absent_agents[key.public_key] = name
             log.error("agent %s (%s) not hosted:\n%s", name, kind, "\n".join(str(p) for p in problems))
             if strict:
                 raise ConfigError(problems)
             return
+        node.absent_agents.pop(key.public_key, None)
         try:
             await node.host(
                 name=name,
                 kind=kind,
                 agent_class=agent_class,
                 settings=settings,
-                key=self.agent_keys[name],
+                key=key,
                 interaction=interaction,
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
+            node.absent_agents[self.agent_keys[name].public_key] = name
             # With its traceback (a plugin bug is found from the log), except a
             # timeout, whose traceback is only the supervisor's.
             log.error(
@@ -238,6 +243,31 @@ class AgentHost:
             for name, agent_cfg in config.agents.items()
             if agent_cfg.enabled and name not in self.failed_agents
         ))
+        await self.deregister_stale(config)
+
+    async def deregister_stale(self, config: Config) -> list[str]:
+        """Deregister the agents whose keys this node holds but that the
+        configuration no longer hosts (removed, disabled, or added at runtime
+        without ``--save``); their names. An agent that is configured but failed
+        to start keeps its registration (and its broker buffer): it is meant to
+        come back. Best effort: a registry that does not answer is logged."""
+        node = self.running()
+        hosted = {CLI_AGENT_NAME, BRIDGE_AGENT_NAME, *node.agents,
+                  *(n for n, a in config.agents.items() if a.enabled)}
+        names = await asyncio.to_thread(self.keystore.names)
+        stale = [n.removeprefix("agent.") for n in names
+                 if n.startswith("agent.") and n.removeprefix("agent.") not in hosted]
+        gone: list[str] = []
+        for name in stale:
+            key = await asyncio.to_thread(self.keystore.get, f"agent.{name}")
+            if key is None:
+                continue
+            try:
+                if await node.deregister_stale(name, key):
+                    gone.append(name)
+            except Exception as exc:
+                log.info("could not deregister %s, no longer hosted here: %s", name, exc)
+        return gone
 
     async def stop_all(self) -> None:
         """The ``stop-agents`` stage: let handlers finish and call ``on_stop``,
@@ -249,9 +279,10 @@ class AgentHost:
             await self.node.unhost(name, grace=3.0)
 
     async def stop_intake(self) -> None:
-        """Unsubscribe every agent's inboxes (part of ``stop-intake``)."""
+        """Say offline, then unsubscribe every agent's inboxes (part of ``stop-intake``)."""
         if self.node is None:
             return
+        await self.node.say_offline()
         for hosted in self.node.agents.values():
             for sub in list(hosted.subscriptions):
                 try:
@@ -293,8 +324,14 @@ class AgentHost:
         node = self.running()
         if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
+        hosted_id = node.agents[name].agent_id
         await node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
+        if deregister:
+            node.absent_agents.pop(hosted_id, None)
+        else:
+            # Registration and buffer kept, nothing answering: shown offline.
+            node.absent_agents[hosted_id] = name
 
     async def restart(self, config: Config, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
         """Stop and start one agent with its key kept (and its registration, inbox)."""

@@ -10,6 +10,7 @@ re-issued for the current roster (§14.3) and presented by a reconnect.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import ssl
 import time
@@ -25,6 +26,7 @@ from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
+from meshnode.transport.errors import PortInUse
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix
 from meshnode.transport.serverconf import TlsFiles
@@ -146,7 +148,11 @@ class MeshLink:
                 "tls_cert and tls_key before exposing it beyond loopback", cfg.host,
             )
         shutdown.push("stop-mesh-server", embedded.stop)
-        await embedded.start()
+        try:
+            await embedded.start()
+        except PortInUse as exc:
+            key = "monitor_port" if exc.listener == "monitoring" else "port"
+            raise exc.with_hint(f"set [mesh.embedded] {key} in {self._config_file()}") from None
         self.jwt = self._mint_own_jwt()
         limits = cfg.control_plane
         plane = ControlPlaneServer(
@@ -167,7 +173,19 @@ class MeshLink:
         )
         self.control_plane = plane
         shutdown.push("stop-services", plane.stop)
-        await plane.start()
+        try:
+            await plane.start()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(
+                cfg.control_port, "control",
+                f"set [mesh.embedded] control_port in {self._config_file()}",
+            ) from None
+
+    def _config_file(self) -> str:
+        source = self.config.source_file
+        return str(source) if source is not None else "the configuration"
 
     def nats_tls(self) -> ssl.SSLContext | None:
         """TLS to the broker: the embedded node pins its own certificate; a joined

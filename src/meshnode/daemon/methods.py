@@ -18,6 +18,8 @@ import meshnode
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent import RemoteError, RequestQueued
+from meshnode.config import AgentConfig
+from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
@@ -47,7 +49,7 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
-    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
+    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential); save=true also appends its table to the configuration file")
     methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="stop and deregister an agent")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
     methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
@@ -237,7 +239,37 @@ class CoreMethods:
         name, table = params.get("name"), params.get("config", {})
         if not isinstance(name, str) or not isinstance(table, dict):
             raise InvalidParameter("name (string) and config (object) are required")
-        return await self.d.add_agent(name, table)
+        save = params.get("save", False)
+        if not isinstance(save, bool):
+            raise InvalidParameter("save must be a boolean")
+        if save:
+            try:  # refused before the agent starts: a value TOML cannot hold
+                agent_table_text(name, table)
+            except SaveRefused as exc:
+                raise InvalidParameter(f"--save: {exc}") from None
+        result = await self.d.add_agent(name, table)
+        result = dict(result)
+        result["saved"] = None
+        if save:
+            result.update(await self._save_agent(name, table))
+        return result
+
+    async def _save_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
+        """Append the agent's table to the running configuration's file, so a
+        restart (and a reload) keeps it. The agent runs either way; a file that
+        cannot be written is reported with the text to add by hand."""
+        source = self.d.config.source_file
+        if source is None:
+            return {"saved": False, "save_error": "the daemon runs without a configuration file",
+                    "table": agent_table_text(name, table)}
+        try:
+            await asyncio.to_thread(append_agent_table, source, name, table)
+        except SaveRefused as exc:
+            return {"saved": False, "save_error": str(exc), "table": agent_table_text(name, table)}
+        # The running configuration now matches the file: a reload sees nothing new.
+        self.d.config.agents[name] = AgentConfig.model_validate({"plugin": name, **table})
+        log.info("agent %s saved to %s", name, source)
+        return {"saved": True, "config_file": str(source)}
 
     async def agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         name = params.get("name")

@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 from meshnode.config import Config
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
 from meshnode.services.base import ServiceBase, ServiceContext
+from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
 from meshnode.services.registry import RegistryService
@@ -44,14 +45,16 @@ __all__ = [
 log = logging.getLogger("meshnode.daemon")
 
 
-_S = TypeVar("_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService)
+_S = TypeVar(
+    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService
+)
 
 
 def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers")
 
 
 def stream_limits(config: Config) -> StreamLimits:
@@ -100,6 +103,7 @@ class PlatformSettings:
     inbox_discard: Literal["new", "old"] = "new"
     inbox_sweep_interval_s: float = 60.0
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
+    max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
 
     @classmethod
     def from_config(cls, config: Config) -> PlatformSettings:
@@ -113,6 +117,7 @@ class PlatformSettings:
             inbox_discard=config.inbox.buffer_discard,
             inbox_sweep_interval_s=config.inbox.buffer_sweep_interval.total_seconds(),
             artifacts=artifact_limits(config),
+            max_consumers_per_agent=config.services.max_consumers_per_agent,
         )
 
 
@@ -125,9 +130,10 @@ class PlatformServices:
     artifacts: ArtifactService
     tasks: TaskManagerService
     feeds: FeedService
+    consumers: ConsumerService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds]
+        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -221,7 +227,12 @@ async def start_platform_services(
         tasks = await start(TaskManagerService(contexts("tasks"), manifest_of=registry.manifest))
         # Feeds (§6.6a, §18.3): MESH_FEED, the state-feed KV and mesh.feed.get.
         feeds = await start(FeedService(contexts("feeds")))
+        # Participants' consumers on the shared streams (#22): signed with the
+        # registry's key, so no deployment needs a new service key file.
+        consumers = await start(
+            ConsumerService(contexts("registry"), max_per_agent=settings.max_consumers_per_agent)
+        )
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers)

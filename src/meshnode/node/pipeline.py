@@ -109,6 +109,8 @@ class Intake(StrEnum):
     SERVICE_REPLY = "service_reply"
     #: Updates of a Task this node asked for (:meth:`RequesterTask.updates`).
     TASK_UPDATE = "task_update"
+    #: Chunks of a Task's stream this node reads (:meth:`RequesterTask.stream`).
+    TASK_STREAM = "task_stream"
 
 
 class Refused(Exception):

@@ -43,6 +43,9 @@ class NodePort(Protocol):
     # -- state ----------------------------------------------------------------------
 
     @property
+    def node_id(self) -> str:
+        """The node's public key (its connection-bound subjects' token)."""
+    @property
     def settings(self) -> NodeSettings: ...
     @property
     def connection(self) -> MeshConnection: ...

@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from typing import Any
 
 from meshnode.aio import backoff
 
-from .errors import EmbeddedMeshError
+from .errors import EmbeddedMeshError, PortInUse
 from .files import ensure_private_dir, write_private_file
 from .jwt import (
     NO_LIMIT,
@@ -60,6 +61,7 @@ from .permissions import (
     STARTER_TAG,
     Profile,
     Role,
+    node_denials,
     node_permissions,
     sdk_permissions,
 )
@@ -109,6 +111,12 @@ more than one agent: the §14.3 grants are per agent, about 1 KiB of JWT each.
 _CONFIG_FILE = "nats-server.conf"
 _LOG_FILE = "nats-server.log"
 _LOG_ROTATE_BYTES = 10 * 1024 * 1024
+# nats-server's fatal line for a listener it cannot open names the port in Go's
+# error text, e.g. (client, monitoring, cluster routes):
+#   Error listening on port: 127.0.0.1:4222, "listen tcp 127.0.0.1:4222: bind: address already in use"
+#   Can't start monitoring: can't listen to the monitor port: listen tcp 127.0.0.1:8222: bind: ...
+#   Error listening on router port: 6222 - listen tcp 127.0.0.1:6222: bind: address already in use
+_LISTEN_FAILED = re.compile(r"listen tcp \S*?:(?P<port>\d+): bind: address already in use")
 _PR_SET_PDEATHSIG = 1
 _REPLY_ONCE = ResponsePermission()
 
@@ -267,6 +275,7 @@ class EmbeddedNatsServer(AsyncService):
         self._reaper: asyncio.Future[None] | None = None
         self._stopping = False
         self._ready = asyncio.Event()
+        self._log_start = 0  # offset in the broker log where the current start began
         self.restarts = 0
         """How many times the broker was restarted after an unexpected exit."""
 
@@ -358,13 +367,14 @@ class EmbeddedNatsServer(AsyncService):
         now: int | None = None,
         tags: Sequence[str] = (),
         tenant: str | None = None,
+        pub_deny: Sequence[str] = (),
     ) -> str:
         """A user JWT in ``tenant``'s account (default: the mesh account) for
         ``user_public_key``, valid ``expires_in_s``.
 
         The reserved federation subjects are denied in both directions whatever
-        the allow lists say. ``response`` (on by default) lets the user answer
-        requests it receives; ``now`` (epoch seconds) defaults to the clock.
+        the allow lists say; ``pub_deny`` adds publish denials. ``response`` (on
+        by default) lets the user answer requests it receives; ``now`` (epoch seconds) defaults to the clock.
         """
         if expires_in_s <= 0:
             raise ValueError("expires_in_s must be positive")
@@ -377,7 +387,7 @@ class EmbeddedNatsServer(AsyncService):
             expires_at=issued_at + expires_in_s,
             pub_allow=pub_allow,
             sub_allow=sub_allow,
-            pub_deny=RESERVED_SUBJECTS,
+            pub_deny=[*RESERVED_SUBJECTS, *pub_deny],
             sub_deny=RESERVED_SUBJECTS,
             response=response,
             tags=tags,
@@ -427,6 +437,7 @@ class EmbeddedNatsServer(AsyncService):
             now=now,
             tags=tags,
             tenant=tenant,
+            pub_deny=node_denials(role),
         )
 
     def mint_starter_credential(
@@ -577,10 +588,30 @@ class EmbeddedNatsServer(AsyncService):
         try:
             with open(self.mesh_dir / _LOG_FILE, "rb") as handle:
                 handle.seek(0, os.SEEK_END)
-                handle.seek(max(0, handle.tell() - limit))
+                handle.seek(max(0, handle.tell() - limit, self._log_start))
                 return handle.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def _start_failure(self, status: int) -> EmbeddedMeshError:
+        """Why the broker exited while starting, in one line where nats-server said so.
+
+        Its log starts with a banner (version, JetStream limits, ASCII art) and
+        ends with the fatal line; quoting the tail showed the banner and buried
+        the cause. A taken port becomes :class:`PortInUse`, which the owner
+        completes with the setting that moves it.
+        """
+        tail = self._log_tail(limit=8000)
+        fatal = [line.split("] ", 2)[-1] for line in tail.splitlines() if "[FTL]" in line or "[ERR]" in line]
+        for line in fatal:
+            match = _LISTEN_FAILED.search(line)
+            if match:
+                listener = "monitoring" if "monitor" in line else "cluster" if "router" in line else "client"
+                return PortInUse(int(match["port"]), listener)
+        detail = "\n".join(fatal) if fatal else tail
+        return EmbeddedMeshError(
+            f"nats-server exited with status {status} while starting (log {self.mesh_dir / _LOG_FILE}):\n{detail}"
+        )
 
     async def _launch(self, binary: Path) -> None:
         config = self._write_config()
@@ -588,6 +619,8 @@ class EmbeddedNatsServer(AsyncService):
         for stale in run_dir.glob("*.ports"):
             stale.unlink(missing_ok=True)
         log_fd = self._open_log()
+        # Failure messages read the log from here: this start's lines only.
+        self._log_start = os.fstat(log_fd).st_size
         try:
             self._process = await asyncio.create_subprocess_exec(
                 str(binary),
@@ -615,10 +648,7 @@ class EmbeddedNatsServer(AsyncService):
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if process.returncode is not None:
-                raise EmbeddedMeshError(
-                    f"nats-server exited with status {process.returncode} while starting:\n"
-                    f"{self._log_tail()}"
-                )
+                raise self._start_failure(process.returncode)
             ports = self._read_ports_file(run_dir, process.pid)
             if ports is not None and await self._accepts_clients(ports.client):
                 self._adopt(ports)
