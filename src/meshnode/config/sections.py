@@ -42,6 +42,7 @@ __all__ = [
     "AdminConfig",
     "AgentConfig",
     "ArtifactsConfig",
+    "CommerceConfig",
     "EmbeddedMeshConfig",
     "EventsConfig",
     "InboxConfig",
@@ -330,6 +331,21 @@ class InboxConfig(BaseModel):
     drain_interval: Duration = timedelta(seconds=60)
     buffer_max_age: Duration = timedelta(days=7)
     buffer_max_bytes: ByteSize = 25 * 1024**2
+
+
+class CommerceConfig(BaseModel):
+    """``[commerce]``: the Economics extension's admission check (§19.5)."""
+
+    model_config = _FORBID
+
+    approval_url: str | None = None
+    """The deployment's approval surface for ``internal`` SKUs: the approval_url an
+    AGREEMENT_REQUIRED refusal carries (``?sku=<id>`` is appended) when the SKU's
+    provider names no checkout_url. Unset: the provider's terms_url, else the
+    offering cannot be refused usefully and the SKU is refused at start."""
+    gate_free_terms: bool = False
+    """Also require an agreement for a free SKU that carries a terms_url
+    (§19.5: agreement without money is a terms gate)."""
 
 
 class ArtifactsConfig(BaseModel):

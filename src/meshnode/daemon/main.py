@@ -30,6 +30,7 @@ from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
+from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
@@ -41,6 +42,7 @@ from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_p
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.commerce import AgreementGate, AgreementStore
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -316,6 +318,12 @@ class Daemon:
             a2a=self.gateways.outbound,
             refusals=self.refusals,
         )
+        # §19.5: agreements this node enforces at admission (node-local store).
+        c = self.config.commerce
+        node.commerce = AgreementGate(
+            AgreementStore(self.data_dir / "agreements.json"),
+            approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
+        )
         self.node = hosting.node = node
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         o = self.config.observability
@@ -348,6 +356,7 @@ class Daemon:
         self.methods = register_core_methods(self, methods)
         register_operations(self, methods)
         register_artifact_methods(self, methods)
+        register_agreement_methods(self, methods)
         register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(
