@@ -8,6 +8,8 @@ the handler runs; served once the consumer signs an agreement
 (``meshnode agreements sign``) and the provider's operator adds it
 (``meshnode agreements add``); refused again after the provider restarts with
 another price (the SKU's digest moved, so the standing agreement is stale).
+``meshnode usage`` then rates the recorded meter events: refusals at zero,
+the served request at the price agreed, the same on every replay.
 """
 
 from __future__ import annotations
@@ -99,3 +101,15 @@ def test_paid_offering_needs_an_agreement_at_the_current_digest(
     assert provider.call("priced", "ping")["output"] == {"runs": 0}  # a fresh process; nothing ran
     held = json.loads(run_cli("agreements", "list", "--socket", provider.socket_path, "--json").stdout)
     assert [a["sku_digest"] for a in held["agreements"]] == [first_digest]
+
+    # The recorded meter events, rated (§19.6): both refusals rate to zero,
+    # the served request is charged at the terms agreed then; a replay is identical.
+    rated = json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout)
+    outcomes = [(c["outcome"], c["amount_micro"], c["sku_digest"]) for c in rated["charges"]]
+    assert outcomes == [("refused", 0, first_digest), ("charged", 2000, first_digest),
+                        ("refused", 0, again["error"]["details"]["sku_digest"])]
+    owner = consumer.status()["node"]["id"]
+    assert [(t["consumer_owner"], t["seller_agent"], t["currency"], t["amount_micro"]) for t in rated["totals"]] == [
+        (owner, seller, "USD", 2000)
+    ]
+    assert json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout) == rated

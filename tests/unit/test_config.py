@@ -302,6 +302,7 @@ def test_schema_export_names_every_table() -> None:
         "admin",
         "protections",
         "inbox",
+        "commerce",
         "artifacts",
         "keystore",
         "logging",

@@ -11,7 +11,13 @@ from typing import Any, ClassVar, cast
 import pytest
 
 from meshnode.agent import Agent, AgentSettings, Context, offering
-from meshnode.node.commerce import AgreementGate, AgreementStore, declared_skus, default_sku_id
+from meshnode.node.commerce import (
+    AgreementGate,
+    AgreementStore,
+    UsageLog,
+    declared_skus,
+    default_sku_id,
+)
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
@@ -47,6 +53,10 @@ class Caller(Agent):
     @offering("noop")
     async def noop(self, ctx: Context, input: Any) -> Any:
         return None
+
+
+def _env(requester: HostedAgent, request_id: str = "r1") -> dict[str, Any]:
+    return {"from": requester.agent_id, "id": request_id}
 
 
 def _host(node: Node, name: str, agent: Agent) -> HostedAgent:
@@ -106,18 +116,18 @@ def test_manifest_carries_the_skus_and_the_storefront_their_terms(setup: Any) ->
 async def test_no_agreement_refuses_and_an_agreement_at_the_digest_admits(setup: Any) -> None:
     node, shop, caller, gate = setup
     with pytest.raises(ProtocolError) as info:
-        await gate.check(shop, caller.agent_id, "Summarize.Text", NOW)
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
     sku = next(s for s in shop.skus if s.sku == "summarize-text")
     assert info.value.code == "AGREEMENT_REQUIRED"
     assert info.value.details == {"sku": "summarize-text", "sku_digest": sku.digest,
                                   "approval_url": "https://approve.example/ui?sku=summarize-text"}
     # The caller's owner is its node (§8.3): the node key signs.
     gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW - 1000))
-    assert await gate.check(shop, caller.agent_id, "Summarize.Text", NOW) == sku
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW) == sku
     # Another offering's SKU is not covered by it; a free one needs nothing.
     with pytest.raises(ProtocolError):
-        await gate.check(shop, caller.agent_id, "secret", NOW)
-    assert (await gate.check(shop, caller.agent_id, "free", NOW)).sku == "all-in"  # type: ignore[union-attr]
+        await gate.check(shop, _env(caller), "secret", NOW)
+    assert (await gate.check(shop, _env(caller), "free", NOW)).sku == "all-in"  # type: ignore[union-attr]
 
 
 async def test_another_owners_or_stale_or_revoked_agreement_does_not_admit(setup: Any, tmp_path: Path) -> None:
@@ -126,18 +136,18 @@ async def test_another_owners_or_stale_or_revoked_agreement_does_not_admit(setup
     stranger = KeyPair.generate()
     gate.store.add(make_agreement(stranger, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
     with pytest.raises(ProtocolError):
-        await gate.check(shop, caller.agent_id, "Summarize.Text", NOW)
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
     gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW,
                                   expires_at_ms=NOW + 10))
-    assert await gate.check(shop, caller.agent_id, "Summarize.Text", NOW + 5) == sku
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW + 5) == sku
     with pytest.raises(ProtocolError):
-        await gate.check(shop, caller.agent_id, "Summarize.Text", NOW + 10)  # expired
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW + 10)  # expired
     gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
     revoked = gate.store.revoke(sku=sku.sku, consumer_owner=node.node_id, seller_agent=None, now_ms=NOW + 1)
     assert [a.consumer_owner for a in revoked] == [node.node_id]
-    assert await gate.check(shop, caller.agent_id, "Summarize.Text", NOW) == sku  # prospective
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW) == sku  # prospective
     with pytest.raises(ProtocolError):
-        await gate.check(shop, caller.agent_id, "Summarize.Text", NOW + 1)
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW + 1)
 
 
 def test_the_store_accepts_only_the_owners_signature_and_survives_a_restart(setup: Any, tmp_path: Path) -> None:
@@ -164,11 +174,32 @@ async def test_no_approval_surface_still_refuses_and_says_which_key(tmp_path: Pa
     _, shop, caller, _ = setup
     gate = AgreementGate(AgreementStore(tmp_path / "other.json"), approval_surface=None, gate_free_terms=True)
     with pytest.raises(ProtocolError) as info:
-        await gate.check(shop, caller.agent_id, "Summarize.Text", NOW)
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
     assert info.value.code == "AGREEMENT_REQUIRED"
     assert info.value.details["approval_url"] is None
     assert "[commerce] approval_url" in info.value.message
     # gate_free_terms: a free SKU with terms is a terms gate, its url the terms_url.
     with pytest.raises(ProtocolError) as info:
-        await gate.check(shop, caller.agent_id, "free", NOW)
+        await gate.check(shop, _env(caller), "free", NOW)
     assert info.value.details["approval_url"] == "https://t.example/v1"
+
+
+async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: Any, tmp_path: Path) -> None:
+    node, shop, caller, _ = setup
+    usage = UsageLog(tmp_path / "usage.jsonl")
+    gate = AgreementGate(AgreementStore(tmp_path / "a.json"), approval_surface="https://a.example",
+                         gate_free_terms=False, usage=usage)
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller, "r1"), "Summarize.Text", NOW)
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+    for rid in ("r2", "r3"):
+        await gate.check(shop, _env(caller, rid), "Summarize.Text", NOW + 1)
+        gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
+    gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
+    charges = usage.rate(gate.store.records())
+    assert [(c.envelope_id, c.outcome.value, c.amount_micro) for c in charges] == [
+        ("r1", "refused", 0), ("r2", "charged", 2000), ("r3", "charged", 2000)]
+    assert [c.to_object() for c in usage.rate(gate.store.records())] == [c.to_object() for c in charges]
+    # Without the agreement, the same log rates to zero: no agreement, no charge.
+    assert {c.amount_micro for c in usage.rate([])} == {0}

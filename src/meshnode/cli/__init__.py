@@ -67,6 +67,7 @@ EXAMPLES: dict[str, list[str]] = {
                         "meshnode agreements sign Uabc... --sku caselaw-metered --out agreement.json"],
     "agreements add": ["meshnode agreements add agreement.json"],
     "agreements list": ["meshnode agreements list --json"],
+    "usage": ["meshnode usage --charges", "meshnode usage --owner Uowner... --json"],
     "agreements revoke": ["meshnode agreements revoke caselaw-metered --owner Uowner..."],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     artifacts.register(commands)
     a2a.register(commands)
     agreements.register(commands)
+    agreements.register_usage(commands)
     events.register(commands)
     scaffold.register(commands)
     service.register(commands)

@@ -43,6 +43,40 @@ def register(commands: Any) -> None:
     revoke.set_defaults(handler=cmd_revoke)
 
 
+def register_usage(commands: Any) -> None:
+    usage = commands.add_parser("usage", help="meter events of priced offerings, rated against the agreements (§19.6)")
+    usage.add_argument("--owner", help="only this consumer owner (U...)")
+    usage.add_argument("--seller", help="only this seller (a local name or an id)")
+    usage.add_argument("--charges", action="store_true", help="list every rated event, not only the totals")
+    _client_args(usage)
+    usage.set_defaults(handler=cmd_usage)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {}
+    if args.owner:
+        params["owner"] = args.owner
+    if args.seller:
+        params["seller"] = args.seller
+    code, result = _admin(args, "Usage.Rated", params)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    if not result["charges"]:
+        print("no usage recorded")
+        return EX_OK
+    if args.charges:
+        for c in result["charges"]:
+            print(f"{c['ts']}  {c['sku']:<16} {c['meter']:<10} {c['quantity']:>6}  {c['amount_micro']:>10} "
+                  f"{c.get('currency', '')}  {c['outcome']:<13} owner {c.get('consumer_owner', '?')}")
+    for t in result["totals"]:
+        print(f"{t['period']}  owner {t['consumer_owner']}  seller {t['seller_agent']}  "
+              f"{t['amount_micro']} micro-{t['currency']}")
+    return EX_OK
+
+
 def cmd_sign(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"seller": args.seller}
     for name, value in (("sku", args.sku), ("offering", args.offering), ("expires_in_s", args.expires_in)):

@@ -1,4 +1,5 @@
-"""The ``Agreements.*`` admin methods (§19.5): sign, add, list and revoke agreements.
+"""The ``Agreements.*`` admin methods (§19.5): sign, add, list and revoke agreements;
+``Usage.Rated`` (§19.6): the recorded meter events rated against them.
 
 The owner key is this node's key (read from the keystore at start): the node
 is the default owner of every agent it hosts (§8.3), so it is the account
@@ -21,7 +22,7 @@ from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.commerce import AgreementGate
-from meshnode.protocol.commerce import AgreementRecord, parse_skus, sign_agreement
+from meshnode.protocol.commerce import AgreementRecord, ledger_totals, parse_skus, sign_agreement
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.timeutil import format_ts
 
@@ -63,6 +64,12 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
         doc="params {agreement} -> {agreement}: keep an owner-signed agreement (§19.5) in this node's store (verified)",
     )
     methods.add("Agreements.List", ops.list, level="operator", doc="-> {owner, agreements: [...]} the agreements this node enforces")
+    methods.add(
+        "Usage.Rated", ops.usage, level="operator",
+        doc="params {owner?, seller?} -> {events, charges: [...], totals: [{consumer_owner, seller_agent, currency, "
+        "period, amount_micro}]}: the recorded meter events of priced offerings rated (§19.6) against the held "
+        "agreements, replayed from the log (the same log gives the same charges)",
+    )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
         doc="params {sku, owner?, seller?} -> {revoked: [...]}: revoke from now on (prospective, §19.5)",
@@ -167,6 +174,26 @@ class _AgreementMethods:
             "owner": key.public_key if key is not None else None,
             "agreements": [record_summary(r) for r in gate.store.records()],
         }
+
+    async def usage(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        owner = param(params, "owner", str, None)
+        seller = param(params, "seller", str, None)
+        node = self.d.node
+        if seller is not None and node is not None:
+            local = node.agents.get(seller)
+            seller = local.agent_id if local is not None else seller
+        if gate.usage is None:
+            return {"events": 0, "charges": [], "totals": []}
+        charges = [
+            c for c in gate.usage.rate(gate.store.records())
+            if (owner is None or c.consumer_owner == owner) and (seller is None or c.seller_agent == seller)
+        ]
+        totals = [
+            {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
+            for k, v in sorted(ledger_totals(charges).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+        ]
+        return {"events": len(charges), "charges": [c.to_object() for c in charges], "totals": totals}
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()

@@ -42,7 +42,7 @@ from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_p
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
-from meshnode.node.commerce import AgreementGate, AgreementStore
+from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -323,6 +323,7 @@ class Daemon:
         node.commerce = AgreementGate(
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
+            usage=UsageLog(self.data_dir / "usage.jsonl"),
         )
         self.node = hosting.node = node
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).

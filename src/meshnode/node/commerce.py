@@ -36,20 +36,24 @@ from meshnode.agent import OfferingSpec
 from meshnode.protocol.commerce import (
     Agreement,
     AgreementRecord,
+    Charge,
+    Rater,
     Sku,
     agreement_required,
     approval_url,
     find_agreement,
+    parse_sku,
     parse_skus,
     sku_for,
     verify_agreement,
 )
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.metering import MeterClass, meter_event
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
 
-__all__ = ["AgreementGate", "AgreementStore", "declared_skus", "default_sku_id"]
+__all__ = ["AgreementGate", "AgreementStore", "UsageLog", "declared_skus", "default_sku_id"]
 
 log = logging.getLogger("meshnode.commerce")
 
@@ -166,13 +170,105 @@ class AgreementStore:
         return list(self._records.values())
 
 
+class UsageLog:
+    """The meter events of priced offerings this node recorded, in ``path`` (JSON lines).
+
+    Each line is ``{"event": <§13.5 meter event>, "sku": <the SKU as declared
+    when the event happened>, "consumer_owner": <resolved at admission>}``, so a
+    replay rates each event under the terms current at its ts, whatever the
+    agent declares now. Recorded: one observed ``requests`` event per
+    completed request of an offering a SKU covers, and one refusal event
+    (quantity 0, ``refused: true``) per AGREEMENT_REQUIRED.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None) -> None:
+        line = json.dumps({"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner},
+                          separators=(",", ":"))
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every readable record, in order (a torn last line is skipped)."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        out: list[dict[str, Any]] = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("event"), dict):
+                out.append(record)
+        return out
+
+    def rate(self, agreements: Iterable[Agreement | AgreementRecord]) -> list[Charge]:
+        """The §19.6 fold of the recorded events × the agreements: a fresh
+        :class:`~meshnode.protocol.commerce.Rater`, so the same log and
+        agreements always give the same charges to the micro-unit."""
+        rater = Rater(list(agreements))
+        charges: list[Charge] = []
+        for record in self.read():
+            try:
+                sku = parse_sku(record.get("sku"))
+            except ProtocolError:
+                continue
+            owner = record.get("consumer_owner")
+            charge = rater.rate(record["event"], sku=sku, consumer_owner=owner if isinstance(owner, str) else None)
+            if charge is not None:
+                charges.append(charge)
+        return charges
+
+
+#: Admitted requests awaiting their completion's meter event, at most this many.
+_ADMITTED_CAP = 10_000
+
+
 class AgreementGate:
     """The §19.5 admission check, with the node's store and ``[commerce]`` settings."""
 
-    def __init__(self, store: AgreementStore, *, approval_surface: str | None, gate_free_terms: bool) -> None:
+    def __init__(
+        self,
+        store: AgreementStore,
+        *,
+        approval_surface: str | None,
+        gate_free_terms: bool,
+        usage: UsageLog | None = None,
+    ) -> None:
         self.store = store
         self.approval_surface = approval_surface
         self.gate_free_terms = gate_free_terms
+        self.usage = usage
+        # Request id -> (SKU, owner) from admission to completion (FIFO-bounded:
+        # a request whose handler never completes must not grow it forever).
+        self._admitted: dict[str, tuple[Sku, str | None]] = {}
+
+    def _record(self, hosted: HostedAgent, env: Mapping[str, Any], sku: Sku, owner: str | None,
+                offering: str, now_ms: int, refusal_code: str | None = None) -> None:
+        if self.usage is None:
+            return
+        try:
+            event = meter_event(
+                "requests", MeterClass.OBSERVED, 0 if refusal_code else 1, provider=hosted.agent_id,
+                consumer=str(env["from"]), envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering,
+                refusal_code=refusal_code,
+            )
+            self.usage.append(event, sku, owner)
+        except (OSError, ValueError) as exc:
+            # Usage is a record, not a gate: losing a line never refuses work.
+            log.warning("%s: meter event not recorded: %s", self.usage.path, exc)
+
+    def delivered(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> None:
+        """A request admitted by :meth:`check` completed: record its ``requests`` event."""
+        admitted = self._admitted.pop(str(env.get("id")), None)
+        if admitted is not None:
+            self._record(hosted, env, admitted[0], admitted[1], offering, now_ms)
 
     async def owner_of(self, hosted: HostedAgent, requester: str) -> str | None:
         """The requester's owner the way EXT-2 §7.1 resolves it: the owner of its
@@ -194,21 +290,32 @@ class AgreementGate:
         node_id = node.get("id") if isinstance(node, Mapping) else None
         return node_id if isinstance(node_id, str) else None
 
-    async def check(self, hosted: HostedAgent, requester: str, offering: str, now_ms: int) -> Sku | None:
+    def _admit(self, env: Mapping[str, Any], sku: Sku, owner: str | None) -> Sku:
+        if self.usage is not None:
+            self._admitted[str(env.get("id"))] = (sku, owner)
+            if len(self._admitted) > _ADMITTED_CAP:
+                self._admitted.pop(next(iter(self._admitted)))
+        return sku
+
+    async def check(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> Sku | None:
         """Raise AGREEMENT_REQUIRED (details sku, sku_digest, approval_url) when a
-        paid SKU covers ``offering`` and the requester's owner holds no live
-        agreement at its current digest. Returns the covering SKU (None: free)."""
+        paid SKU covers ``offering`` and the requester's (``env["from"]``) owner
+        holds no live agreement at its current digest. Returns the covering SKU
+        (None: free). The refusal, and later the completion, are recorded as
+        meter events in the usage log."""
         sku = sku_for(hosted.skus, offering)
         if sku is None:
             return None
+        requester = str(env["from"])
         gated = sku.is_paid or (self.gate_free_terms and sku.provider.terms_url is not None)
         if not gated:
-            return sku
+            return self._admit(env, sku, None)  # free: nothing to agree to, nothing to attribute
         owner = await self.owner_of(hosted, requester)
         if find_agreement(
             self.store.records(), consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms
         ) is not None:
-            return sku
+            return self._admit(env, sku, owner)
+        self._record(hosted, env, sku, owner, offering, now_ms, refusal_code="AGREEMENT_REQUIRED")
         try:
             url = approval_url(sku, self.approval_surface)
         except ValueError:

@@ -320,7 +320,7 @@ class HostedAgent:
             commerce = self.node.commerce
             if commerce is not None and self.skus:
                 # §19.5, in the §7.7/§22 slot: no agreement to a paid SKU, no work.
-                await commerce.check(self, env["from"], spec.id, now_ms)
+                await commerce.check(self, env, spec.id, now_ms)
             await self._admit_budget(env, spec, handler_input)
         except ProtocolError as exc:
             # Refused at admission: the refusal is the first reply, no accept (§6.4a).
@@ -452,6 +452,8 @@ class HostedAgent:
                 await self._answer(env, status="failed", error=error, path=source)
         else:
             self.counters["completed"] += 1
+            if self.node.commerce is not None and self.skus:
+                self.node.commerce.delivered(self, env, spec.id, self.node.now_ms())  # §13.5 requests meter
             try:
                 # Artifacts the handler attached, and the output itself stored
                 # as one when the answer would not fit the transport (§18.9).
