@@ -317,6 +317,7 @@ class Daemon:
             trust_attestation=mesh.trust_attestation(),
             a2a=self.gateways.outbound,
             refusals=self.refusals,
+            grants=mesh.grants,
         )
         # §19.5: agreements this node enforces at admission (node-local store).
         c = self.config.commerce
@@ -326,6 +327,8 @@ class Daemon:
             usage=UsageLog(self.data_dir / "usage.jsonl"),
         )
         self.node = hosting.node = node
+        # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
+        node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         o = self.config.observability
         install(node, ObservabilitySettings(
