@@ -306,6 +306,7 @@ def test_schema_export_names_every_table() -> None:
         "protections",
         "inbox",
         "storage",
+        "commerce",
         "artifacts",
         "keystore",
         "logging",

@@ -42,6 +42,7 @@ __all__ = [
     "AdminConfig",
     "AgentConfig",
     "ArtifactsConfig",
+    "CommerceConfig",
     "EmbeddedMeshConfig",
     "EventsConfig",
     "InboxConfig",
@@ -399,6 +400,21 @@ class StorageConfig(BaseModel):
     which the node logs a warning once and ``status`` says ``low``."""
     check_interval: Duration = timedelta(seconds=30)
     """How often a service node reads the store's use for ``status`` and the metrics."""
+
+
+class CommerceConfig(BaseModel):
+    """``[commerce]``: the Economics extension's admission check (§19.5)."""
+
+    model_config = _FORBID
+
+    approval_url: str | None = None
+    """The deployment's approval surface for ``internal`` SKUs: the approval_url an
+    AGREEMENT_REQUIRED refusal carries (``?sku=<id>`` is appended) when the SKU's
+    provider names no checkout_url. Unset: the provider's terms_url, else the
+    offering cannot be refused usefully and the SKU is refused at start."""
+    gate_free_terms: bool = False
+    """Also require an agreement for a free SKU that carries a terms_url
+    (§19.5: agreement without money is a terms gate)."""
 
 
 class ArtifactsConfig(BaseModel):

@@ -31,6 +31,7 @@ from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
+from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
@@ -48,6 +49,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -336,6 +338,13 @@ class Daemon:
             refusals=self.refusals,
             grants=mesh.grants,
         )
+        # §19.5: agreements this node enforces at admission (node-local store).
+        c = self.config.commerce
+        node.commerce = AgreementGate(
+            AgreementStore(self.data_dir / "agreements.json"),
+            approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
+            usage=UsageLog(self.data_dir / "usage.jsonl"),
+        )
         self.node = hosting.node = node
         # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
         node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
@@ -370,6 +379,7 @@ class Daemon:
         self.methods = register_core_methods(self, methods)
         register_operations(self, methods)
         register_artifact_methods(self, methods)
+        register_agreement_methods(self, methods)
         register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(
