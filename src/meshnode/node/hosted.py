@@ -31,6 +31,7 @@ from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.looplag import running_for
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
@@ -76,6 +77,7 @@ class HostedAgent:
         key: KeyPair,
         guard: InboundGuard,
         interaction: str,
+        max_concurrency: int = 64,
     ) -> None:
         self.node = node
         self.name = name
@@ -113,6 +115,10 @@ class HostedAgent:
         # running each handler so a cancel can stop it.
         self.tasks: dict[str, ResponderTask] = {}
         self._task_runners: dict[str, asyncio.Task[Any]] = {}
+        #: Requests admitted and not finished (their handlers, running or about
+        #: to), against the limit past which a request is refused busy (#23).
+        self.in_flight = 0
+        self.max_concurrency = max_concurrency
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -134,6 +140,8 @@ class HostedAgent:
             "interaction": self.interaction,
             "offerings": sorted(self.offerings),
             "active_tasks": self.active_tasks,
+            "in_flight": self.in_flight,
+            "max_concurrency": self.max_concurrency,
             "counters": dict(self.counters),
             "drain": drain,
             "subscriptions": subscriptions,
@@ -223,7 +231,8 @@ class HostedAgent:
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
-            await self.agent.on_event(ctx, event)
+            with running_for(self.name):
+                await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -313,6 +322,11 @@ class HostedAgent:
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
             await self._admit_budget(env, spec, handler_input)
+            if not wait:
+                # The drain (wait) runs its rows a bounded number at a time and
+                # must not turn a backlog into refusals; every other path is
+                # refused busy past the limit instead of queued without bound.
+                pipeline.check_concurrency(self.in_flight, self.max_concurrency, self.latency.average_ms)
         except ProtocolError as exc:
             # Refused at admission: the refusal is the first reply, no accept (§6.4a).
             self.count_refusal(exc.code)
@@ -327,13 +341,20 @@ class HostedAgent:
             elif framed.field is not None and isinstance(framed.payload, str):
                 text = framed.payload
         self.counters["dispatched"] += 1
+        # Counted from here (no await since the check) to the handler's end:
+        # by the runner's done callback, which runs even when a runner is
+        # cancelled before its first step.
+        self.in_flight += 1
         if wait:
-            if plan.accept:
-                await self._answer(env, status="accepted", path=source, accept=True)
-            await self._run_handler(env, spec, handler_input, text, source)
+            try:
+                if plan.accept:
+                    await self._answer(env, status="accepted", path=source, accept=True)
+                await self._run_handler(env, spec, handler_input, text, source)
+            finally:
+                self.in_flight -= 1
             return "answered"
         if not plan.accept:  # a drained request: its first reply is the substantive one
-            self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
+            self._counted(self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}"))
             return "answered"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
@@ -349,7 +370,7 @@ class HostedAgent:
                 await gate
             await self._run_handler(env, spec, handler_input, text, source)
 
-        runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
+        runner = self._counted(self.spawn(run_after_accept(), f"{self.name}:{env['id']}"))
         try:
             await self._answer(env, status="accepted", path=source, accept=True)
         except BaseException:
@@ -357,6 +378,14 @@ class HostedAgent:
             raise
         gate.set_result(None)
         return "answered"
+
+    def _counted(self, runner: asyncio.Task[None]) -> asyncio.Task[None]:
+        """Take ``runner`` off :attr:`in_flight` when it ends, however it ends."""
+        runner.add_done_callback(self._finished)
+        return runner
+
+    def _finished(self, _: asyncio.Task[None]) -> None:
+        self.in_flight -= 1
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -417,10 +446,12 @@ class HostedAgent:
         runner = asyncio.current_task()
         try:
             try:
-                if inspect.isasyncgenfunction(handler):
-                    output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
-                else:
-                    output = await handler(ctx, handler_input)
+                # The loop-lag watchdog names this agent if its handler blocks the loop.
+                with running_for(self.name):
+                    if inspect.isasyncgenfunction(handler):
+                        output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
+                    else:
+                        output = await handler(ctx, handler_input)
             finally:
                 self.latency.observe((time.perf_counter() - started) * 1000)
         except ProtocolError as exc:
