@@ -9,6 +9,8 @@ busy, not queue).
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -63,6 +65,11 @@ def test_a_loop_blocking_handler_is_named_counted_and_the_node_stays_online(node
     loop = node.status()["loop"]
     assert loop["blocks"].get("blocker", 0) >= 1 and loop["max_lag_s"] >= BLOCK_S - 1, loop
     assert _agent(node, "blocker")["counters"]["loop_blocked"] >= 1
+    shown = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "status", "--config", str(node.config_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert shown.returncode == 0 and "BLOCKED by handlers: blocker 1x" in shown.stdout, shown.stdout + shown.stderr
     prom = node.admin("Metrics", {"format": "prometheus"})["text"]
     assert re.search(r'meshnode_loop_blocks_total\{agent="blocker"\} [1-9]', prom), prom
     # A beat went out right after the stall (not a full interval later), and

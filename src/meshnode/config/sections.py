@@ -451,7 +451,7 @@ class AgentConfig(BaseModel):
     ] = None
     """None lets the plugin decide."""
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    """This agent's limit of requests in its handlers at once; None takes
+    """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
