@@ -117,6 +117,7 @@ class TestAgents:
         register("test-hang-on-start", HangOnStart)
         register("test-faulty", Faulty)
         register("test-blocking", Blocking)
+        register("test-presence-watch", PresenceWatch)
         register("test-tier", TierProbe)
         register("test-picky", Picky)
 
@@ -146,6 +147,13 @@ class Listener(Agent):
     async def emit(self, ctx: Context, input: Any) -> Any:
         await ctx.emit(input.get("domain", "demo"), input.get("event_type", "tick"), input.get("data"))
         return {"emitted": True, "trace_id": ctx.trace.get("trace_id")}
+
+
+class PresenceWatch(Listener):
+    """Records presence's node_online/node_offline events (a stall must not cause an offline)."""
+
+    description = "records presence.* events"
+    accepts = ("presence.*",)
 
 
 class ListenerPlugin:

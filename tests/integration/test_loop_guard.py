@@ -38,6 +38,7 @@ def node() -> Iterator[DaemonProcess]:
                 "held": {"plugin": "test-blocking", "max_concurrency": 2},
                 "opener": {"plugin": "test-blocking"},
                 "echo": {"plugin": "echo"},
+                "watch": {"plugin": "test-presence-watch"},
             },
             node={"plugin_modules": ["tests.agents:plugin"], "heartbeat_interval": HEARTBEAT},
         )
@@ -50,6 +51,14 @@ def _agent(node: DaemonProcess, name: str) -> dict[str, Any]:
 
 
 def test_a_loop_blocking_handler_is_named_counted_and_the_node_stays_online(node: DaemonProcess) -> None:
+    node_id = node.status()["node"]["id"]
+
+    def presence_events() -> list[str]:
+        seen = node.call("watch", "seen")["output"]
+        return [e["subject"].rsplit(".", 1)[-1] for e in seen if (e["data"] or {}).get("node") == node_id]
+
+    # The watcher hears presence: the node came online at start.
+    eventually(lambda: "node_online" in presence_events(), what="presence's node_online", detail=node.log_tail)
     heartbeats_before = node.admin("Metrics")["node"].get("heartbeats", 0)
     assert node.call("blocker", "block", BLOCK_S, timeout=60)["output"] == {"blocked": BLOCK_S}
     # The daemon is up: the admin socket answers, the other agents serve.
@@ -78,9 +87,12 @@ def test_a_loop_blocking_handler_is_named_counted_and_the_node_stays_online(node
         lambda: node.admin("Metrics")["node"].get("heartbeats", 0) > heartbeats_before,
         what="a heartbeat after the block", detail=node.log_tail,
     )
-    node_id = status["node"]["id"]
     assert node.admin("Presence", {"node": node_id})["availability"] == "online"
-    assert "node_offline" not in node.log_text()
+    # Past the sweep after the stall (a sweep every interval / 4 = 0.5 s), with
+    # a beat sent since: presence never called the node offline.
+    beats = node.admin("Metrics")["node"]["heartbeats"]
+    eventually(lambda: node.admin("Metrics")["node"]["heartbeats"] > beats, what="the next beat", timeout=30)
+    assert presence_events() == ["node_online"], presence_events()
 
 
 def test_a_handler_past_its_concurrency_limit_is_refused_busy(node: DaemonProcess) -> None:

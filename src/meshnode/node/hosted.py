@@ -64,6 +64,22 @@ REGISTRY_PROBE_OFFERING = "__registry_probe__"
 
 
 
+class _Slot:
+    """One admitted request's place in :attr:`HostedAgent.in_flight`, released once."""
+
+    __slots__ = ("held", "hosted")
+
+    def __init__(self, hosted: HostedAgent) -> None:
+        hosted.in_flight += 1
+        self.hosted = hosted
+        self.held = True
+
+    def release(self, *_: object) -> None:
+        if self.held:
+            self.held = False
+            self.hosted.in_flight -= 1
+
+
 class HostedAgent:
     """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
 
@@ -341,20 +357,23 @@ class HostedAgent:
             elif framed.field is not None and isinstance(framed.payload, str):
                 text = framed.payload
         self.counters["dispatched"] += 1
-        # Counted from here (no await since the check) to the handler's end:
-        # by the runner's done callback, which runs even when a runner is
-        # cancelled before its first step.
-        self.in_flight += 1
+        # Counted from here (no await since the check) until the handler
+        # returns, before its answer goes out: a local requester woken by that
+        # answer may send its next request before this runner's task is done.
+        # The runner's done callback releases a slot whose handler never ran
+        # (a runner cancelled before its first step).
+        slot = _Slot(self)
         if wait:
             try:
                 if plan.accept:
                     await self._answer(env, status="accepted", path=source, accept=True)
-                await self._run_handler(env, spec, handler_input, text, source)
+                await self._run_handler(env, spec, handler_input, text, source, slot)
             finally:
-                self.in_flight -= 1
+                slot.release()
             return "answered"
         if not plan.accept:  # a drained request: its first reply is the substantive one
-            self._counted(self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}"))
+            runner = self.spawn(self._run_handler(env, spec, handler_input, text, source, slot), f"{self.name}:{env['id']}")
+            runner.add_done_callback(slot.release)
             return "answered"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
@@ -368,9 +387,10 @@ class HostedAgent:
         async def run_after_accept() -> None:
             if not gate.done():
                 await gate
-            await self._run_handler(env, spec, handler_input, text, source)
+            await self._run_handler(env, spec, handler_input, text, source, slot)
 
-        runner = self._counted(self.spawn(run_after_accept(), f"{self.name}:{env['id']}"))
+        runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
+        runner.add_done_callback(slot.release)
         try:
             await self._answer(env, status="accepted", path=source, accept=True)
         except BaseException:
@@ -378,14 +398,6 @@ class HostedAgent:
             raise
         gate.set_result(None)
         return "answered"
-
-    def _counted(self, runner: asyncio.Task[None]) -> asyncio.Task[None]:
-        """Take ``runner`` off :attr:`in_flight` when it ends, however it ends."""
-        runner.add_done_callback(self._finished)
-        return runner
-
-    def _finished(self, _: asyncio.Task[None]) -> None:
-        self.in_flight -= 1
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -436,7 +448,13 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
-        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
+        self,
+        env: dict[str, Any],
+        spec: OfferingSpec,
+        handler_input: Any,
+        text: str | None,
+        source: Path,
+        slot: _Slot | None = None,
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
@@ -454,6 +472,8 @@ class HostedAgent:
                         output = await handler(ctx, handler_input)
             finally:
                 self.latency.observe((time.perf_counter() - started) * 1000)
+                if slot is not None:
+                    slot.release()  # the handler is done; its answer is not a slot
         except ProtocolError as exc:
             self.counters["failed"] += 1
             if ctx.task is not None:
