@@ -46,6 +46,8 @@ from meshnode.aio import backoff
 from .errors import EmbeddedMeshError, PortInUse
 from .files import ensure_private_dir, write_private_file
 from .jwt import (
+    NO_LIMIT,
+    JetStreamLimits,
     ResponsePermission,
     mint_account_jwt,
     mint_operator_jwt,
@@ -226,6 +228,9 @@ class EmbeddedNatsServer(AsyncService):
         exports: Sequence[TenantExport] = (),
         keys: MeshKeys | None = None,
         cluster: ClusterRoutes | None = None,
+        websocket_port: int | None = None,
+        max_store: int | None = None,
+        account_max_store: int | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
@@ -243,6 +248,11 @@ class EmbeddedNatsServer(AsyncService):
         self.exports: tuple[TenantExport, ...] = tuple(exports)
         self.mesh_dir = Path(data_dir).absolute() / "mesh"
         self.cluster = cluster
+        self.max_store = max_store
+        """The server's JetStream file store (``max_file_store``); None: nats-server's default."""
+        self.account_max_store = account_max_store
+        """Each tenant account's JetStream storage limit (its account JWT); None:
+        ``max_store`` split evenly between the accounts (unlimited without ``max_store``)."""
         self.host = host
         self.server_name = server_name
         self.max_payload = max_payload
@@ -257,6 +267,8 @@ class EmbeddedNatsServer(AsyncService):
         self._port = port or None
         self._monitor_port = monitor_port
         self._monitor_url: str | None = None
+        # None: no WebSocket listener; 0 until the first start binds a free port.
+        self._websocket_port = websocket_port
         self._ports: BoundPorts | None = None
         # A cluster member is handed the cluster's keys rather than keeping its own.
         self._keys: MeshKeys | None = keys
@@ -333,6 +345,17 @@ class EmbeddedNatsServer(AsyncService):
     def monitor_url(self) -> str | None:
         """The HTTP monitoring base URL, when monitoring is enabled and running."""
         return self._monitor_url
+
+    @property
+    def websocket_url(self) -> str | None:
+        """``ws://host:port`` of the WebSocket listener (nats.ws clients), once it
+        runs (``wss://`` when the mesh has TLS files); None when ``websocket_port``
+        is None."""
+        if self._ports is None or self._ports.websocket is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        scheme = "wss" if self.tls is not None else "ws"
+        return f"{scheme}://{host}:{self._ports.websocket}"
 
     @property
     def pid(self) -> int | None:
@@ -491,6 +514,20 @@ class EmbeddedNatsServer(AsyncService):
 
     # -- internals --
 
+    def account_store_limit(self) -> int:
+        """The JetStream storage limit written into every tenant account's JWT.
+
+        Why per account: nats-server counts a stream's ``max_bytes`` as reserved
+        against its account's limit when the stream is created, so one tenant
+        (or its participants' mailboxes) can only ever reserve its share of the
+        server's store, never a neighbour's (§15, issue #22.3).
+        """
+        if self.account_max_store is not None:
+            return self.account_max_store
+        if self.max_store is None:
+            return NO_LIMIT
+        return self.max_store // (1 + len(self.tenants))
+
     def _write_config(self) -> Path:
         keys = self.keys
         issued_at = int(time.time())
@@ -520,6 +557,7 @@ class EmbeddedNatsServer(AsyncService):
                 jetstream=None,  # nats-server refuses JetStream in the system account
             ),
         }
+        limits = JetStreamLimits(disk_storage=self.account_store_limit())
         for tenant, account in tenant_accounts.items():
             exports, imports = links[tenant]
             accounts[account] = mint_account_jwt(
@@ -527,6 +565,7 @@ class EmbeddedNatsServer(AsyncService):
                 account,
                 name=self.account_name if tenant == DEFAULT_TENANT else f"TENANT {tenant}",
                 issued_at=issued_at,
+                jetstream=limits,
                 exports=exports,
                 imports=imports,
             )
@@ -545,6 +584,8 @@ class EmbeddedNatsServer(AsyncService):
             store_dir=self.mesh_dir / "jetstream",
             ports_file_dir=run_dir,
             cluster=self.cluster,
+            websocket_port=self._websocket_port,
+            max_file_store=self.max_store,
             tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE
@@ -645,6 +686,8 @@ class EmbeddedNatsServer(AsyncService):
             self._monitor_url = f"http://{host}:{ports.monitoring}"
         if self.cluster is not None and ports.cluster is not None:
             self.cluster = replace(self.cluster, port=ports.cluster)
+        if self._websocket_port is not None and ports.websocket is not None:
+            self._websocket_port = ports.websocket
 
     @staticmethod
     def _read_ports_file(run_dir: Path, pid: int) -> BoundPorts | None:

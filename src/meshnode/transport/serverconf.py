@@ -77,6 +77,8 @@ def render_server_config(
     store_dir: Path,
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
+    websocket_port: int | None = None,
+    max_file_store: int | None = None,
     tls: TlsFiles | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
@@ -84,9 +86,13 @@ def render_server_config(
     ``port`` 0 or None (and ``monitor_port=0``, ``cluster.port=0``) lets the
     server pick a free port; the chosen ports are then read from the ports
     file it writes into ``ports_file_dir`` (:class:`BoundPorts`).
-    ``monitor_port=None`` serves no monitoring.
+    ``monitor_port=None`` serves no monitoring; ``websocket_port`` likewise
+    (None: no WebSocket listener, 0: a free port) for nats.ws clients.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
+    ``max_file_store`` caps the server's JetStream file store (bytes; None is
+    nats-server's default, most of the disk). nats-server enforces it against
+    the sum of the streams' ``max_bytes`` reservations as well as what is stored.
     ``tls`` makes the client listener require TLS (nats-server's ``tls {}``
     block; clients then connect with ``tls://``).
     """
@@ -109,6 +115,7 @@ def render_server_config(
         "}",
         "jetstream {",
         f"  store_dir: {_conf_string(str(store_dir))}",
+        *([f"  max_file_store: {int(max_file_store)}"] if max_file_store is not None else []),
         "}",
     ]
     if cluster is not None:
@@ -129,6 +136,23 @@ def render_server_config(
             "  timeout: 5",
             "}",
         ]
+    if websocket_port is not None:
+        # Same host as the client port and the same JWT authentication (operator
+        # mode applies to every client listener). With the mesh's TLS files the
+        # listener is wss://, else plain ws:// (nats-server demands TLS on a
+        # WebSocket listener unless told no_tls): the embedded mesh listens on
+        # loopback by default (docs/operations/foreign-mesh.md).
+        lines += ["websocket {", f"  host: {_conf_string(host)}", f"  port: {_listen_port(websocket_port)}"]
+        if tls is not None:
+            lines += [
+                "  tls {",
+                f"    cert_file: {_conf_string(str(tls.cert))}",
+                f"    key_file: {_conf_string(str(tls.key))}",
+                "  }",
+            ]
+        else:
+            lines.append("  no_tls: true")
+        lines.append("}")
     if monitor_port is not None:
         lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
     return "\n".join(lines) + "\n"
