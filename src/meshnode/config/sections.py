@@ -84,6 +84,13 @@ class NodeConfig(BaseModel):
     """An agent's ``on_start`` still running after this long is logged as slow."""
     agent_start_timeout: Duration = timedelta(seconds=60)
     """An agent whose ``on_start`` runs longer is cancelled and failed (that agent only)."""
+    agent_max_concurrency: Annotated[int, Field(ge=1, le=100_000)] = 64
+    """Requests one agent may have in its handlers at once; past it a request is
+    refused ``AGENT_OVERLOADED`` (retryable) instead of queued without bound.
+    ``[agents.<name>] max_concurrency`` overrides it for one agent."""
+    loop_block_threshold: Duration = timedelta(seconds=1)
+    """The event loop stalled this long (a handler blocking it, e.g. ``time.sleep``)
+    is logged with the agent whose handler was running, and counted."""
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
     plugin_modules: list[
@@ -497,7 +504,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency")
 
 
 def _plugin_name(value: object) -> str:
@@ -528,6 +535,9 @@ class AgentConfig(BaseModel):
         _choice_schema("service", "interactive", optional=True),
     ] = None
     """None lets the plugin decide."""
+    max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """This agent's limit of requests in its handlers at once; unset, it takes
+    ``[node] agent_max_concurrency``."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

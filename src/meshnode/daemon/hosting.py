@@ -70,6 +70,8 @@ def node_settings(config: Config) -> NodeSettings:
         drain_interval_s=config.inbox.drain_interval.total_seconds(),
         agent_start_warn_s=config.node.agent_start_warn.total_seconds(),
         agent_start_timeout_s=config.node.agent_start_timeout.total_seconds(),
+        agent_max_concurrency=config.node.agent_max_concurrency,
+        loop_block_threshold_s=config.node.loop_block_threshold.total_seconds(),
     )
 
 
@@ -183,8 +185,19 @@ class AgentHost:
             raise NotFound("the node is not running")
         return self.node
 
-    async def host(self, name: str, kind: str, settings: dict[str, Any], interaction: str | None, *, strict: bool) -> None:
-        """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
+    async def host(
+        self,
+        name: str,
+        kind: str,
+        settings: dict[str, Any],
+        interaction: str | None,
+        *,
+        strict: bool,
+        max_concurrency: int | None = None,
+    ) -> None:
+        """Start one agent; a failure is recorded, not raised (unless ``strict``).
+
+        ``max_concurrency`` is ``[agents.<name>] max_concurrency`` (None: the node's default)."""
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
         key = self.agent_keys[name]
@@ -210,6 +223,7 @@ class AgentHost:
                 settings=settings,
                 key=key,
                 interaction=interaction,
+                max_concurrency=max_concurrency,
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
@@ -236,7 +250,10 @@ class AgentHost:
 
         async def host_one(name: str, agent_cfg: AgentConfig) -> None:
             async with gate:
-                await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=strict)
+                await self.host(
+                    name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
+                    strict=strict, max_concurrency=agent_cfg.max_concurrency,
+                )
 
         await asyncio.gather(*(
             host_one(name, agent_cfg)
@@ -314,7 +331,10 @@ class AgentHost:
         self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
         self.failed_agents.pop(name, None)
         await refresh()
-        await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=config.node.strict_plugins)
+        await self.host(
+            name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
+            strict=config.node.strict_plugins, max_concurrency=agent_cfg.max_concurrency,
+        )
         if name in self.failed_agents:
             raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
         return node.agent_status(node.agents[name])
@@ -343,9 +363,10 @@ class AgentHost:
         kind = cfg.plugin if cfg is not None else hosted.kind
         settings = cfg.settings if cfg is not None else {}
         interaction = cfg.interaction if cfg is not None else hosted.interaction
+        limit = cfg.max_concurrency if cfg is not None else None
         await node.unhost(name, deregister=False)
         self.failed_agents.pop(name, None)
-        await self.host(name, kind, settings, interaction, strict=config.node.strict_plugins)
+        await self.host(name, kind, settings, interaction, strict=config.node.strict_plugins, max_concurrency=limit)
         if name in self.failed_agents:
             raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents[name]}")
         return node.agent_status(node.agents[name])

@@ -32,6 +32,7 @@ from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.commerce import declared_skus
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.looplag import running_for
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
@@ -65,6 +66,22 @@ REGISTRY_PROBE_OFFERING = "__registry_probe__"
 
 
 
+class _Slot:
+    """One admitted request's place in :attr:`HostedAgent.in_flight`, released once."""
+
+    __slots__ = ("held", "hosted")
+
+    def __init__(self, hosted: HostedAgent) -> None:
+        hosted.in_flight += 1
+        self.hosted = hosted
+        self.held = True
+
+    def release(self, *_: object) -> None:
+        if self.held:
+            self.held = False
+            self.hosted.in_flight -= 1
+
+
 class HostedAgent:
     """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
 
@@ -78,6 +95,7 @@ class HostedAgent:
         key: KeyPair,
         guard: InboundGuard,
         interaction: str,
+        max_concurrency: int = 64,
     ) -> None:
         self.node = node
         self.name = name
@@ -118,6 +136,10 @@ class HostedAgent:
         # running each handler so a cancel can stop it.
         self.tasks: dict[str, ResponderTask] = {}
         self._task_runners: dict[str, asyncio.Task[Any]] = {}
+        #: Requests admitted and not finished (their handlers, running or about
+        #: to), against the limit past which a request is refused busy (#23).
+        self.in_flight = 0
+        self.max_concurrency = max_concurrency
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -139,6 +161,8 @@ class HostedAgent:
             "interaction": self.interaction,
             "offerings": sorted(self.offerings),
             "active_tasks": self.active_tasks,
+            "in_flight": self.in_flight,
+            "max_concurrency": self.max_concurrency,
             "counters": dict(self.counters),
             "drain": drain,
             "subscriptions": subscriptions,
@@ -228,7 +252,8 @@ class HostedAgent:
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
-            await self.agent.on_event(ctx, event)
+            with running_for(self.name):
+                await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -323,6 +348,11 @@ class HostedAgent:
                 # §19.5, in the §7.7/§22 slot: no agreement to a paid SKU, no work.
                 await commerce.check(self, env, spec.id, now_ms)
             await self._admit_budget(env, spec, handler_input)
+            if not wait:
+                # The drain (wait) runs its rows a bounded number at a time and
+                # must not turn a backlog into refusals; every other path is
+                # refused busy past the limit instead of queued without bound.
+                pipeline.check_concurrency(self.in_flight, self.max_concurrency, self.latency.average_ms)
         except ProtocolError as exc:
             # Refused at admission: the refusal is the first reply, no accept (§6.4a).
             self.count_refusal(exc.code)
@@ -337,13 +367,23 @@ class HostedAgent:
             elif framed.field is not None and isinstance(framed.payload, str):
                 text = framed.payload
         self.counters["dispatched"] += 1
+        # Counted from here (no await since the check) until the handler
+        # returns, before its answer goes out: a local requester woken by that
+        # answer may send its next request before this runner's task is done.
+        # The runner's done callback releases a slot whose handler never ran
+        # (a runner cancelled before its first step).
+        slot = _Slot(self)
         if wait:
-            if plan.accept:
-                await self._answer(env, status="accepted", path=source, accept=True)
-            await self._run_handler(env, spec, handler_input, text, source)
+            try:
+                if plan.accept:
+                    await self._answer(env, status="accepted", path=source, accept=True)
+                await self._run_handler(env, spec, handler_input, text, source, slot)
+            finally:
+                slot.release()
             return "answered"
         if not plan.accept:  # a drained request: its first reply is the substantive one
-            self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
+            runner = self.spawn(self._run_handler(env, spec, handler_input, text, source, slot), f"{self.name}:{env['id']}")
+            runner.add_done_callback(slot.release)
             return "answered"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
@@ -357,9 +397,10 @@ class HostedAgent:
         async def run_after_accept() -> None:
             if not gate.done():
                 await gate
-            await self._run_handler(env, spec, handler_input, text, source)
+            await self._run_handler(env, spec, handler_input, text, source, slot)
 
         runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
+        runner.add_done_callback(slot.release)
         try:
             await self._answer(env, status="accepted", path=source, accept=True)
         except BaseException:
@@ -417,7 +458,13 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
-        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
+        self,
+        env: dict[str, Any],
+        spec: OfferingSpec,
+        handler_input: Any,
+        text: str | None,
+        source: Path,
+        slot: _Slot | None = None,
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
@@ -427,12 +474,16 @@ class HostedAgent:
         runner = asyncio.current_task()
         try:
             try:
-                if inspect.isasyncgenfunction(handler):
-                    output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
-                else:
-                    output = await handler(ctx, handler_input)
+                # The loop-lag watchdog names this agent if its handler blocks the loop.
+                with running_for(self.name):
+                    if inspect.isasyncgenfunction(handler):
+                        output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
+                    else:
+                        output = await handler(ctx, handler_input)
             finally:
                 self.latency.observe((time.perf_counter() - started) * 1000)
+                if slot is not None:
+                    slot.release()  # the handler is done; its answer is not a slot
         except ProtocolError as exc:
             self.counters["failed"] += 1
             if ctx.task is not None:

@@ -75,6 +75,7 @@ __all__ = [
     "Path",
     "RefusalCounter",
     "Refused",
+    "check_concurrency",
     "check_kind",
     "decode",
     "decode_verified",
@@ -234,6 +235,28 @@ def guard(guard: InboundGuard, env: Mapping[str, Any], path: Path, now_ms: int) 
         return verdict
     answer = verdict.answer.error if verdict.answer is not None else None
     raise Refused(verdict.local_signal or "refused", verdict.reason or "", envelope=env, answer=answer, verdict=verdict)
+
+
+def check_concurrency(in_flight: int, limit: int, typical_ms: float = 0.0) -> None:
+    """Admission (§7.7 slot, after the §22 guard): refuse busy past the agent's limit.
+
+    ``in_flight`` requests are in the agent's handlers; one more than ``limit``
+    is refused ``AGENT_OVERLOADED`` (retryable, §12) with a ``retry_after_ms``
+    hint in the §16 shape (the typical handler time, 100 ms to 30 s) instead
+    of being queued without bound: a handler that spawns work per request
+    could grow a node to thousands of tasks and hundreds of MB. The refusal
+    is the first reply (no accept) and counted as ``AGENT_OVERLOADED``.
+    Raised as a ProtocolError, like every admission refusal.
+    """
+    if in_flight < limit:
+        return
+    raise ProtocolError(
+        "AGENT_OVERLOADED",
+        f"the agent is at its concurrency limit ({limit} requests in its handlers); retry later, "
+        "or raise [agents.<name>] max_concurrency / [node] agent_max_concurrency",
+        {"reason": "concurrency_limit", "max_concurrency": limit, "in_flight": in_flight},
+        retry_after_ms=int(min(30_000.0, max(100.0, typical_ms))),
+    )
 
 
 # -- the first reply (§6.4a) ------------------------------------------------------
