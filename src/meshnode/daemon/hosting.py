@@ -36,12 +36,10 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
+__all__ = ["AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
-#: Agents started at once at start-up (see :meth:`AgentHost.host_roster`).
-HOST_CONCURRENCY = 32
 #: What an agent's name must look like (its key, subjects and config table use it).
 _AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 
@@ -231,8 +229,9 @@ class AgentHost:
             await self.host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None, strict=strict)
         # Agents start side by side, a bounded number at a time: each start is
         # mostly waiting (the registry's answer, the mailbox stream it creates),
-        # so one after another made a 1,000-agent node take minutes to register.
-        gate = asyncio.Semaphore(HOST_CONCURRENCY)
+        # so one after another made a 1,000-agent node take minutes to register
+        # ([node] host_concurrency; the registry bounds its side by its own setting).
+        gate = asyncio.Semaphore(config.node.host_concurrency)
 
         async def host_one(name: str, agent_cfg: AgentConfig) -> None:
             async with gate:

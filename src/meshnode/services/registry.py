@@ -74,6 +74,7 @@ from typing import Any
 
 import orjson
 
+from meshnode.aio import KeyedConcurrency
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.envelope import build_envelope, decode_envelope, encode_envelope
@@ -90,7 +91,10 @@ from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
 from .query import DiscoverQuery, encode_cursor, listed_for, parse_discover_query
 
-__all__ = ["RegistryService"]
+__all__ = ["DEFAULT_REGISTRATION_CONCURRENCY", "RegistryService"]
+
+#: Registrations served at once by one registry instance ([registry] max_concurrent_registrations).
+DEFAULT_REGISTRATION_CONCURRENCY = 32
 
 #: Room left in a discover reply for the envelope around the agents.
 _ENVELOPE_SLACK = 4096
@@ -118,8 +122,15 @@ class RegistryService(ServiceBase):
         imported: Mapping[str, str] | None = None,
         sdk_agent_of: Callable[[str], str | None] | None = None,
         allow_foreign_endpoints: bool = False,
+        max_concurrent_registrations: int = DEFAULT_REGISTRATION_CONCURRENCY,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Registrations and deregistrations are mostly waiting on JetStream
+        # (the mailbox stream, the revision-checked KV write): served side by
+        # side, this many at once, but one at a time per agent (the sender), so
+        # one agent's register and deregister never interleave on this instance
+        # (two instances are kept apart by the compare-and-set in _store).
+        self.registrations = KeyedConcurrency(max_concurrent_registrations)
         # The one agent of a node's active sdk enrolment (None: not one), from
         # the control plane's enrolment records: the only word on who may use
         # the untokenized register subject. A claim in the credential would not
@@ -168,9 +179,10 @@ class RegistryService(ServiceBase):
             await self.stop()
             raise
         self.hook_reconnect(self._on_reconnect)
-        await self.serve("mesh.registry.register.*", self._register)
-        await self.serve(subjects.REGISTRY_REGISTER, self._register)
-        await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister)
+        gate = self.registrations
+        await self.serve("mesh.registry.register.*", self._register, concurrency=gate)
+        await self.serve(subjects.REGISTRY_REGISTER, self._register, concurrency=gate)
+        await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister, concurrency=gate)
         await self.serve(subjects.REGISTRY_DISCOVER, self._discover)
         await self.serve("mesh.registry.get.*", self._get)
         await self.ctx.connection.flush()
