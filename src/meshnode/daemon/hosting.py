@@ -27,7 +27,7 @@ from meshnode.daemon.plugin_check import (
     settings_error,
     unknown_kind_message,
 )
-from meshnode.keystore import KeyStore
+from meshnode.keystore import KeyStore, get_or_create_all
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
@@ -146,7 +146,7 @@ class AgentHost:
         if config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
         # One worker-thread hop for the whole roster, not one per agent.
-        keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
+        keys = await asyncio.to_thread(get_or_create_all, store, [f"agent.{name}" for name in names])
         host.agent_keys.update(zip(names, keys, strict=True))
         if runs_services:
             key_dir = config.services.key_dir
