@@ -421,8 +421,15 @@ class RegistryService(ServiceBase):
         """
         assert self._kv is not None and self._mirror is not None
         data = _dumps(stored)
-        for _ in range(_CAS_ATTEMPTS):
-            current, revision = await self._mirror.get(agent_id)
+        for attempt in range(_CAS_ATTEMPTS):
+            if attempt == 0:
+                # The watched copy first: a KV read less per registration. A stale
+                # copy costs nothing but a retry, since the write below names the
+                # revision the copy was at and fails if the bucket moved on.
+                current = self._mirror.entries.get(agent_id)
+                revision = self._mirror.revisions.get(agent_id, 0) if current is not None else 0
+            else:
+                current, revision = await self._mirror.get(agent_id)
             if current is not None and _vouch_issued(current) > _vouch_issued(stored):
                 return revision, current
             try:
