@@ -39,6 +39,7 @@ from .sections import (
     ProtectionsConfig,
     RegistryConfig,
     ServicesConfig,
+    StorageConfig,
 )
 from .values import (
     _AGENT_NAME,
@@ -91,6 +92,7 @@ class Config(BaseSettings):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     protections: ProtectionsConfig = Field(default_factory=ProtectionsConfig)
     inbox: InboxConfig = Field(default_factory=InboxConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     keystore: KeystoreConfig = Field(default_factory=KeystoreConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
