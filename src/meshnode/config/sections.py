@@ -93,6 +93,9 @@ class NodeConfig(BaseModel):
     is logged with the agent whose handler was running, and counted."""
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
+    host_concurrency: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Agents started (and registered) at once when the node starts; the rest wait
+    their turn. Each start is mostly waiting on the registry's answer."""
     plugin_modules: list[
         Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")]
     ] = Field(default_factory=list)
@@ -283,6 +286,12 @@ class RegistryConfig(BaseModel):
     unvouched_rate_limit: Annotated[int, Field(ge=1)] = 600
     """Requests per window, all together, from senders no registered node vouches for."""
     rate_window: Duration = timedelta(seconds=60)
+    max_concurrent_registrations: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Registrations (and deregistrations) one registry instance serves at once; one
+    agent's are still served one at a time, in arrival order. Each is mostly waiting on
+    JetStream (the agent's mailbox stream, the revision-checked write), so a node
+    registering thousands of agents is bounded by this, not by the CPU; 1 serves them
+    strictly one after another."""
 
 
 class ServicesConfig(BaseModel):

@@ -27,7 +27,7 @@ from meshnode.daemon.plugin_check import (
     settings_error,
     unknown_kind_message,
 )
-from meshnode.keystore import KeyStore
+from meshnode.keystore import KeyStore, get_or_create_all
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
@@ -36,12 +36,10 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
+__all__ = ["AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
-#: Agents started at once at start-up (see :meth:`AgentHost.host_roster`).
-HOST_CONCURRENCY = 32
 #: What an agent's name must look like (its key, subjects and config table use it).
 _AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 
@@ -150,7 +148,7 @@ class AgentHost:
         if config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
         # One worker-thread hop for the whole roster, not one per agent.
-        keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
+        keys = await asyncio.to_thread(get_or_create_all, store, [f"agent.{name}" for name in names])
         host.agent_keys.update(zip(names, keys, strict=True))
         if runs_services:
             key_dir = config.services.key_dir
@@ -245,8 +243,9 @@ class AgentHost:
             await self.host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None, strict=strict)
         # Agents start side by side, a bounded number at a time: each start is
         # mostly waiting (the registry's answer, the mailbox stream it creates),
-        # so one after another made a 1,000-agent node take minutes to register.
-        gate = asyncio.Semaphore(HOST_CONCURRENCY)
+        # so one after another made a 1,000-agent node take minutes to register
+        # ([node] host_concurrency; the registry bounds its side by its own setting).
+        gate = asyncio.Semaphore(config.node.host_concurrency)
 
         async def host_one(name: str, agent_cfg: AgentConfig) -> None:
             async with gate:
