@@ -252,7 +252,10 @@ class HostedAgent:
     ) -> str:
         """Route a request that passed the §22 guard: describe, the sender's vouch,
         cancel, the attended inbox, follow-ups, admission, then the handler, with
-        the first reply :func:`~meshnode.node.pipeline.first_reply` plans."""
+        the first reply :func:`~meshnode.node.pipeline.first_reply` plans.
+
+        Returns the outcome for the node inbox, or ``running`` when the handler
+        was started in the background (it settles its live pair itself)."""
         payload = normalize_request_payload(env.get("payload"))
         offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
         if offering_id == DESCRIBE_OFFERING:
@@ -334,7 +337,7 @@ class HostedAgent:
             return "answered"
         if not plan.accept:  # a drained request: its first reply is the substantive one
             self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
-            return "answered"
+            return "running"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
         # published so that its first step is scheduled ahead of the client's
@@ -356,7 +359,7 @@ class HostedAgent:
             runner.cancel()  # the accept could not go out: nothing runs (as before)
             raise
         gate.set_result(None)
-        return "answered"
+        return "running"
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -407,6 +410,26 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
+        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
+    ) -> None:
+        """Run the handler and answer; then the live pair is settled (done) in
+        the node inbox. A handler cancelled by a stopping node is not settled:
+        after a restart its buffered copy is kept as ``interrupted``, not run."""
+        try:
+            await self._handle(env, spec, handler_input, text, source)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._settle_live(env, source)
+            raise
+        self._settle_live(env, source)
+
+    def _settle_live(self, env: Mapping[str, Any], source: Path) -> None:
+        inbox = self.node.inbox
+        if inbox is not None and source is Path.LIVE:
+            inbox.settle(self.agent_id, env["from"], env["id"])
+
+    async def _handle(
         self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)

@@ -2,8 +2,7 @@
 
 Every message taken from the broker's redelivery buffer is written here and
 only then acked to JetStream, so at any instant either the broker or this
-file holds it. Commits are grouped: a drained batch is one transaction (one
-fsync in WAL mode with ``synchronous=FULL``), not one per message.
+file holds it.
 
 A message row moves through these states::
 
@@ -17,11 +16,25 @@ A message row moves through these states::
 at most once even across a crash; a row caught mid-handler by a crash is kept
 as ``interrupted`` (visible, retryable by a person), never silently re-run.
 
-The duplicate memory of §22.2 is persisted here too (table ``seen``): what the
-live path handled is remembered across a restart, so a drain after a restart
-acks the buffered copy instead of dispatching it again. Entries are written
-behind (batched) and bounded by age (the mailbox window: nothing older is
-accepted anyway) and by count per agent (first-seen eviction).
+The duplicate memory of §22.2 is persisted here too (table ``seen``), and the
+live path commits a pair **before** it dispatches the message
+(:meth:`InboxStore.commit_live`): a request handled live is never run again by
+a drain of its buffered copy, even after a kill -9 (issue #23). A live pair is
+committed with ``done=0`` and marked ``done=1`` once its handler finished
+(:meth:`InboxStore.settle`); a pair still at 0 when a new process opens the
+file was caught by a crash mid-handler, and the drain keeps its buffered copy
+as an ``interrupted`` row instead of running it (or silently dropping it).
+
+How it is written (why inline ``sqlite3`` and not a thread per statement):
+every statement runs on the event loop's thread — a WAL commit with
+``synchronous=NORMAL`` is a ``write()`` into the OS cache, tens of µs, and
+survives a process crash. Live pairs are group-committed adaptively: the
+first one schedules a commit for the next turn of the loop (no timer, no
+gathering window) and every pair queued until then rides in the same commit.
+What must survive a *power loss* is made so by a sync barrier (one ``fsync``
+of the WAL, in a worker thread so the loop does not wait on the disk) before
+the drain acks the broker and before it dispatches claimed rows. What a power
+loss can still cost is written in docs/exactly-once.md.
 """
 
 from __future__ import annotations
@@ -29,14 +42,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import aiosqlite
 
 from meshnode.node.private_db import prepare_private_db, tighten_side_files
 
@@ -77,6 +89,7 @@ CREATE TABLE IF NOT EXISTS seen (
     sender   TEXT NOT NULL,
     msg_id   TEXT NOT NULL,
     seen_ms  INTEGER NOT NULL,
+    done     INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (agent, sender, msg_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS seen_by_age ON seen (agent, seen_ms);
@@ -126,7 +139,12 @@ class InboxUnwritable(RuntimeError):
 
 
 class InboxStore:
-    """The node's inbox database. One per node; shared by all hosted agents."""
+    """The node's inbox database. One per node; shared by all hosted agents.
+
+    Every method runs its SQLite statements inline on the caller's (the event
+    loop's) thread; the only waits are the sync barrier's ``fsync`` and the
+    checkpoint, both in a worker thread on their own file handles.
+    """
 
     def __init__(
         self,
@@ -136,7 +154,8 @@ class InboxStore:
         seen_max_age_ms: int = 7 * 86_400_000,
         retention_ms: int = 14 * 86_400_000,
         flush_interval: float = 0.05,
-        synchronous: str = "FULL",
+        synchronous: str = "NORMAL",
+        checkpoint_every: int = 500,
     ) -> None:
         self.path = path
         self.seen_capacity = seen_capacity
@@ -144,43 +163,68 @@ class InboxStore:
         self.retention_ms = retention_ms
         self.flush_interval = flush_interval
         self.synchronous = synchronous
-        self._db: aiosqlite.Connection | None = None
-        self._lock = asyncio.Lock()
+        self.checkpoint_every = checkpoint_every
+        self._db: sqlite3.Connection | None = None
+        # Live pairs waiting for the next group commit (agent, sender, msg_id,
+        # seen_ms, done) with the future their dispatch waits on.
+        self._live: list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]] = []
+        self._settle: list[tuple[str, str, str]] = []
+        self._commit_scheduled = False
+        # Pairs remembered behind (refusals; live pairs while the inbox cannot be written).
         self._seen_pending: list[tuple[str, str, str, int]] = []
-        # Pairs taken back by forget(). A flush may hold such a pair in flight
-        # when forget() runs: re-queued after a failed write it must not come
-        # back, and written by a write that succeeded it must not make the drain
-        # take its buffered copy for a duplicate (that copy is the only one left).
+        # Pairs taken back by forget(): a pair already committed must not make the
+        # drain take its buffered copy for a duplicate (that copy is the only one left).
         self._forgotten: dict[tuple[str, str, str], None] = {}
         self._state_pending: list[tuple[str, str | None, int, int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        # The sync barrier: commits that changed the file, and how many of them
+        # an fsync of the WAL has covered.
+        self._commit_gen = 0
+        self._synced_gen = 0
+        self._checkpointed_at = 0
         self.commits = 0
+        self.syncs = 0
+        self.group_commits = 0
+        self.live_committed = 0
+        self.kept_interrupted = 0
         #: Why writes fail now (SQLite's message), None while the inbox is writable.
         self.fault: str | None = None
         self.fault_since_ms: int | None = None
         self.failed_writes = 0
         self.dropped_behind = 0
+        self.degraded_live = 0
 
     # -- lifecycle -------------------------------------------------------------
 
     async def open(self) -> None:
         prepare_private_db(self.path)  # born 0600, so are its -wal/-shm (item 8)
-        self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit is on disk before we ack the broker (the durability rule).
-        await self._db.execute(f"PRAGMA synchronous={self.synchronous}")
-        await self._db.execute("PRAGMA busy_timeout=5000")
-        await self._db.executescript(_SCHEMA)
+        db = sqlite3.connect(self.path, isolation_level=None)
+        self._db = db
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit is in the OS's hands when it returns, so
+        # it survives a kill -9; power-loss durability comes from the sync
+        # barrier (_sync) where the §16.4 rule needs it, before any broker ack.
+        db.execute(f"PRAGMA synchronous={self.synchronous}")
+        db.execute("PRAGMA busy_timeout=5000")
+        # Checkpoints (which fsync) run in a worker thread, not inside a commit
+        # on the event loop (see _maintain).
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        db.execute("PRAGMA journal_size_limit=67108864")
+        db.executescript(_SCHEMA)
+        columns = {str(r[1]) for r in db.execute("PRAGMA table_info(seen)")}
+        if "done" not in columns:  # a file of an older version: its pairs were all handled
+            db.execute("ALTER TABLE seen ADD COLUMN done INTEGER NOT NULL DEFAULT 1")
+        # Pairs a previous process committed before dispatch and never settled:
+        # it died (or was stopped) while their handlers ran. Their buffered
+        # copies are kept as interrupted rows by the drain, never run again.
+        db.execute("UPDATE seen SET done=2 WHERE done=0")
         tighten_side_files(self.path)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="inbox-flush")
 
     async def close(self) -> None:
         if self._flusher is not None:
-            # Let the write-behind finish the batch it may be writing: cancelling
-            # it mid-transaction would roll back pairs it already took (a
-            # restart would then answer a handled request again).
             self._closing = True
             self._wake.set()
             try:
@@ -197,24 +241,21 @@ class InboxStore:
                 # Only the persisted duplicate memory loses these pairs: after a
                 # restart their buffered copies may be dispatched a second time.
                 log.error("stopping with %d remembered pairs unwritten: %s", len(self._seen_pending), exc.cause)
-            # Under the lock: a write already waiting for it (a forced exit's
-            # final_write, which took its pairs off the queue) commits before
-            # the file is closed, instead of failing on a closed connection.
-            async with self._lock:
-                with contextlib.suppress(Exception):
-                    await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                await self._db.close()
-                self._db = None
+            self._resolve_live(self._take_live(), "degraded")
+            with contextlib.suppress(Exception):
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()
+            self._db = None
 
     @property
-    def db(self) -> aiosqlite.Connection:
+    def db(self) -> sqlite3.Connection:
         if self._db is None:
             raise RuntimeError("inbox store is not open")
         return self._db
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction (one commit, one fsync), under the store's lock.
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (one commit), inline.
 
         A failure anywhere, the COMMIT included, leaves no transaction open
         (SQLite rolls some back by itself on SQLITE_FULL; the rest are rolled
@@ -222,27 +263,28 @@ class InboxStore:
         SQLite error is raised as :class:`InboxUnwritable` and recorded in
         :attr:`fault` (logged once when it starts and once when it ends).
         """
-        async with self._lock:
-            db = self.db
-            changes = db.total_changes
-            try:
-                await db.execute("BEGIN IMMEDIATE")
-                yield db
-                await db.execute("COMMIT")
-            except BaseException as exc:
-                if db.in_transaction:
-                    with contextlib.suppress(Exception):
-                        await db.execute("ROLLBACK")
-                # Full, read-only, I/O error, locked, corrupt: the file cannot take
-                # the write. (A constraint or programming error is a bug: raised as is.)
-                if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
-                    self._failed(exc)
-                    raise InboxUnwritable(self.path, str(exc)) from exc
-                raise
-            self.commits += 1
-            # Only a commit that wrote something proves the disk takes writes
-            # again (a drain pass with nothing to claim commits nothing).
-            if self.fault is not None and db.total_changes != changes:
+        db = self.db
+        changes = db.total_changes
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                with contextlib.suppress(Exception):
+                    db.execute("ROLLBACK")
+            # Full, read-only, I/O error, locked, corrupt: the file cannot take
+            # the write. (A constraint or programming error is a bug: raised as is.)
+            if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
+                self._failed(exc)
+                raise InboxUnwritable(self.path, str(exc)) from exc
+            raise
+        self.commits += 1
+        # Only a commit that wrote something proves the disk takes writes
+        # again (a drain pass with nothing to claim commits nothing).
+        if db.total_changes != changes:
+            self._commit_gen += 1
+            if self.fault is not None:
                 log.warning(
                     "the node inbox %s is writable again (%d writes failed since the fault began); "
                     "buffered mail is taken on the next drain pass", self.path, self.failed_writes,
@@ -250,7 +292,7 @@ class InboxStore:
                 self.fault = None
                 self.fault_since_ms = None
 
-    def _failed(self, exc: sqlite3.Error) -> None:
+    def _failed(self, exc: BaseException) -> None:
         self.failed_writes += 1
         if self.fault is None:
             self.fault_since_ms = time.time_ns() // 1_000_000
@@ -261,11 +303,28 @@ class InboxStore:
             )
         self.fault = str(exc)
 
+    async def _sync(self) -> None:
+        """The sync barrier: every commit made so far is on disk when this
+        returns (one ``fsync`` of the WAL in a worker thread; nothing when no
+        commit changed the file since the last one). The drain calls it before
+        it acks the broker and before it dispatches claimed rows."""
+        gen = self._commit_gen
+        if gen <= self._synced_gen:
+            return
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            await asyncio.to_thread(_fsync_file, wal)
+        except OSError as exc:
+            self._failed(exc)
+            raise InboxUnwritable(self.path, f"fsync of {wal.name} failed: {exc}") from exc
+        self.syncs += 1
+        self._synced_gen = max(self._synced_gen, gen)
+
     async def probe(self) -> None:
         """One tiny real write: clears :attr:`fault` when it commits, raises
         :class:`InboxUnwritable` while the inbox still cannot be written."""
-        async with self._write() as db:
-            await db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
 
     def health(self) -> dict[str, Any]:
         """For status: whether the inbox can commit, and since when it cannot."""
@@ -276,15 +335,124 @@ class InboxStore:
             "fault_since_ms": self.fault_since_ms,
             "failed_writes": self.failed_writes,
             "commits": self.commits,
-            "write_behind_pending": len(self._seen_pending) + len(self._state_pending),
+            "group_commits": self.group_commits,
+            "live_committed": self.live_committed,
+            "live_degraded": self.degraded_live,
+            "kept_interrupted": self.kept_interrupted,
+            "syncs": self.syncs,
+            "write_behind_pending": len(self._seen_pending) + len(self._state_pending)
+            + len(self._live) + len(self._settle),
             "write_behind_dropped": self.dropped_behind,
         }
 
-    async def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
-        """One transaction, one commit (one fsync)."""
-        async with self._write() as db:
+    def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> int:
+        """One transaction, one commit; returns the rows changed."""
+        with self._write() as db:
+            before = db.total_changes
             for sql, params in statements:
-                await db.execute(sql, params)
+                db.execute(sql, params)
+            return db.total_changes - before
+
+    # -- the live path: commit before dispatch ------------------------------------------
+
+    async def commit_live(self, agent: str, sender: str, msg_id: str, now_ms: int, *, settled: bool = False) -> str:
+        """Commit the pair of a live message before it is dispatched.
+
+        Returns ``committed`` (the pair is in the file: a drain of the
+        buffered copy, in this process or after a crash, never dispatches it
+        again), ``duplicate`` (the file already held the pair: handled before,
+        possibly by an earlier process — do not dispatch) or ``degraded`` (the
+        inbox cannot be written now: the pair is written behind, and only a
+        crash before the disk recovers could run the buffered copy again).
+
+        ``settled`` commits the pair as finished at once (a respond: nothing
+        runs after it); otherwise :meth:`settle` marks it finished.
+
+        Group commit, adaptive: the first pair schedules a commit for the next
+        turn of the event loop and every pair queued until then rides in it. An
+        idle node commits at once; no timer adds latency.
+        """
+        if self._db is None:
+            return "degraded"
+        if self.fault is not None:
+            self.remember(agent, sender, msg_id, now_ms)
+            self.degraded_live += 1
+            return "degraded"
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._live.append(((agent, sender, msg_id, now_ms, 1 if settled else 0), future))
+        self._schedule_commit()
+        return await future
+
+    def settle(self, agent: str, sender: str, msg_id: str) -> None:
+        """The live handler of a committed pair finished (answered, refused or
+        failed): mark it done, in the next group commit."""
+        self._settle.append((agent, sender, msg_id))
+        self._schedule_commit()
+
+    def _schedule_commit(self) -> None:
+        if not self._commit_scheduled:
+            self._commit_scheduled = True
+            asyncio.get_running_loop().call_soon(self._group_commit)
+
+    def _take_live(self) -> list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]]:
+        live, self._live = self._live, []
+        return live
+
+    @staticmethod
+    def _resolve_live(
+        live: Iterable[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]],
+        outcome: str | dict[tuple[str, str, str], str],
+    ) -> None:
+        for pair, future in live:
+            if future is not None and not future.done():
+                future.set_result(outcome if isinstance(outcome, str) else outcome.get(pair[:3], "committed"))
+
+    def _write_live(
+        self, db: sqlite3.Connection, live: Sequence[tuple[tuple[str, str, str, int, int], Any]],
+        settle: Sequence[tuple[str, str, str]],
+    ) -> dict[tuple[str, str, str], str]:
+        """Inside a transaction: the queued live pairs, then the settle marks.
+        Returns the pairs the file already held (duplicates)."""
+        already: dict[tuple[str, str, str], str] = {}
+        for pair, _ in live:
+            cur = db.execute("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,?)", pair)
+            if cur.rowcount != 1:
+                already[pair[:3]] = "duplicate"
+        if settle:
+            db.executemany("UPDATE seen SET done=1 WHERE agent=? AND sender=? AND msg_id=? AND done!=1", settle)
+        return already
+
+    def _group_commit(self) -> None:
+        self._commit_scheduled = False
+        live = self._take_live()
+        settle, self._settle = self._settle, []
+        if not live and not settle:
+            return
+        if self._db is None:
+            self._resolve_live(live, "degraded")
+            return
+        try:
+            with self._write() as db:
+                already = self._write_live(db, live, settle)
+        except InboxUnwritable:
+            # Availability over the strict rule while the disk is at fault: the
+            # messages are dispatched, their pairs are written behind (the
+            # in-memory §22.2 memory still refuses their buffered copies here).
+            for pair, _ in live:
+                if pair[:3] not in self._forgotten:
+                    self.remember(*pair[:4])
+            self.degraded_live += len(live)
+            self._settle[:0] = settle
+            self._resolve_live(live, "degraded")
+            return
+        except BaseException as exc:  # a bug: never leave a dispatch waiting forever
+            for _, future in live:
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+            raise
+        self.group_commits += 1
+        self.live_committed += len(live) - len(already)
+        self._resolve_live(live, already)
 
     # -- the drain: durable intake -----------------------------------------------
 
@@ -293,95 +461,124 @@ class InboxStore:
     ) -> list[bool]:
         """Durably record drained messages (sender, msg_id, kind, raw, stream_seq).
 
-        Returns, per item, whether it is new work (False: already held here or
-        already handled live — the caller acks it without dispatching). The
-        commit has happened when this returns: only then may the caller ack.
+        Returns, per item, whether it is new work (False: already held here,
+        already handled live, or kept as ``interrupted`` because a crash caught
+        its live handler — the caller acks it without dispatching). The commit
+        is on disk when this returns (the sync barrier): only then may the
+        caller ack. Copies already seen cost one primary-key look-up each and
+        no write; a batch of nothing but those costs no fsync unless the live
+        path committed since the last one.
         """
         if not items:
             return []
-        # Pairs the live path handled moments ago may still wait in the write-behind.
-        pending = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
+        # Live pairs waiting for their group commit ride in this transaction,
+        # so the copies acked as their duplicates are never acked before them.
+        live = self._take_live()
+        settle, self._settle = self._settle, []
+        queued = {p[1:3] for p, _ in live if p[0] == agent}
+        queued.update((s, m) for a, s, m, _ in self._seen_pending if a == agent)
         fresh: list[bool] = []
         taken_back: list[tuple[str, str, str]] = []
-        async with self._write() as db:
-            for sender, msg_id, kind, raw, seq in items:
-                if (sender, msg_id) in pending:
-                    fresh.append(False)
-                    continue
-                if (agent, sender, msg_id) in self._forgotten:
-                    # Taken back by the live path (it could not hold the message);
-                    # a write-behind already in flight may have written it anyway.
-                    await db.execute(
-                        "DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
+        note = "the node stopped while its live handler ran; not run again"
+        try:
+            with self._write() as db:
+                already = self._write_live(db, live, settle)
+                for sender, msg_id, kind, raw, seq in items:
+                    if (sender, msg_id) in queued:
+                        fresh.append(False)
+                        continue
+                    key = (agent, sender, msg_id)
+                    if key in self._forgotten:
+                        # Taken back by the live path (it could not hold the message).
+                        db.execute("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)
+                        taken_back.append(key)
+                    row = db.execute(
+                        "SELECT done FROM seen WHERE agent=? AND sender=? AND msg_id=?", key
+                    ).fetchone()
+                    if row is not None:
+                        if row[0] == 2:
+                            # Committed live by a process that died before the handler
+                            # finished: kept for a person, never run a second time.
+                            if kind == "request":
+                                cur = db.execute(
+                                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope,"
+                                    " stream_seq, received_ms, state, state_ms, note)"
+                                    " VALUES (?,?,?,?,?,?,?,'interrupted',?,?)",
+                                    (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms, note),
+                                )
+                                self.kept_interrupted += cur.rowcount
+                            db.execute("UPDATE seen SET done=1 WHERE agent=? AND sender=? AND msg_id=?", key)
+                        fresh.append(False)
+                        continue
+                    cur = db.execute(
+                        "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
+                        " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
+                        (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
                     )
-                    taken_back.append((agent, sender, msg_id))
-                async with db.execute(
-                    "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-                ) as cur:
-                    seen_live = await cur.fetchone() is not None
-                if seen_live:
-                    fresh.append(False)
-                    continue
-                cur2 = await db.execute(
-                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
-                    " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
-                    (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
-                )
-                fresh.append(cur2.rowcount == 1)
+                    fresh.append(cur.rowcount == 1)
+        except InboxUnwritable:
+            self._live[:0] = live  # the group commit retries them (and degrades them if it must)
+            self._settle[:0] = settle
+            if live:
+                self._schedule_commit()
+            raise
+        self._resolve_live(live, already)
         for pair in taken_back:  # committed: the tombstones have done their work
             self._forgotten.pop(pair, None)
+        await self._sync()
         return fresh
 
     async def claim_pending(self, agent: str, limit: int, now_ms: int) -> list[InboxRow]:
-        """Mark up to ``limit`` pending rows dispatched (committed) and return them."""
-        async with self._write() as db:
-            async with db.execute(
-                f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
-                (agent, limit),
-            ) as cur:
-                rows = [_row(r) for r in await cur.fetchall()]
+        """Mark up to ``limit`` pending rows dispatched (committed, on disk) and return them."""
+        with self._write() as db:
+            rows = [
+                _row(r)
+                for r in db.execute(
+                    f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
+                    (agent, limit),
+                )
+            ]
             if rows:
-                await db.executemany(
+                db.executemany(
                     "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=?",
                     [(now_ms, r.inbox_id) for r in rows],
                 )
                 # The claimed pairs join the persisted duplicate memory now.
-                await db.executemany(
+                db.executemany(
                     "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
                     [(agent, r.sender, r.msg_id, now_ms) for r in rows],
                 )
+        if rows:
+            # A claim lost to a power loss would put the rows back to pending
+            # and run them again: on disk before any handler runs.
+            await self._sync()
         return rows
 
     async def recover_interrupted(self, now_ms: int) -> int:
         """At start-up: rows claimed by a process that died are ``interrupted``."""
-        await self._transaction(
+        return self._transaction(
             [("UPDATE messages SET state='interrupted', state_ms=?, note='the node stopped while its handler ran'"
               " WHERE state='dispatched'", (now_ms,))]
         )
-        async with self.db.execute("SELECT changes()") as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
 
     # -- interactive: held messages --------------------------------------------------
 
     async def hold(self, agent: str, sender: str, msg_id: str, kind: str, raw: bytes, now_ms: int) -> int:
         """Keep a message for a person's live session; returns its inbox id."""
-        async with self._write() as db:
-            await db.execute(
+        with self._write() as db:
+            db.execute(
                 "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, received_ms,"
                 " state, state_ms) VALUES (?,?,?,?,?,?,'held',?)",
                 (agent, sender, msg_id, kind, raw, now_ms, now_ms),
             )
-            async with db.execute(
+            row = db.execute(
                 "SELECT inbox_id FROM messages WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-            ) as cur:
-                row = await cur.fetchone()
+            ).fetchone()
         assert row is not None
         return int(row[0])
 
     async def get(self, inbox_id: int) -> InboxRow | None:
-        async with self.db.execute(f"SELECT {_COLUMNS} FROM messages WHERE inbox_id=?", (inbox_id,)) as cur:
-            row = await cur.fetchone()
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM messages WHERE inbox_id=?", (inbox_id,)).fetchone()
         return _row(row) if row else None
 
     async def rows(
@@ -400,20 +597,18 @@ class InboxStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY inbox_id DESC LIMIT ?"
         params.append(limit)
-        async with self.db.execute(sql, params) as cur:
-            return [_row(r) for r in await cur.fetchall()]
+        return [_row(r) for r in self.db.execute(sql, params)]
 
     async def counts(self) -> dict[str, int]:
-        async with self.db.execute("SELECT state, count(*) FROM messages GROUP BY state") as cur:
-            return {str(state): int(n) for state, n in await cur.fetchall()}
+        return {str(state): int(n) for state, n in self.db.execute("SELECT state, count(*) FROM messages GROUP BY state")}
 
     async def set_state(self, inbox_id: int, state: str, now_ms: int, note: str | None = None, *, durable: bool = True) -> None:
         """Record an outcome. Outcomes after dispatch are informational, so by
-        default they are durable but a caller on a hot path may write behind."""
+        default they are committed at once but a caller on a hot path may write behind."""
         if state not in STATES:
             raise ValueError(f"unknown inbox state {state!r}")
         if durable:
-            await self._transaction(
+            self._transaction(
                 [("UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
                   (state, now_ms, note, inbox_id))]
             )
@@ -424,7 +619,8 @@ class InboxStore:
     # -- the persisted duplicate memory -------------------------------------------------
 
     def remember(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
-        """Write-behind: remember a pair handled on the live path."""
+        """Write-behind: remember a pair the live path refused (nothing ran), or
+        one :meth:`commit_live` could not commit."""
         self._forgotten.pop((agent, sender, msg_id), None)
         self._seen_pending.append((agent, sender, msg_id, now_ms))
         if len(self._seen_pending) > _MAX_BEHIND:
@@ -438,67 +634,69 @@ class InboxStore:
             self._wake.set()
 
     def forget(self, agent: str, sender: str, msg_id: str) -> None:
-        """Take back a pair :meth:`remember` was given and that is not yet written:
-        the live path could not handle the message after all (the inbox could
-        not hold it), so the buffered copy must still be taken by a drain."""
-        self._seen_pending = [p for p in self._seen_pending if p[:3] != (agent, sender, msg_id)]
-        self._forgotten[(agent, sender, msg_id)] = None
+        """Take back a pair the live path gave (:meth:`remember` or
+        :meth:`commit_live`): it could not handle the message after all (the
+        inbox could not hold it), so the buffered copy must still be taken by
+        a drain."""
+        key = (agent, sender, msg_id)
+        self._seen_pending = [p for p in self._seen_pending if p[:3] != key]
+        self._settle = [p for p in self._settle if p != key]
+        self._forgotten[key] = None
         if len(self._forgotten) > _MAX_BEHIND:
             self._forgotten.pop(next(iter(self._forgotten)))
+        if self._db is not None and self.fault is None:
+            with contextlib.suppress(InboxUnwritable):
+                self._transaction([("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)])
+                self._forgotten.pop(key, None)
 
     async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
         """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
-        async with self.db.execute(
-            "SELECT sender, msg_id FROM (SELECT sender, msg_id, seen_ms FROM seen WHERE agent=?"
-            " ORDER BY seen_ms DESC LIMIT ?) ORDER BY seen_ms ASC",
-            (agent, limit),
-        ) as cur:
-            return [(str(s), str(m)) for s, m in await cur.fetchall()]
+        return [
+            (str(s), str(m))
+            for s, m in self.db.execute(
+                "SELECT sender, msg_id FROM (SELECT sender, msg_id, seen_ms FROM seen WHERE agent=?"
+                " ORDER BY seen_ms DESC LIMIT ?) ORDER BY seen_ms ASC",
+                (agent, limit),
+            )
+        ]
 
     async def final_write(self) -> None:
         """The write a forced exit still does: every pair and outcome written
         behind, in one transaction, whether or not :meth:`close` is under way.
-
-        The write waits for the store's lock, so a write-behind batch already in
-        flight commits first; then everything still behind is written. A store
-        already closed has nothing left to write.
-        """
+        A store already closed has nothing left to write."""
         if self._db is None:
             return
-        # The write-behind may be mid-transaction with pairs it already took off
-        # the queue: the lock is free only once it committed (or failed and put
-        # them back, for the flush below to write).
-        async with self._lock:
-            pass
         await self.flush()
 
     async def flush(self) -> None:
-        """Write the behind-writes now (one transaction)."""
+        """Write everything behind now (one transaction): queued live pairs,
+        settle marks, remembered pairs and outcomes."""
+        if self._db is None:
+            return
+        live = self._take_live()
+        settle, self._settle = self._settle, []
         seen, self._seen_pending = self._seen_pending, []
         states, self._state_pending = self._state_pending, []
-        if not seen and not states:
+        if not live and not settle and not seen and not states:
             return
         try:
-            await self._write_behind(seen, states)
+            with self._write() as db:
+                already = self._write_live(db, live, settle)
+                if seen:
+                    db.executemany("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", seen)
+                if states:
+                    db.executemany(
+                        "UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?", states
+                    )
         except BaseException:
             # Nothing taken is dropped: the next flush (or close) writes it —
-            # except a pair forget() took back while this write was in flight.
+            # except a pair forget() took back meanwhile.
+            self._live[:0] = live
+            self._settle[:0] = settle
             self._seen_pending[:0] = [p for p in seen if p[:3] not in self._forgotten]
             self._state_pending[:0] = states
             raise
-
-    async def _write_behind(
-        self, seen: list[tuple[str, str, str, int]], states: list[tuple[str, str | None, int, int]]
-    ) -> None:
-        statements: list[tuple[str, Sequence[Any]]] = []
-        for item in seen:
-            statements.append(("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", item))
-        for state, note, ms, inbox_id in states:
-            statements.append(
-                ("UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
-                 (state, ms, note, inbox_id))
-            )
-        await self._transaction(statements)
+        self._resolve_live(live, already)
 
     async def _flush_loop(self) -> None:
         while not self._closing:
@@ -512,10 +710,24 @@ class InboxStore:
             self._wake.clear()
             try:
                 await self.flush()
+                await self._maintain()
             except InboxUnwritable:
                 pass  # recorded in self.fault; the next flush carries the backlog
             except Exception as exc:  # keep trying; the next flush carries the backlog
                 log.warning("inbox write-behind failed: %s", exc)
+
+    async def _maintain(self) -> None:
+        """Checkpoint the WAL into the database now and then, in a worker
+        thread on a connection of its own (a PASSIVE checkpoint never blocks
+        the loop's writes): automatic checkpoints would fsync inside a commit
+        on the event loop."""
+        if self.commits - self._checkpointed_at < self.checkpoint_every:
+            return
+        self._checkpointed_at = self.commits
+        gen = self._commit_gen
+        done = await asyncio.to_thread(_checkpoint, self.path)
+        if done:  # a complete checkpoint synced everything committed before it
+            self._synced_gen = max(self._synced_gen, gen)
 
     # -- retention -------------------------------------------------------------------
 
@@ -524,24 +736,51 @@ class InboxStore:
         horizon = now_ms - self.retention_ms
         seen_horizon = now_ms - self.seen_max_age_ms
         placeholders = ",".join("?" * len(TERMINAL_STATES))
-        await self._transaction(
+        self._transaction(
             [
                 (f"DELETE FROM messages WHERE state IN ({placeholders}) AND state_ms < ?", (*TERMINAL_STATES, horizon)),
                 ("DELETE FROM seen WHERE seen_ms < ?", (seen_horizon,)),
             ]
         )
         trimmed = 0
-        async with self.db.execute(
+        over = self.db.execute(
             "SELECT agent, count(*) FROM seen GROUP BY agent HAVING count(*) > ?", (self.seen_capacity,)
-        ) as cur:
-            over = await cur.fetchall()
+        ).fetchall()
         for agent, count in over:
             excess = int(count) - self.seen_capacity
             # First-seen eviction: the oldest remembered pairs go first.
-            await self._transaction(
+            self._transaction(
                 [("DELETE FROM seen WHERE (agent, sender, msg_id) IN (SELECT agent, sender, msg_id FROM seen"
                   " WHERE agent=? ORDER BY seen_ms LIMIT ?)", (agent, excess))]
             )
             trimmed += excess
         return {"trimmed_seen": trimmed}
 
+
+def _fsync_file(path: Path) -> None:
+    """fsync ``path`` if it exists (a WAL truncated by a checkpoint is on disk already)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoint(path: Path) -> bool:
+    """A PASSIVE checkpoint on a connection of its own; True when it was complete."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("PRAGMA busy_timeout=1000")
+        busy, log_frames, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return bool(busy == 0 and log_frames >= 0 and done == log_frames)
+    except sqlite3.Error as exc:
+        log.debug("inbox checkpoint failed: %s", exc)
+        return False
+    finally:
+        conn.close()

@@ -63,7 +63,13 @@ from meshnode.protocol.accept import (
 )
 from meshnode.protocol.envelope import decode_envelope, verify_envelope
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.protections import DeliverySource, InboundGuard, InboundVerdict, Protection
+from meshnode.protocol.protections import (
+    LOCAL_SIGNAL_DUPLICATE,
+    DeliverySource,
+    InboundGuard,
+    InboundVerdict,
+    Protection,
+)
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -322,14 +328,35 @@ async def receive(
             # no accept precedes it; every other refusal is silent.
             await hosted.answer_refusal(refused.envelope, refused.answer, path)
         return "refused"
-    if inbox is not None and path is not Path.MAILBOX:
-        # Persist what the live path has seen, so a drain after a restart
-        # acks the buffered copy instead of running it again (§16.4).
+    kind = env["type"]
+    committed = False
+    if inbox is not None and path is Path.LIVE:
+        # Commit the pair before dispatch (adaptive group commit, issue #23): the
+        # broker buffers a copy of every live message, and a drain of that copy
+        # — in this process or after a kill -9 — must find the pair and never
+        # run the message a second time. (A local delivery has no buffered copy.)
+        committed_as = await inbox.commit_live(
+            hosted.agent_id, env["from"], env["id"], now_ms, settled=kind != "request"
+        )
+        if committed_as == "duplicate":
+            # The file remembers the pair (handled before, perhaps by an earlier
+            # process, past the in-memory memory's reach): a duplicate (§22.2).
+            hosted.refuse(Intake.INBOX, LOCAL_SIGNAL_DUPLICATE, env, "already handled (the node inbox remembers it)")
+            return "refused"
+        committed = committed_as == "committed" and kind == "request"
+    elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=path.value)
-    kind = env["type"]
     if kind == "request":
-        return await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        outcome = "refused"
+        try:
+            outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        finally:
+            if committed and inbox is not None and outcome != "running":
+                # Answered (or refused, held, failed) without a background
+                # handler: the pair is finished. A running handler settles it.
+                inbox.settle(hosted.agent_id, env["from"], env["id"])
+        return "answered" if outcome == "running" else outcome
     if kind == "respond":
         if node.on_respond(hosted, env):
             return "answered"
