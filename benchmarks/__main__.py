@@ -17,6 +17,7 @@ from typing import Any
 from . import (
     bench_canonical,
     bench_drain,
+    bench_inbox,
     bench_residual,
     bench_roundtrip,
     bench_roundtrip2,
@@ -33,6 +34,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "stream": bench_stream.run,
     "scale": bench_scale.run,
     "residual": bench_residual.run,
+    "inbox": bench_inbox.run,
 }
 
 
@@ -80,6 +82,18 @@ def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             add("1,000 agents idle CPU ≤ 5% core", r["idle_cpu_pct"], 5, at_most=True, shown=f"{r['idle_cpu_pct']:.1f}%")
             add("1,000 agents idle JS API ≤ 20/s", r["idle_js_api_per_s"], 20, at_most=True,
                 shown=f"{r['idle_js_api_per_s']:.1f}/s")
+    if "residual" in results:
+        r = results["residual"]
+        add("run twice after kill -9 = 0 (#23)", r["dispatched_twice"], 0, at_most=True,
+            shown=f"{r['dispatched_twice']} of {r['live_handled']}")
+    if "inbox" in results:
+        r = results["inbox"]
+        add("commit before dispatch ≤ +50 µs CPU (#21)", r["added_cpu_us_per_request"], 50, at_most=True,
+            shown=f"+{r['added_cpu_us_per_request']:.1f} µs ({r['cpu_ratio_new_over_old']:.1f}x write-behind)")
+        add("commit before dispatch ≤ +0.2 ms latency (#21)", r["commit_latency_us_before_handler"], 200,
+            at_most=True, shown=f"+{r['commit_latency_us_before_handler']:.0f} µs")
+        add("drain of an already-seen copy ≤ 30 µs (#21)", r["already_seen_us_per_item"], 30, at_most=True,
+            shown=f"{r['already_seen_us_per_item']:.1f} µs")
     return rows
 
 

@@ -171,7 +171,7 @@ async def test_a_pair_taken_back_after_its_commit_stays_taken_back(tmp_path: Pat
         store.db.execute("PRAGMA query_only = 0")
         assert await store.accept_batch("A", [("s", "live-1", "request", b"{}", 1)], NOW) == [True]
         # And a pair that was handled live stays a duplicate.
-        assert await store.commit_live("A", "s", "live-2", NOW) == "committed"
+        assert await store.commit_live("A", "s", "live-2", NOW, settled=True) == "committed"
         assert await store.accept_batch("A", [("s", "live-2", "request", b"{}", 2)], NOW) == [False]
     finally:
         store.db.execute("PRAGMA query_only = 0")

@@ -94,11 +94,13 @@ async def test_live_pairs_are_group_committed_before_dispatch_and_never_drained_
         assert store.group_commits == before + 1
         assert await store.commit_live(A, "s", "lone", 100) == "committed"
         assert store.group_commits == before + 2
-        # The file remembers them: a second live copy is a duplicate, and the
-        # buffered copies are acked without dispatch.
-        assert await store.commit_live(A, "s", "m3", 101) == "duplicate"
         items = [("s", f"m{i}", "request", b"{}", i) for i in range(20)]
-        assert await store.accept_batch(A, items, 102) == [False] * 20
+        # Their handlers run: the buffered copies stay in the broker meanwhile.
+        assert await store.accept_batch(A, items, 102) == [None] * 20
+        for i in range(20):
+            store.settle(A, "s", f"m{i}", 103)
+        # Settled: the copies are acked without dispatch.
+        assert await store.accept_batch(A, items, 104) == [False] * 20
         assert await store.counts() == {}
     finally:
         await store.close()
@@ -113,7 +115,8 @@ async def test_a_drained_copy_never_overtakes_the_commit_of_its_live_pair(tmp_pa
     try:
         waiting = asyncio.ensure_future(store.commit_live(A, "s", "q1", 100))
         await asyncio.sleep(0)  # queued, its commit scheduled but not run
-        assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 101) == [False]
+        # Committed by the batch's transaction, its handler about to run: the copy waits.
+        assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 101) == [None]
         assert await waiting == "committed"
         assert ("s", "q1") in await store.load_seen(A, 10)
     finally:
@@ -129,7 +132,7 @@ async def test_a_crash_mid_handler_keeps_the_buffered_copy_as_interrupted(tmp_pa
     await store.open()
     assert await store.commit_live(A, "s", "running", 100) == "committed"
     assert await store.commit_live(A, "s", "finished", 100) == "committed"
-    store.settle(A, "s", "finished")
+    store.settle(A, "s", "finished", 100)
     await asyncio.sleep(0)  # the settle rides in the next group commit
     assert await store.commit_live(A, "s", "answer", 100, settled=True) == "committed"
     # A kill -9 here: the file is not closed (the connection is simply dropped).
@@ -148,8 +151,6 @@ async def test_a_crash_mid_handler_keeps_the_buffered_copy_as_interrupted(tmp_pa
         # The copy drained again (its ack was lost) adds nothing.
         assert await reopened.accept_batch(A, items[:1], 202) == [False]
         assert len(await reopened.rows(states=["interrupted"])) == 1
-        # And a live copy arriving after the restart is a duplicate too.
-        assert await reopened.commit_live(A, "s", "finished", 203) == "duplicate"
     finally:
         await reopened.close()
 
@@ -165,7 +166,7 @@ async def test_the_sync_barrier_runs_only_when_something_was_committed(tmp_path:
         assert await store.accept_batch(A, [("s", "n1", "request", b"{}", 1)], 101) == [False]
         assert store.syncs == syncs
         # A live commit since the last sync: the ack of its copy waits for one fsync.
-        await store.commit_live(A, "s", "l1", 102)
+        await store.commit_live(A, "s", "l1", 102, settled=True)
         assert await store.accept_batch(A, [("s", "l1", "request", b"{}", 2)], 103) == [False]
         assert store.syncs == syncs + 1
     finally:
@@ -205,5 +206,40 @@ async def test_a_file_of_an_older_version_gains_the_done_column(tmp_path: Path) 
         # An old pair was written after its dispatch: handled, a plain duplicate.
         assert await store.accept_batch(A, [("s", "old", "request", b"{}", 1)], 100) == [False]
         assert await store.rows(states=["interrupted"]) == []
+    finally:
+        await store.close()
+
+
+async def test_a_taken_request_is_left_in_the_broker_until_it_settles(tmp_path: Path) -> None:
+    """Taken by the live path, its handler not started: the drain neither acks
+    nor dispatches the copy (a crash now must find it and run it once); once
+    the request settled the copy is a plain duplicate. Released (cancelled
+    before it ran), nothing is written and the copy is new work."""
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        store.take(A, "s", "t1")
+        store.take(A, "s", "t2")
+        items = [("s", "t1", "request", b"{}", 1), ("s", "t2", "request", b"{}", 2)]
+        assert await store.accept_batch(A, items, 100) == [None, None]
+        store.settle(A, "s", "t1", 101)  # answered without a handler
+        store.release(A, "s", "t2")  # cancelled before its handler started
+        await asyncio.sleep(0)
+        assert await store.accept_batch(A, items, 102) == [False, True]
+        assert store.health()["drain_deferred"] == 2
+    finally:
+        await store.close()
+
+
+async def test_outcomes_written_behind_land_on_their_rows(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        assert await store.accept_batch(A, [("s", "o1", "request", b"{}", 1)], 100) == [True]
+        (row,) = await store.claim_pending(A, 10, 101)
+        await store.set_state(row.inbox_id, "answered", 102, "done", durable=False)
+        await store.flush()
+        written = await store.get(row.inbox_id)
+        assert written is not None and (written.state, written.state_ms, written.note) == ("answered", 102, "done")
     finally:
         await store.close()

@@ -30,7 +30,7 @@ from meshnode.aio import BackgroundTasks
 from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.context import AgentContext
-from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.inbox import InboxStore, InboxUnwritable
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
@@ -349,7 +349,14 @@ class HostedAgent:
 
         async def run_after_accept() -> None:
             if not gate.done():
-                await gate
+                try:
+                    await gate
+                except asyncio.CancelledError:
+                    # Never started: nothing is committed, so a drain (after a
+                    # restart) still runs the buffered copy, once.
+                    if self.node.inbox is not None:
+                        self.node.inbox.release(self.agent_id, env["from"], env["id"])
+                    raise
             await self._run_handler(env, spec, handler_input, text, source)
 
         runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
@@ -415,19 +422,26 @@ class HostedAgent:
         """Run the handler and answer; then the live pair is settled (done) in
         the node inbox. A handler cancelled by a stopping node is not settled:
         after a restart its buffered copy is kept as ``interrupted``, not run."""
+        inbox = self.node.inbox if source is Path.LIVE else None
+        if inbox is not None:
+            # Committed right before the handler starts, inline (with whatever
+            # else is queued riding along): a drain of the buffered copy never
+            # runs it again, even after a kill -9 (issue #23), and a crash
+            # mid-handler leaves it interrupted. _handle runs the handler before
+            # its first await, so nothing else runs in between.
+            inbox.commit_live_now(self.agent_id, env["from"], env["id"], self.node.now_ms())
         try:
             await self._handle(env, spec, handler_input, text, source)
         except asyncio.CancelledError:
             raise
         except BaseException:
-            self._settle_live(env, source)
+            self._settle_live(env, inbox)
             raise
-        self._settle_live(env, source)
+        self._settle_live(env, inbox)
 
-    def _settle_live(self, env: Mapping[str, Any], source: Path) -> None:
-        inbox = self.node.inbox
-        if inbox is not None and source is Path.LIVE:
-            inbox.settle(self.agent_id, env["from"], env["id"])
+    def _settle_live(self, env: Mapping[str, Any], inbox: InboxStore | None) -> None:
+        if inbox is not None:
+            inbox.settle(self.agent_id, env["from"], env["id"], self.node.now_ms())
 
     async def _handle(
         self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
@@ -649,6 +663,15 @@ class HostedAgent:
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
         """Sign a respond and deliver it to the requester's inbox (§6.5)."""
+        inbox = self.node.inbox
+        if (
+            not accept and path is Path.LIVE and inbox is not None
+            and inbox.taken(self.agent_id, request["from"], request["id"])
+        ):
+            # An answer without a handler (a refusal, describe, a cancel): the
+            # pair is committed before the answer goes out, so a drain of the
+            # buffered copy after a crash does not answer it a second time.
+            inbox.commit_live_now(self.agent_id, request["from"], request["id"], self.node.now_ms(), settled=True)
         payload: dict[str, Any] = {"status": status}
         if output is not None:
             payload["output"] = output

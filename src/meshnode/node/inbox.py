@@ -34,7 +34,7 @@ gathering window) and every pair queued until then rides in the same commit.
 What must survive a *power loss* is made so by a sync barrier (one ``fsync``
 of the WAL, in a worker thread so the loop does not wait on the disk) before
 the drain acks the broker and before it dispatches claimed rows. What a power
-loss can still cost is written in docs/exactly-once.md.
+loss can still cost is written in docs/operations/exactly-once.md.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,8 +168,18 @@ class InboxStore:
         # Live pairs waiting for the next group commit (agent, sender, msg_id,
         # seen_ms, done) with the future their dispatch waits on.
         self._live: list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]] = []
-        self._settle: list[tuple[str, str, str]] = []
+        self._settle: list[tuple[str, str, str, int]] = []
         self._commit_scheduled = False
+        #: Awaited before settle marks are written (the node sets it: its answers
+        #: have reached the broker). None: marks are written at once.
+        self.settle_barrier: Callable[[], Awaitable[None]] | None = None
+        # Settle marks waiting for the barrier, and the task that passes them.
+        self._unsent: list[tuple[str, str, str, int]] = []
+        self._settler: asyncio.Task[None] | None = None
+        # Live requests taken by the pipeline whose handler has not started yet
+        # (nothing committed for them): the drain leaves their buffered copies
+        # in the broker, neither acked nor dispatched, until the pair settles.
+        self._taken: dict[tuple[str, str, str], None] = {}
         # Pairs remembered behind (refusals; live pairs while the inbox cannot be written).
         self._seen_pending: list[tuple[str, str, str, int]] = []
         # Pairs taken back by forget(): a pair already committed must not make the
@@ -183,12 +193,14 @@ class InboxStore:
         # an fsync of the WAL has covered.
         self._commit_gen = 0
         self._synced_gen = 0
+        self._syncing: asyncio.Future[None] | None = None
         self._checkpointed_at = 0
         self.commits = 0
         self.syncs = 0
         self.group_commits = 0
         self.live_committed = 0
         self.kept_interrupted = 0
+        self.deferred = 0
         #: Why writes fail now (SQLite's message), None while the inbox is writable.
         self.fault: str | None = None
         self.fault_since_ms: int | None = None
@@ -234,7 +246,15 @@ class InboxStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._flusher
             self._flusher = None
+        if self._settler is not None:
+            self._settler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._settler
+            self._settler = None
         if self._db is not None:
+            # A graceful stop closed the connection (flushed) before the inbox.
+            self._settle.extend(self._unsent)
+            self._unsent = []
             try:
                 await self.flush()
             except InboxUnwritable as exc:
@@ -309,16 +329,25 @@ class InboxStore:
         commit changed the file since the last one). The drain calls it before
         it acks the broker and before it dispatches claimed rows."""
         gen = self._commit_gen
-        if gen <= self._synced_gen:
-            return
-        wal = self.path.with_name(self.path.name + "-wal")
-        try:
-            await asyncio.to_thread(_fsync_file, wal)
-        except OSError as exc:
-            self._failed(exc)
-            raise InboxUnwritable(self.path, f"fsync of {wal.name} failed: {exc}") from exc
-        self.syncs += 1
-        self._synced_gen = max(self._synced_gen, gen)
+        while gen > self._synced_gen:
+            if self._syncing is not None:
+                # One fsync at a time, shared: callers arriving meanwhile wait
+                # for it and need another only if they committed after it began.
+                await asyncio.shield(self._syncing)
+                continue
+            self._syncing = asyncio.get_running_loop().create_future()
+            target = self._commit_gen
+            wal = self.path.with_name(self.path.name + "-wal")
+            try:
+                await asyncio.to_thread(_fsync_file, wal)
+            except OSError as exc:
+                self._failed(exc)
+                raise InboxUnwritable(self.path, f"fsync of {wal.name} failed: {exc}") from exc
+            finally:
+                syncing, self._syncing = self._syncing, None
+                syncing.set_result(None)
+            self.syncs += 1
+            self._synced_gen = max(self._synced_gen, target)
 
     async def probe(self) -> None:
         """One tiny real write: clears :attr:`fault` when it commits, raises
@@ -339,9 +368,10 @@ class InboxStore:
             "live_committed": self.live_committed,
             "live_degraded": self.degraded_live,
             "kept_interrupted": self.kept_interrupted,
+            "drain_deferred": self.deferred,
             "syncs": self.syncs,
             "write_behind_pending": len(self._seen_pending) + len(self._state_pending)
-            + len(self._live) + len(self._settle),
+            + len(self._live) + len(self._settle) + len(self._unsent),
             "write_behind_dropped": self.dropped_behind,
         }
 
@@ -355,26 +385,45 @@ class InboxStore:
 
     # -- the live path: commit before dispatch ------------------------------------------
 
+    def take(self, agent: str, sender: str, msg_id: str) -> None:
+        """The live pipeline took a request: until its pair is committed (its
+        handler starts, or an answer goes out) or released, a drain leaves the
+        buffered copy where it is."""
+        self._taken[(agent, sender, msg_id)] = None
+
+    def taken(self, agent: str, sender: str, msg_id: str) -> bool:
+        """Whether a live request is taken and nothing is committed for it yet."""
+        return (agent, sender, msg_id) in self._taken
+
+    def release(self, agent: str, sender: str, msg_id: str) -> None:
+        """A taken request will not run here after all (its handler was
+        cancelled before it started): nothing is written, so a drain after a
+        restart runs its buffered copy."""
+        self._taken.pop((agent, sender, msg_id), None)
+
     async def commit_live(self, agent: str, sender: str, msg_id: str, now_ms: int, *, settled: bool = False) -> str:
-        """Commit the pair of a live message before it is dispatched.
+        """Commit the pair of a live message before the irreversible step: its
+        handler starting, or its answer going out.
 
-        Returns ``committed`` (the pair is in the file: a drain of the
-        buffered copy, in this process or after a crash, never dispatches it
-        again), ``duplicate`` (the file already held the pair: handled before,
-        possibly by an earlier process — do not dispatch) or ``degraded`` (the
-        inbox cannot be written now: the pair is written behind, and only a
-        crash before the disk recovers could run the buffered copy again).
+        Returns ``committed`` (the pair is in the file: a drain of the buffered
+        copy, in this process or after a crash, never runs it again) or
+        ``degraded`` (the inbox cannot be written now: the pair is written
+        behind, and only a crash before the disk recovers could run the
+        buffered copy again).
 
-        ``settled`` commits the pair as finished at once (a respond: nothing
-        runs after it); otherwise :meth:`settle` marks it finished.
+        ``settled`` commits the pair as finished at once (a respond, an answer
+        without a handler); otherwise :meth:`settle` marks it finished, and a
+        pair a new process finds unfinished was caught mid-handler.
 
         Group commit, adaptive: the first pair schedules a commit for the next
         turn of the event loop and every pair queued until then rides in it. An
         idle node commits at once; no timer adds latency.
         """
         if self._db is None:
+            self._taken.pop((agent, sender, msg_id), None)
             return "degraded"
         if self.fault is not None:
+            self._taken.pop((agent, sender, msg_id), None)
             self.remember(agent, sender, msg_id, now_ms)
             self.degraded_live += 1
             return "degraded"
@@ -383,11 +432,54 @@ class InboxStore:
         self._schedule_commit()
         return await future
 
-    def settle(self, agent: str, sender: str, msg_id: str) -> None:
-        """The live handler of a committed pair finished (answered, refused or
-        failed): mark it done, in the next group commit."""
-        self._settle.append((agent, sender, msg_id))
-        self._schedule_commit()
+    def commit_live_now(self, agent: str, sender: str, msg_id: str, now_ms: int, *, settled: bool = False) -> str:
+        """:meth:`commit_live` at once, inline, with everything queued riding
+        along (settle marks, other pairs): for the step right before a handler
+        runs, so nothing — not even another task's turn — lies between the
+        commit and the handler's first statement. (An awaited group commit
+        marked a whole burst "started" while the handlers then ran one by one:
+        a crash in between kept requests that never ran as interrupted.)"""
+        key = (agent, sender, msg_id)
+        if self._db is None:
+            self._taken.pop(key, None)
+            return "degraded"
+        if self.fault is not None:
+            self._taken.pop(key, None)
+            self.remember(agent, sender, msg_id, now_ms)
+            self.degraded_live += 1
+            return "degraded"
+        self._live.append(((agent, sender, msg_id, now_ms, 1 if settled else 0), None))
+        return "committed" if self._group_commit() else "degraded"
+
+    def settle(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
+        """A live request is finished (its handler answered or failed, or it
+        was answered, refused or held without one): its pair is written done,
+        in the next group commit."""
+        self._taken.pop((agent, sender, msg_id), None)
+        mark = (agent, sender, msg_id, now_ms)
+        if self.settle_barrier is None:
+            self._settle.append(mark)
+            self._schedule_commit()
+            return
+        # Not before the answer reached the broker: until then the pair stays
+        # unfinished (a drain leaves its copy alone; a crash keeps it interrupted).
+        self._unsent.append(mark)
+        if self._settler is None or self._settler.done():
+            self._settler = asyncio.get_running_loop().create_task(self._pass_barrier(), name="inbox-settle")
+
+    async def _pass_barrier(self) -> None:
+        barrier = self.settle_barrier
+        while self._unsent and barrier is not None and not self._closing:
+            marks, self._unsent = self._unsent, []
+            try:
+                await barrier()
+            except Exception as exc:  # disconnected: the marks wait for the next try
+                log.debug("settle barrier failed (%s); retrying", exc)
+                self._unsent[:0] = marks
+                await asyncio.sleep(0.5)
+                continue
+            self._settle.extend(marks)
+            self._schedule_commit()
 
     def _schedule_commit(self) -> None:
         if not self._commit_scheduled:
@@ -398,42 +490,44 @@ class InboxStore:
         live, self._live = self._live, []
         return live
 
-    @staticmethod
     def _resolve_live(
-        live: Iterable[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]],
-        outcome: str | dict[tuple[str, str, str], str],
+        self, live: Iterable[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]], outcome: str
     ) -> None:
         for pair, future in live:
+            self._taken.pop(pair[:3], None)
             if future is not None and not future.done():
-                future.set_result(outcome if isinstance(outcome, str) else outcome.get(pair[:3], "committed"))
+                future.set_result(outcome)
 
     def _write_live(
         self, db: sqlite3.Connection, live: Sequence[tuple[tuple[str, str, str, int, int], Any]],
-        settle: Sequence[tuple[str, str, str]],
-    ) -> dict[tuple[str, str, str], str]:
-        """Inside a transaction: the queued live pairs, then the settle marks.
-        Returns the pairs the file already held (duplicates)."""
-        already: dict[tuple[str, str, str], str] = {}
-        for pair, _ in live:
-            cur = db.execute("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,?)", pair)
-            if cur.rowcount != 1:
-                already[pair[:3]] = "duplicate"
+        settle: Sequence[tuple[str, str, str, int]],
+    ) -> None:
+        """Inside a transaction: the queued live pairs, then the settle marks."""
+        if live:
+            db.executemany(
+                "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,?)",
+                [pair for pair, _ in live],
+            )
         if settle:
-            db.executemany("UPDATE seen SET done=1 WHERE agent=? AND sender=? AND msg_id=? AND done!=1", settle)
-        return already
+            db.executemany(
+                "INSERT INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,1)"
+                " ON CONFLICT (agent, sender, msg_id) DO UPDATE SET done=1",
+                settle,
+            )
 
-    def _group_commit(self) -> None:
+    def _group_commit(self) -> bool:
+        """Commit everything queued (one transaction); False when it degraded."""
         self._commit_scheduled = False
         live = self._take_live()
         settle, self._settle = self._settle, []
         if not live and not settle:
-            return
+            return True
         if self._db is None:
             self._resolve_live(live, "degraded")
-            return
+            return False
         try:
             with self._write() as db:
-                already = self._write_live(db, live, settle)
+                self._write_live(db, live, settle)
         except InboxUnwritable:
             # Availability over the strict rule while the disk is at fault: the
             # messages are dispatched, their pairs are written behind (the
@@ -444,30 +538,36 @@ class InboxStore:
             self.degraded_live += len(live)
             self._settle[:0] = settle
             self._resolve_live(live, "degraded")
-            return
+            return False
         except BaseException as exc:  # a bug: never leave a dispatch waiting forever
             for _, future in live:
                 if future is not None and not future.done():
                     future.set_exception(exc)
             raise
         self.group_commits += 1
-        self.live_committed += len(live) - len(already)
-        self._resolve_live(live, already)
+        self.live_committed += len(live)
+        self._resolve_live(live, "committed")
+        return True
 
     # -- the drain: durable intake -----------------------------------------------
 
     async def accept_batch(
         self, agent: str, items: Sequence[tuple[str, str, str, bytes, int | None]], now_ms: int
-    ) -> list[bool]:
+    ) -> list[bool | None]:
         """Durably record drained messages (sender, msg_id, kind, raw, stream_seq).
 
-        Returns, per item, whether it is new work (False: already held here,
-        already handled live, or kept as ``interrupted`` because a crash caught
-        its live handler — the caller acks it without dispatching). The commit
-        is on disk when this returns (the sync barrier): only then may the
-        caller ack. Copies already seen cost one primary-key look-up each and
-        no write; a batch of nothing but those costs no fsync unless the live
-        path committed since the last one.
+        Returns, per item: True, new work (committed as a pending row); False,
+        not new (already held here, handled live, or kept as ``interrupted``
+        because a crash caught its live handler — the caller acks it without
+        dispatching); None, the live path of this process is handling it right
+        now (taken, or its handler is running): the caller leaves the copy in
+        the broker, neither acked nor dispatched, so a crash before the live
+        handler settles still finds it (redelivered after the ack wait).
+
+        The commit is on disk when this returns (the sync barrier): only then
+        may the caller ack. Copies already seen cost one primary-key look-up
+        each and no write; a batch of nothing but those costs no fsync unless
+        the live path committed since the last one.
         """
         if not items:
             return []
@@ -475,19 +575,22 @@ class InboxStore:
         # so the copies acked as their duplicates are never acked before them.
         live = self._take_live()
         settle, self._settle = self._settle, []
-        queued = {p[1:3] for p, _ in live if p[0] == agent}
-        queued.update((s, m) for a, s, m, _ in self._seen_pending if a == agent)
-        fresh: list[bool] = []
+        behind = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
+        fresh: list[bool | None] = []
         taken_back: list[tuple[str, str, str]] = []
         note = "the node stopped while its live handler ran; not run again"
         try:
             with self._write() as db:
-                already = self._write_live(db, live, settle)
+                self._write_live(db, live, settle)
                 for sender, msg_id, kind, raw, seq in items:
-                    if (sender, msg_id) in queued:
+                    key = (agent, sender, msg_id)
+                    if key in self._taken:
+                        fresh.append(None)
+                        self.deferred += 1
+                        continue
+                    if (sender, msg_id) in behind:
                         fresh.append(False)
                         continue
-                    key = (agent, sender, msg_id)
                     if key in self._forgotten:
                         # Taken back by the live path (it could not hold the message).
                         db.execute("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)
@@ -496,6 +599,12 @@ class InboxStore:
                         "SELECT done FROM seen WHERE agent=? AND sender=? AND msg_id=?", key
                     ).fetchone()
                     if row is not None:
+                        if row[0] == 0:
+                            # Its live handler runs in this process: acked only once
+                            # it settled, or a crash now would leave nothing to keep.
+                            fresh.append(None)
+                            self.deferred += 1
+                            continue
                         if row[0] == 2:
                             # Committed live by a process that died before the handler
                             # finished: kept for a person, never run a second time.
@@ -522,7 +631,7 @@ class InboxStore:
             if live:
                 self._schedule_commit()
             raise
-        self._resolve_live(live, already)
+        self._resolve_live(live, "committed")
         for pair in taken_back:  # committed: the tombstones have done their work
             self._forgotten.pop(pair, None)
         await self._sync()
@@ -553,6 +662,37 @@ class InboxStore:
             # and run them again: on disk before any handler runs.
             await self._sync()
         return rows
+
+    async def pending_rows(self, agent: str, limit: int) -> list[InboxRow]:
+        """Up to ``limit`` pending rows, oldest first, without claiming them: each
+        is claimed by :meth:`start_row` right before it is dispatched."""
+        return [
+            _row(r)
+            for r in self.db.execute(
+                f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
+                (agent, limit),
+            )
+        ]
+
+    async def start_row(self, row: InboxRow, now_ms: int) -> bool:
+        """Claim one pending row right before its dispatch: committed and on
+        disk (one shared fsync for the rows starting together) before the
+        handler runs, so a row is run at most once even across a power loss.
+        Claiming a whole batch up front marked rows that had not run yet as
+        interrupted when a crash came. False: the row is no longer pending."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=? AND state='pending'",
+                (now_ms, row.inbox_id),
+            )
+            if cur.rowcount != 1:
+                return False
+            db.execute(
+                "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
+                (row.agent, row.sender, row.msg_id, now_ms),
+            )
+        await self._sync()
+        return True
 
     async def recover_interrupted(self, now_ms: int) -> int:
         """At start-up: rows claimed by a process that died are ``interrupted``."""
@@ -640,7 +780,9 @@ class InboxStore:
         a drain."""
         key = (agent, sender, msg_id)
         self._seen_pending = [p for p in self._seen_pending if p[:3] != key]
-        self._settle = [p for p in self._settle if p != key]
+        self._settle = [p for p in self._settle if p[:3] != key]
+        self._unsent = [p for p in self._unsent if p[:3] != key]
+        self._taken.pop(key, None)
         self._forgotten[key] = None
         if len(self._forgotten) > _MAX_BEHIND:
             self._forgotten.pop(next(iter(self._forgotten)))
@@ -681,12 +823,13 @@ class InboxStore:
             return
         try:
             with self._write() as db:
-                already = self._write_live(db, live, settle)
+                self._write_live(db, live, settle)
                 if seen:
                     db.executemany("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", seen)
                 if states:
                     db.executemany(
-                        "UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?", states
+                        "UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
+                        [(state, ms, note, inbox_id) for state, note, ms, inbox_id in states],
                     )
         except BaseException:
             # Nothing taken is dropped: the next flush (or close) writes it —
@@ -696,7 +839,7 @@ class InboxStore:
             self._seen_pending[:0] = [p for p in seen if p[:3] not in self._forgotten]
             self._state_pending[:0] = states
             raise
-        self._resolve_live(live, already)
+        self._resolve_live(live, "committed")
 
     async def _flush_loop(self) -> None:
         while not self._closing:

@@ -63,13 +63,7 @@ from meshnode.protocol.accept import (
 )
 from meshnode.protocol.envelope import decode_envelope, verify_envelope
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.protections import (
-    LOCAL_SIGNAL_DUPLICATE,
-    DeliverySource,
-    InboundGuard,
-    InboundVerdict,
-    Protection,
-)
+from meshnode.protocol.protections import DeliverySource, InboundGuard, InboundVerdict, Protection
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -329,33 +323,37 @@ async def receive(
             await hosted.answer_refusal(refused.envelope, refused.answer, path)
         return "refused"
     kind = env["type"]
-    committed = False
+    taken = False
     if inbox is not None and path is Path.LIVE:
-        # Commit the pair before dispatch (adaptive group commit, issue #23): the
-        # broker buffers a copy of every live message, and a drain of that copy
-        # — in this process or after a kill -9 — must find the pair and never
-        # run the message a second time. (A local delivery has no buffered copy.)
-        committed_as = await inbox.commit_live(
-            hosted.agent_id, env["from"], env["id"], now_ms, settled=kind != "request"
-        )
-        if committed_as == "duplicate":
-            # The file remembers the pair (handled before, perhaps by an earlier
-            # process, past the in-memory memory's reach): a duplicate (§22.2).
-            hosted.refuse(Intake.INBOX, LOCAL_SIGNAL_DUPLICATE, env, "already handled (the node inbox remembers it)")
-            return "refused"
-        committed = committed_as == "committed" and kind == "request"
+        # The broker buffers a copy of every live message, and a drain of that
+        # copy — in this process or after a kill -9 — must never run it a second
+        # time (issue #23). A respond is committed before it is routed; a
+        # request is *taken* (the drain leaves its copy alone) and its pair is
+        # committed right before the irreversible step: its handler starting
+        # (HostedAgent._run_handler) or an answer going out (_answer). A request
+        # caught by a crash before that is simply drained and run after the
+        # restart, once. (A local delivery has no buffered copy.)
+        if kind == "request":
+            inbox.take(hosted.agent_id, env["from"], env["id"])
+            taken = True
+        else:
+            inbox.commit_live_now(hosted.agent_id, env["from"], env["id"], now_ms, settled=True)
     elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=path.value)
     if kind == "request":
-        outcome = "refused"
         try:
             outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
-        finally:
-            if committed and inbox is not None and outcome != "running":
-                # Answered (or refused, held, failed) without a background
-                # handler: the pair is finished. A running handler settles it.
-                inbox.settle(hosted.agent_id, env["from"], env["id"])
+        except BaseException:
+            if taken and inbox is not None:
+                # Failed before a handler ran (an answer that went out was
+                # committed first): a drain after a restart may still run it.
+                inbox.release(hosted.agent_id, env["from"], env["id"])
+            raise
+        if taken and inbox is not None and outcome != "running":
+            # Answered, refused or held without a background handler: the pair
+            # is finished. A running handler settles it itself.
+            inbox.settle(hosted.agent_id, env["from"], env["id"], now_ms)
         return "answered" if outcome == "running" else outcome
     if kind == "respond":
         if node.on_respond(hosted, env):
