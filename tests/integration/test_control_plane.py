@@ -180,6 +180,7 @@ async def test_mesh_info_is_public(mesh: EmbeddedNatsServer, control: ControlPla
         "protocol": "0.3",
         "nats_endpoints": mesh.urls,
         "control_plane": control.url,
+        "inbox_prefixes": {"node": "_INBOX_{node_id}", "sdk": "_INBOX"},
     }
     info = await ControlPlaneClient(control.url).mesh_info()
     assert info.nats_endpoints == tuple(mesh.urls) and info.protocol == "0.3"

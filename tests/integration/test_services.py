@@ -393,6 +393,41 @@ async def test_untokenized_registration_is_refused_unless_configured(net: Mesh) 
         await lenient.stop()
 
 
+async def test_untokenized_registration_from_an_sdk_enrolment(net: Mesh) -> None:
+    # A participant credential stands in for the transport: what is under test
+    # is the registry's rule, which reads the enrolment, never the subject.
+    node = await net.participant(agent_count=2)
+    enrolled, stranger = node.agents
+    enrolments = {node.node_id: enrolled.public_key}
+    registry = RegistryService(net.context(), sdk_agent_of=enrolments.get)
+    await registry.start()
+    try:
+        manifest = node.manifest(enrolled)
+        manifest["node"]["profile"] = {"client": "sdk-test", "enrolment": "self-declared"}
+        reply = await call(node.conn, "mesh.registry.register", signed("register", enrolled, manifest))
+        assert reply["payload"]["node_binding"] == "sdk_enrolled"
+        stored = registry.manifest(enrolled.public_key)
+        assert stored is not None
+        assert stored["node"]["profile"] == {"client": "sdk-test", "enrolment": "sdk"}
+        # The enrolment names one agent: the node cannot register another untokenized.
+        other = signed("register", stranger, node.manifest(stranger))
+        reply = await call(node.conn, "mesh.registry.register", other)
+        assert error_code(reply) == "UNAUTHORIZED"
+        assert reply["error"]["details"]["reason"] == "sdk_enrolment_mismatch"
+        # A vouch by another key naming the enrolled node does not verify.
+        forged = make_manifest(enrolled, KeyPair.generate(Prefix.USER))
+        forged["node"]["id"] = node.node_id
+        reply = await call(node.conn, "mesh.registry.register", signed("register", enrolled, forged))
+        assert error_code(reply) == "UNAUTHORIZED"
+        # Retired (the enrolment gone): the ordinary refusal, with its way out.
+        enrolments.clear()
+        reply = await call(node.conn, "mesh.registry.register", signed("register", enrolled, manifest))
+        assert reply["error"]["details"]["reason"] == "untokenized_registration"
+        assert "meshnode mesh token" in reply["error"]["message"]
+    finally:
+        await registry.stop()
+
+
 async def test_rate_limit_is_per_sender_and_shared_across_services(net: Mesh) -> None:
     ctx = net.context(limiter=SlidingWindowLimiter(limit=3, window_ms=60_000))
     presence = PresenceService(ctx, HEARTBEAT_S, seed_from_stream=False)

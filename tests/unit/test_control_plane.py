@@ -377,6 +377,7 @@ def test_issue_credential_covers_exactly_the_roster(
     assert answer["mesh"] == {
         "name": "meshnode-local", "protocol": "0.3",
         "nats_endpoints": [NATS_URL], "endpoints": [NATS_URL],
+        "inbox_prefix": f"_INBOX_{key.public_key}",
     }
     claims = verify_jwt(answer["jwt"], mesh_keys_only.account_public_key, now=NOW)
     assert claims["exp"] == answer["expires_at"]
@@ -524,6 +525,7 @@ async def test_http_mesh_info(running: ControlPlaneServer) -> None:
     assert body == {
         "name": "meshnode-local", "protocol": "0.3", "nats_endpoints": [NATS_URL],
         "control_plane": f"http://127.0.0.1:{running.port}",
+        "inbox_prefixes": {"node": "_INBOX_{node_id}", "sdk": "_INBOX"},
     }
     info = await ControlPlaneClient(running.url).mesh_info()
     assert info.nats_endpoints == (NATS_URL,) and info.name == "meshnode-local"
@@ -672,3 +674,75 @@ def test_client_url_validation() -> None:
     for url in ("ftp://x", "http://", "http://u:p@x", "http://x/?q=1", "nats://x:4222"):
         with pytest.raises(ValueError):
             ControlPlaneClient(url)
+
+
+# --- SDK enrolment tokens (POST /v1/bootstrap) --------------------------------------
+
+
+def _bootstrap_code(control: ControlPlaneServer, body: object) -> tuple[int, str | None]:
+    with pytest.raises(CredentialRequestError) as caught:
+        control.bootstrap(body)
+    return caught.value.status, caught.value.code
+
+
+def test_token_is_stored_hashed_and_exchanged_once(
+    control: ControlPlaneServer, mesh_keys_only: EmbeddedNatsServer, agents: list[KeyPair]
+) -> None:
+    token, record = control.create_token("sdk-bot", trust_tier="verified")
+    assert token.startswith("am_") and record.expires_at == NOW + 7 * 24 * 3600
+    assert token not in control.state_path.read_text()
+    answer = control.bootstrap({"token": token, "agent_id": agents[0].public_key})
+    assert set(answer) >= {"jwt", "seed", "creds", "mesh", "expires_at", "label", "renew_url"}
+    assert answer["label"] == "sdk-bot" and answer["expires_at"] == "2026-09-22T14:13:20Z"
+    assert answer["renew_url"].endswith("/v1/node-credential")
+    assert answer["mesh"]["endpoints"] == [NATS_URL] and answer["mesh"]["inbox_prefix"] == "_INBOX"
+    node_id = KeyPair.from_seed(answer["seed"]).public_key
+    assert answer["node_id"] == node_id and node_id != agents[0].public_key
+    claims = verify_jwt(answer["jwt"], mesh_keys_only.account_public_key, now=NOW)
+    assert claims["sub"] == node_id and "agentmesh:profile:sdk" in claims["nats"]["tags"]
+    assert "_INBOX.>" in claims["nats"]["sub"]["allow"]
+    [node] = control.list_nodes()
+    assert (node.profile, node.agent_id, node.trust_tier) == ("sdk", agents[0].public_key, "verified")
+    assert control.sdk_agent_of(node_id) == agents[0].public_key
+    # A self-vouch (the Python SDK's default node key is the agent's): the agent
+    # key answers for itself, with the enrolment's tier; other keys for nothing.
+    assert control.sdk_agent_of(agents[0].public_key) == agents[0].public_key
+    assert control.trust_tier_of(agents[0].public_key) == "verified"
+    assert control.sdk_agent_of(agents[1].public_key) is None
+    # Single use, whoever asks.
+    assert _bootstrap_code(control, {"token": token, "agent_id": agents[1].public_key}) == (403, "token_used")
+    # Renewal keeps the one agent; another roster is refused.
+    key = KeyPair.from_seed(answer["seed"])
+    renewed = control.issue_credential(node_credential_request(key, agents[:1], NOW))
+    assert renewed["mesh"]["inbox_prefix"] == "_INBOX"
+    assert _code(control, node_credential_request(key, agents[:2], NOW)) == (403, "roster_mismatch")
+    control.retire_node(node_id)
+    assert control.sdk_agent_of(node_id) is None
+    assert control.sdk_agent_of(agents[0].public_key) is None
+    assert _code(control, node_credential_request(key, agents[:1], NOW)) == (403, "node_retired")
+
+
+def test_expired_revoked_and_unknown_tokens_are_refused(
+    control: ControlPlaneServer, clock: Clock, agents: list[KeyPair]
+) -> None:
+    agent = agents[0].public_key
+    short, _ = control.create_token("short", ttl_s=60)
+    revoked, _ = control.create_token("revoked")
+    assert "revoked" in control.revoke_token("revoked")
+    with pytest.raises(LookupError):
+        control.revoke_token("revoked")  # no longer pending
+    clock.now = NOW + 61
+    assert _bootstrap_code(control, {"token": short, "agent_id": agent}) == (403, "token_expired")
+    assert _bootstrap_code(control, {"token": revoked, "agent_id": agent}) == (403, "token_revoked")
+    assert _bootstrap_code(control, {"token": "am_guess", "agent_id": agent}) == (403, "token_invalid")
+    assert _bootstrap_code(control, {"token": "nope", "agent_id": agent}) == (400, "malformed_request")
+    assert _bootstrap_code(control, {"token": short, "agent_id": "x"}) == (400, "malformed_request")
+    assert _bootstrap_code(control, []) == (400, "malformed_request")
+    states = {t.name: t.state(int(clock.now)) for t in control.list_tokens()}
+    assert states == {"short": "expired", "revoked": "revoked"}
+    # A retired agent is not enrolled again through a fresh token.
+    fresh, _ = control.create_token("fresh")
+    control.retire_agent(agent)
+    assert _bootstrap_code(control, {"token": fresh, "agent_id": agent}) == (403, "agent_terminated")
+    with pytest.raises(ValueError, match="pending token"):
+        control.create_token("fresh")

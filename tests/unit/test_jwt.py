@@ -27,8 +27,10 @@ from meshnode.transport.jwt import (
 from meshnode.transport.permissions import (
     LEGACY_INBOX_PREFIX,
     SERVICE_WILDCARD_ROSTER,
+    inbox_prefix_for,
     node_inbox_prefix,
     node_permissions,
+    sdk_permissions,
 )
 
 NOW = 1_790_000_000
@@ -328,7 +330,10 @@ def test_participant_publishes_only_for_itself(roster: tuple[str, list[str]]) ->
     node, agents = roster
     pub, sub = node_permissions(node, agents)
     assert f"mesh.registry.register.{node}" in pub
-    assert "mesh.registry.register" not in pub
+    # Granted so the registry answers UNAUTHORIZED instead of a broker drop
+    # (permissions module note); the registry is the gate.
+    assert "mesh.registry.register" in pub
+    assert "mesh.registry.register.*" not in pub
     assert f"mesh.heartbeat.{node}" in pub and f"mesh.heartbeat.{node}.*" in pub
     assert "mesh.heartbeat.>" not in pub and "mesh.heartbeat.*" not in pub
     for agent in agents:
@@ -410,3 +415,21 @@ def test_options_and_validation(roster: tuple[str, list[str]]) -> None:
     with pytest.raises(ValueError):
         node_permissions(node, agents, inbox_prefix="_INBOX.>")
     assert node_permissions(node, agents * 2) == node_permissions(node, agents)
+
+
+def test_sdk_profile_grants_one_agent_and_the_default_reply_prefix(roster: tuple[str, list[str]]) -> None:
+    node, agents = roster
+    agent, other = agents
+    pub, sub = sdk_permissions(node, agent)
+    assert "_INBOX.>" in sub and not any(s.startswith("_INBOX_") for s in sub)
+    assert "mesh.registry.register" in pub and f"mesh.heartbeat.{node}" in pub
+    assert f"mesh.agent.{agent}.inbox" in sub and f"mesh.agent.{other}.inbox" not in sub
+    assert f"mesh.feed.{agent}.>" in pub and f"mesh.feed.{other}.>" not in pub
+    assert not any(other in s for s in pub + sub)  # nothing of another agent's mailbox
+    assert f"$JS.API.CONSUMER.MSG.NEXT.MESH_INBOX_{agent}.>" in pub
+    for never in ("$JS.API.>", "mesh.agent.*.outbox", "mesh.agent.>", "mesh.registry.>", "_INBOX.>"):
+        assert never not in pub
+    assert inbox_prefix_for("sdk", node) == "_INBOX"
+    assert inbox_prefix_for("node", node) == f"_INBOX_{node}"
+    with pytest.raises(ValueError):
+        sdk_permissions(node, "mesh.>")

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.config import ConfigError, load_config
+from meshnode.config.values import parse_duration
 from meshnode.control_plane import InviteBundle, InviteError, read_invite, write_invite
 from meshnode.keystore import FileKeyStore, KeyStoreError
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK
+from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
 from .output import emit_json, human_time
 
 
@@ -48,8 +49,26 @@ def register(commands: Any) -> None:
     _client_args(invite)
     invite.set_defaults(handler=cmd_invite)
 
+    token = sub.add_parser(
+        "token", help="mint a single-use am_... token that enrols one AgentMesh SDK agent (POST /v1/bootstrap)"
+    )
+    token.add_argument("name", help="a name for the SDK agent's enrolment (shown by `mesh nodes`)")
+    token.add_argument(
+        "--ttl", default="7d", help="how long the token can be exchanged, e.g. 1h, 7d (default 7d)"
+    )
+    token.add_argument(
+        "--trust-tier", choices=("standard", "verified", "sandbox"), default="standard",
+        help="the operator's attestation of the agent's host (§9.7), as for `mesh invite`",
+    )
+    token.add_argument(
+        "--tenant", default="mesh", help="the tenant (NATS account, §15) the agent joins, as for `mesh invite`"
+    )
+    _client_args(token)
+    token.set_defaults(handler=cmd_token)
+
     retire = sub.add_parser("retire", help="refuse a node's (or an agent's) next credential: revocation by refusal")
     who = retire.add_mutually_exclusive_group(required=True)
+    who.add_argument("--token", help="the name of a pending SDK enrolment token to revoke")
     who.add_argument("--node", help="the node id (U...) to retire")
     who.add_argument("--agent", help="the agent id (U...) to retire")
     _client_args(retire)
@@ -80,6 +99,34 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"mesh           {info['name']} ({info['mode']})")
         print(f"nats           {', '.join(info['nats_urls'])}")
         print(f"control plane  {info.get('control_plane') or '-'}")
+        prefixes = info.get("inbox_prefixes") or {}
+        if prefixes:
+            print("reply prefix   " + ", ".join(f"{k}: {v}" for k, v in prefixes.items()))
+    return EX_OK
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    try:
+        ttl_s = int(parse_duration(args.ttl).total_seconds())
+    except ValueError as exc:
+        print(f"meshnode: --ttl {args.ttl!r}: {exc}", file=sys.stderr)
+        return EX_USAGE
+    code, result = _admin(
+        args, "Mesh.Token",
+        {"name": args.name, "ttl_s": ttl_s, "trust_tier": args.trust_tier, "tenant": args.tenant},
+    )
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+    else:
+        print(result["token"])
+        print(
+            f"single-use enrolment token for SDK agent {result['name']} (tier {result['trust_tier']}, "
+            f"tenant {result['tenant']}), expires {_when(result['expires_at'])}; shown once, hand it over "
+            f"privately. The agent exchanges it at {result.get('control_plane') or '-'}/v1/bootstrap",
+            file=sys.stderr,
+        )
     return EX_OK
 
 
@@ -125,18 +172,28 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result, indent=None)
         return EX_OK
-    print(f"{'NAME':<20} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
+    print(f"{'NAME':<20} {'PROFILE':<7} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
     for n in result["nodes"]:
         state = "retired" if n["retired_at"] is not None else "active"
+        agent = f" (agent {n['agent_id']})" if n.get("agent_id") else ""
         print(
-            f"{n['name']:<20} {n['trust_tier']:<9} {n.get('tenant', 'mesh'):<12} {state:<8} "
-            f"{_when(n['credential_expires_at']):<21} {n['node_id']}"
+            f"{n['name']:<20} {n.get('profile', 'node'):<7} {n['trust_tier']:<9} {n.get('tenant', 'mesh'):<12} "
+            f"{state:<8} {_when(n['credential_expires_at']):<21} {n['node_id']}{agent}"
+        )
+    pending = [t for t in result.get("tokens", []) if t["state"] == "pending"]
+    for t in pending:
+        print(
+            f"{t['name']:<20} {'sdk':<7} {t['trust_tier']:<9} {t['tenant']:<12} {'token':<8} "
+            f"{'-':<21} (token unused, expires {_when(t['expires_at'])})"
         )
     return EX_OK
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
-    params = {"node_id": args.node} if args.node else {"agent_id": args.agent}
+    params = (
+        {"token": args.token} if args.token
+        else {"node_id": args.node} if args.node else {"agent_id": args.agent}
+    )
     code, result = _admin(args, "Mesh.Retire", params)
     if code != EX_OK:
         return code

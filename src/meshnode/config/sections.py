@@ -197,6 +197,10 @@ class RegistryConfig(BaseModel):
     model_config = _FORBID
 
     require_connection_bound: bool = True
+    """Refuse untokenized registrations (``mesh.registry.register``, §4.4 b) except
+    from SDK agents enrolled with ``meshnode mesh token``; ``false`` accepts them
+    from any node, stored as ``self_asserted`` (every credential may publish the
+    subject, so either answer reaches the registrant)."""
     rate_limit: Annotated[int, Field(ge=1)] = 60
     """Requests per sender per window across every platform-service subject (§16.1)."""
     rate_window: Duration = timedelta(seconds=60)

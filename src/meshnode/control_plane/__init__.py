@@ -19,8 +19,19 @@ Wire contract (WIRE-NOTES, "Credential renewal"; §18.10):
     nats_endpoints, endpoints}}`` (``endpoints`` repeats ``nats_endpoints`` for
     clients of the other implementations, which read that name). Any other
     status carries ``{error, code?}``.
+    ``mesh.inbox_prefix`` is the reply prefix the credential may subscribe
+    under (``_INBOX_{node_id}`` for a meshnode node, ``_INBOX`` for an SDK agent).
+``POST /v1/bootstrap``
+    The AgentMesh SDKs' first credential. Body ``{token, agent_id}``: a
+    single-use ``am_…`` token from ``meshnode mesh token`` and the agent's
+    public key. Mints a node key for that one agent and records an ``sdk``
+    enrolment; ``200 {jwt, seed, creds, node_id, agent_id, label, expires_at
+    (RFC 3339), renew_url, trust_attestation, mesh: {name, protocol,
+    endpoints, nats_endpoints, inbox_prefix}}``. Renewal afterwards is
+    ``POST /v1/node-credential`` with that node key and agent (roster fixed).
 ``GET /v1/mesh``
-    ``200 {name, protocol, nats_endpoints, control_plane}``: public, no secrets.
+    ``200 {name, protocol, nats_endpoints, control_plane, inbox_prefixes}``:
+    public, no secrets.
 
 Refusal is the revocation mechanism (§4.8): a retired node, or a roster with a
 retired or paused agent, is refused its next renewal (403 with ``code``
@@ -49,7 +60,7 @@ from .client import ControlPlaneClient, CredentialGrant, MeshInfo
 from .enrolment import CredentialIssuer, Enrolment
 from .invites import Invite, InviteBundle, parse_invite, read_invite, write_invite
 from .server import ControlPlaneServer
-from .state import EnrolledNode
+from .state import EnrolledNode, EnrolmentToken
 from .wire import (
     AGENT_SIG_TAG,
     DEFAULT_PORT,
@@ -93,6 +104,7 @@ __all__ = [
     "CredentialRequestError",
     "EnrolledNode",
     "Enrolment",
+    "EnrolmentToken",
     "Invite",
     "InviteBundle",
     "InviteError",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import secrets
 import ssl as _ssl
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -14,13 +16,14 @@ from typing import Any, Protocol
 from meshnode.protocol.attestations import TRUST_TIERS, make_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix, is_valid_public
 from meshnode.transport.errors import EmbeddedMeshError
+from meshnode.transport.jwt import format_creds
 from meshnode.transport.meshkeys import MeshKeys
-from meshnode.transport.permissions import Role
+from meshnode.transport.permissions import SDK_INBOX_PREFIX, Profile, Role, inbox_prefix_for
 from meshnode.transport.tenants import DEFAULT_TENANT, check_tenant_name
 
 from .http import _remaining, _utc
 from .invites import InviteBundle, _check_node_name, _check_url
-from .state import AgentStatus, EnrolledNode, _AgentRecord, _EnrolmentStore, _State
+from .state import AgentStatus, EnrolledNode, EnrolmentToken, _AgentRecord, _EnrolmentStore, _State
 from .wire import (
     _HTTP_SCHEMES,
     _NATS_SCHEMES,
@@ -29,10 +32,25 @@ from .wire import (
     DEFAULT_SKEW_S,
     PROTOCOL_VERSION,
     CredentialRequestError,
+    _malformed,
     verify_node_credential_request,
 )
 
 log = logging.getLogger("meshnode.transport.control_plane")  # the name operators filter on
+
+DEFAULT_TOKEN_TTL_S = 7 * 24 * 3600
+"""An SDK enrolment token's lifetime unless ``mesh token --ttl`` says otherwise."""
+TOKEN_PREFIX = "am_"
+_MAX_TOKEN_CHARS = 200
+
+INBOX_PREFIXES = {"node": "_INBOX_{node_id}", "sdk": SDK_INBOX_PREFIX}
+"""The reply prefix of each profile, as ``GET /v1/mesh`` and ``mesh info`` show it."""
+
+
+def token_digest(token: str) -> str:
+    """How a token is stored and looked up: its SHA-256, hex (the token itself never is)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
 
 def participant(node_id: str) -> Role:
     """The default role of every credential: participant (§14.3)."""
@@ -64,6 +82,7 @@ class CredentialIssuer(Protocol):
         trust_tier: str = "standard",
         now: int | None = None,
         tenant: str | None = None,
+        profile: Profile = "node",
     ) -> str: ...
 
 
@@ -151,6 +170,10 @@ class Enrolment:
             "protocol": PROTOCOL_VERSION,
             "nats_endpoints": self.nats_endpoints(),
             "control_plane": self.url,
+            # The reply prefix each enrolment profile's credential may subscribe
+            # under (nats.connect(inbox_prefix=...)); the credential response
+            # carries the one that applies as mesh.inbox_prefix.
+            "inbox_prefixes": dict(INBOX_PREFIXES),
         }
 
     # -- enrolment --
@@ -227,8 +250,13 @@ class Enrolment:
         )
 
     def trust_tier_of(self, node_id: str) -> str | None:
-        """The attested tier of an enrolled node, or None for a node never enrolled."""
-        node = self._store.load().nodes.get(node_id)
+        """The attested tier of an enrolled node, or None for a node never enrolled.
+
+        A self-vouching SDK agent's key (see :meth:`sdk_agent_of`) has its
+        enrolment's tier: a sandbox token's agent stays sandboxed.
+        """
+        state = self._store.load()
+        node = state.nodes.get(node_id) or _sdk_enrolment(state, node_id)[0]
         return None if node is None else node.trust_tier
 
     def is_sandbox_node(self, node_id: str) -> bool:
@@ -384,12 +412,21 @@ class Enrolment:
                     node_id, len(agent_ids), peer, refusal.error, refusal.code,
                 )
                 raise refusal
-            role = self._role_of(node_id)
             node = state.nodes[node_id]
+            profile: Profile = "sdk" if node.profile == "sdk" else "node"
+            # An SDK agent is a participant whatever role_of says of other nodes.
+            role: Role = "participant" if profile == "sdk" else self._role_of(node_id)
+            if profile == "sdk" and list(agent_ids) != [node.agent_id]:
+                raise CredentialRequestError(
+                    403,
+                    f"node {node_id} is an sdk enrolment for agent {node.agent_id} alone; "
+                    "its roster cannot change (enrol another agent with `meshnode mesh token`)",
+                    "roster_mismatch",
+                )
             try:
                 jwt = self._embedded.mint_node_credential(
                     node_id, agent_ids, self.credential_ttl_s, role=role,
-                    trust_tier=node.trust_tier, now=now, tenant=node.tenant,
+                    trust_tier=node.trust_tier, now=now, tenant=node.tenant, profile=profile,
                 )
             except ValueError:
                 # The node's tenant was removed from the configuration: its
@@ -420,8 +457,190 @@ class Enrolment:
                 "protocol": PROTOCOL_VERSION,
                 "nats_endpoints": endpoints,
                 "endpoints": endpoints,
+                # The reply prefix this credential may subscribe under.
+                "inbox_prefix": inbox_prefix_for(profile, node_id),
             },
         }
+
+    # -- SDK enrolment (POST /v1/bootstrap) --
+
+    def create_token(
+        self,
+        name: str,
+        ttl_s: int = DEFAULT_TOKEN_TTL_S,
+        trust_tier: str = "standard",
+        tenant: str = DEFAULT_TENANT,
+    ) -> tuple[str, EnrolmentToken]:
+        """Mint a single-use ``am_…`` token that enrols one SDK agent as ``name``.
+
+        Returns ``(token, record)``. Only the token's SHA-256 is stored: the
+        token itself is shown once, to the operator, and never logged. Raises
+        ValueError for a bad name, tier, tenant or lifetime, or a name already
+        used by an active node or a pending token.
+        """
+        _check_node_name(name)
+        if trust_tier not in TRUST_TIERS:
+            raise ValueError(f"trust_tier must be one of {', '.join(sorted(TRUST_TIERS))}")
+        self._check_tenant(tenant)
+        if ttl_s <= 0:
+            raise ValueError("a token's lifetime (--ttl) must be positive")
+        now = int(self._clock())
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        record = EnrolmentToken(token_digest(token), name, now, now + ttl_s, trust_tier, tenant)
+        with self._store.update() as state:
+            if any(n.name == name and not n.retired for n in state.nodes.values()):
+                raise ValueError(f"an active node is already named {name}")
+            if any(t.name == name and t.state(now) == "pending" for t in state.tokens.values()):
+                raise ValueError(f"a pending token is already named {name}; revoke it first")
+            state.tokens[record.digest] = record
+        log.info(
+            "control plane: minted an sdk enrolment token %s (tier %s, tenant %s, expires %s)",
+            name, trust_tier, tenant, _utc(record.expires_at),
+        )
+        return token, record
+
+    def list_tokens(self) -> list[EnrolmentToken]:
+        """Every token ever minted (pending, used, revoked, expired), oldest first."""
+        return sorted(self._store.load().tokens.values(), key=lambda t: (t.created_at, t.name))
+
+    def revoke_token(self, name: str) -> str:
+        """Revoke the pending token named ``name``. Raises LookupError when none is pending."""
+        now = int(self._clock())
+        with self._store.update() as state:
+            for digest, token in state.tokens.items():
+                if token.name == name and token.state(now) == "pending":
+                    state.tokens[digest] = dataclasses.replace(token, revoked_at=now)
+                    break
+            else:
+                raise LookupError(f"no pending enrolment token is named {name}")
+        log.warning("control plane: revoked the sdk enrolment token %s", name)
+        return f"enrolment token {name} revoked: it can no longer be exchanged"
+
+    def sdk_agent_of(self, node_id: str) -> str | None:
+        """The agent ``node_id`` may vouch for untokenized as an ``sdk`` enrolment, else None.
+
+        The registry asks this before it accepts an untokenized registration.
+        ``node_id`` is an active sdk enrolment's node key (the credential key,
+        which the SDKs can vouch with), or that enrolment's agent key itself:
+        the Python SDK's default node key is the agent's own, so its vouch is
+        a self-vouch. Either way only the holder of that enrolment's keys can
+        sign the vouch.
+        """
+        return _sdk_enrolment(self._store.load(), node_id)[1]
+
+    def bootstrap(self, body: object, *, peer: str = "-") -> dict[str, Any]:
+        """Exchange an enrolment token: the ``POST /v1/bootstrap`` of the AgentMesh SDKs.
+
+        Body ``{token, agent_id}``. Mints a node key for that one agent,
+        records the ``sdk`` enrolment and returns ``{jwt, seed, creds, node_id,
+        agent_id, label, expires_at (RFC 3339), renew_url, trust_attestation,
+        mesh: {name, protocol, endpoints, nats_endpoints, inbox_prefix}}``.
+        ``seed`` is the credential's (= the node's) key, which also vouches for
+        the agent. Refusals: 400 ``malformed_request``; 403 ``token_invalid``
+        (unknown), ``token_used``, ``token_expired``, ``token_revoked``,
+        ``agent_terminated``, ``agent_paused``; 503 ``mesh_unavailable``.
+        """
+        if not isinstance(body, dict):
+            raise _malformed("the bootstrap body must be a JSON object {token, agent_id}")
+        token, agent_id = body.get("token"), body.get("agent_id")
+        if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX) or len(token) > _MAX_TOKEN_CHARS:
+            raise _malformed("token must be the am_... string from `meshnode mesh token`")
+        if not is_valid_public(agent_id, Prefix.USER):
+            raise _malformed("agent_id must be the agent's public key (a user nkey)")
+        assert isinstance(agent_id, str)
+        now = int(self._clock())
+        try:
+            endpoints = self.nats_endpoints()
+        except EmbeddedMeshError:
+            raise CredentialRequestError(
+                503, "the mesh has not started yet", "mesh_unavailable", retry_after_ms=1000
+            ) from None
+        key = KeyPair.generate(Prefix.USER)
+        node_id = key.public_key
+        digest = token_digest(token)
+        with self._store.update() as state:
+            record = state.tokens.get(digest)
+            refusal = self._token_refusal(record, now)
+            if refusal is None:
+                refusal = self._refusal_for_agents(state, [agent_id])
+            if refusal is not None:
+                log.warning(
+                    "control plane: refused a bootstrap from %s: %s (%s)", peer, refusal.error, refusal.code
+                )
+                raise refusal
+            assert record is not None
+            # The token names the enrolment; a name an active node took since is refused.
+            if any(n.name == record.name and not n.retired for n in state.nodes.values()):
+                raise CredentialRequestError(
+                    403, f"an active node is already named {record.name}", "name_taken"
+                )
+            state.nodes[node_id] = EnrolledNode(
+                node_id, record.name, now, trust_tier=record.trust_tier, tenant=record.tenant,
+                profile="sdk", agent_id=agent_id,
+            )
+            state.tokens[digest] = dataclasses.replace(record, used_at=now, node_id=node_id)
+            try:
+                jwt = self._embedded.mint_node_credential(
+                    node_id, [agent_id], self.credential_ttl_s, role="participant",
+                    trust_tier=record.trust_tier, now=now, tenant=record.tenant, profile="sdk",
+                )
+            except ValueError:
+                raise CredentialRequestError(
+                    403, f"tenant {record.tenant} is not served by this mesh", "tenant_unknown"
+                ) from None
+            expires_at = now + self.credential_ttl_s
+            self._record_issue(state, node_id, [agent_id], now, expires_at)
+        log.info(
+            "control plane: enrolled sdk agent %s as %s on node %s (token exchanged from %s), "
+            "credential expires %s", agent_id, record.name, node_id, peer, _utc(expires_at),
+        )
+        return {
+            "jwt": jwt,
+            "seed": key.seed,
+            "creds": format_creds(jwt, key.seed),
+            "node_id": node_id,
+            "agent_id": agent_id,
+            "label": record.name,
+            "expires_at": _utc(expires_at),
+            "renew_url": f"{self.url}/v1/node-credential",
+            "trust_attestation": self.trust_attestation(
+                node_id, record.trust_tier, "participant", now, expires_at
+            ),
+            "mesh": {
+                "name": self.mesh_name,
+                "protocol": PROTOCOL_VERSION,
+                "endpoints": endpoints,
+                "nats_endpoints": endpoints,
+                "inbox_prefix": SDK_INBOX_PREFIX,
+            },
+        }
+
+    @staticmethod
+    def _token_refusal(record: EnrolmentToken | None, now: int) -> CredentialRequestError | None:
+        if record is None:
+            return CredentialRequestError(403, "this enrolment token is not known here", "token_invalid")
+        state = record.state(now)
+        if state == "pending":
+            return None
+        why = {
+            "used": ("this enrolment token was already exchanged (tokens are single-use)", "token_used"),
+            "revoked": ("this enrolment token was revoked", "token_revoked"),
+            "expired": (f"this enrolment token expired {_utc(record.expires_at)}", "token_expired"),
+        }[state]
+        return CredentialRequestError(403, *why)
+
+    @staticmethod
+    def _refusal_for_agents(state: _State, agent_ids: Sequence[str]) -> CredentialRequestError | None:
+        for agent_id in agent_ids:
+            record = state.agents.get(agent_id)
+            if record is None or record.status == "active":
+                continue
+            if record.status == "retired":
+                return CredentialRequestError(
+                    403, f"agent {agent_id} was retired", "agent_terminated"
+                )
+            return CredentialRequestError(403, f"agent {agent_id} is paused", "agent_paused")
+        return None
 
     @staticmethod
     def _refusal(
@@ -442,3 +661,17 @@ class Enrolment:
                 )
             return CredentialRequestError(403, f"agent {agent_id} is paused", "agent_paused")
         return None
+
+
+
+def _sdk_enrolment(state: _State, key: str) -> tuple[EnrolledNode | None, str | None]:
+    """The active sdk enrolment whose node key or agent key is ``key``, and its agent."""
+    node = state.nodes.get(key)
+    if node is not None:
+        if node.retired or node.profile != "sdk":
+            return None, None
+        return node, node.agent_id
+    for node in state.nodes.values():
+        if node.profile == "sdk" and not node.retired and node.agent_id == key:
+            return node, key
+    return None, None

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix
 from meshnode.transport.files import write_private_file
 from meshnode.transport.jwt import JwtError, decode_jwt, format_creds, parse_creds
+from meshnode.transport.permissions import node_inbox_prefix
 
 from .wire import (
     _CONTROL_CHARS,
@@ -117,6 +118,9 @@ def write_invite(
         f"# meshnode-node-name: {name}",
         f"# meshnode-node-id: {bundle.node_id}",
         *(f"# meshnode-nats: {url}" for url in urls),
+        # The reply prefix this node's credentials allow: a NATS client must
+        # connect with inbox_prefix set to it (replies elsewhere are refused).
+        f"# meshnode-inbox-prefix: {node_inbox_prefix(bundle.node_id)}",
     ]
     if control_plane_url is not None:
         lines.append(

@@ -33,7 +33,8 @@ log = logging.getLogger("meshnode.transport.control_plane")  # the name operator
 
 class ControlPlaneServer(Enrolment, AsyncService):
     """The control plane of an embedded mesh: :class:`~.enrolment.Enrolment` served
-    over HTTP/1.1 (``POST /v1/node-credential``, ``GET /v1/mesh``).
+    over HTTP/1.1 (``POST /v1/node-credential``, ``GET /v1/mesh``, and
+    ``POST /v1/bootstrap`` for SDK agents' enrolment tokens).
 
     ``ssl`` serves HTTPS. Requests are limited per peer address (``rate_limit``
     per ``rate_window_ms``), in number at once (``max_connections``) and in time
@@ -173,7 +174,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
     def _dispatch(
         self, request: _Request, peer: str
     ) -> tuple[int, Mapping[str, Any], dict[str, str]]:
-        routes = {"/v1/node-credential": "POST", "/v1/mesh": "GET"}
+        routes = {"/v1/node-credential": "POST", "/v1/mesh": "GET", "/v1/bootstrap": "POST"}
         allowed = routes.get(request.path)
         if allowed is None:
             return 404, {"error": f"no such endpoint {request.path}", "code": "not_found"}, {}
@@ -191,6 +192,10 @@ class ControlPlaneServer(Enrolment, AsyncService):
                     raise CredentialRequestError(
                         503, "the mesh has not started yet", "mesh_unavailable"
                     ) from None
+            if request.path == "/v1/bootstrap":
+                # The AgentMesh SDKs' first credential: an enrolment token
+                # exchanged for one agent's sdk-profile credential.
+                return 200, self.bootstrap(_json_body(request), peer=peer), {}
             return 200, self.issue_credential(_json_body(request), peer=peer), {}
         except CredentialRequestError as exc:
             extra = {}

@@ -49,10 +49,38 @@ class EnrolledNode:
     """The operator-attested tier (§9.7) carried in every credential issued to the node."""
     tenant: str = DEFAULT_TENANT
     """The tenant (NATS account, §15) whose account signs the node's credentials."""
+    profile: str = "node"
+    """``node`` (a meshnode node) or ``sdk`` (one SDK agent, enrolled by a token)."""
+    agent_id: str | None = None
+    """The one agent of an ``sdk`` enrolment; None for a ``node`` enrolment."""
 
     @property
     def retired(self) -> bool:
         return self.retired_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EnrolmentToken:
+    """A single-use ``am_…`` enrolment token, known by its SHA-256 only. Unix seconds."""
+
+    digest: str
+    name: str
+    created_at: int
+    expires_at: int
+    trust_tier: str = "standard"
+    tenant: str = DEFAULT_TENANT
+    used_at: int | None = None
+    node_id: str | None = None
+    """The node key the token was exchanged for (set with ``used_at``)."""
+    revoked_at: int | None = None
+
+    def state(self, now: int) -> str:
+        """``pending``, ``used``, ``revoked`` or ``expired``."""
+        if self.used_at is not None:
+            return "used"
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if now >= self.expires_at else "pending"
 
 
 @dataclass(slots=True)
@@ -66,11 +94,25 @@ class _AgentRecord:
 class _State:
     nodes: dict[str, EnrolledNode] = field(default_factory=dict)
     agents: dict[str, _AgentRecord] = field(default_factory=dict)
+    tokens: dict[str, EnrolmentToken] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": _STATE_VERSION,
+                "tokens": {
+                    digest: {
+                        "name": t.name,
+                        "created_at": t.created_at,
+                        "expires_at": t.expires_at,
+                        "trust_tier": t.trust_tier,
+                        "tenant": t.tenant,
+                        "used_at": t.used_at,
+                        "node_id": t.node_id,
+                        "revoked_at": t.revoked_at,
+                    }
+                    for digest, t in self.tokens.items()
+                },
                 "nodes": {
                     node_id: {
                         "name": n.name,
@@ -80,6 +122,8 @@ class _State:
                         "last_issued_at": n.last_issued_at,
                         "trust_tier": n.trust_tier,
                         "tenant": n.tenant,
+                        "profile": n.profile,
+                        "agent_id": n.agent_id,
                     }
                     for node_id, n in self.nodes.items()
                 },
@@ -135,6 +179,13 @@ class _State:
                 check_tenant_name(tenant)
             except ValueError as exc:
                 raise bad(f"node {node_id}: {exc}") from None
+            # Absent in state written before profiles existed: meshnode nodes.
+            profile = record.get("profile", "node")
+            agent = record.get("agent_id")
+            if profile not in ("node", "sdk"):
+                raise bad(f"node {node_id} has unknown profile {profile!r}")
+            if (profile == "sdk") != is_valid_public(agent, Prefix.USER):
+                raise bad(f"node {node_id}: agent_id must be an agent key exactly for profile sdk")
             state.nodes[node_id] = EnrolledNode(
                 node_id,
                 name,
@@ -144,6 +195,28 @@ class _State:
                 opt_int(record, "last_issued_at"),
                 tier,
                 tenant,
+                profile,
+                agent if profile == "sdk" else None,
+            )
+        tokens = data.get("tokens", {})
+        if not isinstance(tokens, dict):
+            raise bad("tokens must be an object")
+        for digest, record in tokens.items():
+            if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+                raise bad(f"bad token entry {digest!r}")
+            created, expires = opt_int(record, "created_at"), opt_int(record, "expires_at")
+            used_by = record.get("node_id")
+            if created is None or expires is None or not (
+                used_by is None or is_valid_public(used_by, Prefix.USER)
+            ):
+                raise bad(f"token {record['name']!r} lacks created_at/expires_at or has a bad node_id")
+            tier = record.get("trust_tier", "standard")
+            if tier not in TRUST_TIERS:
+                raise bad(f"token {record['name']!r} has unknown trust_tier {tier!r}")
+            state.tokens[digest] = EnrolmentToken(
+                digest, record["name"], created, expires, tier,
+                record.get("tenant", DEFAULT_TENANT), opt_int(record, "used_at"), used_by,
+                opt_int(record, "revoked_at"),
             )
         for agent_id, record in agents.items():
             if not is_valid_public(agent_id, Prefix.USER) or not isinstance(record, dict):

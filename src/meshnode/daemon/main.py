@@ -273,6 +273,8 @@ class Daemon:
             # Agents other tenants exported here resolve through their own registry.
             imported=imported_agents(tenant, mesh.embedded.exports) if mesh.embedded is not None else {},
             wait_ready=not self.embedded_mode,
+            # SDK agents' enrolments (§14.1 untokenized registration), from the control plane.
+            sdk_agent_of=plane.sdk_agent_of if plane is not None else None,
         )
         self.platforms.append(platform)
         self._shutdown.push("close-connection", platform.stop)

@@ -18,6 +18,7 @@ import meshnode
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent import RemoteError, RequestQueued
+from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
@@ -30,6 +31,7 @@ from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.protections import sender_body
+from meshnode.transport.permissions import node_inbox_prefix
 
 if TYPE_CHECKING:
     from meshnode.daemon.main import Daemon
@@ -60,7 +62,15 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add(
         "Mesh.Nodes", ops.mesh_nodes, level="operator",
         doc="-> {nodes: [{node_id, name, trust_tier, tenant, enrolled_at, retired_at, last_issued_at, "
-        "credential_expires_at}]} every node the control plane enrolled (unix seconds; nulls when never)",
+        "credential_expires_at, profile (node|sdk), agent_id (sdk)}], tokens: [{name, state, trust_tier, "
+        "tenant, created_at, expires_at, used_at, node_id}]} every node the control plane enrolled and every "
+        "SDK enrolment token (unix seconds; nulls when never)",
+    )
+    methods.add(
+        "Mesh.Token", ops.mesh_token, level="admin",
+        doc="params {name, ttl_s?, trust_tier?, tenant?} -> {token (secret, shown once), name, expires_at, "
+        "trust_tier, tenant, control_plane}: a single-use token an AgentMesh SDK agent exchanges at "
+        "POST /v1/bootstrap",
     )
     methods.add("Mesh.Invite", ops.mesh_invite, level="admin", doc="params {name, trust_tier?, tenant?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials; tenant: an account from [mesh.embedded] tenants, default mesh); returns its invite (secret)")
     return ops
@@ -374,6 +384,8 @@ class CoreMethods:
         if self.d.control_plane is None:
             raise NotFound("this node runs no control plane (only the embedded-mesh node enrols nodes)")
         nodes = await asyncio.to_thread(self.d.control_plane.list_nodes)
+        tokens = await asyncio.to_thread(self.d.control_plane.list_tokens)
+        now = int(time.time())
         return {
             "nodes": [
                 {
@@ -385,9 +397,25 @@ class CoreMethods:
                     "retired_at": n.retired_at,
                     "last_issued_at": n.last_issued_at,
                     "credential_expires_at": n.credential_expires_at,
+                    "profile": n.profile,
+                    "agent_id": n.agent_id,
                 }
                 for n in nodes
-            ]
+            ],
+            # SDK enrolment tokens, by name (the tokens themselves are never kept).
+            "tokens": [
+                {
+                    "name": t.name,
+                    "state": t.state(now),
+                    "trust_tier": t.trust_tier,
+                    "tenant": t.tenant,
+                    "created_at": t.created_at,
+                    "expires_at": t.expires_at,
+                    "used_at": t.used_at,
+                    "node_id": t.node_id,
+                }
+                for t in tokens
+            ],
         }
 
     async def mesh_info(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -399,6 +427,38 @@ class CoreMethods:
             "node_id": self.d.node_key.public_key if self.d.node_key else None,
             # Set only when [mesh.embedded] monitor_port asks for it.
             "monitor_url": self.d.embedded.monitor_url if self.d.embedded is not None else None,
+            # The reply prefix each enrolment profile's credential allows
+            # (nats.connect(inbox_prefix=...)), and this node's own.
+            "inbox_prefixes": dict(INBOX_PREFIXES),
+            "inbox_prefix": node_inbox_prefix(self.d.node_key.public_key) if self.d.node_key else None,
+        }
+
+    async def mesh_token(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        if self.d.control_plane is None:
+            raise NotFound("this node runs no control plane (only the embedded-mesh node enrols)")
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter("name is required")
+        ttl_s = params.get("ttl_s", DEFAULT_TOKEN_TTL_S)
+        if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s <= 0:
+            raise InvalidParameter("ttl_s must be a positive number of seconds")
+        trust_tier = params.get("trust_tier", "standard")
+        tenant = params.get("tenant") or "mesh"
+        if not isinstance(trust_tier, str) or not isinstance(tenant, str):
+            raise InvalidParameter("trust_tier and tenant must be strings")
+        try:
+            token, record = await asyncio.to_thread(
+                self.d.control_plane.create_token, name, ttl_s, trust_tier, tenant
+            )
+        except ValueError as exc:
+            raise InvalidParameter(str(exc)) from None
+        return {
+            "token": token,
+            "name": record.name,
+            "expires_at": record.expires_at,
+            "trust_tier": record.trust_tier,
+            "tenant": record.tenant,
+            "control_plane": self.d.control_plane_url(),
         }
 
     async def mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:

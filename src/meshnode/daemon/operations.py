@@ -58,7 +58,7 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
                 doc="params {task_id, agent (the performer), reason, note?} -> the performer's answer; sent as the CLI identity")
     methods.add("Mesh.Retire", ops.mesh_retire, level="admin",
-                doc="params {node_id} | {agent_id} -> {retired, message}; the message says how long the old credential stays usable")
+                doc="params {node_id} | {agent_id} | {token (a pending SDK enrolment token's name)} -> {retired, message}; the message says how long the old credential stays usable")
     methods.add("Metrics", ops.metrics, level="operator",
                 doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
 
@@ -201,8 +201,13 @@ class _Operations:
         if plane is None:
             raise NotFound("this node runs no control plane (only the embedded-mesh node retires)")
         node_id, agent_id = params.get("node_id"), params.get("agent_id")
+        token = params.get("token")
         try:
-            if isinstance(node_id, str):
+            if isinstance(token, str):
+                # A pending SDK enrolment token, by name: it can no longer be exchanged.
+                message = await asyncio.to_thread(plane.revoke_token, token)
+                retired = token
+            elif isinstance(node_id, str):
                 message = await asyncio.to_thread(plane.retire_node, node_id)
                 retired = node_id
             elif isinstance(agent_id, str):

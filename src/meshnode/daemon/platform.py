@@ -118,6 +118,7 @@ async def start_platform_services(
     trusted_issuers: Collection[str] = (),
     imported: Mapping[str, str] | None = None,
     wait_ready: bool = False,
+    sdk_agent_of: Callable[[str], str | None] | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start every platform service of one account.
 
@@ -127,6 +128,8 @@ async def start_platform_services(
     retired and each node's attested tier, §9.7); ``trusted_issuers`` are the
     operators whose portable attestations the registry believes; ``imported``
     maps agents other tenants exported here to where their registry answers.
+    ``sdk_agent_of`` (control plane) names the one agent of a node's sdk
+    enrolment: the registry accepts untokenized registrations from those only.
     ``wait_ready`` waits for the streams to have leaders first: a cluster
     (re)started moments ago answers before they do.
     """
@@ -149,6 +152,7 @@ async def start_platform_services(
         trust_tier_of=trust_tier_of,
         trusted_issuers=trusted_issuers,
         imported=imported,
+        sdk_agent_of=sdk_agent_of,
     )
     presence.vouched_by = registry.vouched_by
 

@@ -16,12 +16,21 @@ Subjects and payloads (the contract):
     Request payload: the manifest (§8.1; legacy ``skills`` read as
     ``offerings``). The trailing token must be the manifest's ``node.id``;
     the vouch must verify for that node and this agent, and be unexpired.
-    The untokenized subject is refused ``UNAUTHORIZED`` (``details.reason:
-    "untokenized_registration"``) unless ``require_connection_bound=False``,
-    in which case the node binding is stored as self-asserted.
+    The untokenized subject carries no identity. It is accepted from an
+    ``sdk``-enrolled node (an AgentMesh SDK agent enrolled with ``meshnode mesh
+    token``): the manifest's ``node.id`` must be an active sdk enrolment's node
+    key whose agent is the manifest's ``id`` (or that agent's own key: a
+    self-vouch, the Python SDK's default), and the vouch must verify for that
+    node, so only the holder of that enrolment's keys can produce it. Stored with
+    ``node_binding: "sdk_enrolled"`` and ``node.profile.enrolment: "sdk"``.
+    Every other untokenized registration is refused ``UNAUTHORIZED``
+    (``details.reason: "untokenized_registration"``, or
+    ``"sdk_enrolment_mismatch"`` for an sdk node registering another agent)
+    unless ``require_connection_bound=False``, in which case the node binding
+    is stored as self-asserted.
     Reply: ``{status: "registered", agent_id, node_binding:
-    "connection_bound"|"self_asserted", dropped?: [member paths dropped as
-    unreadable]}``. Errors: ``INVALID_MANIFEST`` (``details.field``),
+    "connection_bound"|"sdk_enrolled"|"self_asserted", dropped?: [member paths
+    dropped as unreadable]}``. Errors: ``INVALID_MANIFEST`` (``details.field``),
     ``IDENTITY_MISMATCH`` (``from`` ≠ ``id``), ``UNAUTHORIZED``
     (``details.reason``), ``RATE_LIMITED``.
     The stored manifest is the validated, normalized one: ``owner`` and
@@ -107,8 +116,14 @@ class RegistryService(ServiceBase):
         trust_tier_of: Callable[[str], str | None] | None = None,
         trusted_issuers: Collection[str] = (),
         imported: Mapping[str, str] | None = None,
+        sdk_agent_of: Callable[[str], str | None] | None = None,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # The one agent of a node's active sdk enrolment (None: not one), from
+        # the control plane's enrolment records: the only word on who may use
+        # the untokenized register subject. A claim in the credential would not
+        # do: a subscriber never learns which credential published a message.
+        self._sdk_agent_of = sdk_agent_of
         # Agents another tenant exported to this one (§15.2): agent id -> the
         # subject where the exporting tenant's registry answers a get for it.
         self._imported = dict(imported or {})
@@ -273,14 +288,11 @@ class RegistryService(ServiceBase):
         payload = env.get("payload")
         if isinstance(payload, Mapping) and payload.get("deregister") is True:
             return await self._remove(env["from"])
-        if not bound and self.require_connection_bound:
+        sdk_node = None if bound else self._sdk_node(payload, env["from"])
+        if not bound and sdk_node is None and self.require_connection_bound:
             # Refused before any schema work: on this path nothing the
             # manifest says about its node can be believed (§4.4 b).
-            raise ProtocolError(
-                "UNAUTHORIZED",
-                "registration must arrive on mesh.registry.register.<node_id>",
-                {"field": "node.id", "reason": "untokenized_registration"},
-            )
+            raise self._untokenized_refusal(payload, env["from"])
         if self._is_revoked is not None and self._is_revoked(env["from"]):
             raise ProtocolError("UNAUTHORIZED", "this agent's key was revoked", {"reason": "agent_key_revoked"})
         now = self.ctx.now_ms()
@@ -295,14 +307,18 @@ class RegistryService(ServiceBase):
             payload,
             sender=env["from"],
             now_ms=now,
-            subject_node=subject_node,
+            # An sdk node is bound by its enrolment instead of the subject:
+            # checked as though it had arrived on its own tokenized subject,
+            # so the vouch must verify for exactly that node.
+            subject_node=subject_node if sdk_node is None else sdk_node,
             require_connection_bound=self.require_connection_bound,
             sandbox=sandbox,
+            enrolment=None if sdk_node is None else "sdk",
         )
         stored = result.manifest
         agent_id: str = stored["id"]
         node_id: str = stored["node"]["id"]
-        binding = "connection_bound" if bound else "self_asserted"
+        binding = "connection_bound" if bound else "sdk_enrolled" if sdk_node else "self_asserted"
         meta = dict(stored.get("meta") or {})
         meta["registry"] = {"node_binding": binding, "registered_at": format_ts(now)}
         stored["meta"] = meta
@@ -338,6 +354,36 @@ class RegistryService(ServiceBase):
         if result.dropped:
             reply["dropped"] = result.dropped
         return reply
+
+    def _sdk_node(self, payload: object, sender: str) -> str | None:
+        """The manifest's node when it is an sdk enrolment of ``sender``, else None.
+
+        Only the enrolment is looked at here; the vouch is verified for this
+        node by :func:`check_registration` before anything is stored.
+        """
+        node_id = _manifest_node_id(payload)
+        if node_id is None or self._sdk_agent_of is None:
+            return None
+        return node_id if self._sdk_agent_of(node_id) == sender else None
+
+    def _untokenized_refusal(self, payload: object, sender: str) -> ProtocolError:
+        node_id = _manifest_node_id(payload)
+        enrolled = (
+            self._sdk_agent_of(node_id) if node_id is not None and self._sdk_agent_of else None
+        )
+        if enrolled is not None:
+            return ProtocolError(
+                "UNAUTHORIZED",
+                f"node {node_id} is an sdk enrolment for agent {enrolled}, not for {sender}",
+                {"field": "node.id", "reason": "sdk_enrolment_mismatch"},
+            )
+        return ProtocolError(
+            "UNAUTHORIZED",
+            "an untokenized registration is accepted only from an sdk-enrolled node; "
+            "register on mesh.registry.register.<node_id>, enrol an SDK agent with "
+            "`meshnode mesh token`, or set [registry] require_connection_bound = false",
+            {"field": "node.id", "reason": "untokenized_registration"},
+        )
 
     async def _store(
         self, agent_id: str, stored: dict[str, Any]

@@ -49,7 +49,7 @@ from .embedded import (
 )
 from .jwt import ResponsePermission, nats_auth_callbacks
 from .lifecycle import AsyncService
-from .permissions import Role, node_inbox_prefix
+from .permissions import Profile, Role, node_inbox_prefix
 
 __all__ = ["NatsCluster", "cluster_size_of"]
 
@@ -215,10 +215,12 @@ class NatsCluster(AsyncService):
         trust_tier: str = "standard",
         now: int | None = None,
         tenant: str | None = None,
+        profile: Profile = "node",
     ) -> str:
         """A node credential valid on every member (one account, one operator)."""
         return self.members[0].mint_node_credential(
-            node_id, agent_ids, expires_in_s, role=role, trust_tier=trust_tier, now=now, tenant=tenant
+            node_id, agent_ids, expires_in_s, role=role, trust_tier=trust_tier, now=now,
+            tenant=tenant, profile=profile,
         )
 
     # -- lifecycle --

@@ -54,8 +54,10 @@ from .lifecycle import AsyncService
 from .meshkeys import MeshKeys, load_or_create_mesh_keys
 from .permissions import (
     RESERVED_SUBJECTS,
+    Profile,
     Role,
     node_permissions,
+    sdk_permissions,
 )
 from .serverconf import BoundPorts, ClusterRoutes, render_server_config
 from .tenants import (
@@ -377,16 +379,29 @@ class EmbeddedNatsServer(AsyncService):
         trust_tier: str = "standard",
         now: int | None = None,
         tenant: str | None = None,
+        profile: Profile = "node",
     ) -> str:
         """A node credential carrying the §14.3 permissions of its roster.
+
+        ``profile="sdk"`` mints the narrower grant of one SDK agent
+        (:func:`~meshnode.transport.permissions.sdk_permissions`): the roster
+        must then be exactly that agent, and the tag ``agentmesh:profile:sdk``
+        rides along.
 
         The operator-attested profile claims ride in the credential as tags
         ``agentmesh:role:<role>`` and ``agentmesh:trust_tier:<tier>`` (§4.4: a
         node never self-declares them). ``tenant`` picks the account that
         signs it, which is the tenant its agents belong to (§15.1).
         """
-        permissions = node_permissions(node_id, agent_ids, role=role)
         tags = [f"agentmesh:role:{role}", f"agentmesh:trust_tier:{trust_tier}"]
+        if profile == "sdk":
+            roster = list(dict.fromkeys(agent_ids))
+            if len(roster) != 1 or role != "participant":
+                raise ValueError("an sdk-profile credential is a participant's, for exactly one agent")
+            permissions = sdk_permissions(node_id, roster[0])
+            tags.append("agentmesh:profile:sdk")
+        else:
+            permissions = node_permissions(node_id, agent_ids, role=role)
         if tenant is not None and tenant != DEFAULT_TENANT:
             tags.append(f"agentmesh:tenant:{tenant}")
         return self.mint_user(

@@ -8,9 +8,18 @@ decision; the comment beside it says why it is there.
 Three narrowings go beyond the §14.3 example, each closing a hole the broker
 would otherwise leave open:
 
-* **Registration is connection-bound.** Only ``mesh.registry.register.{node_id}``
-  is granted; the untokenized subject would let the node fall back to a subject
-  that carries no identity (§14.3's last paragraph, §4.4 b).
+* **Registration is connection-bound.** A node registers on
+  ``mesh.registry.register.{node_id}``, which only its own credential may
+  publish. The untokenized ``mesh.registry.register`` carries no identity
+  (§14.3's last paragraph, §4.4 b), and meshnode's registry refuses it with
+  ``UNAUTHORIZED`` (``details.reason: "untokenized_registration"``) except from
+  an ``sdk``-profile node (below). *Decision:* every credential may publish
+  the untokenized subject anyway. The grant gives a node no power (the
+  registry, not the broker, is the gate, and §4.4 (b) stays intact because the
+  registry refuses), but it turns a broker drop (a silent 5 s timeout in the
+  client) into the §4.4 answer ``UNAUTHORIZED`` with a reason the client can
+  read, and it is what makes ``[registry] require_connection_bound = false``
+  work end to end.
 * **Private reply inboxes.** Every node gets its own inbox prefix
   (``_INBOX_{node_id}``, passed to ``nats.connect(inbox_prefix=...)``) and may
   subscribe under that prefix only. A shared ``_INBOX.>`` subscription would
@@ -23,6 +32,27 @@ would otherwise leave open:
   read messages by sequence, or delete streams. A participant gets the API
   subjects for its own agents' mailbox streams and the shared task and event
   streams; only a service-role node administers JetStream.
+
+**Profiles.** :func:`node_permissions` is the grant of meshnode's own nodes
+(profile ``node``). :func:`sdk_permissions` is the grant of an ``sdk``-profile
+credential, minted by ``POST /v1/bootstrap`` for one agent written with the
+public AgentMesh SDKs, which cannot be told to use a private reply prefix (the
+TypeScript SDK has no option for it) and register on the untokenized subject.
+It differs from ``node`` in exactly these ways, each forced by what the SDKs do:
+
+* it subscribes ``_INBOX.>``, the NATS clients' default reply prefix. The cost:
+  sdk-profile connections can read replies (and JetStream pull deliveries)
+  addressed to each other's ``_INBOX.`` subjects. They can never read those of
+  meshnode's nodes, whose replies go to ``_INBOX_{node_id}.``: a different
+  first token, which ``_INBOX.>`` does not match;
+* it publishes the untokenized register subject (as every credential now does);
+  the registry accepts it only from an sdk-enrolled node whose vouch verifies
+  and whose enrolment names the agent;
+* it is for one agent (its enrolment's), publishes nothing owner-bound for any
+  other, and gets no trace, metrics, log, artifact, task-stream or task-lookup
+  grant: what the SDKs do not call. The SDKs' harmless extras (the responder's
+  copy on ``mesh.agent.{self}.outbox``) are not granted; the broker refuses
+  them with a permission error the SDK logs as a warning and carries on.
 
 The subject patterns live here as module constants so they can move to
 ``meshnode.protocol.subjects`` once that module lands.
@@ -40,12 +70,19 @@ __all__ = [
     "RESERVED_SUBJECTS",
     "SERVICE_WILDCARD_ROSTER",
     "NodePermissions",
+    "Profile",
     "Role",
+    "SDK_INBOX_PREFIX",
+    "inbox_prefix_for",
     "node_inbox_prefix",
     "node_permissions",
+    "sdk_permissions",
 ]
 
 Role = Literal["participant", "service"]
+Profile = Literal["node", "sdk"]
+"""The enrolment profile of a credential: ``node`` (a meshnode node) or ``sdk``
+(one agent written with the public AgentMesh SDKs, see the module note)."""
 
 # --- subject patterns (§14.1); {node}, {agent}, {stream} are filled per roster ---
 
@@ -91,6 +128,9 @@ RESERVED_SUBJECTS = ("mesh.peer.>",)
 
 LEGACY_INBOX_PREFIX = "_INBOX"
 """The shared reply prefix of §14.3's example; see the module note before using it."""
+
+SDK_INBOX_PREFIX = LEGACY_INBOX_PREFIX
+"""The reply prefix an ``sdk``-profile credential allows: the NATS clients' default."""
 
 AGENT_MAILBOX_STREAM = "MESH_INBOX_{agent}"
 
@@ -181,8 +221,9 @@ def node_permissions(
 
     ``role="service"`` is for a node hosting the platform services (registry,
     presence, task manager): it additionally listens on their request subjects
-    and administers JetStream. ``require_connection_bound=False`` also grants
-    the untokenized register subject, for a registry that still accepts it.
+    and administers JetStream. ``require_connection_bound`` no longer changes
+    the grant (the untokenized register subject is always granted, module
+    note); it is accepted for callers that pass it.
     ``inbox_prefix`` defaults to :func:`node_inbox_prefix`; pass
     ``LEGACY_INBOX_PREFIX`` only for a client that cannot set its own prefix.
 
@@ -235,8 +276,10 @@ def node_permissions(
         # State-feed lookups are requests to the platform.
         FEED_GET,
     ]
-    if require_connection_bound is False:
-        pub.insert(1, REGISTER_UNBOUND)
+    # The untokenized subject, so that the registry can answer UNAUTHORIZED
+    # (§4.4) instead of the broker dropping it: see the module note. Kept for
+    # every value of require_connection_bound (the registry applies that).
+    pub.insert(1, REGISTER_UNBOUND)
     # A service node whose roster would not fit a credential (the broker takes
     # a JWT of about 1 MiB: ~2,600 agents at ~0.4 KiB of grants each) holds the
     # agent-scoped grants as wildcards. It loses nothing it could be kept from:
@@ -318,4 +361,54 @@ def node_permissions(
         for stream in SHARED_STREAMS:
             pub += _shared_stream_grants(stream)
 
+    return NodePermissions(_unique(pub), _unique(sub))
+
+
+def inbox_prefix_for(profile: Profile, node_id: str) -> str:
+    """The reply prefix a credential of ``profile`` for ``node_id`` may subscribe under."""
+    return SDK_INBOX_PREFIX if profile == "sdk" else node_inbox_prefix(node_id)
+
+
+def sdk_permissions(node_id: str, agent_id: str) -> NodePermissions:
+    """The grant of an ``sdk``-profile credential: ``node_id`` hosting ``agent_id`` alone.
+
+    What the public SDKs call, and nothing more (module note): registry,
+    discovery, lookups, presence and state-feed lookups as requests; the
+    node's heartbeat; requests and responds to any agent's inbox; deferred
+    answers as task updates; events; its agent's feeds; its agent's mailbox
+    stream and its durable consumer on ``MESH_FEED`` (the SDK's mailbox drain
+    and durable feed subscription). Replies under ``_INBOX.`` (the clients'
+    default prefix). The credential needs the JWT's ``resp`` permission like
+    every other (an SDK answers its liveness probes on the reply subject).
+    """
+    _require_user_key(node_id, "node_id")
+    _require_user_key(agent_id, "agent id")
+    pub: list[str] = [
+        REGISTER_UNBOUND,
+        DEREGISTER,
+        DISCOVER,
+        REGISTRY_GET,
+        PRESENCE_GET,
+        FEED_GET,
+        HEARTBEAT.format(node=node_id),
+        HEARTBEAT_AGENT.format(node=node_id),
+        # The Python SDK's node key defaults to the agent key (a self-vouch),
+        # so it beats for the agent key; nobody else's node is reachable so.
+        HEARTBEAT.format(node=agent_id),
+        ANY_AGENT_INBOX,
+        TASK_UPDATE,
+        EVENTS,
+        AGENT_FEED.format(agent=agent_id),
+        *_own_stream_grants(AGENT_MAILBOX_STREAM.format(agent=agent_id)),
+        *_shared_stream_grants("MESH_FEED"),
+    ]
+    sub: list[str] = [
+        AGENT_INBOX.format(agent=agent_id),
+        # await_task follows a deferred answer on its task's update subject.
+        TASK_UPDATE,
+        EVENTS,
+        REGISTRY_EVENTS,
+        FEED_GRAMMAR,
+        f"{SDK_INBOX_PREFIX}.>",
+    ]
     return NodePermissions(_unique(pub), _unique(sub))

@@ -56,8 +56,10 @@ SEALING_POSTURES = frozenset({"required", "preferred"})
 
 _NEED_KINDS = ("resource", "file", "credential", "text", "tool")
 _REACHABILITY = frozenset({"direct", "leaf"})
-#: §9.7: attested attributes a node MUST NOT self-declare.
-_ATTESTED_PROFILE_ATTRIBUTES = ("trust_tier", "role")
+#: §9.7: attested attributes a node MUST NOT self-declare. ``enrolment`` is the
+#: registry's word on how the node was enrolled (``sdk`` for an SDK agent's
+#: enrolment token), set from the operator's records only.
+_ATTESTED_PROFILE_ATTRIBUTES = ("trust_tier", "role", "enrolment")
 
 #: §8.4: liveness is presence's, never the manifest's.
 _LIVENESS_MEMBERS = ("availability", "last_heartbeat")
@@ -517,8 +519,14 @@ def check_registration(
     derive_sealing_posture: bool = True,
     descriptor_digest: str | None = None,
     accept_legacy_untagged: bool = False,
+    enrolment: str | None = None,
 ) -> RegistrationResult:
-    """:func:`validate_registration`, also reporting what was dropped on the way in."""
+    """:func:`validate_registration`, also reporting what was dropped on the way in.
+
+    ``enrolment`` is the node's enrolment profile as the registry learned it
+    from the operator's records (``"sdk"``): stored as ``node.profile.enrolment``.
+    A registrant's own value of that member is always dropped.
+    """
     if not isinstance(manifest, Mapping):
         raise _invalid("manifest", "must be an object")
     working: dict[str, Any] = _apply_legacy_aliases(copy.deepcopy(dict(manifest)))
@@ -553,6 +561,10 @@ def check_registration(
     if sandbox:
         stored = clamp_for_sandbox(stored)
         stored["sandbox"] = True
+    if enrolment is not None:
+        node = dict(stored["node"])
+        node["profile"] = {**dict(node.get("profile") or {}), "enrolment": enrolment}
+        stored["node"] = node
     return RegistrationResult(stored, dropped)
 
 
