@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,8 @@ from meshnode.node.inbox import InboxStore, InboxUnwritable
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
-from tests.fuzz.test_fuzz_pipeline import Desk, RecordingConnection, _host
+from meshnode.testing import eventually_async
+from tests.fuzz.test_fuzz_pipeline import Desk, Probe, RecordingConnection, _host
 
 NOW = 1_782_900_000_000
 
@@ -175,4 +177,44 @@ async def test_a_pair_taken_back_after_its_commit_stays_taken_back(tmp_path: Pat
         assert await store.accept_batch("A", [("s", "live-2", "request", b"{}", 2)], NOW) == [False]
     finally:
         store.db.execute("PRAGMA query_only = 0")
+        await store.close()
+
+
+async def test_a_live_request_is_committed_before_its_handler_runs_and_settled_after(tmp_path: Path) -> None:
+    """The pipeline's order (issue #23): the (from, id) pair is in the file when
+    the handler's first statement runs; a drained copy meanwhile is left in the
+    broker; once answered (and flushed), the copy is a plain duplicate."""
+    conn = RecordingConnection()
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+                connection=conn, clock=lambda: NOW, inbox=store)  # type: ignore[arg-type]
+    probe = _host(node, "probe", Probe)
+    sender = KeyPair.generate()
+    env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NOW, to=probe.agent_id,
+                                       payload={"offering": "work", "input": "x"}), sender)
+    data = encode_envelope(env)
+    seen_at_start: list[object] = []
+    copies: list[object] = []
+    real_work = Probe.work
+
+    async def work(self: Probe, ctx: Any, input: Any) -> Any:
+        key = (probe.agent_id, sender.public_key, env["id"])
+        seen_at_start.append(store.db.execute("SELECT done FROM seen WHERE agent=? AND sender=? AND msg_id=?",
+                                              key).fetchone())
+        item = (sender.public_key, env["id"], "request", data, 1)
+        copies.append((await store.accept_batch(probe.agent_id, [item], NOW))[0])
+        return await real_work(self, ctx, input)
+
+    probe.agent.work = work.__get__(probe.agent)  # type: ignore[method-assign]
+    try:
+        assert await probe.receive(data, source="live", reply="_INBOX.r") == "answered"
+        await eventually_async(lambda: probe.agent.ran == [env["id"]], what="the handler ran")  # type: ignore[attr-defined]
+        assert seen_at_start == [(0,)], "the pair was not committed before the handler ran"
+        assert copies == [None], "the drain took the copy of a request whose handler was running"
+        assert conn.responds_to(env["id"]), "no answer"
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the settle written")
+        item = (sender.public_key, env["id"], "request", data, 1)
+        assert await store.accept_batch(probe.agent_id, [item], NOW) == [False]
+    finally:
         await store.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.node.inbox import InboxStore, InboxUnwritable
+from meshnode.testing import eventually_async
 
 A = "U" + "A" * 55
 
@@ -241,5 +242,38 @@ async def test_outcomes_written_behind_land_on_their_rows(tmp_path: Path) -> Non
         await store.flush()
         written = await store.get(row.inbox_id)
         assert written is not None and (written.state, written.state_ms, written.note) == ("answered", 102, "done")
+    finally:
+        await store.close()
+
+
+async def test_a_request_settles_only_after_its_answer_reached_the_broker(tmp_path: Path) -> None:
+    """The finished mark waits for the settle barrier (the node's flush round
+    trip): written while the answer still sat in the client's buffer, a kill -9
+    would let the drain ack the copy of a request whose answer never left."""
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    sent = asyncio.Event()
+    passes = 0
+
+    async def barrier() -> None:
+        nonlocal passes
+        await sent.wait()
+        passes += 1
+
+    store.settle_barrier = barrier
+    try:
+        store.take(A, "s", "b1")
+        assert store.commit_live_now(A, "s", "b1", 100) == "committed"
+        store.settle(A, "s", "b1", 101)  # answered; the answer is not out yet
+        store.take(A, "s", "b2")
+        assert store.commit_live_now(A, "s", "b2", 100) == "committed"
+        store.settle(A, "s", "b2", 101)
+        await asyncio.sleep(0)
+        items = [("s", "b1", "request", b"{}", 1), ("s", "b2", "request", b"{}", 2)]
+        assert await store.accept_batch(A, items, 102) == [None, None]  # still unfinished: left in the broker
+        sent.set()
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the settle marks written")
+        assert passes == 1, "one barrier for the batch of answers"
+        assert await store.accept_batch(A, items, 103) == [False, False]
     finally:
         await store.close()

@@ -17,20 +17,25 @@ at most once even across a crash; a row caught mid-handler by a crash is kept
 as ``interrupted`` (visible, retryable by a person), never silently re-run.
 
 The duplicate memory of §22.2 is persisted here too (table ``seen``), and the
-live path commits a pair **before** it dispatches the message
-(:meth:`InboxStore.commit_live`): a request handled live is never run again by
-a drain of its buffered copy, even after a kill -9 (issue #23). A live pair is
-committed with ``done=0`` and marked ``done=1`` once its handler finished
-(:meth:`InboxStore.settle`); a pair still at 0 when a new process opens the
-file was caught by a crash mid-handler, and the drain keeps its buffered copy
-as an ``interrupted`` row instead of running it (or silently dropping it).
+live path commits a request's pair right before the irreversible step — its
+handler starting, or an answer without a handler going out
+(:meth:`InboxStore.commit_live_now`) — so a drain of the buffered copy, in
+this process or after a kill -9, never runs it again (issue #23). Until then
+the request is only *taken* (:meth:`InboxStore.take`): the drain leaves its
+copy in the broker, and a crash before the handler starts lets the restarted
+node run the copy, once. A committed pair has ``done=0`` until the answer has
+reached the broker (:meth:`InboxStore.settle`, after the node's flush round
+trip, :attr:`InboxStore.settle_barrier`); a pair still at 0 when a new process
+opens the file was caught mid-handler, and the drain keeps its buffered copy
+as an ``interrupted`` row (never run again, never silently dropped).
 
 How it is written (why inline ``sqlite3`` and not a thread per statement):
 every statement runs on the event loop's thread — a WAL commit with
 ``synchronous=NORMAL`` is a ``write()`` into the OS cache, tens of µs, and
-survives a process crash. Live pairs are group-committed adaptively: the
-first one schedules a commit for the next turn of the loop (no timer, no
-gathering window) and every pair queued until then rides in the same commit.
+survives a process crash. Commits are adaptive group commits: a commit
+happens at once (no timer, no gathering window), and whatever is queued at
+that moment — settle marks, other pairs — rides in
+it; marks alone are committed on the next turn of the loop.
 What must survive a *power loss* is made so by a sync barrier (one ``fsync``
 of the WAL, in a worker thread so the loop does not wait on the disk) before
 the drain acks the broker and before it dispatches claimed rows. What a power
@@ -175,6 +180,7 @@ class InboxStore:
         self.settle_barrier: Callable[[], Awaitable[None]] | None = None
         # Settle marks waiting for the barrier, and the task that passes them.
         self._unsent: list[tuple[str, str, str, int]] = []
+        self._passing: list[tuple[str, str, str, int]] = []  # marks waiting on the barrier now
         self._settler: asyncio.Task[None] | None = None
         # Live requests taken by the pipeline whose handler has not started yet
         # (nothing committed for them): the drain leaves their buffered copies
@@ -251,10 +257,20 @@ class InboxStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._settler
             self._settler = None
+        marks = self._passing + self._unsent
+        self._unsent, self._passing = [], []
+        if marks and self._db is not None:
+            # The connection is still up at this stage of a stop: one last
+            # barrier, so only answers that reached the broker are settled.
+            barrier = self.settle_barrier
+            try:
+                if barrier is not None:
+                    await asyncio.wait_for(barrier(), timeout=2.0)
+                self._settle.extend(marks)
+            except Exception as exc:
+                log.warning("stopping with %d answers not confirmed at the broker (%s): after a restart their "
+                            "requests' buffered copies are kept as interrupted, not run again", len(marks), exc)
         if self._db is not None:
-            # A graceful stop closed the connection (flushed) before the inbox.
-            self._settle.extend(self._unsent)
-            self._unsent = []
             try:
                 await self.flush()
             except InboxUnwritable as exc:
@@ -371,7 +387,7 @@ class InboxStore:
             "drain_deferred": self.deferred,
             "syncs": self.syncs,
             "write_behind_pending": len(self._seen_pending) + len(self._state_pending)
-            + len(self._live) + len(self._settle) + len(self._unsent),
+            + len(self._live) + len(self._settle) + len(self._unsent) + len(self._passing),
             "write_behind_dropped": self.dropped_behind,
         }
 
@@ -470,14 +486,17 @@ class InboxStore:
     async def _pass_barrier(self) -> None:
         barrier = self.settle_barrier
         while self._unsent and barrier is not None and not self._closing:
-            marks, self._unsent = self._unsent, []
+            marks = self._passing = self._unsent
+            self._unsent = []
             try:
                 await barrier()
             except Exception as exc:  # disconnected: the marks wait for the next try
                 log.debug("settle barrier failed (%s); retrying", exc)
                 self._unsent[:0] = marks
+                self._passing = []
                 await asyncio.sleep(0.5)
                 continue
+            self._passing = []
             self._settle.extend(marks)
             self._schedule_commit()
 
@@ -782,6 +801,7 @@ class InboxStore:
         self._seen_pending = [p for p in self._seen_pending if p[:3] != key]
         self._settle = [p for p in self._settle if p[:3] != key]
         self._unsent = [p for p in self._unsent if p[:3] != key]
+        self._passing[:] = [p for p in self._passing if p[:3] != key]
         self._taken.pop(key, None)
         self._forgotten[key] = None
         if len(self._forgotten) > _MAX_BEHIND:
