@@ -218,3 +218,19 @@ async def test_a_live_request_is_committed_before_its_handler_runs_and_settled_a
         assert await store.accept_batch(probe.agent_id, [item], NOW) == [False]
     finally:
         await store.close()
+
+
+async def test_a_request_taken_back_is_never_settled_afterwards(tmp_path: Path) -> None:
+    """The hold failed, the pair was taken back (forget), then the pipeline
+    finishes the request as refused: settling it now would make the drain ack
+    the only copy left as a duplicate."""
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        store.take("A", "s", "f1")
+        store.forget("A", "s", "f1")
+        store.settle("A", "s", "f1", NOW)
+        await store.flush()
+        assert await store.accept_batch("A", [("s", "f1", "request", b"{}", 1)], NOW) == [True]
+    finally:
+        await store.close()

@@ -472,6 +472,10 @@ class InboxStore:
         was answered, refused or held without one): its pair is written done,
         in the next group commit."""
         self._taken.pop((agent, sender, msg_id), None)
+        if (agent, sender, msg_id) in self._forgotten:
+            # Taken back (the inbox could not hold it): the buffered copy is the
+            # only one left and must stay new work for the drain.
+            return
         mark = (agent, sender, msg_id, now_ms)
         if self.settle_barrier is None:
             self._settle.append(mark)
@@ -807,9 +811,10 @@ class InboxStore:
         if len(self._forgotten) > _MAX_BEHIND:
             self._forgotten.pop(next(iter(self._forgotten)))
         if self._db is not None and self.fault is None:
+            # The tombstone stays until the drain took the copy: a settle or a
+            # write-behind arriving later must not bring the pair back.
             with contextlib.suppress(InboxUnwritable):
                 self._transaction([("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)])
-                self._forgotten.pop(key, None)
 
     async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
         """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
