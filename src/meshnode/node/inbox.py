@@ -200,6 +200,7 @@ class InboxStore:
         self._commit_gen = 0
         self._synced_gen = 0
         self._syncing: asyncio.Future[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
         self._checkpointed_at = 0
         self.commits = 0
         self.syncs = 0
@@ -252,6 +253,10 @@ class InboxStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._flusher
             self._flusher = None
+        if self._syncer is not None:
+            with contextlib.suppress(Exception):
+                await self._syncer
+            self._syncer = None
         if self._settler is not None:
             self._settler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -698,11 +703,13 @@ class InboxStore:
         ]
 
     async def start_row(self, row: InboxRow, now_ms: int) -> bool:
-        """Claim one pending row right before its dispatch: committed and on
-        disk (one shared fsync for the rows starting together) before the
-        handler runs, so a row is run at most once even across a power loss.
-        Claiming a whole batch up front marked rows that had not run yet as
-        interrupted when a crash came. False: the row is no longer pending."""
+        """Claim one pending row right before its dispatch, inline: committed
+        before the handler runs, so a row is run at most once across a process
+        crash, and a crash keeps as interrupted only rows that really started
+        (claiming a whole batch up front, or waiting for an fsync before each
+        handler, kept rows that never ran). The fsync follows in the background
+        (one shared by the rows starting together): a power loss within those
+        milliseconds can run the row again. False: the row is no longer pending."""
         with self._write() as db:
             cur = db.execute(
                 "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=? AND state='pending'",
@@ -714,8 +721,21 @@ class InboxStore:
                 "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
                 (row.agent, row.sender, row.msg_id, now_ms),
             )
-        await self._sync()
+        self._sync_soon()
         return True
+
+    def _sync_soon(self) -> None:
+        """The sync barrier in the background (failures are recorded in :attr:`fault`)."""
+        if self._syncer is None or self._syncer.done():
+            self._syncer = asyncio.get_running_loop().create_task(self._quiet_sync(), name="inbox-sync")
+
+    async def _quiet_sync(self) -> None:
+        # Until caught up: rows that started while this fsync ran need the next.
+        while self._commit_gen > self._synced_gen:
+            try:
+                await self._sync()
+            except InboxUnwritable:
+                return
 
     async def recover_interrupted(self, now_ms: int) -> int:
         """At start-up: rows claimed by a process that died are ``interrupted``."""
