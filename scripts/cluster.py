@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import signal
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 
 from meshnode.testing import render_toml
 from meshnode.testing.cluster import LocalCluster
+from meshnode.transport.errors import EmbeddedMeshError, PortInUse
 
 
 def _ports(text: str | None) -> list[int] | None:
@@ -53,7 +55,10 @@ async def main() -> int:
     parser.add_argument("--participants", type=int, default=2, help="participant nodes to provision (default %(default)s)")
     parser.add_argument("--client-ports", help="comma-separated client ports, one per server (default: free ports, then kept)")
     parser.add_argument("--route-ports", help="comma-separated cluster route ports (default: free ports, then kept)")
-    parser.add_argument("--control-port", type=int, default=7422, help="control-plane HTTP port (0: free; default %(default)s)")
+    # Not 7422: that is the embedded mesh's control port, and a `meshnode run` on
+    # this host would collide with it. 0 picks a free port once, then keeps it.
+    parser.add_argument("--control-port", type=int, default=0,
+                        help="control-plane HTTP port (default 0: a free one, kept across runs)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = parser.parse_args()
 
@@ -65,7 +70,24 @@ async def main() -> int:
         client_ports=_ports(args.client_ports),
         route_ports=_ports(args.route_ports),
     )
-    await cluster.start()
+    try:
+        await cluster.start()
+    except PortInUse as exc:
+        flag = "--control-port" if exc.listener == "control" else (
+            "--route-ports" if exc.listener == "cluster" else "--client-ports")
+        print(f"cluster.py: {exc.with_hint(f'pass {flag} (or 0 for free ports), or a fresh --dir')}",
+              file=sys.stderr)
+        return 69  # EX_UNAVAILABLE
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:  # the control plane's port
+            print(f"cluster.py: port {cluster.control.port} in use: another meshnode? "
+                  "pass --control-port (0 for a free one)", file=sys.stderr)
+        else:
+            print(f"cluster.py: cannot start the cluster in {root}: {exc}", file=sys.stderr)
+        return 69
+    except EmbeddedMeshError as exc:
+        print(f"cluster.py: cannot start the cluster in {root}: {exc}", file=sys.stderr)
+        return 69
     try:
         nodes: dict[str, dict[str, Any]] = {}
         for i in range(args.services):
@@ -105,4 +127,7 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    try:
+        sys.exit(asyncio.run(main()))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place
+        sys.exit(130)

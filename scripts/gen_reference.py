@@ -1,11 +1,13 @@
-"""Generate docs/reference/configuration.md and docs/reference/cli.md from the code.
+"""Generate docs/reference/configuration.md, cli.md and grants.md from the code.
 
 The configuration reference comes from the settings schema (the root model
 :class:`meshnode.config.Config`: its JSON Schema for types and defaults, the
 models' attribute docstrings for descriptions); the CLI reference from the
-argument parser (:func:`meshnode.cli.build_parser`). Only those two public entry
-points are imported, so the generator keeps working while the modules behind
-them are split or grow fields and options.
+argument parser (:func:`meshnode.cli.build_parser`); the grant tables from the
+credential permissions (:mod:`meshnode.transport.permissions`: every role of
+``Role``, and the starter credential). Only those public entry points are
+imported, so the generator keeps working while the modules behind them are
+split or grow fields, options and roles.
 
     python scripts/gen_reference.py           # rewrite both pages
     python scripts/gen_reference.py --check   # exit 1 when a committed page is stale
@@ -33,6 +35,7 @@ from pydantic_core import PydanticUndefined
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = ROOT / "docs" / "reference" / "configuration.md"
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
+GRANTS_PAGE = ROOT / "docs" / "reference" / "grants.md"
 REGENERATE = "python scripts/gen_reference.py"
 
 _HEADER = (
@@ -383,12 +386,86 @@ def render_cli() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# --------------------------------------------------------------------------- grants
+
+
+def _placeholder_keys() -> tuple[str, str]:
+    # Fixed keys (not secrets: seeds of all 1s and all 2s) so the page is stable;
+    # they are printed as <node> and <agent>.
+    from meshnode.protocol.nkeys import KeyPair
+
+    return (
+        KeyPair.from_raw_seed(b"\x01" * 32).public_key,
+        KeyPair.from_raw_seed(b"\x02" * 32).public_key,
+    )
+
+
+def _grant_rows(pub: list[str], sub: list[str], node: str, agent: str) -> list[str]:
+    def show(subject: str) -> str:
+        return "`" + subject.replace(node, "<node>").replace(agent, "<agent>") + "`"
+
+    rows = ["| Publish | Subscribe |", "|---|---|"]
+    pub_cells = [show(s) for s in pub] or ["nothing"]
+    sub_cells = [show(s) for s in sub] or ["nothing"]
+    for i in range(max(len(pub_cells), len(sub_cells))):
+        left = pub_cells[i] if i < len(pub_cells) else ""
+        right = sub_cells[i] if i < len(sub_cells) else ""
+        rows.append(f"| {left} | {right} |")
+    return rows
+
+
+def render_grants() -> str:
+    from meshnode.transport import permissions
+
+    node, agent = _placeholder_keys()
+    out = [
+        _HEADER.format(source="src/meshnode/transport/permissions.py", cmd=REGENERATE),
+        "# Credential grants per role\n",
+        "What the broker lets each kind of node credential publish and subscribe, as the control",
+        "plane mints it (AgentMesh §14.3) for a node `<node>` hosting one agent `<agent>` (a",
+        "grant naming `<agent>` repeats for every hosted agent). Everything else is denied, and",
+        "`" + "`, `".join(permissions.RESERVED_SUBJECTS) + "` is denied to everyone in both",
+        "directions. Every credential but the starter may also answer a request it received",
+        "(the JWT's `resp` permission, one reply each). Why each grant is there: the comments",
+        "beside it in `src/meshnode/transport/permissions.py`. Security model:",
+        "[Security](../operations/security.md).\n",
+    ]
+    for role in typing.get_args(permissions.Role):
+        grants = permissions.node_permissions(node, [agent], role=role)
+        out += [f"## `{role}`\n", *_grant_rows(grants.pub_allow, grants.sub_allow, node, agent), ""]
+    sdk = getattr(permissions, "sdk_permissions", None)
+    if sdk is not None:
+        grants = sdk(node, agent)
+        out += [
+            "## `sdk` profile (an agent written with the AgentMesh SDKs)\n",
+            "A participant credential for one agent, minted by `POST /v1/bootstrap`; replies",
+            "under the NATS clients' default `_INBOX.` prefix (see the module note in",
+            "`permissions.py` for what that costs).\n",
+            *_grant_rows(grants.pub_allow, grants.sub_allow, node, agent),
+            "",
+        ]
+    starter = permissions.STARTER_PERMISSIONS
+    out += [
+        "## `starter` (an invite's credential)\n",
+        f"Tagged `{permissions.STARTER_TAG}`, no `resp` permission. It opens a connection and",
+        "nothing more: the node's first start exchanges the invite's key for its real credential",
+        "over the control plane (HTTP), and a node never connects with a starter credential.\n",
+        *_grant_rows(starter.pub_allow, starter.sub_allow, node, agent),
+        "",
+    ]
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- main
 
 
 def render_all() -> dict[Path, str]:
     """Each generated page and the text it must have."""
-    return {CONFIG_PAGE: render_configuration(), CLI_PAGE: render_cli()}
+    return {
+        CONFIG_PAGE: render_configuration(),
+        CLI_PAGE: render_cli(),
+        GRANTS_PAGE: render_grants(),
+    }
 
 
 def stale_pages() -> list[Path]:

@@ -88,6 +88,7 @@ class _FakeSubscription:
 @dataclass(frozen=True)
 class FakeSettings:
     registry_timeout_s: float = 5.0
+    resolve_ttl_s: float = 30.0
     max_inbound_chars: int = 65536
 
 
@@ -125,6 +126,7 @@ class FakeNode:
         self.service_calls: list[tuple[str, str, Any]] = []
         self.service_answers: dict[str, Callable[[Any], Awaitable[dict[str, Any]]]] = {}
         self.pubsub: Any = None
+        self.directory: Any = None
         self.responds: list[dict[str, Any]] = []
         self.chunks: list[dict[str, Any]] = []
         self.canceled: list[tuple[str, str, str]] = []

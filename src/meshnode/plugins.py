@@ -37,7 +37,9 @@ __all__ = [
     "PluginManager",
     "hookimpl",
     "hookspec",
+    "installed_versions",
     "load_plugins",
+    "rescan_installed",
 ]
 
 ENTRY_POINT_GROUP = "meshnode.agents"
@@ -98,6 +100,8 @@ class AgentCatalog:
     kinds: dict[str, type[Agent]] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    #: ``entry-point name -> "distribution version"`` as scanned (:func:`installed_versions`).
+    versions: dict[str, str] = field(default_factory=dict)
 
     def register(self, name: str, agent_class: type[Agent], origin: str) -> None:
         if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
@@ -173,6 +177,27 @@ def module_entry_points(specs: Iterable[str]) -> list[importlib.metadata.EntryPo
     return eps
 
 
+def rescan_installed() -> None:
+    """Forget what the import system remembers of the installed distributions, so
+    the next :func:`load_plugins` sees one pip-installed since the process started.
+
+    ``importlib.metadata`` memoizes each ``sys.path`` directory's listing (keyed by
+    its mtime, which a coarse clock or an in-place install may leave unchanged), and
+    the path finders cache ``sys.path`` entries, including a directory that did not
+    exist yet; :func:`importlib.invalidate_caches` drops both."""
+    importlib.invalidate_caches()
+
+
+def installed_versions() -> dict[str, str]:
+    """``entry-point name -> "distribution version"`` of the installed plugins, to
+    tell an upgraded plugin (whose old module stays imported) from an unchanged one."""
+    found: dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        found[ep.name] = f"{dist.name} {dist.version}" if dist is not None else ep.value
+    return found
+
+
 def load_plugins(
     *,
     strict: bool = False,
@@ -190,11 +215,11 @@ def load_plugins(
     catalog = AgentCatalog()
     for name, plugin in builtins:
         pm.register(plugin, name=name)
-    eps = (
-        list(entry_points)
-        if entry_points is not None
-        else list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    )
+    if entry_points is None:
+        eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        catalog.versions = installed_versions()
+    else:
+        eps = list(entry_points)
     eps.extend(module_entry_points(extra_modules))
     for ep in eps:
         origin = f"{ep.name} ({ep.value})"

@@ -68,7 +68,7 @@ async def test_invited_node_renews_for_its_roster_and_the_broker_enforces_it(
     assert invite.nats_urls == tuple(mesh.urls) and invite.control_plane_url == control.url
     node_key = invite.node_key
 
-    # The starter credential already lets the node onto the mesh, reading nobody's inbox.
+    # The starter credential lets the node connect and nothing more (it grants nothing).
     starter_errors = ClientErrors()
     starter = await connect_with_jwt(
         invite.nats_urls[0], node_key, invite.jwt,

@@ -199,7 +199,8 @@ async def test_work_that_entered_by_a2a_carries_its_chain_into_mesh_sub_requests
                                 "origin": {"rootExecutionId": "x"}}
     env = {"id": "req", "type": "request", "trace": new_root_trace(), "meta": {EXTENSION_URI: chain}}
     ctx = AgentContext(hosted, envelope=env)  # type: ignore[arg-type]
-    await ctx.request("UOTHER", "work", {})
+    other = KeyPair.generate().public_key  # an agent id (a name would be resolved first)
+    await ctx.request(other, "work", {})
     assert hosted.node.sent[-1]["meta"] == {EXTENSION_URI: chain}
     await ctx.request("a2a:weather", "forecast", {"q": 1}, budget={"revision": 0})
     a2a = hosted.node.a2a_calls[-1]
@@ -207,7 +208,7 @@ async def test_work_that_entered_by_a2a_carries_its_chain_into_mesh_sub_requests
     assert a2a["trace"]["trace_id"] == env["trace"]["trace_id"]
     # Work that did not enter by A2A adds nothing.
     plain = AgentContext(hosted, envelope={"id": "r2", "type": "request", "trace": new_root_trace()})  # type: ignore[arg-type]
-    await plain.request("UOTHER", "work", {})
+    await plain.request(other, "work", {})
     assert hosted.node.sent[-1]["meta"] is None
 
 

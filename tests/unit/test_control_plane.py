@@ -352,12 +352,14 @@ def test_invite_enrols_and_mints_a_starter_credential(
     bundle = control.invite("alpha")
     claims = verify_jwt(bundle.jwt, mesh_keys_only.account_public_key, now=NOW)
     assert claims["sub"] == bundle.node_id
-    assert claims["exp"] - claims["iat"] == 7 * 24 * 3600
-    sub_allow = claims["nats"]["sub"]["allow"]
-    assert not any(s.startswith("mesh.agent.") for s in sub_allow)  # nobody's inbox yet
+    assert claims["exp"] - claims["iat"] == 3600  # an hour, and it grants nothing at all
+    assert "agentmesh:role:starter" in claims["nats"]["tags"]
+    for direction in ("pub", "sub"):
+        assert not claims["nats"][direction].get("allow"), direction
+    assert "resp" not in claims["nats"]
     [node] = control.list_nodes()
     assert (node.node_id, node.name, node.retired) == (bundle.node_id, "alpha", False)
-    assert node.credential_expires_at == NOW + 7 * 24 * 3600
+    assert node.credential_expires_at == NOW + 3600
     assert stat.S_IMODE(os.stat(control.state_path).st_mode) == 0o600
     with pytest.raises(ValueError, match="already named"):
         control.invite("alpha")
@@ -419,7 +421,7 @@ def test_refusals_carry_the_revocation_codes(
     clock.now = NOW + 3600
     message = control.retire_node(key.public_key)
     assert "credential stays usable until" in message
-    assert "(up to 167 h)" in message  # the 7-day starter credential outlives the 24 h ones
+    assert "(up to 23 h)" in message  # the last 24 h credential; the 1 h starter has lapsed
     assert message.endswith("renewal is now refused")
     assert control.retire_node(key.public_key) == message  # idempotent
     body = node_credential_request(key, [], NOW + 3600)

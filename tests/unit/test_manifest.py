@@ -106,10 +106,40 @@ def test_input_is_not_mutated() -> None:
 
 
 def test_endpoints_are_kept_and_completed() -> None:
-    stored = register(base_manifest(endpoints={"events": "mesh.agent.x.events"}))
-    assert stored["endpoints"] == {"events": "mesh.agent.x.events", "inbox": INBOX}
+    events = f"mesh.agent.{AGENT.public_key}.events"
+    stored = register(base_manifest(endpoints={"events": events}))
+    assert stored["endpoints"] == {"events": events, "inbox": INBOX}
     assert_invalid(base_manifest(endpoints={"inbox": "mesh.agent.*.inbox"}), "endpoints.inbox")
     assert_invalid(base_manifest(endpoints=["inbox"]), "endpoints")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"endpoint": f"mesh.agent.{OTHER.public_key}.inbox"}, "endpoint"),
+        ({"endpoints": {"inbox": f"mesh.agent.{OTHER.public_key}.inbox"}}, "endpoints.inbox"),
+        ({"endpoints": {"feed": f"mesh.feed.{OTHER.public_key}.status"}}, "endpoints.feed"),
+        ({"endpoints": {"events": "mesh.registry.discover"}}, "endpoints.events"),
+    ],
+)
+def test_an_endpoint_that_is_not_the_agents_own_is_refused(
+    overrides: dict[str, Any], field: str
+) -> None:
+    # §14.4: callers address stored endpoints verbatim, so another agent's
+    # inbox there would redirect this agent's callers to the victim.
+    err = refusal(base_manifest(**overrides))
+    assert (err.code, err.details["field"], err.details["reason"]) == (
+        "UNAUTHORIZED", field, "endpoint_not_own"
+    )
+    assert "allow_foreign_endpoints" in err.message
+    # The operator's documented way out stores them verbatim.
+    stored = register(base_manifest(**overrides), own_endpoints_only=False)
+    assert stored["endpoints"]
+
+
+def test_own_feed_endpoints_are_accepted() -> None:
+    feed = f"mesh.feed.{AGENT.public_key}.status"
+    assert register(base_manifest(endpoints={"status": feed}))["endpoints"]["status"] == feed
 
 
 def test_liveness_and_registrant_sandbox_are_not_stored() -> None:

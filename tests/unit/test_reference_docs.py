@@ -1,7 +1,8 @@
 """The generated references in docs/reference/ match the code they are generated from.
 
 docs/reference/configuration.md comes from the settings schema and
-docs/reference/cli.md from the argument parser, both by
+docs/reference/cli.md from the argument parser, docs/reference/grants.md from
+the credential permissions, all by
 ``scripts/gen_reference.py``. This regenerates them in memory: a field, option or
 docstring changed without regenerating fails here.
 """
@@ -35,7 +36,7 @@ def _rendered() -> dict[str, tuple[Path, str]]:
     return {path.name: (path, text) for path, text in _generator().render_all().items()}
 
 
-@pytest.mark.parametrize("page", ["configuration.md", "cli.md"])
+@pytest.mark.parametrize("page", ["configuration.md", "cli.md", "grants.md"])
 def test_generated_reference_is_current(page: str) -> None:
     path, expected = _rendered()[page]
     committed = path.read_text(encoding="utf-8") if path.exists() else ""

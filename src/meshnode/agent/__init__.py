@@ -41,6 +41,10 @@ Contract for handlers (stable):
   mesh artifact store; ``ctx.add_artifact`` attaches deliverables (with
   ``rests_on``) to the answer. An output too large for one message is stored
   as an artifact by the node and answered with a ref part (§18.9).
+* Counterparts are found, never guessed (§14.4): ``ctx.request("echo", ...)``
+  takes an agent id, the name of an agent of this node, or a display name the
+  registry knows; ``ctx.resolve(name)`` and ``ctx.discover(capability=...,
+  offering=...)`` return :class:`AgentInfo` records (cached for a while).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from meshnode.agent.directory import AgentInfo, AgentNotFound, AmbiguousAgent
 from meshnode.agent.replies import RemoteError, Reply, RequestQueued, RequestTimeout
 from meshnode.agent.tasks import FollowUp, InputTimeout, RequesterTask, ResponderTask, StreamBroken
 from meshnode.protocol.artifacts import FileAttachment, Resource
@@ -63,7 +68,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Agent",
+    "AgentInfo",
+    "AgentNotFound",
     "AgentSettings",
+    "AmbiguousAgent",
     "Context",
     "Event",
     "FileAttachment",
@@ -275,6 +283,37 @@ class Context(Protocol):
         ``config.stream``) becomes a Task without calling this.
         """
 
+    async def resolve(self, target: str) -> AgentInfo:
+        """The one agent ``target`` names: an agent id (``U...``), the name of an
+        agent hosted on this node (its ``[agents.<name>]`` table), or a display
+        name the registry lists (§14.4: the answer is the registry's manifest,
+        never an id or subject built from the name).
+
+        Raises :class:`AgentNotFound` (``NOT_FOUND``) when nothing answers to
+        it and :class:`AmbiguousAgent` (``INVALID_QUERY``, the candidates in
+        ``details``) when several agents elsewhere share the name. Answers are
+        cached for 30 s, like manifests (one look-up in flight per name).
+        """
+
+    async def discover(
+        self,
+        *,
+        capability: str | Sequence[str] | None = None,
+        offering: str | None = None,
+        name: str | None = None,
+        tags: Sequence[str] | None = None,
+        availability: str | None = None,
+        limit: int = 50,
+        **filters: Any,
+    ) -> list[AgentInfo]:
+        """Agents the registry lists matching every filter given (§6.3, §9.3, AND):
+        ``capability`` (one tag or all of several), ``offering`` (an offering
+        id), ``name`` (display name), ``tags``, ``availability`` (``online``
+        ...), and any other §9.3 filter as a keyword (``node=``, ``owner=``,
+        ``version=``, ``trust_tier=``). Cached like :meth:`resolve`; the
+        manifests found are cached too, so a request to one needs no look-up.
+        """
+
     async def request(
         self,
         target: str,
@@ -291,6 +330,8 @@ class Context(Protocol):
     ) -> Reply:
         """Send a request to agent ``target`` and await its substantive reply.
 
+        ``target`` is anything :meth:`resolve` takes (an id, a local agent's
+        name, a registry display name) or ``a2a:<peer>``.
         The target's inbox is resolved through the registry (or is local);
         the recipient's declared limits are pre-flighted first (§6.4b), so a
         refusal arrives with the recipient's own code. An accept resets the

@@ -36,14 +36,15 @@ EXAMPLES: dict[str, list[str]] = {
     "mesh nodes": ["meshnode mesh nodes"],
     "mesh invite": ["meshnode mesh invite laptop --out laptop.creds"],
     "mesh retire": ["meshnode mesh retire --node UABC..."],
-    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo"],
+    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo",
+             "meshnode join laptop.creds --data-dir ~/.local/share/meshnode --force  # keeps a .bak"],
     "inbox list": ["meshnode inbox list --all"],
     "inbox show": ["meshnode inbox show 12"],
     "inbox reply": ["meshnode inbox reply 12 --text 'yes, go ahead'"],
     "inbox ack": ["meshnode inbox ack 12"],
     "agents list": ["meshnode agents list --json"],
     "agents show": ["meshnode agents show echo"],
-    "agents add": ["meshnode agents add echo2 --plugin echo --set greeting='\"hi\"'"],
+    "agents add": ["meshnode agents add echo2 --plugin echo --set greeting='\"hi\"' --save"],
     "agents remove": ["meshnode agents remove echo2"],
     "agents restart": ["meshnode agents restart echo"],
     "presence": ["meshnode presence --agent UABC... --json"],
@@ -64,6 +65,9 @@ EXAMPLES: dict[str, list[str]] = {
     "a2a charges": ["meshnode a2a charges --peer travel"],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
+    "new-agent": ["meshnode new-agent greeter --dir ~/src && pip install -e ~/src/greeter"],
+    "install-service": ["sudo .venv/bin/meshnode install-service",
+                        "meshnode install-service --user --dry-run"],
     "completion": ["meshnode completion bash > ~/.local/share/bash-completion/completions/meshnode"],
 }
 
@@ -84,7 +88,19 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
     # its modules) alone does not pull in every command module.
-    from . import a2a, artifacts, completion, daemon, envelope, events, inbox, mesh, ops
+    from . import (
+        a2a,
+        artifacts,
+        completion,
+        daemon,
+        envelope,
+        events,
+        inbox,
+        mesh,
+        ops,
+        scaffold,
+        service,
+    )
 
     parser = Parser(
         prog="meshnode",
@@ -101,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     artifacts.register(commands)
     a2a.register(commands)
     events.register(commands)
+    scaffold.register(commands)
+    service.register(commands)
     completion.register(commands)
     _plugin_commands(commands)
     completion.attach(parser, commands)

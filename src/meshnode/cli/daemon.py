@@ -6,12 +6,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from typing import Any
 
 from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, load_config
+from meshnode.daemon.hosting import scan_plugins
+from meshnode.daemon.plugin_check import (
+    agent_problems,
+    installed_kinds,
+    module_problems,
+    raise_if_problems,
+    unused_failures,
+)
 
 from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_INTERRUPTED, EX_OK, EX_USAGE
 from .output import emit_json, emit_json_line, human_time
@@ -22,9 +31,14 @@ def register(commands: Any) -> None:
     _config_arg(run)
     run.set_defaults(handler=cmd_run)
 
-    check = commands.add_parser("check-config", help="validate the configuration (exit 78 when bad)")
+    check = commands.add_parser(
+        "check-config",
+        help="validate the configuration and each [agents.X] table against its plugin (exit 78 when bad)",
+    )
     _config_arg(check)
     check.add_argument("--json", action="store_true")
+    check.add_argument("--no-plugins", action="store_true",
+                       help="check the file only: do not load the installed plugins")
     check.set_defaults(handler=cmd_check_config)
 
     status = commands.add_parser("status", help="node, mesh and agent status from a running daemon")
@@ -87,8 +101,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    kinds: list[str] | None = None
     try:
         config = load_config(args.config)
+        if not args.no_plugins:
+            # Like Caddy's validate: load the plugins the daemon would load, and
+            # check every [agents.X] table against them (kind known, Settings valid).
+            # The loader's own log lines would say each failure twice: it is reported below.
+            logging.getLogger("meshnode.plugins").setLevel(logging.CRITICAL)
+            _, catalog = scan_plugins(config, strict=False)
+            raise_if_problems(config, agent_problems(config, catalog), module_problems(config, catalog))
+            kinds = installed_kinds(catalog)
+            for name, failure in unused_failures(config, catalog).items():
+                print(f"warning: installed plugin {name!r} failed to load (no table uses it): {failure}",
+                      file=sys.stderr)
     except ConfigError as exc:
         if args.json:
             problems = [{"file": p.file, "key": p.key, "message": p.message} for p in exc.problems]
@@ -97,10 +123,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             print(f"configuration error:\n{exc}", file=sys.stderr)
         return EX_CONFIG
     if args.json:
-        print(json.dumps({"ok": True, "config": config.to_toml_dict()}, default=str))
+        print(json.dumps({"ok": True, "config": config.to_toml_dict(), "plugins": kinds}, default=str))
     else:
         for line in describe_sources(args.config):
             print(line)
+        if kinds is not None:
+            print(f"plugins: {', '.join(kinds) if kinds else 'none installed'}")
         mode = "embedded mesh" if not config.mesh.servers else f"joins {', '.join(config.mesh.servers)}"
         print(f"ok: node {config.node.name!r}, {mode}, {len(config.agents)} agent table(s)")
     return EX_OK

@@ -85,6 +85,15 @@ def register(commands: Any) -> None:
         metavar="NAME[=PLUGIN]",
         help="host an agent (repeatable); PLUGIN defaults to NAME",
     )
+    join.add_argument(
+        "--ca-file",
+        help="PEM CA bundle that verifies the mesh's TLS certificate (tls:// and https:// URLs); "
+        "written as [mesh] ca_file",
+    )
+    join.add_argument(
+        "--force", action="store_true",
+        help="replace an existing configuration that differs (the old one is kept as FILE.bak)",
+    )
     join.add_argument("--json", action="store_true")
     join.set_defaults(handler=cmd_join)
 
@@ -217,17 +226,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     if not invite.nats_urls:
         print("meshnode: the invite names no NATS URL (a plain creds file); set [mesh] servers by hand", file=sys.stderr)
         return EX_DATAERR
+    ca_file = Path(args.ca_file).expanduser().absolute() if args.ca_file else None
+    if ca_file is not None and not ca_file.is_file():
+        print(f"meshnode: --ca-file {ca_file}: no such file", file=sys.stderr)
+        return EX_NOINPUT
     data_dir = Path(args.data_dir).expanduser().absolute()
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(data_dir, 0o700)
-    try:
-        FileKeyStore(data_dir).import_key("node", invite.node_key)
-    except KeyStoreError as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
-        return EX_CANTCREAT
-    from meshnode.daemon.credentials import store_credential
-
-    store_credential(data_dir, invite.jwt, [])
     agents: list[tuple[str, str]] = []
     for spec in args.agent:
         name, _, plugin = spec.partition("=")
@@ -244,6 +247,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     ]
     if invite.control_plane_url:
         lines.append(f"control_plane = {_toml_str(invite.control_plane_url)}")
+    if ca_file is not None:
+        lines.append(f"ca_file = {_toml_str(str(ca_file))}")
     lines += [
         "",
         "[admin]",
@@ -255,16 +260,74 @@ def cmd_join(args: argparse.Namespace) -> int:
     for agent_name, plugin in agents:
         lines += ["", f"[agents.{agent_name}]", f"plugin = {_toml_str(plugin)}"]
     config_path = Path(args.config_out) if args.config_out else data_dir / "meshnode.toml"
-    config_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    text = "\n".join(lines) + "\n"
+    # Decided before anything is written: a refused join leaves key, credential
+    # and configuration as they were.
+    backup = _existing_config(config_path, text, force=args.force)
+    if isinstance(backup, int):
+        return backup
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(data_dir, 0o700)
+    try:
+        FileKeyStore(data_dir).import_key("node", invite.node_key)
+    except KeyStoreError as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return EX_CANTCREAT
+    from meshnode.daemon.credentials import store_credential
+
+    store_credential(data_dir, invite.jwt, [])
+    if backup is not None:
+        os.replace(config_path, backup)
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(text, encoding="utf-8")
     try:
         load_config(config_path)
     except ConfigError as exc:
         print(f"meshnode: the written configuration does not validate:\n{exc}", file=sys.stderr)
         return EX_CONFIG
     if args.json:
-        print(json.dumps({"node_id": invite.node_id, "config": str(config_path), "data_dir": str(data_dir)}))
+        print(json.dumps({
+            "node_id": invite.node_id, "config": str(config_path), "data_dir": str(data_dir),
+            "backup": str(backup) if backup is not None else None,
+        }))
     else:
         print(f"joined as node {name} ({invite.node_id})")
         print(f"configuration: {config_path}")
+        if backup is not None:
+            print(f"the previous configuration is kept as {backup}")
         print(f"start it with: meshnode run --config {config_path}")
     return EX_OK
+
+
+def _existing_config(path: Path, text: str, *, force: bool) -> Path | int | None:
+    """What to do about a configuration already at ``path``.
+
+    None: nothing there (or the very text join would write), so just write.
+    A path: ``--force`` was given, move the old file there first. An exit code:
+    refused, because the file differs from what join writes, i.e. someone
+    edited it (or it belongs to another node), and silently replacing it would
+    lose that work.
+    """
+    try:
+        current = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        print(f"meshnode: cannot read the existing configuration {path}: {exc.strerror}", file=sys.stderr)
+        return EX_CANTCREAT
+    if current == text:
+        return None
+    if not force:
+        print(
+            f"meshnode: {path} exists and differs from the configuration join writes (edited?); "
+            "not overwriting it. Re-run with --force to replace it (the old file is kept as "
+            f"{path.name}.bak), or --config-out to write elsewhere",
+            file=sys.stderr,
+        )
+        return EX_CANTCREAT
+    backup = path.with_name(path.name + ".bak")
+    n = 1
+    while backup.exists():
+        backup = path.with_name(f"{path.name}.bak.{n}")
+        n += 1
+    return backup

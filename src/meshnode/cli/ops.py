@@ -11,7 +11,7 @@ from meshnode.admin.client import AdminClientError, exit_code_for
 from meshnode.admin.protocol import AdminError
 
 from .daemon import _admin, _client_args, _socket
-from .exitcodes import EX_CONFIG, EX_DATAERR, EX_OK
+from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_OK
 from .output import emit_json, human_time, render
 
 
@@ -25,10 +25,18 @@ def register(commands: Any) -> None:
     p.add_argument("name")
     _client_args(p)
     p.set_defaults(handler=cmd_agents_show)
-    p = sub.add_parser("add", help="host a new agent now (not written to the config file)")
+    p = sub.add_parser(
+        "add", help="host a new agent now (kept across restarts only with --save)",
+        description="Host a new agent now. Without --save it lives until the daemon stops: "
+        "after a restart it is not hosted, and is deregistered. --save appends its "
+        "[agents.NAME] table to the daemon's configuration file (the rest of the file is "
+        "left exactly as written).",
+    )
     p.add_argument("name")
     p.add_argument("--plugin", help="agent kind (default: NAME)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a plugin setting (repeatable)")
+    p.add_argument("--save", action="store_true",
+                   help="also append [agents.NAME] to the daemon's configuration file")
     _client_args(p)
     p.set_defaults(handler=cmd_agents_add)
     p = sub.add_parser("remove", help="stop an agent and deregister it")
@@ -153,7 +161,22 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
             config[key] = json.loads(raw)
         except json.JSONDecodeError:
             config[key] = raw  # a bare string is fine
-    return _simple(args, "Agents.Add", {"name": args.name, "config": config})
+    code, result = _admin(args, "Agents.Add", {"name": args.name, "config": config, "save": args.save})
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+    else:
+        print(f"hosting {result.get('name', args.name)} ({result.get('id', '?')}), {result.get('state', '?')}")
+        if result.get("saved"):
+            print(f"saved as [agents.{args.name}] in {result['config_file']}")
+        elif result.get("saved") is False:
+            print(f"meshnode: not saved: {result['save_error']}; add this to the configuration "
+                  f"yourself to keep it:\n{result['table']}", file=sys.stderr)
+        else:
+            print("not saved to the configuration: gone after a restart (use --save to keep it)",
+                  file=sys.stderr)
+    return EX_CANTCREAT if result.get("saved") is False else EX_OK
 
 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
@@ -233,7 +256,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _log_line(record: dict[str, Any]) -> str:
-    return f"{human_time(record['ts'])} {record['level']:<7} {record['logger']}: {record['message']}"
+    line = f"{human_time(record['ts'])} {record['level']:<7} {record['logger']}: {record['message']}"
+    exception = record.get("exception")
+    return f"{line}\n{exception}" if isinstance(exception, str) and exception else line
 
 
 def cmd_tasks_list(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from .loading import (
     describe_sources,
     load_config,
     resolve_config_path,
+    settings_problems,
 )
 from .model import (
     Config,
@@ -98,6 +99,7 @@ __all__ = [
     "default_data_dir",
     "default_admin_socket",
     "describe_sources",
+    "settings_problems",
     "format_duration",
     "format_size",
     "is_system_service",

@@ -36,6 +36,7 @@ __all__ = [
     "describe_sources",
     "load_config",
     "resolve_config_path",
+    "settings_problems",
 ]
 
 
@@ -123,8 +124,8 @@ def _dotted(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] = Config
+def _model_at(loc: tuple[int | str, ...], root: type[BaseModel] = Config) -> type[BaseModel] | None:
+    model: type[BaseModel] = root
     for part in loc:
         info = model.model_fields.get(str(part))
         ann = info.annotation if info is not None else None
@@ -139,10 +140,26 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _problems_from(exc: ValidationError, file: str, env: Mapping[str, str]) -> list[ConfigProblem]:
+def settings_problems(
+    exc: ValidationError, file: str, prefix: tuple[str, ...], model: type[BaseModel],
+    also_allowed: tuple[str, ...] = (),
+) -> list[ConfigProblem]:
+    """The problems of a table validated by a model of its own (a plugin's
+    ``Settings`` for ``[agents.<name>]``), worded like every other config error:
+    the file, the dotted key under ``prefix`` and what was expected, never
+    pydantic's own dump. ``also_allowed`` are keys of the table that are not the
+    model's (``plugin``, ``enabled``...), listed where an unknown key is."""
+    return _problems_from(exc, file, {}, root=model, prefix=prefix, also_allowed=also_allowed)
+
+
+def _problems_from(
+    exc: ValidationError, file: str, env: Mapping[str, str], *,
+    root: type[BaseModel] = Config, prefix: tuple[str, ...] = (), also_allowed: tuple[str, ...] = (),
+) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
+        inner = tuple(err["loc"])
+        loc = (*prefix, *inner)
         ctx = err.get("ctx") or {}
         cause = ctx.get("error")
         if isinstance(cause, _Problems):
@@ -151,9 +168,12 @@ def _problems_from(exc: ValidationError, file: str, env: Mapping[str, str]) -> l
         key = _dotted(loc)
         kind = err["type"]
         if kind == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            allowed = ", ".join(parent.model_fields) if parent is not None else ""
+            parent = _model_at(inner[:-1], root)
+            fields = [*(also_allowed if len(inner) == 1 else ()), *(parent.model_fields if parent else ())]
+            allowed = ", ".join(fields)
             message = f"unknown key (expected one of: {allowed})" if allowed else "unknown key"
+        elif kind == "missing":
+            message = "required key is missing"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             message = f"expected a table, got {_short(err['input'])}"
         elif kind == "value_error" and cause is not None:

@@ -117,6 +117,29 @@ class TenantExportConfig(BaseModel):
         return self
 
 
+class ControlPlaneConfig(BaseModel):
+    """``[mesh.embedded.control_plane]``: the limits of the credential control plane.
+
+    A request whose node signature verifies for an enrolled node counts against
+    that node key; any other request against its peer address, so junk from
+    one local process cannot lock out a node on the same host.
+    """
+
+    model_config = _FORBID
+
+    rate_limit: Annotated[int, Field(ge=1)] = 30
+    """Requests per peer address per ``rate_window`` that carry no enrolled node's signature."""
+    node_rate_limit: Annotated[int, Field(ge=1)] = 30
+    """Requests per enrolled node key per ``rate_window`` (signature checked first)."""
+    rate_window: Duration = timedelta(seconds=60)
+    max_connections: Annotated[int, Field(ge=1)] = 64
+    """Connections at once; at the limit a new one evicts the oldest still idle."""
+    head_timeout: Duration = timedelta(seconds=5)
+    """Time from connect (TLS handshake included) to the end of the request head."""
+    request_timeout: Duration = timedelta(seconds=10)
+    """Time from connect to the end of the request body."""
+
+
 class EmbeddedMeshConfig(BaseModel):
     """``[mesh.embedded]``: the local nats-server started when no servers are given."""
 
@@ -131,6 +154,16 @@ class EmbeddedMeshConfig(BaseModel):
     max_payload: ByteSize = 1024**2
     jetstream_max_store: ByteSize = 1024**3
     credential_ttl: Duration = timedelta(hours=24)
+    invite_ttl: Duration = timedelta(hours=1)
+    """Lifetime of the starter credential in an invite. It grants nothing on the mesh
+    (the node's first start exchanges the invite's key for its real credential over the
+    control plane), so the invite's key, not this credential, is what to protect."""
+    tls_cert: OptionalFilePath = None
+    """PEM certificate (chain) for TLS on the NATS listener and the control plane; with
+    ``tls_key``. Needed before exposing either beyond loopback."""
+    tls_key: OptionalFilePath = None
+    """PEM private key of ``tls_cert``."""
+    control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
     monitor_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     """nats-server's HTTP monitoring (/varz, /jsz) on ``host``; off unless set (it is
     unauthenticated and shows every connection); 0 picks a free port."""
@@ -150,6 +183,12 @@ class EmbeddedMeshConfig(BaseModel):
             for name in (export.from_, export.to):
                 if name not in known:
                     raise ValueError(f"exports[{i}] names tenant {name!r}, not in tenants")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> EmbeddedMeshConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key are set together (or neither)")
         return self
 
     @field_validator("max_payload")
@@ -184,6 +223,9 @@ class MeshConfig(BaseModel):
     """NATS ``.creds`` file of a joining node; None when unset."""
     control_plane: OptionalHttpUrl = None
     """Control-plane URL for credential renewal (joining node); None when unset."""
+    ca_file: OptionalFilePath = None
+    """PEM CA bundle that verifies the mesh's TLS certificates (``tls://`` NATS URLs and
+    an ``https://`` control plane) when they are not signed by a system-trusted CA."""
     embedded: EmbeddedMeshConfig = Field(default_factory=EmbeddedMeshConfig)
 
     @property
@@ -201,8 +243,21 @@ class RegistryConfig(BaseModel):
     from SDK agents enrolled with ``meshnode mesh token``; ``false`` accepts them
     from any node, stored as ``self_asserted`` (every credential may publish the
     subject, so either answer reaches the registrant)."""
+    allow_foreign_endpoints: bool = False
+    """Store a manifest's ``endpoint``/``endpoints`` even when they are not the agent's own
+    subjects (``mesh.agent.<id>.inbox``, subjects under ``mesh.agent.<id>.``/``mesh.feed.<id>.``).
+    Off: such a registration is refused ``UNAUTHORIZED`` (``endpoint_not_own``), because
+    callers address the stored values verbatim (§14.4) and another agent's inbox there
+    would redirect its callers' traffic."""
     rate_limit: Annotated[int, Field(ge=1)] = 60
     """Requests per sender per window across every platform-service subject (§16.1)."""
+    node_rate_limit: Annotated[int, Field(ge=1)] = 600
+    """Requests per *node* per window across every platform-service subject, beside the
+    per-sender budget: a node cannot multiply its budget by signing with fresh keys. The
+    node is the one the registry holds a vouch from for the sender (senders no node vouches
+    for share one budget, ``unvouched_rate_limit``)."""
+    unvouched_rate_limit: Annotated[int, Field(ge=1)] = 600
+    """Requests per window, all together, from senders no registered node vouches for."""
     rate_window: Duration = timedelta(seconds=60)
 
 

@@ -85,6 +85,16 @@ class CredentialIssuer(Protocol):
         profile: Profile = "node",
     ) -> str: ...
 
+    def mint_starter_credential(
+        self,
+        node_id: str,
+        expires_in_s: int,
+        *,
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str: ...
+
 
 class Enrolment:
     """The enrolment state of an embedded mesh: enrols nodes, renews and refuses
@@ -268,22 +278,26 @@ class Enrolment:
     ) -> InviteBundle:
         """Create a node identity, enrol it as ``name`` and mint its starter credential.
 
-        The starter credential carries participant permissions for the node
-        alone (an empty roster) and lives ``invite_ttl_s``; the node renews for
-        its real roster as soon as it joins. The returned seed is the node's
-        secret key: write it with :func:`write_invite`, never log it.
+        The starter credential grants nothing on the mesh
+        (:data:`~meshnode.transport.permissions.STARTER_PERMISSIONS`) and lives
+        ``invite_ttl_s`` (one hour by default): it only gives the invite the
+        shape of a NATS credentials file. Enrolment needs no NATS — the node's
+        first start proves the invite's key over HTTP and receives its roster
+        credential — so a retired node's unexpired starter opens a connection
+        that can do nothing. The returned seed is the node's secret key: write
+        it with :func:`write_invite`, never log it.
         """
         key = KeyPair.generate(Prefix.USER)
         self.enrol_node(key.public_key, name, trust_tier, tenant)
         now = int(self._clock())
-        jwt = self._embedded.mint_node_credential(
-            key.public_key, [], self.invite_ttl_s, role="participant",
-            trust_tier=trust_tier, now=now, tenant=tenant,
+        jwt = self._embedded.mint_starter_credential(
+            key.public_key, self.invite_ttl_s, trust_tier=trust_tier, now=now, tenant=tenant,
         )
         with self._store.update() as state:
+            # Recorded like any credential, so a retirement states its bound too.
             self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
         log.info(
-            "control plane: invited node %s as %s (starter credential expires %s)",
+            "control plane: invited node %s as %s (starter credential, no grants, expires %s)",
             key.public_key, name, _utc(now + self.invite_ttl_s),
         )
         return InviteBundle(name, key.seed, jwt)

@@ -60,9 +60,13 @@ def _parse_head_lines(head: bytes) -> tuple[str, list[tuple[str, str]]]:
     return lines[0], fields
 
 
-async def _read_request(reader: asyncio.StreamReader) -> _Request:
+async def _read_request(
+    reader: asyncio.StreamReader, *, head_timeout_s: float | None = None
+) -> _Request:
+    """Read one request; the head must arrive within ``head_timeout_s`` (TimeoutError)."""
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
+        async with asyncio.timeout(head_timeout_s):
+            head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
         raise CredentialRequestError(
             431, f"request line and headers exceed {MAX_REQUEST_HEAD} bytes", "headers_too_large"

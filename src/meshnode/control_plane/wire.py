@@ -32,7 +32,9 @@ REVOCATION_CODES = frozenset(
 """Refusal codes that mean "do not retry with this roster": revocation reaching a node."""
 
 DEFAULT_SKEW_S = 300
-DEFAULT_INVITE_TTL_S = 7 * 24 * 3600
+DEFAULT_INVITE_TTL_S = 3600
+"""An invite's starter credential lives an hour: it grants nothing, and the node's first
+start exchanges the invite's key for a real credential over HTTP."""
 _STATE_FILE = "nodes.json"
 _LOCK_FILE = ".nodes.json.lock"
 _STATE_VERSION = 1

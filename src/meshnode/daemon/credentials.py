@@ -25,6 +25,8 @@ from meshnode.control_plane import (
 )
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.jwt import decode_jwt, renew_at
+from meshnode.transport.permissions import STARTER_TAG
+from meshnode.transport.tls import client_context
 
 __all__ = [
     "CREDENTIAL_FILE",
@@ -77,6 +79,15 @@ def stored_trust_attestation(data_dir: Path) -> dict[str, Any] | None:
     return attestation if isinstance(attestation, dict) else None
 
 
+def _is_starter(claims: dict[str, Any] | None) -> bool:
+    """Whether ``claims`` are an invite's starter credential (grants nothing: never connect with it)."""
+    nats = claims.get("nats") if claims else None
+    tags = nats.get("tags") if isinstance(nats, dict) else None
+    return isinstance(tags, list) and any(
+        isinstance(t, str) and t.lower() == STARTER_TAG for t in tags
+    )
+
+
 def _claims(jwt: str) -> dict[str, Any] | None:
     try:
         return decode_jwt(jwt)[1]
@@ -100,11 +111,16 @@ async def obtain_credential(
         and stored_claims.get("sub") == node_key.public_key
         and sorted(stored.get("roster") or []) == roster
         and now < renew_at(stored_claims)
+        and not _is_starter(stored_claims)
     )
     if fresh and stored is not None:
         return str(stored["jwt"])
     if config.mesh.control_plane:
-        client = ControlPlaneClient(str(config.mesh.control_plane))
+        ca_file = config.mesh.ca_file
+        client = ControlPlaneClient(
+            str(config.mesh.control_plane),
+            ssl_context=client_context(ca_file) if ca_file is not None else None,
+        )
         try:
             grant = await client.request_credential(node_key, agent_keys)
         except CredentialRefused as exc:
@@ -118,6 +134,12 @@ async def obtain_credential(
             store_credential(data_dir, grant.jwt, roster, grant.trust_attestation)
             log.info("node credential renewed; expires %s", time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(grant.expires_at)))
             return grant.jwt
+    if _is_starter(stored_claims):
+        raise CredentialUnavailable(
+            "this node holds only its invite's starter credential, which grants nothing on the "
+            "mesh: the first start needs the control plane ([mesh] control_plane) to issue the "
+            "node's credential; check that it is reachable"
+        )
     if stored is not None and stored_claims is not None and now < float(stored_claims.get("exp", 0)):
         log.warning("using the stored credential (expires %s)", stored_claims.get("exp"))
         return str(stored["jwt"])

@@ -19,17 +19,24 @@ from datetime import timedelta
 from typing import Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound
-from meshnode.config import AgentConfig, Config
+from meshnode.config import AgentConfig, Config, ConfigError
+from meshnode.daemon.plugin_check import (
+    agent_problems,
+    config_file_label,
+    raise_if_problems,
+    settings_error,
+    unknown_kind_message,
+)
 from meshnode.keystore import KeyStore
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
-from meshnode.plugins import AgentCatalog, PluginManager, load_plugins
+from meshnode.plugins import AgentCatalog, PluginManager, load_plugins, rescan_installed
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings"]
+__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
@@ -66,21 +73,50 @@ def node_settings(config: Config) -> NodeSettings:
     )
 
 
-def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
-    """The ``plugins`` stage: load every plugin; an agent whose kind no plugin
-    provides is recorded in ``failed`` (fatal with ``strict_plugins``)."""
-    manager, catalog = load_plugins(
-        strict=config.node.strict_plugins,
+def scan_plugins(config: Config, *, strict: bool | None = None) -> tuple[PluginManager, AgentCatalog]:
+    """Load every installed plugin afresh (entry points re-read: a distribution
+    pip-installed since the last scan is found; see :func:`meshnode.plugins.rescan`)."""
+    return load_plugins(
+        strict=config.node.strict_plugins if strict is None else strict,
         builtins=[("meshnode.builtin", BuiltinAgents())],
         extra_modules=config.node.plugin_modules,
     )
-    for name, agent_cfg in config.agents.items():
-        if agent_cfg.enabled and agent_cfg.plugin not in catalog.kinds:
-            message = f"no installed plugin provides agent kind {agent_cfg.plugin!r}"
-            if config.node.strict_plugins:
-                raise RuntimeError(f"[agents.{name}]: {message}")
-            failed[name] = message
-            log.error("agent %s not hosted: %s", name, message)
+
+
+def rescan_catalog(config: Config, running: AgentCatalog) -> tuple[AgentCatalog, dict[str, str]]:
+    """The plugins installed now (entry points re-read), merged over the running
+    catalog: a kind already loaded keeps its class (its module is imported and
+    agents run it). Returns the catalog and, for each kind whose distribution
+    changed version since, ``"old -> new"``."""
+    rescan_installed()
+    _, fresh = scan_plugins(config, strict=False)
+    merged = AgentCatalog(
+        kinds={**fresh.kinds, **running.kinds},
+        origins={**fresh.origins, **running.origins},
+        failures={k: v for k, v in fresh.failures.items() if k not in running.kinds},
+        versions={**fresh.versions, **{k: v for k, v in running.versions.items() if k in running.kinds}},
+    )
+    upgraded = {
+        kind: f"{running.versions[kind]} -> {fresh.versions[kind]} installed"
+        for kind in running.kinds
+        if kind in running.versions and kind in fresh.versions and running.versions[kind] != fresh.versions[kind]
+    }
+    return merged, upgraded
+
+
+def load_plugin_catalog(config: Config, failed: dict[str, str]) -> tuple[PluginManager, AgentCatalog]:
+    """The ``plugins`` stage: load every plugin and check each ``[agents.<name>]``
+    table against it (:mod:`meshnode.daemon.plugin_check`). An agent whose kind
+    no plugin provides, or whose settings its plugin refuses, is recorded in
+    ``failed`` and not hosted; with ``strict_plugins`` the problems raise as a
+    :class:`~meshnode.config.ConfigError` (the daemon exits 78)."""
+    manager, catalog = scan_plugins(config)
+    found = agent_problems(config, catalog)
+    if config.node.strict_plugins:
+        raise_if_problems(config, found)
+    for name, problems in found.items():
+        failed[name] = "; ".join(f"{p.key}: {p.message}" for p in problems)
+        log.error("agent %s not hosted:\n%s", name, "\n".join(str(p) for p in problems))
     return manager, catalog
 
 
@@ -98,6 +134,8 @@ class AgentHost:
     failed_agents: dict[str, str] = field(default_factory=dict)
     catalog: AgentCatalog = field(default_factory=AgentCatalog)
     node: Node | None = None
+    #: How configuration problems name the file (:func:`plugin_check.config_file_label`).
+    config_file: str = "(built-in defaults)"
 
     @classmethod
     async def open(cls, config: Config, keystore: KeyStore, *, runs_services: bool, embedded: bool) -> AgentHost:
@@ -105,7 +143,7 @@ class AgentHost:
         service node, the services' keys."""
         store = keystore
         node_key = await asyncio.to_thread(store.get_or_create, "node")
-        host = cls(keystore=store, node_key=node_key)
+        host = cls(keystore=store, node_key=node_key, config_file=config_file_label(config))
         names = [CLI_AGENT_NAME, *(n for n, a in config.agents.items() if a.enabled)]
         if config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
@@ -149,20 +187,33 @@ class AgentHost:
         """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
+        key = self.agent_keys[name]
         if agent_class is None:
-            self.failed_agents[name] = f"unknown agent kind {kind!r}"
+            self.failed_agents[name] = unknown_kind_message(kind, self.catalog)
+            node.absent_agents[key.public_key] = name
             return
+        problems = settings_error(self.config_file, name, agent_class, settings)
+        if problems:
+            # Worded like every config error (file, key, expectation), not pydantic's dump.
+            self.failed_agents[name] = "; ".join(f"{p.key}: {p.message}" for p in problems)
+            node.absent_agents[key.public_key] = name
+            log.error("agent %s (%s) not hosted:\n%s", name, kind, "\n".join(str(p) for p in problems))
+            if strict:
+                raise ConfigError(problems)
+            return
+        node.absent_agents.pop(key.public_key, None)
         try:
             await node.host(
                 name=name,
                 kind=kind,
                 agent_class=agent_class,
                 settings=settings,
-                key=self.agent_keys[name],
+                key=key,
                 interaction=interaction,
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
+            node.absent_agents[self.agent_keys[name].public_key] = name
             # With its traceback (a plugin bug is found from the log), except a
             # timeout, whose traceback is only the supervisor's.
             log.error(
@@ -192,6 +243,31 @@ class AgentHost:
             for name, agent_cfg in config.agents.items()
             if agent_cfg.enabled and name not in self.failed_agents
         ))
+        await self.deregister_stale(config)
+
+    async def deregister_stale(self, config: Config) -> list[str]:
+        """Deregister the agents whose keys this node holds but that the
+        configuration no longer hosts (removed, disabled, or added at runtime
+        without ``--save``); their names. An agent that is configured but failed
+        to start keeps its registration (and its broker buffer): it is meant to
+        come back. Best effort: a registry that does not answer is logged."""
+        node = self.running()
+        hosted = {CLI_AGENT_NAME, BRIDGE_AGENT_NAME, *node.agents,
+                  *(n for n, a in config.agents.items() if a.enabled)}
+        names = await asyncio.to_thread(self.keystore.names)
+        stale = [n.removeprefix("agent.") for n in names
+                 if n.startswith("agent.") and n.removeprefix("agent.") not in hosted]
+        gone: list[str] = []
+        for name in stale:
+            key = await asyncio.to_thread(self.keystore.get, f"agent.{name}")
+            if key is None:
+                continue
+            try:
+                if await node.deregister_stale(name, key):
+                    gone.append(name)
+            except Exception as exc:
+                log.info("could not deregister %s, no longer hosted here: %s", name, exc)
+        return gone
 
     async def stop_all(self) -> None:
         """The ``stop-agents`` stage: let handlers finish and call ``on_stop``,
@@ -203,9 +279,10 @@ class AgentHost:
             await self.node.unhost(name, grace=3.0)
 
     async def stop_intake(self) -> None:
-        """Unsubscribe every agent's inboxes (part of ``stop-intake``)."""
+        """Say offline, then unsubscribe every agent's inboxes (part of ``stop-intake``)."""
         if self.node is None:
             return
+        await self.node.say_offline()
         for hosted in self.node.agents.values():
             for sub in list(hosted.subscriptions):
                 try:
@@ -230,7 +307,10 @@ class AgentHost:
         except ValueError as exc:
             raise InvalidParameter(f"[agents.{name}]: {exc}") from None
         if agent_cfg.plugin not in self.catalog.kinds:
-            raise InvalidParameter(f"no installed plugin provides agent kind {agent_cfg.plugin!r}")
+            # Installed since the last scan? (pip install, then agents add)
+            self.catalog, _ = await asyncio.to_thread(rescan_catalog, config, self.catalog)
+        if agent_cfg.plugin not in self.catalog.kinds:
+            raise InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(agent_cfg.plugin, self.catalog)}")
         self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
         self.failed_agents.pop(name, None)
         await refresh()
@@ -244,8 +324,14 @@ class AgentHost:
         node = self.running()
         if name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME) or name not in node.agents:
             raise NotFound(f"no hosted agent named {name!r}")
+        hosted_id = node.agents[name].agent_id
         await node.unhost(name, deregister=deregister)
         self.agent_keys.pop(name, None)
+        if deregister:
+            node.absent_agents.pop(hosted_id, None)
+        else:
+            # Registration and buffer kept, nothing answering: shown offline.
+            node.absent_agents[hosted_id] = name
 
     async def restart(self, config: Config, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
         """Stop and start one agent with its key kept (and its registration, inbox)."""

@@ -90,6 +90,10 @@ class LogBuffer(logging.Handler):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if record.exc_info:
+            # A handler's bug is found from `meshnode logs`: the traceback travels
+            # with the record (the stderr formatters print it too).
+            entry["exception"] = _FORMATTER.formatException(record.exc_info)
         self.records.append(entry)
         for queue in list(self._followers):
             try:
@@ -105,6 +109,8 @@ class LogBuffer(logging.Handler):
     def unfollow(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self._followers.discard(queue)
 
+
+_FORMATTER = logging.Formatter()
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
 

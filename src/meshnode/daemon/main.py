@@ -28,7 +28,7 @@ from typing import Any
 import meshnode
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
-from meshnode.config import AgentConfig, Config
+from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.gateways import A2AGateways
@@ -46,10 +46,10 @@ from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
-from meshnode.plugins import PluginManager
+from meshnode.plugins import PluginLoadError, PluginManager
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
-from meshnode.services.base import ServiceBase, ServiceContext
+from meshnode.services.base import NodeBudget, ServiceBase, ServiceContext
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, imported_agents
 
@@ -227,9 +227,12 @@ class Daemon:
         mesh, hosting = self._mesh(), self._hosting()
         assert mesh.connection is not None
         # §16.1: one per-sender counter across every service subject (and tenant).
-        limiter = SlidingWindowLimiter(
-            limit=self.config.registry.rate_limit, window_ms=ms(self.config.registry.rate_window)
-        )
+        registry = self.config.registry
+        window_ms = ms(registry.rate_window)
+        limiter = SlidingWindowLimiter(limit=registry.rate_limit, window_ms=window_ms)
+        # Beside it, per node (fresh sender keys do not multiply a node's budget).
+        self._node_limiter = SlidingWindowLimiter(registry.node_rate_limit, window_ms, max_keys=10_000)
+        self._unvouched_limiter = SlidingWindowLimiter(registry.unvouched_rate_limit, window_ms)
         await self._start_platform(mesh.connection, limiter, "mesh", hosting)
         # §15: every tenant is its own account, so its own registry, presence,
         # task records, feeds and artifacts (streams and KV are account-scoped).
@@ -248,6 +251,10 @@ class Daemon:
         replicas = mesh.replicas()
         log.info("platform services (%s): JetStream objects with %d replica(s)", tenant, replicas)
 
+        # One node budget per account: each tenant's registry knows its own nodes;
+        # the limiters are shared, so a node is one node across tenants.
+        budget = NodeBudget(self._node_limiter, self._unvouched_limiter)
+
         def context(name: str) -> ServiceContext:
             return ServiceContext(
                 connection=connection,
@@ -257,6 +264,7 @@ class Daemon:
                 log=logging.getLogger(f"meshnode.service.{name}"),
                 replicas=replicas,
                 limiter=limiter,
+                node_budget=budget,
                 refusals=self.refusals,
             )
 
@@ -515,7 +523,10 @@ async def run_daemon(config: Config) -> int:
         # the operator's configuration to fix, not a runtime failure: sysexits'
         # EX_CONFIG (78), which systemd's RestartPreventExitStatus= can name.
         # The message names the backend and the fix (keystore.open_keystore).
-        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable) else 1
+        # So are plugin problems under [node] strict_plugins: an agent kind no
+        # installed plugin provides, settings its plugin refuses, a plugin that
+        # fails to load (plugin_check words them like every config error).
+        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError) else 1
     try:
         await daemon.wait()
     finally:

@@ -10,7 +10,9 @@ re-issued for the current roster (§14.3) and presented by a reconnect.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,8 +26,11 @@ from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
+from meshnode.transport.errors import PortInUse
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix
+from meshnode.transport.serverconf import TlsFiles
+from meshnode.transport.tls import client_context, pinned_context, server_context
 
 __all__ = ["MeshLink", "credential_profile"]
 
@@ -132,22 +137,61 @@ class MeshLink:
             tenants=cfg.tenants,
             exports=[TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports],
             monitor_port=cfg.monitor_port,
+            tls=TlsFiles(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
         )
         self.embedded = embedded
+        if embedded.tls is None and not (cfg.host in ("localhost", "::1") or cfg.host.startswith("127.")):
+            log.warning(
+                "the embedded NATS listener is bound to %s without TLS: set [mesh.embedded] "
+                "tls_cert and tls_key before exposing it beyond loopback", cfg.host,
+            )
         shutdown.push("stop-mesh-server", embedded.stop)
-        await embedded.start()
+        try:
+            await embedded.start()
+        except PortInUse as exc:
+            key = "monitor_port" if exc.listener == "monitoring" else "port"
+            raise exc.with_hint(f"set [mesh.embedded] {key} in {self._config_file()}") from None
         self.jwt = self._mint_own_jwt()
+        limits = cfg.control_plane
         plane = ControlPlaneServer(
             embedded,
             self.data_dir / "mesh",
             host=cfg.control_host,
             port=cfg.control_port,
             credential_ttl_s=int(cfg.credential_ttl.total_seconds()),
+            invite_ttl_s=max(1, int(cfg.invite_ttl.total_seconds())),
             mesh_name=self.config.node.name,
+            ssl=server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
+            rate_limit=limits.rate_limit,
+            node_rate_limit=limits.node_rate_limit,
+            rate_window_ms=max(1, int(limits.rate_window.total_seconds() * 1000)),
+            max_connections=limits.max_connections,
+            head_timeout_s=limits.head_timeout.total_seconds(),
+            request_timeout_s=limits.request_timeout.total_seconds(),
         )
         self.control_plane = plane
         shutdown.push("stop-services", plane.stop)
-        await plane.start()
+        try:
+            await plane.start()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(
+                cfg.control_port, "control",
+                f"set [mesh.embedded] control_port in {self._config_file()}",
+            ) from None
+
+    def _config_file(self) -> str:
+        source = self.config.source_file
+        return str(source) if source is not None else "the configuration"
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        """TLS to the broker: the embedded node pins its own certificate; a joined
+        node verifies against ``[mesh] ca_file`` (else nats-py's defaults)."""
+        embedded = self.config.mesh.embedded
+        if self.embedded_mode:
+            return pinned_context(embedded.tls_cert) if embedded.tls_cert else None
+        return client_context(self.config.mesh.ca_file) if self.config.mesh.ca_file else None
 
     async def connect(self, shutdown: Shutdown, on_lost: Callable[[], None]) -> MeshConnection:
         """The ``connect`` stage: the node's one connection."""
@@ -157,6 +201,7 @@ class MeshLink:
             jwt_source=lambda: self.jwt,
             name=f"meshnode {self.config.node.name}",
             inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+            tls=self.nats_tls(),
         )
         self.connection = connection
         shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
@@ -173,6 +218,7 @@ class MeshLink:
             jwt_source=lambda: self._tenant_jwts[tenant],
             name=f"meshnode {self.config.node.name} tenant {tenant}",
             inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+            tls=self.nats_tls(),
         )
         shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
         await connection.connect()

@@ -18,6 +18,8 @@ import meshnode
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent import RemoteError, RequestQueued
+from meshnode.config import AgentConfig
+from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
@@ -29,7 +31,6 @@ from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
-from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.protections import sender_body
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -48,7 +49,7 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
-    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential)")
+    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential); save=true also appends its table to the configuration file")
     methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="stop and deregister an agent")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
     methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
@@ -159,10 +160,10 @@ class CoreMethods:
             raise InvalidParameter("timeout must be a number of seconds in (0, 3600]")
         local = self.d.node.agents.get(target)
         target_id = local.agent_id if local is not None else target
-        if local is None and not is_valid_public(target) and not target.startswith("a2a:"):
-            raise InvalidParameter(
-                f"{target!r} is neither a local agent name, an agent id (U...) nor an A2A peer (a2a:<name>)"
-            )
+        if not target:
+            raise InvalidParameter("agent must name an agent: a local name, an id (U...), a registry name or a2a:<peer>")
+        # Anything else is a name the registry may know: ctx.request resolves it
+        # (§14.4) and answers NOT_FOUND / INVALID_QUERY (ambiguous) when it cannot.
         cli: HostedAgent = self.d.node.agents[CLI_AGENT_NAME]
 
         ctx = AgentContext(cli, trace=new_root_trace())
@@ -236,7 +237,37 @@ class CoreMethods:
         name, table = params.get("name"), params.get("config", {})
         if not isinstance(name, str) or not isinstance(table, dict):
             raise InvalidParameter("name (string) and config (object) are required")
-        return await self.d.add_agent(name, table)
+        save = params.get("save", False)
+        if not isinstance(save, bool):
+            raise InvalidParameter("save must be a boolean")
+        if save:
+            try:  # refused before the agent starts: a value TOML cannot hold
+                agent_table_text(name, table)
+            except SaveRefused as exc:
+                raise InvalidParameter(f"--save: {exc}") from None
+        result = await self.d.add_agent(name, table)
+        result = dict(result)
+        result["saved"] = None
+        if save:
+            result.update(await self._save_agent(name, table))
+        return result
+
+    async def _save_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
+        """Append the agent's table to the running configuration's file, so a
+        restart (and a reload) keeps it. The agent runs either way; a file that
+        cannot be written is reported with the text to add by hand."""
+        source = self.d.config.source_file
+        if source is None:
+            return {"saved": False, "save_error": "the daemon runs without a configuration file",
+                    "table": agent_table_text(name, table)}
+        try:
+            await asyncio.to_thread(append_agent_table, source, name, table)
+        except SaveRefused as exc:
+            return {"saved": False, "save_error": str(exc), "table": agent_table_text(name, table)}
+        # The running configuration now matches the file: a reload sees nothing new.
+        self.d.config.agents[name] = AgentConfig.model_validate({"plugin": name, **table})
+        log.info("agent %s saved to %s", name, source)
+        return {"saved": True, "config_file": str(source)}
 
     async def agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         name = params.get("name")

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.config import ConfigError, load_config
+from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
+from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import prometheus_text
@@ -46,7 +48,8 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Renew.Now", ops.renew_now, level="admin",
                 doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
     methods.add("Reload", ops.reload, level="admin",
-                doc="params {} -> {added, removed, restarted, requires_restart}; a bad file is refused (Refused) and nothing changes")
+                doc="params {} -> {added, removed, restarted, requires_restart, failed?}; plugins re-scanned first;"
+                " a bad file or [agents.X] table is refused (Refused) and nothing changes")
     methods.add("Logs.Tail", ops.logs_tail, level="operator",
                 doc="params {lines?=100, level?} -> {records: [{ts, level, logger, message}]}")
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
@@ -254,26 +257,63 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     connection (an added agent needs a re-minted credential, presented by a
     reconnect); everything else that changed is reported as needing a restart.
     A bad file raises Refused and the running configuration stays in force.
+
+    The installed plugins are scanned again first (a plugin pip-installed since
+    the start is found) and every ``[agents.X]`` table is checked against them
+    as ``check-config`` does: a problem refuses the reload like a bad file. A
+    table not hosted until now (its plugin was missing) is hosted (``added``);
+    one that fails to start is listed under ``failed`` (name -> why) and the
+    rest applies; an upgraded plugin that agents run is listed under
+    ``requires_restart`` (its old module stays imported).
     """
     old = daemon.config
+    hosting = daemon._hosting()
     try:
         new = await asyncio.to_thread(load_config, old.source_file)
+        # Entry points are read again: a plugin pip-installed since the start is
+        # found (importlib's caches dropped first), and every [agents.X] table is
+        # checked against the plugins as check-config checks it.
+        catalog, upgraded = await asyncio.to_thread(rescan_catalog, new, hosting.catalog)
+        raise_if_problems(new, agent_problems(new, catalog))
     except ConfigError as exc:
         log.error("reload refused: the configuration does not validate:\n%s", exc)
-        raise Refused("the new configuration does not validate; nothing changed", {"problems": str(exc)}) from None
+        raise Refused(f"the new configuration does not validate; nothing changed:\n{exc}",
+                      {"problems": str(exc)}) from None
     daemon.notifier.reloading()
     report: dict[str, Any] = {"added": [], "removed": [], "restarted": [], "requires_restart": []}
     try:
+        hosting.catalog = catalog
+        running = daemon.node.agents if daemon.node is not None else {}
         old_agents = {n: a for n, a in old.agents.items() if a.enabled}
         new_agents = {n: a for n, a in new.agents.items() if a.enabled}
         for name in sorted(set(old_agents) - set(new_agents)):
-            await daemon.remove_agent(name, deregister=True, reconnect=False)
+            if name in running:
+                await daemon.remove_agent(name, deregister=True, reconnect=False)
+            hosting.failed_agents.pop(name, None)
             report["removed"].append(name)
-        for name in sorted(set(new_agents) - set(old_agents)):
+        # New tables, and tables not hosted until now (their plugin was missing).
+        to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
+        for name in to_add:
             cfg = new_agents[name]
-            await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
+            try:
+                await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
+            except InvalidParameter as exc:
+                # One agent failing to start (its on_start raised) fails alone:
+                # the rest of the new configuration still applies.
+                report.setdefault("failed", {})[name] = exc.message
+                continue
             report["added"].append(name)
+        for kind, change in sorted(upgraded.items()):
+            users = sorted(n for n, a in new_agents.items() if a.plugin == kind and n in running and n not in to_add)
+            if users:
+                # The old module stays imported: Python cannot swap a loaded
+                # plugin's code in place, so this one truly needs a restart.
+                report["requires_restart"].append(
+                    f"plugin {kind}: {change}; agents {', '.join(users)} run the old code until the daemon restarts"
+                )
         for name in sorted(set(old_agents) & set(new_agents)):
+            if name in to_add:
+                continue
             if old_agents[name] != new_agents[name]:
                 daemon.config.agents[name] = new_agents[name]
                 await daemon.restart_agent(name, new_agents[name])

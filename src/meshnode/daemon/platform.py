@@ -67,6 +67,7 @@ class PlatformSettings:
 
     heartbeat_interval_s: float = 30.0
     require_connection_bound: bool = True
+    allow_foreign_endpoints: bool = False
     inbox_max_age_s: int = 7 * 86400
     inbox_max_bytes: int = 25 * 1024 * 1024
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
@@ -76,6 +77,7 @@ class PlatformSettings:
         return cls(
             heartbeat_interval_s=config.node.heartbeat_interval.total_seconds(),
             require_connection_bound=config.registry.require_connection_bound,
+            allow_foreign_endpoints=config.registry.allow_foreign_endpoints,
             inbox_max_age_s=int(config.inbox.buffer_max_age.total_seconds()),
             inbox_max_bytes=config.inbox.buffer_max_bytes,
             artifacts=artifact_limits(config),
@@ -145,6 +147,7 @@ async def start_platform_services(
     registry = RegistryService(
         first,
         require_connection_bound=settings.require_connection_bound,
+        allow_foreign_endpoints=settings.allow_foreign_endpoints,
         inbox_max_age_s=settings.inbox_max_age_s,
         inbox_max_bytes=settings.inbox_max_bytes,
         presence=presence,
@@ -155,6 +158,10 @@ async def start_platform_services(
         sdk_agent_of=sdk_agent_of,
     )
     presence.vouched_by = registry.vouched_by
+    if first.node_budget is not None and first.node_budget.node_of is None:
+        # The per-node budget attributes a sender to the node the registry
+        # holds a current vouch from (one registry per account, so per tenant).
+        first.node_budget.node_of = registry.vouched_by
 
     async def owner_of(agent_id: str) -> str | None:
         # Artifact owners resolve from the registry's cache (§7.5.2, §8.6).

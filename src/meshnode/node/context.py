@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshnode.agent import Reply
+from meshnode.agent import AgentInfo, Reply
 from meshnode.node.artifacts import ArtifactClient, artifact_object, ref_part_of
 from meshnode.node.gateway import CallContext
 from meshnode.node.tasks import ResponderTask
@@ -15,6 +15,7 @@ from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_n
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.rests_on import Verdict
 
 if TYPE_CHECKING:
@@ -127,6 +128,10 @@ class AgentContext:
                 trace=self._child_trace(), timeout=timeout, budget=budget,
                 stream=bool(config and config.get("stream") is True),
             )
+        if not is_valid_public(target):
+            # A name (this node's agent, or a display name the registry lists):
+            # resolved to the agent the registry answers for (§14.4).
+            target = (await self.resolve(target)).id
         # Work that entered by A2A carries its call chain into mesh sub-requests,
         # so an A2A -> mesh -> A2A loop is seen by the peer's chain check.
         chain = chain_meta_of(self._envelope)
@@ -152,6 +157,25 @@ class AgentContext:
             # A delegate of this task: a cancel of ours is forwarded to it (§10.8).
             self.task.delegates.append((target, reply.task.task_id))
         return reply
+
+    async def resolve(self, target: str) -> AgentInfo:
+        return await self._hosted.node.directory.resolve(self._hosted, target)
+
+    async def discover(
+        self,
+        *,
+        capability: str | Sequence[str] | None = None,
+        offering: str | None = None,
+        name: str | None = None,
+        tags: Sequence[str] | None = None,
+        availability: str | None = None,
+        limit: int = 50,
+        **filters: Any,
+    ) -> list[AgentInfo]:
+        return await self._hosted.node.directory.discover(
+            self._hosted, capability=capability, offering=offering, name=name, tags=tags,
+            availability=availability, limit=limit, **filters,
+        )
 
     async def a2a_task(self, target: str, task_id: str, *, timeout: float = 30.0) -> Any:
         peer = peer_name_of(target)

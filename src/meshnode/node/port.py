@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from meshnode.agent import Reply
+    from meshnode.node.directory import AgentDirectory
     from meshnode.node.gateway import OutboundGateway
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.inbox import InboxStore
@@ -66,6 +67,9 @@ class NodePort(Protocol):
     def observability(self) -> Observability | None: ...
     @property
     def pubsub(self) -> PubSub: ...
+    @property
+    def directory(self) -> AgentDirectory:
+        """``ctx.discover`` / ``ctx.resolve``: counterparts found through the registry."""
     @property
     def a2a(self) -> OutboundGateway | None:
         """The outbound gateway (``a2a:<peer>`` targets), or None."""

@@ -23,6 +23,7 @@ import orjson
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
 from meshnode.node.context import AgentContext
+from meshnode.node.directory import AgentDirectory
 from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
@@ -93,12 +94,18 @@ class Node:
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
+        #: Agents configured here that are not running (failed to start): agent id
+        #: -> name. Their registrations stay (they are meant to come back, with
+        #: their broker buffer), so each beat says they are offline (§10.10
+        #: per-agent override) and discovery does not show them online.
+        self.absent_agents: dict[str, str] = {}
         #: Every inbound refusal of every intake, counted the one way (shared
         #: with the platform services the daemon hosts, when it passes one).
         self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
         # Targets' manifests, one registry look-up in flight per target (#21).
         self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
+        self.directory = AgentDirectory(self, self.manifest_cache)
         self._jobs: dict[str, PeriodicJob] = {}
         # Delivery-status signals of requests in flight (§18.7): request id ->
         # (requester, whether the target has a buffer), under one subscription.
@@ -361,10 +368,15 @@ class Node:
 
         ``timeout`` (seconds) defaults to ``settings.registry_timeout_s``.
         """
+        return await self._service_call_as(hosted.key, subject, kind, payload, timeout=timeout)
+
+    async def _service_call_as(
+        self, key: KeyPair, subject: str, kind: str, payload: Any, *, timeout: float | None = None
+    ) -> dict[str, Any]:
         env = build_envelope(
-            kind, hosted.agent_id, now_ms=self.now_ms(), payload=payload, ids=self.ids
+            kind, key.public_key, now_ms=self.now_ms(), payload=payload, ids=self.ids
         )
-        sign_envelope(env, hosted.key)
+        sign_envelope(env, key)
         try:
             msg = await self.connection.request(
                 subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
@@ -397,6 +409,22 @@ class Node:
     async def deregister(self, hosted: HostedAgent) -> None:
         await self.service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})
         hosted.registered = False
+
+    async def deregister_stale(self, name: str, key: KeyPair) -> bool:
+        """Deregister an agent this node hosted before but does not host now.
+
+        A restart without an agent (removed from the configuration, disabled,
+        added at runtime and not saved) left its registration behind, and with
+        this node beating, discovery would show it ``online`` though nothing
+        answers it. Its key is still in the keystore, so it can sign its own
+        deregistration (§9.2: an agent deregisters only itself). True when a
+        registration existed.
+        """
+        reply = await self._service_call_as(key, "mesh.registry.deregister", "register", {"deregister": True})
+        existed = bool(reply.get("existed"))
+        if existed:
+            log.info("deregistered %s (%s): hosted here before, not now", name, key.public_key)
+        return existed
 
     async def resolve(self, requester: HostedAgent, target: str) -> dict[str, Any]:
         """The target's manifest: hosted here, cached, or from the registry (§14.4)."""
@@ -656,25 +684,58 @@ class Node:
 
     # -- heartbeat -------------------------------------------------------------
 
-    def heartbeat_payload(self) -> dict[str, Any]:
+    def heartbeat_payload(self, availability: str = "online") -> dict[str, Any]:
         active = sum(h.active_tasks for h in self.agents.values())
         load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
         return {
-            "availability": "online",
+            "availability": availability,
             "active_tasks": active,
             "capacity": max(1, len(self.agents)) * 16,
             "uptime_seconds": max(0, (self.now_ms() - self.started_ms) // 1000),
             "load": round(min(load, 1.0), 3),
         }
 
-    async def heartbeat(self) -> None:
+    async def heartbeat(self, availability: str = "online") -> None:
         """One signed beat from the node key on mesh.heartbeat.{node_id} (§10.10)."""
         env = build_envelope(
-            "emit", self.node_id, now_ms=self.now_ms(), payload=self.heartbeat_payload(), ids=self.ids
+            "emit", self.node_id, now_ms=self.now_ms(), payload=self.heartbeat_payload(availability), ids=self.ids
         )
         sign_envelope(env, self.key)
         await self.connection.publish(subjects.heartbeat(self.node_id), encode_envelope(env))
         self.counters["heartbeats"] += 1
+        if availability != "offline":
+            await self._beat_absent_agents()
+
+    async def _beat_absent_agents(self) -> None:
+        """The per-agent ``offline`` override for every agent configured here but
+        not running: failed to start, or failed since (supervised)."""
+        absent = dict(self.absent_agents)
+        absent.update({h.agent_id: h.name for h in self.agents.values() if h.state == AgentState.FAILED})
+        for agent_id in absent:
+            if agent_id in self.by_id and self.by_id[agent_id].state != AgentState.FAILED:
+                continue  # came back meanwhile
+            env = build_envelope(
+                "emit", self.node_id, now_ms=self.now_ms(), payload={"availability": "offline"}, ids=self.ids
+            )
+            sign_envelope(env, self.key)
+            await self.connection.publish(subjects.heartbeat(self.node_id, agent_id), encode_envelope(env))
+
+    async def say_offline(self) -> None:
+        """A graceful stop's last beat: ``availability: offline`` (§10.10).
+
+        Presence takes a node at its word, so the mesh sees this node (and
+        discovery its agents) offline at once rather than after two missed
+        beats. The heartbeat job stops first, so no later "online" beat
+        contradicts it. Best effort: a stop must not wait on a lost mesh.
+        """
+        job = self._jobs.pop("heartbeat", None)
+        if job is not None:
+            await job.stop()
+        try:
+            await self.heartbeat("offline")
+            await self.connection.flush(timeout=2)
+        except Exception as exc:
+            log.info("could not announce going offline (%s); presence will notice the silence", exc)
 
     def start_heartbeat(self) -> None:
         job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
@@ -691,6 +752,7 @@ class Node:
             await self.observability.stop()
         await self.pubsub.stop()
         await self.manifest_cache.close()  # refreshes in flight
+        await self.directory.close()
 
     # -- status ----------------------------------------------------------------
 

@@ -58,7 +58,7 @@ from meshnode.protocol.protections import (
     FreshnessWindow,
     InboundGuard,
 )
-from meshnode.protocol.ratelimit import SlidingWindowLimiter
+from meshnode.protocol.ratelimit import RateDecision, SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
 from meshnode.transport.connection import ConnectionListener, MeshConnection, Message, Subscription
 from meshnode.transport.errors import NotFound
@@ -86,6 +86,41 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+UNVOUCHED = "-"
+"""The :class:`NodeBudget` key shared by every sender no registered node vouches for."""
+
+
+@dataclass
+class NodeBudget:
+    """The per-node request budget beside the §16.1 per-sender one.
+
+    A sender key costs nothing to make, so a per-sender limit alone is a limit
+    per *key*: a node signing with fresh keys multiplies it at will. The node
+    behind a sender is what the registry knows: the node whose current vouch
+    it holds for that key (connection-bound registrations only, so a node can
+    vouch for keys under its own id, never another's). A registration counts
+    against the node its subject binds. Senders no node vouches for share one
+    budget (``unvouched``), so fresh keys buy nothing there either. The node
+    hosting the services is not budgeted (its own agents are local).
+    ``node_of`` is set once the registry runs (it maps sender -> node or None).
+    """
+
+    limiter: SlidingWindowLimiter
+    unvouched: SlidingWindowLimiter
+    node_of: Callable[[str], str | None] | None = None
+
+    def check(
+        self, sender: str, bound_node: str | None, now_ms: int
+    ) -> tuple[str, SlidingWindowLimiter, RateDecision]:
+        """Count one request; the node key it counted against, its limiter and the decision."""
+        node = bound_node
+        if node is None and self.node_of is not None:
+            node = self.node_of(sender)
+        if node is None:
+            return UNVOUCHED, self.unvouched, self.unvouched.check(UNVOUCHED, now_ms)
+        return node, self.limiter, self.limiter.check(node, now_ms)
+
+
 @dataclass
 class ServiceContext:
     """What the hosting node hands each platform service.
@@ -98,6 +133,7 @@ class ServiceContext:
     ``refusals`` counts every request the intake refuses (the daemon passes
     the node's, so they show in its metrics). ``max_inbound_chars`` is the
     §22.5 cap; None is what the connection carries (``max_payload``).
+    ``node_budget`` is the per-node budget beside ``limiter`` (None: none).
     """
 
     connection: MeshConnection
@@ -111,6 +147,7 @@ class ServiceContext:
     freshness: FreshnessWindow = DEFAULT_FRESHNESS_WINDOW
     refusals: RefusalCounter = field(default_factory=RefusalCounter)
     max_inbound_chars: int | None = None
+    node_budget: NodeBudget | None = None
 
     @property
     def service_id(self) -> str:
@@ -340,7 +377,31 @@ class ServiceBase:
             # agent through another tenant's, §15.2): signed by this very key, and
             # carrying many callers' look-ups, so one sender's budget cannot fit it.
             return True
-        decision = self.ctx.limiter.check(env["from"], self.ctx.now_ms())
+        now_ms = self.ctx.now_ms()
+        decision = self.ctx.limiter.check(env["from"], now_ms)
+        if decision.allowed and self.ctx.node_budget is not None:
+            node, limiter, decision = self.ctx.node_budget.check(
+                env["from"], self.bound_node(msg), now_ms
+            )
+            if node == self.ctx.node_id:
+                # The node hosting the platform itself: its agents and its operator's
+                # CLI are local, and throttling them would throttle the platform.
+                decision = RateDecision(True)
+            if not decision.allowed:
+                self.log.warning("rate-limited node %s (sender %s) on %s", node, env["from"], msg.subject)
+                await self.reply(
+                    msg,
+                    env,
+                    error=error_object(
+                        "RATE_LIMITED",
+                        "too many requests to the platform services from this node"
+                        if node != UNVOUCHED
+                        else "too many requests to the platform services from senders no node vouches for",
+                        {"limit": limiter.limit, "window_ms": limiter.window_ms, "scope": "node"},
+                        retry_after_ms=decision.retry_after_ms,
+                    ),
+                )
+                return False
         if decision.allowed:
             return True
         await self.reply(
@@ -354,6 +415,11 @@ class ServiceBase:
             ),
         )
         return False
+
+    def bound_node(self, msg: Message) -> str | None:
+        """The node the broker binds ``msg`` to by its subject, if any (the
+        registration subject's node token); services with such subjects override."""
+        return None
 
     # -- output --------------------------------------------------------------
 

@@ -20,6 +20,9 @@ node                   string    ``node.id`` equals it
 owner                  string    ``owner`` equals it
 tenant                 string    ``trust.tenant`` equals it
 agent_ids              string[]  ``id`` is one of them
+name                   string    ``name`` (the display name) equals it; a
+                                 meshnode extension of §9.3, which other
+                                 registries ignore (callers filter again)
 availability           enum      joined presence equals it (online, busy,
                                  degraded, offline)
 trust_tier             enum      the node's standing is at least this
@@ -105,6 +108,7 @@ class DiscoverQuery:
     owner: str | None = None
     tenant: str | None = None
     agent_ids: frozenset[str] | None = None
+    name: str | None = None
     availability: str | None = None
     trust_tier: str | None = None
     availability_class: str | None = None
@@ -118,6 +122,8 @@ class DiscoverQuery:
         hosting node's operator-attested tier (§9.7) when the registry knows
         it; a sandboxed registration is sandbox whatever it is given."""
         if self.agent_ids is not None and manifest.get("id") not in self.agent_ids:
+            return False
+        if self.name is not None and manifest.get("name") != self.name:
             return False
         if self.capabilities and not self.capabilities <= _strings(manifest.get("capabilities")):
             return False
@@ -258,6 +264,7 @@ def parse_discover_query(payload: object) -> DiscoverQuery:
     return DiscoverQuery(
         capabilities=_string_list(query, "capabilities") or frozenset(),
         offering_id=_string(query, "offering_id"),
+        name=_string(query, "name"),
         tags=_string_list(query, "tags") or frozenset(),
         version=version,
         protocol_version=_string(query, "protocol_version"),

@@ -117,6 +117,7 @@ class RegistryService(ServiceBase):
         trusted_issuers: Collection[str] = (),
         imported: Mapping[str, str] | None = None,
         sdk_agent_of: Callable[[str], str | None] | None = None,
+        allow_foreign_endpoints: bool = False,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
         # The one agent of a node's active sdk enrolment (None: not one), from
@@ -124,6 +125,9 @@ class RegistryService(ServiceBase):
         # the untokenized register subject. A claim in the credential would not
         # do: a subscriber never learns which credential published a message.
         self._sdk_agent_of = sdk_agent_of
+        # Endpoints are carried verbatim to callers (§14.4): unless the operator
+        # opts out, only the agent's own subjects are stored (§8.2).
+        self.allow_foreign_endpoints = allow_foreign_endpoints
         # Agents another tenant exported to this one (§15.2): agent id -> the
         # subject where the exporting tenant's registry answers a get for it.
         self._imported = dict(imported or {})
@@ -276,6 +280,11 @@ class RegistryService(ServiceBase):
         except ProtocolError:
             return None  # expired since it was stored: it proves nothing any more
 
+    def bound_node(self, msg: Message) -> str | None:
+        """A connection-bound registration counts against the node its subject names."""
+        parsed = subjects.parse_register_subject(msg.subject)
+        return parsed[1] if parsed is not None and parsed[0] else None
+
     async def _register(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
         parsed = subjects.parse_register_subject(msg.subject)
         if parsed is None:
@@ -312,6 +321,7 @@ class RegistryService(ServiceBase):
             # so the vouch must verify for exactly that node.
             subject_node=subject_node if sdk_node is None else sdk_node,
             require_connection_bound=self.require_connection_bound,
+            own_endpoints_only=not self.allow_foreign_endpoints,
             sandbox=sandbox,
             enrolment=None if sdk_node is None else "sdk",
         )

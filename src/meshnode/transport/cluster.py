@@ -223,6 +223,20 @@ class NatsCluster(AsyncService):
             tenant=tenant, profile=profile,
         )
 
+    def mint_starter_credential(
+        self,
+        node_id: str,
+        expires_in_s: int,
+        *,
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """An invite's starter credential (grants nothing), valid on every member."""
+        return self.members[0].mint_starter_credential(
+            node_id, expires_in_s, trust_tier=trust_tier, now=now, tenant=tenant
+        )
+
     # -- lifecycle --
 
     async def start(self) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -52,8 +54,11 @@ class MeshConnection:
         connect_timeout: float = 5.0,
         reconnect_wait: float = 1.0,
         reconnect_buffer_bytes: int = 8 * 1024 * 1024,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.servers = list(servers)
+        # TLS to the broker (``tls://`` URLs, or a server that requires it).
+        self._tls = tls
         self._node_key = node_key
         self._jwt_source = jwt_source
         self._name = name
@@ -70,6 +75,12 @@ class MeshConnection:
         self._error_listeners: list[Callable[[str], None]] = []
         self._lost_listeners: list[Callable[[], None]] = []
         self._closing = False
+        # A reconnect we asked for (a new credential to present): its disconnect
+        # is routine, logged at INFO, not a WARNING about a lost mesh.
+        self._planned_reconnect = False
+        # While the mesh is unreachable nats-py reports each failed attempt (every
+        # reconnect_wait); the first is a WARNING, repeats only at a doubling interval.
+        self._error_log = _RepeatLimiter()
         self._tasks = BackgroundTasks()
         self.last_error: str | None = None
 
@@ -96,6 +107,8 @@ class MeshConnection:
         }
         if self._inbox_prefix:
             options["inbox_prefix"] = self._inbox_prefix
+        if self._tls is not None:
+            options["tls"] = self._tls
         if self._jwt_source is not None and self._node_key is not None:
             key = self._node_key
             source = self._jwt_source
@@ -115,7 +128,13 @@ class MeshConnection:
         except Exception as exc:  # a failed drain must not block shutdown
             log.warning("drain on close failed: %s", exc)
         if not nc.is_closed:
-            await nc.close()
+            try:
+                await nc.close()
+            except Exception as exc:
+                # Stopping while the mesh is unreachable: nats-py flushes its
+                # pending buffer into a transport that is already gone. Nothing
+                # is left to close, so this is not a failed shutdown stage.
+                log.info("closed the mesh connection while it was down (%s: %s)", type(exc).__name__, exc)
         for task in list(self._tasks):
             task.cancel()
 
@@ -173,6 +192,7 @@ class MeshConnection:
     async def reconnect(self) -> None:
         """Reconnect now, presenting the credential the JWT source returns now
         (used after a re-minted credential, e.g. when an agent is added)."""
+        self._planned_reconnect = True
         await self.nc.force_reconnect()
 
     def on_reconnect(self, listener: ConnectionListener) -> None:
@@ -240,7 +260,18 @@ class MeshConnection:
 
     async def _on_error(self, exc: Exception) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
-        log.warning("mesh connection error: %s", self.last_error)
+        if self._closing or self._planned_reconnect:
+            log.info("mesh connection: %s (while %s)", self.last_error,
+                     "closing" if self._closing else "reconnecting on purpose")
+        else:
+            repeats = self._error_log.due()
+            if repeats is None:
+                log.debug("mesh connection error (again): %s", self.last_error)
+            elif repeats == 0:
+                log.warning("mesh connection error: %s", self.last_error)
+            else:
+                log.warning("mesh connection error: %s (%d more since the last report; still retrying)",
+                            self.last_error, repeats)
         for listener in self._error_listeners:
             try:
                 listener(str(exc))
@@ -248,12 +279,22 @@ class MeshConnection:
                 log.exception("connection error listener failed")
 
     async def _on_disconnected(self) -> None:
-        log.warning("disconnected from the mesh")
+        if self._closing:
+            log.info("disconnected from the mesh (closing)")
+        elif self._planned_reconnect:
+            log.info("disconnected from the mesh to present a new credential; reconnecting")
+        else:
+            log.warning("disconnected from the mesh")
         for listener in self._disconnect_listeners:
             self._spawn(listener())
 
     async def _on_reconnected(self) -> None:
-        log.info("reconnected to the mesh at %s", self.connected_url)
+        self._planned_reconnect = False
+        repeats = self._error_log.reset()
+        if repeats:
+            log.info("reconnected to the mesh at %s (after %d failed attempt(s))", self.connected_url, repeats)
+        else:
+            log.info("reconnected to the mesh at %s", self.connected_url)
         for listener in self._reconnect_listeners:
             self._spawn(listener())
 
@@ -263,6 +304,42 @@ class MeshConnection:
             log.error("the mesh connection was closed for good (%s)", self.last_error or "no reason given")
             for listener in self._lost_listeners:
                 listener()
+
+
+class _RepeatLimiter:
+    """Rate-limits a repeating report: the first at once, then after 10 s, 20 s,
+    40 s, ... (capped at 10 min) while it keeps repeating; :meth:`reset` when it
+    stops. ``due()`` says whether to report now and how many were skipped."""
+
+    FIRST_S = 10.0
+    CAP_S = 600.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._next: float | None = None
+        self._interval = self.FIRST_S
+        self._skipped = 0
+        self._total = 0
+
+    def due(self) -> int | None:
+        now = self._clock()
+        self._total += 1
+        if self._next is None:
+            self._next, self._interval, self._skipped = now + self.FIRST_S, self.FIRST_S, 0
+            return 0
+        if now < self._next:
+            self._skipped += 1
+            return None
+        skipped, self._skipped = self._skipped, 0
+        self._interval = min(self._interval * 2, self.CAP_S)
+        self._next = now + self._interval
+        return skipped
+
+    def reset(self) -> int:
+        """Forget the episode; returns how many times it was reported to :meth:`due`."""
+        total = self._total
+        self._next, self._interval, self._skipped, self._total = None, self.FIRST_S, 0, 0
+        return total
 
 
 def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:

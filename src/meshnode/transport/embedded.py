@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from typing import Any
 
 from meshnode.aio import backoff
 
-from .errors import EmbeddedMeshError
+from .errors import EmbeddedMeshError, PortInUse
 from .files import ensure_private_dir, write_private_file
 from .jwt import (
     ResponsePermission,
@@ -54,12 +55,14 @@ from .lifecycle import AsyncService
 from .meshkeys import MeshKeys, load_or_create_mesh_keys
 from .permissions import (
     RESERVED_SUBJECTS,
+    STARTER_PERMISSIONS,
+    STARTER_TAG,
     Profile,
     Role,
     node_permissions,
     sdk_permissions,
 )
-from .serverconf import BoundPorts, ClusterRoutes, render_server_config
+from .serverconf import BoundPorts, ClusterRoutes, TlsFiles, render_server_config
 from .tenants import (
     DEFAULT_TENANT,
     TenantExport,
@@ -105,6 +108,12 @@ more than one agent: the §14.3 grants are per agent, about 1 KiB of JWT each.
 _CONFIG_FILE = "nats-server.conf"
 _LOG_FILE = "nats-server.log"
 _LOG_ROTATE_BYTES = 10 * 1024 * 1024
+# nats-server's fatal line for a listener it cannot open names the port in Go's
+# error text, e.g. (client, monitoring, cluster routes):
+#   Error listening on port: 127.0.0.1:4222, "listen tcp 127.0.0.1:4222: bind: address already in use"
+#   Can't start monitoring: can't listen to the monitor port: listen tcp 127.0.0.1:8222: bind: ...
+#   Error listening on router port: 6222 - listen tcp 127.0.0.1:6222: bind: address already in use
+_LISTEN_FAILED = re.compile(r"listen tcp \S*?:(?P<port>\d+): bind: address already in use")
 _PR_SET_PDEATHSIG = 1
 _REPLY_ONCE = ResponsePermission()
 
@@ -216,8 +225,11 @@ class EmbeddedNatsServer(AsyncService):
         exports: Sequence[TenantExport] = (),
         keys: MeshKeys | None = None,
         cluster: ClusterRoutes | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
+        self.tls = tls
+        """TLS on the client listener (clients use ``tls://`` URLs), or None."""
         if DEFAULT_TENANT in names or len(set(names)) != len(names):
             raise EmbeddedMeshError(
                 f"tenant names must be unique and not {DEFAULT_TENANT!r} (the mesh's own account)"
@@ -253,6 +265,7 @@ class EmbeddedNatsServer(AsyncService):
         self._reaper: asyncio.Future[None] | None = None
         self._stopping = False
         self._ready = asyncio.Event()
+        self._log_start = 0  # offset in the broker log where the current start began
         self.restarts = 0
         """How many times the broker was restarted after an unexpected exit."""
 
@@ -305,11 +318,11 @@ class EmbeddedNatsServer(AsyncService):
 
     @property
     def url(self) -> str:
-        """The client URL (``nats://host:port``) of the running broker."""
+        """The client URL (``nats://host:port``, ``tls://`` with TLS) of the running broker."""
         if self._port is None:
             raise EmbeddedMeshError("the embedded mesh has not started yet")
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"nats://{host}:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://{host}:{self._port}"
 
     @property
     def urls(self) -> list[str]:
@@ -415,6 +428,32 @@ class EmbeddedNatsServer(AsyncService):
             tenant=tenant,
         )
 
+    def mint_starter_credential(
+        self,
+        node_id: str,
+        expires_in_s: int,
+        *,
+        trust_tier: str = "standard",
+        now: int | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """An invite's starter credential: :data:`STARTER_PERMISSIONS` (nothing), tagged
+        :data:`STARTER_TAG`, no reply permission. It only carries the invite's format."""
+        tags = [STARTER_TAG, f"agentmesh:trust_tier:{trust_tier}"]
+        if tenant is not None and tenant != DEFAULT_TENANT:
+            tags.append(f"agentmesh:tenant:{tenant}")
+        return self.mint_user(
+            f"starter {node_id[:12]}",
+            node_id,
+            STARTER_PERMISSIONS.pub_allow,
+            STARTER_PERMISSIONS.sub_allow,
+            expires_in_s,
+            response=None,
+            now=now,
+            tags=tags,
+            tenant=tenant,
+        )
+
     # -- lifecycle --
 
     async def start(self) -> None:
@@ -503,6 +542,7 @@ class EmbeddedNatsServer(AsyncService):
             store_dir=self.mesh_dir / "jetstream",
             ports_file_dir=run_dir,
             cluster=self.cluster,
+            tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE
         write_private_file(path, config, replace=True)
@@ -519,10 +559,30 @@ class EmbeddedNatsServer(AsyncService):
         try:
             with open(self.mesh_dir / _LOG_FILE, "rb") as handle:
                 handle.seek(0, os.SEEK_END)
-                handle.seek(max(0, handle.tell() - limit))
+                handle.seek(max(0, handle.tell() - limit, self._log_start))
                 return handle.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def _start_failure(self, status: int) -> EmbeddedMeshError:
+        """Why the broker exited while starting, in one line where nats-server said so.
+
+        Its log starts with a banner (version, JetStream limits, ASCII art) and
+        ends with the fatal line; quoting the tail showed the banner and buried
+        the cause. A taken port becomes :class:`PortInUse`, which the owner
+        completes with the setting that moves it.
+        """
+        tail = self._log_tail(limit=8000)
+        fatal = [line.split("] ", 2)[-1] for line in tail.splitlines() if "[FTL]" in line or "[ERR]" in line]
+        for line in fatal:
+            match = _LISTEN_FAILED.search(line)
+            if match:
+                listener = "monitoring" if "monitor" in line else "cluster" if "router" in line else "client"
+                return PortInUse(int(match["port"]), listener)
+        detail = "\n".join(fatal) if fatal else tail
+        return EmbeddedMeshError(
+            f"nats-server exited with status {status} while starting (log {self.mesh_dir / _LOG_FILE}):\n{detail}"
+        )
 
     async def _launch(self, binary: Path) -> None:
         config = self._write_config()
@@ -530,6 +590,8 @@ class EmbeddedNatsServer(AsyncService):
         for stale in run_dir.glob("*.ports"):
             stale.unlink(missing_ok=True)
         log_fd = self._open_log()
+        # Failure messages read the log from here: this start's lines only.
+        self._log_start = os.fstat(log_fd).st_size
         try:
             self._process = await asyncio.create_subprocess_exec(
                 str(binary),
@@ -557,10 +619,7 @@ class EmbeddedNatsServer(AsyncService):
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if process.returncode is not None:
-                raise EmbeddedMeshError(
-                    f"nats-server exited with status {process.returncode} while starting:\n"
-                    f"{self._log_tail()}"
-                )
+                raise self._start_failure(process.returncode)
             ports = self._read_ports_file(run_dir, process.pid)
             if ports is not None and await self._accepts_clients(ports.client):
                 self._adopt(ports)

@@ -34,6 +34,7 @@ __all__ = [
     "NotConnected",
     "NotFound",
     "PermissionDenied",
+    "PortInUse",
     "Reconnecting",
     "StoreFull",
     "TransportError",
@@ -53,6 +54,23 @@ _WRONG_LAST_SEQUENCE = 10071
 
 class EmbeddedMeshError(RuntimeError):
     """The embedded broker could not be found, configured, started or kept running."""
+
+
+class PortInUse(EmbeddedMeshError):
+    """A port the embedded broker (or its control plane) was told to listen on is
+    taken. ``listener`` says which: ``client``, ``monitoring``, ``cluster`` or
+    ``control``; the owner adds which setting moves it (it knows its config)."""
+
+    def __init__(self, port: int, listener: str, hint: str = "") -> None:
+        self.port = port
+        self.listener = listener
+        self.hint = hint
+        who = {"client": "another nats-server?", "cluster": "another nats-server?",
+               "monitoring": "another nats-server?", "control": "another meshnode?"}.get(listener, "")
+        super().__init__(f"port {port} in use: {who}" + (f" {hint}" if hint else ""))
+
+    def with_hint(self, hint: str) -> PortInUse:
+        return PortInUse(self.port, self.listener, hint)
 
 
 class TransportError(Exception):

@@ -69,6 +69,8 @@ __all__ = [
     "LEGACY_INBOX_PREFIX",
     "RESERVED_SUBJECTS",
     "SERVICE_WILDCARD_ROSTER",
+    "STARTER_PERMISSIONS",
+    "STARTER_TAG",
     "NodePermissions",
     "Profile",
     "Role",
@@ -160,6 +162,21 @@ class NodePermissions(NamedTuple):
 
     pub_allow: list[str]
     sub_allow: list[str]
+
+
+STARTER_PERMISSIONS = NodePermissions([], [])
+"""The grants of an invite's starter credential: none in either direction.
+
+An empty allow list denies everything (``jwt.mint_user_jwt``), so the holder
+can open a connection and do nothing on it. Enrolment never needed NATS: the
+node's first start proves the invite's node key to the control plane over
+HTTP and receives its roster credential (§4.8). A leaked invite JWT is
+therefore harmless on the mesh; a leaked invite *seed* is not (it is the node
+key), which is why ``meshnode mesh retire`` exists.
+"""
+
+STARTER_TAG = "agentmesh:role:starter"
+"""The JWT tag (``nats.tags``) marking a starter credential: nodes never connect with one."""
 
 
 def node_inbox_prefix(node_id: str) -> str:

@@ -7,8 +7,15 @@ from pathlib import Path
 
 from .errors import EmbeddedMeshError
 
-__all__ = ["BoundPorts", "ClusterRoutes", "render_server_config"]
+__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "render_server_config"]
 
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """A PEM certificate (chain) and its private key: TLS on a listener."""
+
+    cert: Path
+    key: Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,7 @@ def render_server_config(
     store_dir: Path,
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
+    tls: TlsFiles | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
 
@@ -79,6 +87,8 @@ def render_server_config(
     ``monitor_port=None`` serves no monitoring.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
+    ``tls`` makes the client listener require TLS (nats-server's ``tls {}``
+    block; clients then connect with ``tls://``).
     """
     preload = "\n".join(
         f"  {_conf_string(account)}: {_conf_string(jwt)}" for account, jwt in account_jwts.items()
@@ -109,6 +119,14 @@ def render_server_config(
             "  routes: [",
             *(f"    {_conf_string(route)}" for route in cluster.routes),
             "  ]",
+            "}",
+        ]
+    if tls is not None:
+        lines += [
+            "tls {",
+            f"  cert_file: {_conf_string(str(tls.cert))}",
+            f"  key_file: {_conf_string(str(tls.key))}",
+            "  timeout: 5",
             "}",
         ]
     if monitor_port is not None:

@@ -151,10 +151,39 @@ def _check_descriptive_fields(manifest: Mapping[str, Any]) -> None:
         _check_optional(provider, "url", "provider", _is_text, "a string")
 
 
-def _check_endpoints(manifest: dict[str, Any]) -> None:
+OWN_ENDPOINT_ROOTS = ("mesh.agent.{agent}.", "mesh.feed.{agent}.")
+"""Where an agent's own endpoints live (§14.1): under its inbox and feed roots only."""
+
+
+def _check_own_endpoint(name: str, subject: str, agent_id: str) -> None:
+    """Refuse an endpoint that is not the registering agent's own subject (§8.2, §14.4).
+
+    Callers address the carried values verbatim (§14.4), so a manifest whose
+    endpoint named another agent's inbox would redirect their traffic to that
+    agent: the registry stores only subjects rooted at the agent's own id.
+    """
+    inbox = f"mesh.agent.{agent_id}.inbox"
+    if name in ("endpoint", "endpoints.inbox"):
+        own, expected = subject == inbox, inbox
+    else:
+        own = any(subject.startswith(root.format(agent=agent_id)) for root in OWN_ENDPOINT_ROOTS)
+        expected = f"a subject under mesh.agent.{agent_id}. or mesh.feed.{agent_id}."
+    if not own:
+        raise ProtocolError(
+            "UNAUTHORIZED",
+            f"{name} {subject!r} is not this agent's own subject (expected {expected}); "
+            "the operator can accept foreign endpoints with [registry] allow_foreign_endpoints",
+            {"field": name, "reason": "endpoint_not_own", "expected": expected},
+        )
+
+
+def _check_endpoints(manifest: dict[str, Any], agent_id: str, *, own_only: bool = True) -> None:
     endpoint = manifest.get("endpoint")
     if not _is_concrete_subject(endpoint):
         raise _invalid("endpoint", "is required: a concrete subject (no wildcards)")
+    assert isinstance(endpoint, str)
+    if own_only:
+        _check_own_endpoint("endpoint", endpoint, agent_id)
     if "endpoints" not in manifest:
         # §8.2: stamped at register time so a stored manifest never lacks it.
         manifest["endpoints"] = {"inbox": endpoint}
@@ -163,6 +192,8 @@ def _check_endpoints(manifest: dict[str, Any]) -> None:
     for name, subject in endpoints.items():
         if not _is_concrete_subject(subject):
             raise _invalid(f"endpoints.{name}", "must be a concrete subject")
+        if own_only:
+            _check_own_endpoint(f"endpoints.{name}", subject, agent_id)
     endpoints.setdefault("inbox", endpoint)
     manifest["endpoints"] = endpoints
 
@@ -520,6 +551,7 @@ def check_registration(
     descriptor_digest: str | None = None,
     accept_legacy_untagged: bool = False,
     enrolment: str | None = None,
+    own_endpoints_only: bool = True,
 ) -> RegistrationResult:
     """:func:`validate_registration`, also reporting what was dropped on the way in.
 
@@ -533,7 +565,7 @@ def check_registration(
     dropped: list[str] = []
     agent_id = _check_identity(working, sender)
     _check_descriptive_fields(working)
-    _check_endpoints(working)
+    _check_endpoints(working, agent_id, own_only=own_endpoints_only)
     node_id = _check_node(
         working,
         agent_id,
@@ -579,6 +611,7 @@ def validate_registration(
     derive_sealing_posture: bool = True,
     descriptor_digest: str | None = None,
     accept_legacy_untagged: bool = False,
+    own_endpoints_only: bool = True,
 ) -> dict[str, Any]:
     """Validate a registration (§6.2) and return the normalized manifest to store.
 
@@ -591,7 +624,8 @@ def validate_registration(
     ``sandbox`` and clamps visibility. ``descriptor_digest`` is the digest
     of the agent's current stored descriptor (§8.13), which replaces any
     registrant-typed pointer. ``accept_legacy_untagged`` admits untagged
-    vouch/owner signatures (0.2 window only).
+    vouch/owner signatures (0.2 window only). ``own_endpoints_only`` refuses
+    an ``endpoint``/``endpoints`` member that is not the agent's own subject.
 
     Raises ProtocolError:
 
@@ -602,7 +636,8 @@ def validate_registration(
     * ``IDENTITY_MISMATCH`` when ``sender`` is not the manifest ``id``;
     * ``UNAUTHORIZED`` when the vouch or owner attestation does not hold
       (forged, for another agent/node, expired), or the connection binding
-      fails (``details.reason`` says which).
+      fails, or an endpoint is not the agent's own (``endpoint_not_own``);
+      ``details.reason`` says which.
     """
     return check_registration(
         manifest,
@@ -614,4 +649,5 @@ def validate_registration(
         derive_sealing_posture=derive_sealing_posture,
         descriptor_digest=descriptor_digest,
         accept_legacy_untagged=accept_legacy_untagged,
+        own_endpoints_only=own_endpoints_only,
     ).manifest

@@ -1,0 +1,146 @@
+"""Lifecycle surprises (issue #18), against real daemons on one shared mesh:
+a taken port is named as such, ``join`` does not overwrite an edited
+configuration, a gracefully stopped node is offline at once, ``agents add
+--save`` survives a restart while an unsaved agent is deregistered by it, and a
+planned reconnect is not a WARNING."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from meshnode.cli import exitcodes
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshnode.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[DaemonSet]:
+    found = DaemonSet()
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+@pytest.fixture(scope="module")
+def first(daemons: DaemonSet) -> DaemonProcess:
+    return daemons.embedded("first", agents={"echo": {"plugin": "echo"}, "flaky": {"plugin": "echo"}},
+                            node={"plugin_modules": ["tests.agents:plugin"]})
+
+
+def _port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None, url
+    return port
+
+
+@pytest.mark.parametrize("listener", ["port", "control_port"])
+def test_a_taken_port_is_named(daemons: DaemonSet, first: DaemonProcess, listener: str) -> None:
+    info = first.admin("Mesh.Info")
+    taken = _port(info["nats_urls"][0] if listener == "port" else info["control_plane"])
+    second = daemons.embedded(f"taken-{listener}", start=False, extra={"mesh.embedded": {listener: taken}})
+    with pytest.raises(RuntimeError):
+        second.start()
+    log = second.log_text()
+    who = "another nats-server?" if listener == "port" else "another meshnode?"
+    assert f"port {taken} in use: {who} set [mesh.embedded] {listener} in {second.config_path}" in log, log
+    assert "JETSTREAM" not in log and "Version:" not in log, "the broker's banner is not the error"
+
+
+def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
+    invite = tmp_path / "laptop.creds"
+    assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0
+    data_dir = tmp_path / "data"
+    joined = _cli("join", str(invite), "--data-dir", str(data_dir))
+    assert joined.returncode == 0, joined.stderr
+    config = data_dir / "meshnode.toml"
+    # Running it again unchanged is harmless: the same text.
+    assert _cli("join", str(invite), "--data-dir", str(data_dir)).returncode == 0
+    edited = config.read_text() + '\n[agents.mine]\nplugin = "echo"  # my own\n'
+    config.write_text(edited)
+
+    refused = _cli("join", str(invite), "--data-dir", str(data_dir))
+    assert refused.returncode == exitcodes.EX_CANTCREAT
+    assert str(config) in refused.stderr and "--force" in refused.stderr
+    assert config.read_text() == edited
+
+    forced = _cli("join", str(invite), "--data-dir", str(data_dir), "--force", "--json")
+    assert forced.returncode == 0, forced.stderr
+    assert (data_dir / "meshnode.toml.bak").read_text() == edited
+    assert "[agents.mine]" not in config.read_text()
+    tomllib.loads(config.read_text())
+
+
+def _presence(node: DaemonProcess, node_id: str) -> str:
+    return str(node.admin("Presence", {"node": node_id})["availability"])
+
+
+def test_a_graceful_stop_is_offline_at_once(daemons: DaemonSet, first: DaemonProcess) -> None:
+    laptop = daemons.joined("laptop", first, agents={"echo": {"plugin": "echo"}})
+    node_id = laptop.status()["node"]["id"]
+    agent_id = laptop.agent_id("echo")
+    eventually(lambda: _presence(first, node_id) == "online", timeout=30)
+    assert laptop.stop() == 0
+    # The heartbeat interval is 30 s, so silence would take a minute to read as
+    # offline: "at once" is well inside one interval.
+    eventually(lambda: _presence(first, node_id) == "offline", timeout=10)
+    found = first.admin("Discover", {"node": node_id})["agents"]
+    assert {a["id"]: a["availability"] for a in found}.get(agent_id) == "offline"
+    assert not re.search(r"WARNING .*(disconnected|connection error)", laptop.log_text()), laptop.log_tail()
+
+
+def _availability(node: DaemonProcess, agent_id: str) -> str | None:
+    found = {a["id"]: a.get("availability") for a in node.admin("Discover", {})["agents"]}
+    return found.get(agent_id, "not listed")
+
+
+def test_agents_add_save_survives_a_restart_and_unsaved_is_deregistered(first: DaemonProcess) -> None:
+    before = first.config_path.read_text()
+    saved = _cli("agents", "add", "kept", "--plugin", "echo", "--save", "--socket", first.socket_path)
+    assert saved.returncode == 0, saved.stderr
+    assert f"saved as [agents.kept] in {first.config_path}" in saved.stdout
+    text = first.config_path.read_text()
+    assert text.startswith(before), "the user's text is kept as written"
+    assert tomllib.loads(text)["agents"]["kept"] == {"plugin": "echo"}
+
+    unsaved = _cli("agents", "add", "passing", "--plugin", "echo", "--socket", first.socket_path)
+    assert unsaved.returncode == 0, unsaved.stderr
+    assert "not saved to the configuration" in unsaved.stderr
+    passing_id = first.agent_id("passing")
+    assert passing_id in {a["id"] for a in first.admin("Discover", {})["agents"]}
+
+    # Each add re-minted the credential and reconnected on purpose: routine, not a warning.
+    log = first.log_text()
+    assert "to present a new credential" in log
+    assert not re.search(r"WARNING .*disconnected from the mesh", log), first.log_tail()
+
+    # flaky will fail to start after the restart: configured, so kept registered.
+    flaky_id = first.agent_id("flaky")
+    assert _availability(first, flaky_id) == "online"
+    text = first.config_path.read_text()
+    assert '[agents.flaky]\nplugin = "echo"' in text
+    first.config_path.write_text(text.replace('[agents.flaky]\nplugin = "echo"',
+                                              '[agents.flaky]\nplugin = "test-crash-on-start"'))
+
+    assert first.stop() == 0
+    first.start()
+    names = {a["name"] for a in first.status()["agents"] if "id" in a}
+    assert "kept" in names and "passing" not in names
+    assert _availability(first, passing_id) == "not listed", "an agent not hosted after the restart is deregistered"
+    assert "deregistered passing" in first.log_text()
+    # Configured but not running: still registered (its buffer kept), shown offline.
+    eventually(lambda: _availability(first, flaky_id) == "offline", timeout=30)
