@@ -35,7 +35,7 @@ every statement runs on the event loop's thread — a WAL commit with
 survives a process crash. Commits are adaptive group commits: a commit
 happens at once (no timer, no gathering window), and whatever is queued at
 that moment — settle marks, other pairs — rides in
-it; marks alone are committed on the next turn of the loop.
+it; settle marks alone are committed on the next turn of the loop.
 What must survive a *power loss* is made so by a sync barrier (one ``fsync``
 of the WAL, in a worker thread so the loop does not wait on the disk) before
 the drain acks the broker and before it dispatches claimed rows. What a power
