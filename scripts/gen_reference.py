@@ -433,6 +433,16 @@ def render_grants() -> str:
     for role in typing.get_args(permissions.Role):
         grants = permissions.node_permissions(node, [agent], role=role)
         out += [f"## `{role}`\n", *_grant_rows(grants.pub_allow, grants.sub_allow, node, agent), ""]
+        denials = getattr(permissions, "node_denials", None)
+        denied = denials(role) if denials is not None else []
+        if denied:
+            out += [
+                "Denied to every credential of this role (and the `sdk` profile) over its allow",
+                "list: every operation but info on the platform's pull consumers (see",
+                "[Consumers on the shared streams](../operations/security-consumers.md)):\n",
+                *(f"* `{subject}`" for subject in denied),
+                "",
+            ]
     sdk = getattr(permissions, "sdk_permissions", None)
     if sdk is not None:
         grants = sdk(node, agent)

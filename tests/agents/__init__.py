@@ -337,11 +337,21 @@ class Streams(Agent):
             await node.publish_chunk(hosted, task, index, None if final else f"c{index}", final=final, sign=final,
                                      chunk_count=count if final else None)
         if how == "forged":
+            # A stranger's chunk, then one claiming the producer's id with a
+            # signature that does not verify, then the producer's honest end:
+            # the requester drops both and the stream completes.
             stranger = KeyPair.generate()
             env = build_envelope("respond", stranger.public_key, now_ms=node.now_ms(), task_id=task.task_id,
                                  payload={"status": "working", "chunk_index": 1, "final": False, "data": "evil"})
             sign_envelope(env, stranger)
             await node.connection.publish(subjects.task_stream(task.task_id), encode_envelope(env))
+            env = build_envelope("respond", stranger.public_key, now_ms=node.now_ms(), task_id=task.task_id,
+                                 payload={"status": "completed", "chunk_index": 1, "final": True, "chunk_count": 2,
+                                          "data": "evil"})
+            sign_envelope(env, stranger)
+            env["from"] = hosted.agent_id
+            await node.connection.publish(subjects.task_stream(task.task_id), encode_envelope(env))
+            await node.publish_chunk(hosted, task, 1, None, final=True, sign=True, chunk_count=2)
 
     @offering("gap", streaming=True)
     async def gap(self, ctx: Context, input: Any) -> Any:
@@ -371,6 +381,8 @@ class Streams(Agent):
             chunks = [c async for c in reply.task.stream(timeout=5)]
         except StreamBroken as exc:
             return {"broken": exc.message}
+        if input.get("report_task"):  # the task id, for a test that looks for its consumers
+            return {"chunks": chunks, "task_id": reply.task.task_id}
         return {"chunks": chunks}
 
 

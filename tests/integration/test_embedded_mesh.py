@@ -33,7 +33,7 @@ from meshnode.transport.embedded import (
 )
 from meshnode.transport.errors import PortInUse
 from meshnode.transport.jwt import decode_jwt, verify_jwt
-from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.permissions import node_denials, node_inbox_prefix
 
 from .conftest import (
     ClientErrors,
@@ -93,7 +93,9 @@ async def test_node_credential_chain_verifies(mesh: EmbeddedNatsServer) -> None:
     assert claims["sub"] == node.public_key
     assert claims["exp"] - claims["iat"] == 60
     _, claims = decode_jwt(jwt)
-    assert claims["nats"]["pub"]["deny"] == ["mesh.peer.>"]
+    # The reserved relay prefix, and acks for the platform's consumers (#22).
+    assert claims["nats"]["pub"]["deny"] == ["mesh.peer.>", *node_denials("participant")]
+    assert "$JS.ACK.MESH_TASKS.mesh_task_manager.>" in node_denials("participant")
     assert claims["nats"]["sub"]["deny"] == ["mesh.peer.>"]
 
 

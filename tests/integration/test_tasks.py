@@ -92,7 +92,7 @@ def test_budget_admission_and_pause_at_the_ceiling(meshnode_daemons: DaemonSet) 
     assert bought["output"] == {"status": "completed", "output": {"finished": True, "revision": 1}}, bought
 
 
-def test_requester_detects_gaps_truncation_and_foreign_chunks(meshnode_daemons: DaemonSet) -> None:
+def test_requester_detects_gaps_and_truncation_and_drops_foreign_chunks(meshnode_daemons: DaemonSet) -> None:
     plugins = {"plugin_modules": ["tests.agents:streams_plugin"]}
     a = meshnode_daemons.embedded("a", agents={"producer": {"plugin": "test-streams"}}, node=plugins)
     b = meshnode_daemons.joined("b", via=a, agents={"consumer": {"plugin": "test-streams"}}, node=plugins)
@@ -107,7 +107,10 @@ def test_requester_detects_gaps_truncation_and_foreign_chunks(meshnode_daemons: 
     assert consume("honest") == {"chunks": ["c0", "c1", "c2", "c3", "c4"]}
     assert "missing or injected" in consume("gap")["broken"]
     assert "chunk_count" in consume("truncated")["broken"]
-    assert "someone other than the agent that opened" in consume("forged")["broken"]
+    # A stranger's chunks are dropped, never fatal (#23): the producer's stream completes.
+    assert consume("forged") == {"chunks": ["c0"]}
+    # Counted: the gap's unsigned chunk 2 (not yet due), the stranger's chunk, the forged final.
+    assert b.admin("Metrics")["refusals"]["task_stream"] == {"out_of_order": 1, "not_a_party": 1, "identity_mismatch": 1}
 
 
 def test_failure_with_a_reason_from_the_closed_vocabulary(meshnode_daemons: DaemonSet) -> None:

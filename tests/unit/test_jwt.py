@@ -28,6 +28,7 @@ from meshnode.transport.permissions import (
     LEGACY_INBOX_PREFIX,
     SERVICE_WILDCARD_ROSTER,
     inbox_prefix_for,
+    node_denials,
     node_inbox_prefix,
     node_permissions,
     sdk_permissions,
@@ -348,6 +349,28 @@ def test_participant_publishes_only_for_itself(roster: tuple[str, list[str]]) ->
     assert "$JS.API.>" not in pub
     assert not any(s.startswith("$JS.API.STREAM.") and "INFO" not in s for s in pub)
     assert not any(s.startswith("_INBOX") for s in pub)
+
+
+def test_participant_manages_no_consumer_on_the_shared_streams(roster: tuple[str, list[str]]) -> None:
+    """#22: no create, pull or delete on MESH_TASKS/EVENTS/FEED (names cannot be
+    granted per owner); the consumer service does it, on this node's own subjects."""
+    node, agents = roster
+    pub, _ = node_permissions(node, agents)
+    for stream in ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED"):
+        ops = [s for s in pub if s.startswith(("$JS.API.CONSUMER.", "$JS.ACK.")) and f".{stream}." in s]
+        assert ops == [f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.ACK.{stream}.>"], ops
+    assert f"mesh.consumers.ensure.{node}" in pub and f"mesh.consumers.delete.{node}" in pub
+    assert not any(s.startswith("mesh.consumers.") and s.endswith(("*", ">")) for s in pub)
+    denied = node_denials("participant")
+    for stream, consumer in (("MESH_TASKS", "mesh_task_manager"), ("MESH_FEED", "mesh_feed_state_writer")):
+        for op in ("CREATE", "DURABLE.CREATE", "MSG.NEXT", "DELETE"):
+            assert f"$JS.API.CONSUMER.{op}.{stream}.{consumer}" in denied
+        assert f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>" in denied
+        assert f"$JS.ACK.{stream}.{consumer}.>" in denied
+        assert f"$JS.API.CONSUMER.INFO.{stream}.{consumer}" not in denied  # reading stays allowed
+    assert node_denials("service") == []
+    _, service_sub = node_permissions(node, agents, role="service")
+    assert "mesh.consumers.>" in service_sub
 
 
 def test_participant_reads_only_its_own_inboxes(roster: tuple[str, list[str]]) -> None:

@@ -135,6 +135,11 @@ async def test_every_intake_refuses_a_forged_envelope_through_the_same_counter()
     updates: AsyncIterator[Any] = task.updates(timeout=0.05)
     with pytest.raises(TimeoutError):  # the forged "completed" is not an update: nothing ends the wait
         await anext(updates)
+    # A stream chunk claiming to be the opener's, with a signature that does not verify.
+    await queue.put(forged("emit", task_id="t1", payload={"chunk_index": 0, "data": "x", "final": True}))
+    chunks: AsyncIterator[Any] = task.stream(timeout=0.05)
+    with pytest.raises(TimeoutError):  # dropped, not fatal: the stream waits on for the opener's chunks
+        await anext(chunks)
 
     assert node.refusals.by_label() == {
         ("inbox", rule): 2,
@@ -144,6 +149,7 @@ async def test_every_intake_refuses_a_forged_envelope_through_the_same_counter()
         ("service", rule): 1,
         ("service_reply", rule): 1,
         ("task_update", rule): 1,
+        ("task_stream", rule): 1,
     }
     assert {intake.value for intake in Intake} == {label[0] for label in node.refusals.by_label()}
     # Nothing was answered, nothing reached a handler (§22.7: an unauthenticated sender learns nothing).

@@ -20,6 +20,7 @@ from typing import TypeVar
 from meshnode.config import Config
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
 from meshnode.services.base import ServiceBase, ServiceContext
+from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
 from meshnode.services.registry import RegistryService
@@ -37,14 +38,16 @@ __all__ = [
 log = logging.getLogger("meshnode.daemon")
 
 
-_S = TypeVar("_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService)
+_S = TypeVar(
+    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService
+)
 
 
 def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers")
 
 
 def artifact_limits(config: Config) -> ArtifactLimits:
@@ -71,6 +74,7 @@ class PlatformSettings:
     inbox_max_age_s: int = 7 * 86400
     inbox_max_bytes: int = 25 * 1024 * 1024
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
+    max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
 
     @classmethod
     def from_config(cls, config: Config) -> PlatformSettings:
@@ -81,6 +85,7 @@ class PlatformSettings:
             inbox_max_age_s=int(config.inbox.buffer_max_age.total_seconds()),
             inbox_max_bytes=config.inbox.buffer_max_bytes,
             artifacts=artifact_limits(config),
+            max_consumers_per_agent=config.services.max_consumers_per_agent,
         )
 
 
@@ -93,9 +98,10 @@ class PlatformServices:
     artifacts: ArtifactService
     tasks: TaskManagerService
     feeds: FeedService
+    consumers: ConsumerService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds]
+        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -158,6 +164,12 @@ async def start_platform_services(
         sdk_agent_of=sdk_agent_of,
     )
     presence.vouched_by = registry.vouched_by
+    # The registry names its sibling services' keys in each registration reply,
+    # so a node (which pins the registry's key) knows every platform emitter and
+    # applies §5.3 step 2 to events without refusing the platform's own.
+    registry.platform_keys = frozenset(
+        contexts(name).key.public_key for name in ("registry", "presence", "artifacts", "tasks", "feeds")
+    )
     if first.node_budget is not None and first.node_budget.node_of is None:
         # The per-node budget attributes a sender to the node the registry
         # holds a current vouch from (one registry per account, so per tenant).
@@ -186,7 +198,12 @@ async def start_platform_services(
         tasks = await start(TaskManagerService(contexts("tasks"), manifest_of=registry.manifest))
         # Feeds (§6.6a, §18.3): MESH_FEED, the state-feed KV and mesh.feed.get.
         feeds = await start(FeedService(contexts("feeds")))
+        # Participants' consumers on the shared streams (#22): signed with the
+        # registry's key, so no deployment needs a new service key file.
+        consumers = await start(
+            ConsumerService(contexts("registry"), max_per_agent=settings.max_consumers_per_agent)
+        )
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers)

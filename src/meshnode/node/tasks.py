@@ -12,7 +12,6 @@ unsigned by default, the final chunk signed and carrying ``chunk_count``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from meshnode.agent import FollowUp, InputTimeout, StreamBroken
+from meshnode.node.consumers import bind_shared, release_shared, request_for
 from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, budget_exhausted_error, check_revision
@@ -43,7 +43,9 @@ from meshnode.protocol.tasks import (
     TaskState,
     check_state_update,
 )
+from meshnode.transport.jetstream import DurableSubscription
 from meshnode.transport.messages import Message, Subscription
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -407,6 +409,7 @@ class RequesterTask:
         self.responder = str(opening["from"])
         self.sign_chunks = sign_chunks
         self.last_update: Mapping[str, Any] = opening
+        self._live = False  # followed by a core subscription (no JetStream API granted)
 
     def _consumer_name(self, kind: str) -> str:
         """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``)."""
@@ -425,28 +428,41 @@ class RequesterTask:
             except Exception:
                 pass
 
-        sub = await self.hosted.node.connection.jetstream.replay_push(
-            subject,
-            on_msg,
-            stream="MESH_TASKS",
-            name=self._consumer_name(kind),
-            max_deliver=3,
-            inactive_threshold_s=120.0,
-        )
+        node = self.hosted.node
+        if not node.grants.can_publish(JS_STREAM_INFO.format(stream="MESH_TASKS")):
+            # A mesh built elsewhere (§14.3's example grants mesh.task.*.update but no
+            # JetStream API): follow live. What the responder published before this
+            # subscription is missed; a node on such a mesh says so in its docs.
+            self._live = True
+            return queue, await node.connection.subscribe(subject, on_msg)
+        name = self._consumer_name(kind)
+
+        async def direct() -> DurableSubscription:
+            return await self.hosted.node.connection.jetstream.replay_push(
+                subject,
+                on_msg,
+                stream="MESH_TASKS",
+                name=name,
+                max_deliver=3,
+                inactive_threshold_s=120.0,
+            )
+
+        # The consumer service makes it (a participant holds no grant to): #22.
+        sub = await bind_shared(self.hosted, request_for("MESH_TASKS", subject), name, on_msg, fallback=direct)
         return queue, sub
 
     async def _release(self, sub: Subscription, subject: str, kind: str) -> None:
         """Unsubscribe and delete the replay consumer now. Unsubscribing alone left
         it on the server until its inactive threshold (120 s): at a few tasks a
         second the account filled with idle consumers and every new task failed
-        ("maximum consumers limit reached", found by the soak)."""
+        ("maximum consumers limit reached", found by the soak). A failed delete
+        is counted and logged once (:func:`release_shared`), not swallowed."""
         try:
             await sub.unsubscribe()
         finally:
-            with contextlib.suppress(Exception):
-                await self.hosted.node.connection.jetstream.delete_consumer(
-                    "MESH_TASKS", self._consumer_name(kind)
-                )
+            # A live follow (self._live) made no consumer to delete.
+            if not self._live:
+                await release_shared(self.hosted, request_for("MESH_TASKS", subject), "MESH_TASKS", self._consumer_name(kind))
 
     @property
     def state(self) -> str:
@@ -537,31 +553,29 @@ class RequesterTask:
         return reply
 
     async def stream(self, timeout: float = 60.0) -> AsyncIterator[Any]:
-        """Chunk data in order; raises StreamBroken on a gap, an injection, a
-        chunk from anyone but the opener, or a final chunk that does not verify."""
+        """Chunk data in order; raises StreamBroken on a gap or a final chunk that
+        does not verify or whose count does not match what arrived.
+
+        Anybody may publish on ``mesh.task.*.stream`` (§14.3: the grant cannot
+        name a runtime task id), so a chunk that is not the opener's — not JSON,
+        another task's, from someone else, a signature that does not verify, an
+        unsigned one where chunks are signed, an index already seen or not yet
+        due — is dropped and counted (intake ``task_stream``), never fatal:
+        the opener's stream completes around it. A chunk that is really
+        missing still breaks the stream, at the final chunk's count.
+        """
         queue, sub = await self._replay(subjects.task_stream(self.task_id), "s")
         expected = 0
+        refusals = self.hosted.node.refusals
         try:
             while True:
                 raw = await asyncio.wait_for(queue.get(), timeout=timeout)
                 try:
-                    env = orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    raise StreamBroken("a stream chunk is not JSON") from None
-                payload = env.get("payload") if isinstance(env, dict) else None
-                if not isinstance(payload, dict) or env.get("task_id") != self.task_id:
-                    raise StreamBroken("a chunk does not belong to this task")
-                if env.get("from") != self.responder:
-                    raise StreamBroken("a chunk from someone other than the agent that opened the stream")
+                    env, payload = self._chunk(raw, expected)
+                except Refused as refused:
+                    refusals.count(Intake.TASK_STREAM, refused.rule)
+                    continue
                 final = payload.get("final") is True
-                if final or self.sign_chunks or "sig" in env:
-                    try:
-                        verify_envelope(env)
-                    except ProtocolError:
-                        raise StreamBroken("a chunk signature does not verify") from None
-                index = payload.get("chunk_index")
-                if index != expected:
-                    raise StreamBroken(f"chunk {index} arrived where {expected} was due (missing or injected)")
                 expected += 1
                 if "data" in payload:
                     yield payload["data"]
@@ -571,6 +585,37 @@ class RequesterTask:
                     return
         finally:
             await self._release(sub, subjects.task_stream(self.task_id), "s")
+
+    def _chunk(self, raw: bytes, expected: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """The chunk in ``raw`` if it is the opener's and the one due; raises Refused."""
+        try:
+            env = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise Refused("not_json", "a stream chunk is not JSON") from None
+        payload = env.get("payload") if isinstance(env, dict) else None
+        if not isinstance(payload, dict) or env.get("task_id") != self.task_id:
+            raise Refused("not_this_task", "a chunk does not belong to this task")
+        if env.get("from") != self.responder:
+            raise Refused("not_a_party", "a chunk from someone other than the agent that opened the stream")
+        final = payload.get("final") is True
+        verified = final or self.sign_chunks or "sig" in env
+        if verified:
+            try:
+                verify_envelope(env)
+            except ProtocolError:
+                raise Refused("identity_mismatch", "a chunk signature does not verify") from None
+        elif self.sign_chunks:
+            raise Refused("unsigned", "an unsigned chunk where the stream's chunks are signed")
+        index = payload.get("chunk_index")
+        if index != expected:
+            if final and isinstance(index, int) and index > expected:
+                # The opener's own signed final chunk past the one due: chunks
+                # are really missing (an unsigned injection cannot get here).
+                raise StreamBroken(f"chunk {index} arrived where {expected} was due (missing or injected)")
+            # Earlier: a replayed or duplicated chunk. Later and unsigned:
+            # injected, or a gap the final chunk's count will reveal.
+            raise Refused("out_of_order", f"chunk {index!r} arrived where {expected} was due")
+        return env, payload
 
     async def cancel(self, reason: str, note: str | None = None) -> Mapping[str, Any]:
         """Cancel with a reason from the closed enum (§10.8): the cancel request

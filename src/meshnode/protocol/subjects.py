@@ -89,6 +89,8 @@ __all__ = [
     "registry_eval_get",
     "registry_get",
     "registry_register",
+    "consumers_ensure",
+    "consumers_delete",
     "session_all",
     "session_subject",
     "subscription_overlaps_reserved",
@@ -168,6 +170,22 @@ REGISTRY_DISCOVER = "mesh.registry.discover"
 REGISTRY_DESCRIPTOR_PUT = "mesh.registry.descriptor.put"
 REGISTRY_EVAL_PUT = "mesh.registry.eval.put"
 PRESENCE_GET = "mesh.presence.get"
+
+
+CONSUMERS_ENSURE = "mesh.consumers.ensure"
+CONSUMERS_DELETE = "mesh.consumers.delete"
+
+
+def consumers_ensure(node_id: str) -> str:
+    """``mesh.consumers.ensure.{node_id}``: ask the consumer service for one of
+    this node's consumers on a shared stream (meshnode's, not §14.1's:
+    see :mod:`meshnode.services.consumers`). Connection-bound like register."""
+    return f"{CONSUMERS_ENSURE}.{_key(node_id, 'node id')}"
+
+
+def consumers_delete(node_id: str) -> str:
+    """``mesh.consumers.delete.{node_id}``: delete one of this node's consumers."""
+    return f"{CONSUMERS_DELETE}.{_key(node_id, 'node id')}"
 
 
 def registry_register(node_id: str | None = None) -> str:

@@ -185,6 +185,11 @@ class MeshConnection:
         return cluster_size_of(self.servers, self.known_servers)
 
     @property
+    def inbox_prefix(self) -> str | None:
+        """The private reply-inbox prefix this connection was given (None: nats-py's ``_INBOX``)."""
+        return self._inbox_prefix
+
+    @property
     def max_payload(self) -> int:
         """The server's advertised maximum message size (§18.9)."""
         return int(self.nc.max_payload)

@@ -59,6 +59,7 @@ from .permissions import (
     STARTER_TAG,
     Profile,
     Role,
+    node_denials,
     node_permissions,
     sdk_permissions,
 )
@@ -225,6 +226,7 @@ class EmbeddedNatsServer(AsyncService):
         exports: Sequence[TenantExport] = (),
         keys: MeshKeys | None = None,
         cluster: ClusterRoutes | None = None,
+        websocket_port: int | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
@@ -256,6 +258,8 @@ class EmbeddedNatsServer(AsyncService):
         self._port = port or None
         self._monitor_port = monitor_port
         self._monitor_url: str | None = None
+        # None: no WebSocket listener; 0 until the first start binds a free port.
+        self._websocket_port = websocket_port
         self._ports: BoundPorts | None = None
         # A cluster member is handed the cluster's keys rather than keeping its own.
         self._keys: MeshKeys | None = keys
@@ -334,6 +338,17 @@ class EmbeddedNatsServer(AsyncService):
         return self._monitor_url
 
     @property
+    def websocket_url(self) -> str | None:
+        """``ws://host:port`` of the WebSocket listener (nats.ws clients), once it
+        runs (``wss://`` when the mesh has TLS files); None when ``websocket_port``
+        is None."""
+        if self._ports is None or self._ports.websocket is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        scheme = "wss" if self.tls is not None else "ws"
+        return f"{scheme}://{host}:{self._ports.websocket}"
+
+    @property
     def pid(self) -> int | None:
         """The broker's process id while it runs."""
         process = self._process
@@ -357,13 +372,14 @@ class EmbeddedNatsServer(AsyncService):
         now: int | None = None,
         tags: Sequence[str] = (),
         tenant: str | None = None,
+        pub_deny: Sequence[str] = (),
     ) -> str:
         """A user JWT in ``tenant``'s account (default: the mesh account) for
         ``user_public_key``, valid ``expires_in_s``.
 
         The reserved federation subjects are denied in both directions whatever
-        the allow lists say. ``response`` (on by default) lets the user answer
-        requests it receives; ``now`` (epoch seconds) defaults to the clock.
+        the allow lists say; ``pub_deny`` adds publish denials. ``response`` (on
+        by default) lets the user answer requests it receives; ``now`` (epoch seconds) defaults to the clock.
         """
         if expires_in_s <= 0:
             raise ValueError("expires_in_s must be positive")
@@ -376,7 +392,7 @@ class EmbeddedNatsServer(AsyncService):
             expires_at=issued_at + expires_in_s,
             pub_allow=pub_allow,
             sub_allow=sub_allow,
-            pub_deny=RESERVED_SUBJECTS,
+            pub_deny=[*RESERVED_SUBJECTS, *pub_deny],
             sub_deny=RESERVED_SUBJECTS,
             response=response,
             tags=tags,
@@ -426,6 +442,7 @@ class EmbeddedNatsServer(AsyncService):
             now=now,
             tags=tags,
             tenant=tenant,
+            pub_deny=node_denials(role),
         )
 
     def mint_starter_credential(
@@ -542,6 +559,7 @@ class EmbeddedNatsServer(AsyncService):
             store_dir=self.mesh_dir / "jetstream",
             ports_file_dir=run_dir,
             cluster=self.cluster,
+            websocket_port=self._websocket_port,
             tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE
@@ -642,6 +660,8 @@ class EmbeddedNatsServer(AsyncService):
             self._monitor_url = f"http://{host}:{ports.monitoring}"
         if self.cluster is not None and ports.cluster is not None:
             self.cluster = replace(self.cluster, port=ports.cluster)
+        if self._websocket_port is not None and ports.websocket is not None:
+            self._websocket_port = ports.websocket
 
     @staticmethod
     def _read_ports_file(run_dir: Path, pid: int) -> BoundPorts | None:

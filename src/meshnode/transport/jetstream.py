@@ -16,18 +16,20 @@ read in one place.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
 from nats.js.kv import KeyValue as NatsKeyValue
 
-from .errors import NotFound, TransportTimeout, translated
+from .errors import NotFound, TransportError, TransportTimeout, translated
 from .messages import Message, MessageHandler, Subscription, wrap_handler
 
 __all__ = [
+    "ConsumerSpec",
     "ConsumerState",
     "KV_DELETE_OPS",
     "DurableSubscription",
@@ -41,6 +43,8 @@ __all__ = [
     "StoredMessage",
     "StreamState",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The KV operations that mean "this key is gone" (a delete marker or a purge).
 KV_DELETE_OPS = ("DEL", "PURGE")
@@ -83,6 +87,71 @@ class ConsumerState:
     delivered_stream_seq: int
     push_bound: bool
     """A push consumer (it has a deliver subject), as opposed to a pull consumer."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    """The configuration a consumer must have, asserted every time it is bound.
+
+    ``deliver_subject`` makes it a push consumer (None: a pull consumer);
+    ``durable=False`` makes it a named consumer the server reaps once idle
+    for ``inactive_threshold_s``. :meth:`JetStream.ensure_consumer` compares
+    an existing consumer against the fields that decide what it delivers and
+    to whom, so a consumer retargeted by someone else is repaired, not re-used.
+    """
+
+    name: str
+    filter_subject: str
+    deliver_all: bool = True
+    ack_wait_s: float = 30
+    max_deliver: int = -1
+    durable: bool = True
+    deliver_subject: str | None = None
+    inactive_threshold_s: float | None = None
+    max_ack_pending: int | None = None
+
+    def config(self) -> ConsumerConfig:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL if self.deliver_all else DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            filter_subject=self.filter_subject,
+        )
+        if self.durable:
+            config.durable_name = self.name
+        else:
+            config.name = self.name
+            config.inactive_threshold = self.inactive_threshold_s
+        if self.deliver_subject is not None:
+            config.deliver_subject = self.deliver_subject
+        if self.max_ack_pending is not None:
+            config.max_ack_pending = self.max_ack_pending
+        return config
+
+    def drift(self, found: ConsumerConfig) -> list[str]:
+        """The fields in which ``found`` (a consumer's current config) differs."""
+        out: list[str] = []
+        filters = list(found.filter_subjects or [])
+        if found.filter_subject:
+            filters.append(found.filter_subject)
+        if filters != [self.filter_subject]:
+            out.append(f"filter_subject {filters!r} (want {self.filter_subject!r})")
+        if (found.deliver_subject or None) != self.deliver_subject:
+            out.append(f"deliver_subject {found.deliver_subject!r} (want {self.deliver_subject!r})")
+        # The server's answer may carry the policy as a plain string.
+        if getattr(found.ack_policy, "value", found.ack_policy) != AckPolicy.EXPLICIT.value:
+            out.append(f"ack_policy {found.ack_policy!r} (want explicit)")
+        if (found.max_deliver if found.max_deliver is not None else -1) != self.max_deliver:
+            out.append(f"max_deliver {found.max_deliver!r} (want {self.max_deliver})")
+        if found.ack_wait is None or abs(float(found.ack_wait) - self.ack_wait_s) > 0.5:
+            out.append(f"ack_wait {found.ack_wait!r} (want {self.ack_wait_s})")
+        if found.deliver_group:
+            out.append(f"deliver_group {found.deliver_group!r} (want none)")
+        return out
+
+
+ConsumerAction = Literal["created", "bound", "updated", "recreated"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +466,69 @@ class JetStream:
         with translated():
             await self._js.delete_consumer(stream, consumer)
 
+    async def consumer_names(self, stream: str) -> list[str]:
+        """Every consumer name on ``stream`` (paged by the server)."""
+        names: list[str] = []
+        with translated():
+            while True:
+                page = await self._js.consumers_info(stream, offset=len(names))
+                names += [info.name for info in page]
+                if not page:
+                    return names
+
+    async def ensure_consumer(self, stream: str, spec: ConsumerSpec) -> ConsumerAction:
+        """Create the consumer ``spec`` describes, or assert an existing one's config.
+
+        An existing consumer whose configuration drifted (another party
+        retargeted its filter, moved its deliver subject, ...) is updated in
+        place, or deleted and created again where the server refuses the
+        update (its position is lost then: it pointed elsewhere anyway). Both
+        are logged as warnings: they mean someone changed a consumer it did
+        not own, or an older version left a different configuration.
+        """
+        found: ConsumerInfo | None
+        try:
+            with translated():
+                found = await self._js.consumer_info(stream, spec.name)
+        except NotFound:
+            found = None
+        if found is None:
+            with translated():
+                await self._js.add_consumer(stream, config=spec.config())
+            return "created"
+        drift = spec.drift(found.config)
+        if not drift:
+            return "bound"
+        log.warning("consumer %s on %s drifted (%s): repairing it", spec.name, stream, "; ".join(drift))
+        try:
+            with translated():
+                await self._js.add_consumer(stream, config=spec.config())
+            return "updated"
+        except TransportError as exc:
+            log.warning("consumer %s on %s cannot be updated (%s): recreating it", spec.name, stream, exc)
+        try:
+            with translated():
+                await self._js.delete_consumer(stream, spec.name)
+        except NotFound:
+            pass
+        with translated():
+            await self._js.add_consumer(stream, config=spec.config())
+        return "recreated"
+
+    async def bind_push(
+        self, stream: str, name: str, deliver_subject: str, handler: MessageHandler
+    ) -> DurableSubscription:
+        """Subscribe to an existing push consumer's deliver subject, acks manual.
+
+        This needs no JetStream API permission at all: the consumer was made
+        (and its configuration asserted) by whoever may administer it, and the
+        node only listens where it delivers and acks what arrives.
+        """
+        config = ConsumerConfig(deliver_subject=deliver_subject, ack_policy=AckPolicy.EXPLICIT)
+        with translated():
+            sub = await self._js.subscribe_bind(stream, config, name, cb=wrap_handler(handler), manual_ack=True)
+        return DurableSubscription(sub)
+
     async def durable_push(
         self,
         subject: str,
@@ -479,6 +611,15 @@ class JetStream:
         )
         if max_ack_pending is not None:
             config.max_ack_pending = max_ack_pending
+        # Asserted on every bind: nats-py re-uses an existing durable as found,
+        # so a consumer retargeted while this node was away would stay wrong.
+        await self.ensure_consumer(
+            stream,
+            ConsumerSpec(
+                durable, subject, deliver_all=deliver_all, ack_wait_s=ack_wait_s,
+                max_deliver=max_deliver, max_ack_pending=max_ack_pending,
+            ),
+        )
         with translated():
             psub = await self._js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
         return PullConsumer(psub)

@@ -30,8 +30,27 @@ would otherwise leave open:
 * **Scoped JetStream API.** ``$JS.API.>`` would let a participant node create
   a consumer on another agent's ``MESH_INBOX_*`` stream (reading its mail),
   read messages by sequence, or delete streams. A participant gets the API
-  subjects for its own agents' mailbox streams and the shared task and event
-  streams; only a service-role node administers JetStream.
+  subjects for its own agents' mailbox streams; only a service-role node
+  administers JetStream.
+* **No consumer management on the shared streams (#22).** Every consumer a
+  node keeps on MESH_TASKS, MESH_EVENTS and MESH_FEED is named (§18.6) after
+  its agent *and* a run-time part: ``mesh_event_{agent}_{hash}``,
+  ``mesh_feed_{agent}_{hash}``, ``mesh_task_{task}_{requester}[_stream]``. The
+  broker's permissions match whole tokens, so no grant can say "consumers
+  whose name starts with my agent's id": ``$JS.API.CONSUMER.*.MESH_TASKS.>``
+  let any participant retarget, pull from, ack for or delete anyone's
+  consumer, the task manager's ``mesh_task_manager`` and the feed-state
+  writer included. The operation is therefore behind a service: a
+  participant asks ``mesh.consumers.{ensure,delete}.{node_id}`` (its own token
+  only) with a request its agent signs, the consumer service
+  (:mod:`meshnode.services.consumers`) derives the name and the whole §18.6
+  configuration from it, delivers under this node's private inbox prefix and
+  bounds how many an agent holds. The participant keeps only what binding and
+  acking a push consumer needs: the stream and consumer info reads and
+  ``$JS.ACK.{stream}.>``, minus the platform consumers' acks
+  (:data:`PLATFORM_CONSUMERS`, denied by :func:`node_denials`). It pulls from
+  no shared-stream consumer (no ``MSG.NEXT``), so it cannot steal the task
+  manager's updates.
 
 **Profiles.** :func:`node_permissions` is the grant of meshnode's own nodes
 (profile ``node``). :func:`sdk_permissions` is the grant of an ``sdk``-profile
@@ -67,6 +86,7 @@ from meshnode.protocol.nkeys import Prefix, is_valid_public
 
 __all__ = [
     "LEGACY_INBOX_PREFIX",
+    "PLATFORM_CONSUMERS",
     "RESERVED_SUBJECTS",
     "SERVICE_WILDCARD_ROSTER",
     "STARTER_PERMISSIONS",
@@ -76,6 +96,7 @@ __all__ = [
     "Role",
     "SDK_INBOX_PREFIX",
     "inbox_prefix_for",
+    "node_denials",
     "node_inbox_prefix",
     "node_permissions",
     "sdk_permissions",
@@ -119,6 +140,9 @@ AGENT_METRICS = "mesh.metrics.{agent}"
 AGENT_LOG = "mesh.log.{agent}.>"
 TRACES = "mesh.trace.>"
 ARTIFACTS = "mesh.artifacts.>"
+CONSUMERS_ENSURE = "mesh.consumers.ensure.{node}"
+CONSUMERS_DELETE = "mesh.consumers.delete.{node}"
+ALL_CONSUMERS = "mesh.consumers.>"
 
 ALL_REGISTRY = "mesh.registry.>"
 ALL_PRESENCE = "mesh.presence.>"
@@ -149,6 +173,15 @@ JS_CONSUMER_DURABLE_CREATE = "$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>"
 JS_CONSUMER_INFO = "$JS.API.CONSUMER.INFO.{stream}.>"
 JS_CONSUMER_NEXT = "$JS.API.CONSUMER.MSG.NEXT.{stream}.>"
 JS_ACK = "$JS.ACK.{stream}.>"
+
+JS_ACK_CONSUMER = "$JS.ACK.{stream}.{consumer}.>"
+
+PLATFORM_CONSUMERS: tuple[tuple[str, str], ...] = (
+    ("MESH_TASKS", "mesh_task_manager"),
+    ("MESH_FEED", "mesh_feed_state_writer"),
+)
+"""(stream, consumer) of the service-role pull consumers on participant-readable
+streams. Participants may not even ack for them (:func:`node_denials`)."""
 
 JS_API_ALL = "$JS.API.>"
 JS_ACK_ALL = "$JS.ACK.>"
@@ -210,8 +243,22 @@ def _own_stream_grants(stream: str) -> list[str]:
 
 
 def _shared_stream_grants(stream: str) -> list[str]:
-    # The same for a stream every node reads, minus deletion: there every
-    # other consumer belongs to another node.
+    # A stream every node reads: look up the stream and a consumer (binding
+    # reads both), and ack what a push consumer delivered to this node. No
+    # create, update, pull or delete: those go through the consumer service
+    # (module note), because no grant here can tell this node's consumer
+    # names from anybody else's.
+    return [
+        JS_STREAM_INFO.format(stream=stream),
+        JS_CONSUMER_INFO.format(stream=stream),
+        JS_ACK.format(stream=stream),
+    ]
+
+
+def _sdk_shared_stream_grants(stream: str) -> list[str]:
+    # The grant of a shared stream for a client that makes its own consumers
+    # there (the sdk profile, MESH_FEED only): any name, minus the platform's
+    # (node_denials).
     return [
         JS_STREAM_INFO.format(stream=stream),
         JS_CONSUMER_CREATE_NAMED.format(stream=stream),
@@ -220,6 +267,33 @@ def _shared_stream_grants(stream: str) -> list[str]:
         JS_CONSUMER_NEXT.format(stream=stream),
         JS_ACK.format(stream=stream),
     ]
+
+
+def node_denials(role: Role = "participant") -> list[str]:
+    """Publish subjects denied to a participant credential over its allow list.
+
+    Every operation on the platform's pull consumers but reading their info:
+    create or update (either subject form), pull, delete, and ack. A node
+    profile's allow list holds none of these anyway; the denials keep them
+    out of reach of a profile that may create consumers on a shared stream
+    (sdk, on MESH_FEED), and of acks (a participant acks its push consumers
+    by stream): an ack or ``+TERM`` for a message the task manager fetched and
+    has not recorded yet would drop the update from the record. A
+    service-role node is denied nothing here.
+    """
+    if role == "service":
+        return []
+    out: list[str] = []
+    for stream, consumer in PLATFORM_CONSUMERS:
+        out += [
+            f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+            f"$JS.API.CONSUMER.DELETE.{stream}.{consumer}",
+            JS_ACK_CONSUMER.format(stream=stream, consumer=consumer),
+        ]
+    return out
 
 
 def _unique(subjects: Iterable[str]) -> list[str]:
@@ -292,6 +366,12 @@ def node_permissions(
         EVENTS,
         # State-feed lookups are requests to the platform.
         FEED_GET,
+        # The node's consumers on the shared streams, made and deleted by the
+        # consumer service for the agent that signs the request (module note);
+        # connection-bound, so the deliver subject it names is checked against
+        # this node's inbox prefix.
+        CONSUMERS_ENSURE.format(node=node_id),
+        CONSUMERS_DELETE.format(node=node_id),
     ]
     # The untokenized subject, so that the registry can answer UNAUTHORIZED
     # (§4.4) instead of the broker dropping it: see the module note. Kept for
@@ -367,11 +447,13 @@ def node_permissions(
             ARTIFACTS,
             # The state-feed lookup the feed service answers (§18.3).
             FEED_GET,
+            # The consumer service's requests (module note).
+            ALL_CONSUMERS,
         ]
     else:
-        # A participant binds consumers on its own agents' mailboxes and on
-        # the shared task and event streams it can already read live; never on
-        # another agent's mailbox, and never stream administration.
+        # A participant binds consumers on its own agents' mailboxes, and binds
+        # and acks (never makes) its consumers on the shared task, event and
+        # feed streams; never another agent's mailbox, never stream administration.
         pub.append(JS_ACCOUNT_INFO)
         for agent in agents:
             pub += _own_stream_grants(AGENT_MAILBOX_STREAM.format(agent=agent))
@@ -417,7 +499,12 @@ def sdk_permissions(node_id: str, agent_id: str) -> NodePermissions:
         EVENTS,
         AGENT_FEED.format(agent=agent_id),
         *_own_stream_grants(AGENT_MAILBOX_STREAM.format(agent=agent_id)),
-        *_shared_stream_grants("MESH_FEED"),
+        # The SDKs create their durable feed consumer themselves and know no
+        # consumer service, so this profile keeps consumer creation on
+        # MESH_FEED (the platform's writer is denied by node_denials). The
+        # trade-off: an sdk credential can still retarget other agents' feed
+        # consumers there; their nodes repair them at the next bind.
+        *_sdk_shared_stream_grants("MESH_FEED"),
     ]
     sub: list[str] = [
         AGENT_INBOX.format(agent=agent_id),

@@ -1,0 +1,202 @@
+"""The consumer service: participants' consumers on the shared streams, made by the platform.
+
+**Why a service.** §18.6 names every consumer a node keeps on a shared stream
+after its owner *and* something only known at run time: the event consumer
+``mesh_event_{agent}_{hash}`` hashes the subscribed pattern, a feed consumer
+``mesh_feed_{agent}_{hash}`` the feed subject, a task consumer
+``mesh_task_{task}_{requester}`` carries the task id. nats-server's permissions
+match whole subject tokens, so no grant in a node's credential can say "the
+consumers whose *name* starts with ``mesh_event_{my agent}_``"; a grant on
+``$JS.API.CONSUMER.*.MESH_EVENTS.>`` lets a participant retarget, drain or
+delete anyone's consumer, the task manager's included (#22). So participants
+hold no consumer-management grant on ``MESH_TASKS``, ``MESH_EVENTS`` and
+``MESH_FEED`` at all, and ask this service (service role, ``$JS.API.>``):
+
+* ``mesh.consumers.ensure.{node_id}`` (connection-bound: the broker lets a node
+  publish only its own token) with a signed request from the agent the
+  consumer is for. The service derives the consumer's **name and whole
+  configuration** from the request (§18.6), so a participant can neither pick
+  another agent's name (the agent is the verified ``from``) nor a filter the
+  name does not stand for (the name hashes the filter). The deliver subject
+  must lie under the node's own private inbox prefix (``_INBOX_{node_id}.``),
+  so deliveries reach that node only. An existing consumer whose configuration
+  drifted is repaired (:meth:`JetStream.ensure_consumer`), never re-used as found.
+* ``mesh.consumers.delete.{node_id}``: the same request, deleting the consumer.
+
+The answer names the consumer and its deliver subject; the node then binds
+the push consumer itself (:meth:`JetStream.bind_push`), which needs no API
+permission, and acks what it receives.
+
+**Bounds.** An agent holds at most ``max_per_agent`` consumers per stream
+(QUOTA_EXCEEDED to the requester, naming the limit and the stream); task
+consumers are additionally reaped by the server after 120 s idle, and the
+shared streams carry a ``max_consumers`` ceiling (:mod:`meshnode.transport.streams`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from meshnode.protocol import subjects
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import Prefix, is_valid_public
+from meshnode.protocol.subjects import SubjectError
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import NotFound
+from meshnode.transport.jetstream import ConsumerSpec
+from meshnode.transport.permissions import node_inbox_prefix
+
+from .base import Envelope, ServiceBase, ServiceContext
+
+__all__ = ["DEFAULT_MAX_PER_AGENT", "TASK_CONSUMER_IDLE_S", "ConsumerService", "consumer_spec"]
+
+DEFAULT_MAX_PER_AGENT = 256
+"""Consumers one agent may hold on one shared stream (``services.max_consumers_per_agent``)."""
+
+TASK_CONSUMER_IDLE_S = 120.0
+"""A task consumer left behind (its node died mid-wait) is reaped after this long idle."""
+
+_KINDS = ("event", "feed", "task_update", "task_stream")
+_STREAM_OF = {
+    "event": subjects.MESH_EVENTS,
+    "feed": subjects.FEED_STREAM,
+    "task_update": subjects.MESH_TASKS,
+    "task_stream": subjects.MESH_TASKS,
+}
+_MAX_SUBJECT = 256
+
+
+def _invalid(field: str, reason: str) -> ProtocolError:
+    return ProtocolError("INVALID_ENVELOPE", f"consumer request: payload.{field} {reason}", {"member": f"payload.{field}"})
+
+
+def consumer_spec(node_id: str, agent_id: str, payload: Mapping[str, Any]) -> tuple[str, ConsumerSpec]:
+    """The stream and §18.6 consumer a request from ``agent_id`` on ``node_id`` stands for.
+
+    Raises ProtocolError (INVALID_ENVELOPE) naming the payload member at fault.
+    """
+    kind = payload.get("kind")
+    if kind not in _KINDS:
+        raise _invalid("kind", f"must be one of {', '.join(_KINDS)}")
+    deliver = payload.get("deliver_subject")
+    prefix = f"{node_inbox_prefix(node_id)}."
+    if deliver is not None and (
+        not isinstance(deliver, str)
+        or not deliver.startswith(prefix)
+        or len(deliver) > _MAX_SUBJECT
+        or any(c in deliver for c in " \t\r\n*>")
+        or ".." in deliver
+        or deliver.endswith(".")
+    ):
+        raise _invalid("deliver_subject", f"must be a literal subject under this node's inbox prefix {prefix}")
+    replay = payload.get("replay", False)
+    if not isinstance(replay, bool):
+        raise _invalid("replay", "must be a boolean")
+    stream = _STREAM_OF[str(kind)]
+    try:
+        if kind == "event":
+            pattern = payload.get("pattern")
+            if not isinstance(pattern, str):
+                raise _invalid("pattern", "must be the subscribed pattern after mesh.event.")
+            name = subjects.event_consumer_name(agent_id, pattern)
+            spec = ConsumerSpec(
+                name, f"mesh.event.{pattern}", deliver_all=replay, ack_wait_s=30, max_deliver=5,
+                deliver_subject=deliver,
+            )
+        elif kind == "feed":
+            subject = payload.get("subject")
+            if not isinstance(subject, str):
+                raise _invalid("subject", "must be the feed subject subscribed (mesh.feed.{owner}.{topic|*})")
+            name = subjects.feed_consumer_name(agent_id, subject)
+            spec = ConsumerSpec(
+                name, subject, deliver_all=replay, ack_wait_s=30, max_deliver=5, deliver_subject=deliver,
+            )
+        else:
+            task_id = payload.get("task_id")
+            if not isinstance(task_id, str):
+                raise _invalid("task_id", "must be the task's id")
+            name = subjects.task_update_consumer_name(task_id, agent_id)
+            filter_subject = subjects.task_update(task_id)
+            if kind == "task_stream":
+                name += "_stream"
+                filter_subject = subjects.task_stream(task_id)
+            spec = ConsumerSpec(
+                name, filter_subject, deliver_all=True, ack_wait_s=30, max_deliver=3, durable=False,
+                deliver_subject=deliver, inactive_threshold_s=TASK_CONSUMER_IDLE_S,
+            )
+    except SubjectError as exc:
+        raise _invalid("kind", f"does not name a valid consumer: {exc}") from None
+    if deliver is None and payload.get("op") != "delete":
+        raise _invalid("deliver_subject", f"is required (a subject under {prefix})")
+    return stream, spec
+
+
+def _owned_by(name: str, agent_id: str) -> bool:
+    """Whether consumer ``name`` is one of ``agent_id``'s (§18.6 forms)."""
+    return (
+        name.startswith((f"mesh_event_{agent_id}_", f"mesh_feed_{agent_id}"))
+        or (name.startswith("mesh_task_") and name.endswith((f"_{agent_id}", f"_{agent_id}_stream")))
+    )
+
+
+class ConsumerService(ServiceBase):
+    """``mesh.consumers.{ensure,delete}.{node}``; see the module docstring."""
+
+    def __init__(self, ctx: ServiceContext, *, max_per_agent: int = DEFAULT_MAX_PER_AGENT) -> None:
+        super().__init__(ctx, name="consumers", queue="mesh_consumers")
+        self.max_per_agent = max_per_agent
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self._running = True
+        await self.serve(f"{subjects.CONSUMERS_ENSURE}.*", self._ensure)
+        await self.serve(f"{subjects.CONSUMERS_DELETE}.*", self._delete)
+        await self.ctx.connection.flush()
+
+    @staticmethod
+    def _node_of(msg: Message) -> str:
+        node = msg.subject.rsplit(".", 1)[-1]
+        if not is_valid_public(node, Prefix.USER):
+            raise ProtocolError("INVALID_ENVELOPE", f"{msg.subject}: the last token must be the node id")
+        return node
+
+    async def _ensure(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
+        payload = env.get("payload")
+        if not isinstance(payload, Mapping):
+            raise _invalid("", "must be an object")
+        node, agent = self._node_of(msg), str(env["from"])
+        stream, spec = consumer_spec(node, agent, payload)
+        js = self.ctx.connection.jetstream
+        try:
+            await js.consumer_state(stream, spec.name)
+        except NotFound:
+            await self._check_quota(stream, agent)
+        action = await js.ensure_consumer(stream, spec)
+        if action in ("updated", "recreated"):
+            self.log.warning("consumer %s of %s on %s was %s: its configuration had drifted", spec.name, agent, stream, action)
+        return {"stream": stream, "name": spec.name, "deliver_subject": spec.deliver_subject, "action": action}
+
+    async def _delete(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
+        payload = env.get("payload")
+        if not isinstance(payload, Mapping):
+            raise _invalid("", "must be an object")
+        node, agent = self._node_of(msg), str(env["from"])
+        stream, spec = consumer_spec(node, agent, {**payload, "op": "delete"})
+        try:
+            await self.ctx.connection.jetstream.delete_consumer(stream, spec.name)
+        except NotFound:
+            return {"stream": stream, "name": spec.name, "deleted": False}
+        return {"stream": stream, "name": spec.name, "deleted": True}
+
+    async def _check_quota(self, stream: str, agent: str) -> None:
+        names = await self.ctx.connection.jetstream.consumer_names(stream)
+        held = sum(1 for name in names if _owned_by(name, agent))
+        if held >= self.max_per_agent:
+            raise ProtocolError(
+                "QUOTA_EXCEEDED",
+                f"agent {agent} already holds {held} consumers on {stream} (limit "
+                f"services.max_consumers_per_agent = {self.max_per_agent}); unsubscribe some first",
+                {"stream": stream, "limit": self.max_per_agent},
+            )
