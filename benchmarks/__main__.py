@@ -19,6 +19,7 @@ from typing import Any
 from . import (
     bench_canonical,
     bench_drain,
+    bench_inbox,
     bench_register,
     bench_residual,
     bench_roundtrip,
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "scale": bench_scale.run,
     "register": bench_register.run,
     "residual": bench_residual.run,
+    "inbox": bench_inbox.run,
 }
 
 
@@ -101,6 +103,10 @@ def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             add("1,000 agents idle JS API ≤ 20/s", r["idle_js_api_per_s"], 20, at_most=True,
                 shown=f"{r['idle_js_api_per_s']:.1f}/s")
     _issue21(results, add, missing)
+    if "residual" in results:
+        r = results["residual"]
+        add("run twice after kill -9 = 0 (#23)", r["dispatched_twice"], 0, at_most=True,
+            shown=f"{r['dispatched_twice']} of {r['live_handled']}")
     return rows
 
 
@@ -148,7 +154,7 @@ def _issue21(results: dict[str, dict[str, Any]], add: Callable[..., None], missi
     ):
         found = _find(results, key)
         if found is None:
-            missing(target, f"no benchmark of this run reports {key!r} (the drain/commit benchmarks)")
+            missing(target, f"no benchmark of this run reports {key!r} (run `inbox`)")
         else:
             add(target, found[1], limit, at_most=True, issue=21, shown=f"{found[1]:.2f} {unit} ({found[0]})")
 

@@ -863,3 +863,37 @@ class AskerPlugin:
 
 
 asker_plugin = AskerPlugin()
+
+
+class Tally(Agent):
+    """Echo that counts its own runs: appends ``<request id> <tag>`` to a file
+    before it answers (the crash test's witness that a handler ran at most once
+    per request, issue #23 item 1). A plain ``write()`` survives a SIGKILL (it
+    is in the OS's hands); no fsync, so the handler does not block the loop the
+    way a real echo does not."""
+
+    description = "an echo that records every run of its handler"
+    Settings = JournalSettings
+
+    @offering("work", framing=False)
+    async def work(self, ctx: Context, input: Any) -> Any:
+        import os
+
+        settings = self.settings
+        assert isinstance(settings, JournalSettings)
+        tag = str((input or {}).get("tag", ""))
+        fd = os.open(settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{ctx.envelope['id']} {tag}\n".encode())
+        finally:
+            os.close(fd)
+        return {"tag": tag}
+
+
+class TallyPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-tally", Tally)
+
+
+tally_plugin = TallyPlugin()

@@ -31,7 +31,7 @@ from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.commerce import declared_skus
 from meshnode.node.context import AgentContext
-from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.inbox import InboxStore, InboxUnwritable
 from meshnode.node.looplag import running_for
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
@@ -282,7 +282,10 @@ class HostedAgent:
     ) -> str:
         """Route a request that passed the §22 guard: describe, the sender's vouch,
         cancel, the attended inbox, follow-ups, admission, then the handler, with
-        the first reply :func:`~meshnode.node.pipeline.first_reply` plans."""
+        the first reply :func:`~meshnode.node.pipeline.first_reply` plans.
+
+        Returns the outcome for the node inbox, or ``running`` when the handler
+        was started in the background (it settles its live pair itself)."""
         payload = normalize_request_payload(env.get("payload"))
         offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
         if offering_id == DESCRIBE_OFFERING:
@@ -384,7 +387,7 @@ class HostedAgent:
         if not plan.accept:  # a drained request: its first reply is the substantive one
             runner = self.spawn(self._run_handler(env, spec, handler_input, text, source, slot), f"{self.name}:{env['id']}")
             runner.add_done_callback(slot.release)
-            return "answered"
+            return "running"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
         # published so that its first step is scheduled ahead of the client's
@@ -396,7 +399,14 @@ class HostedAgent:
 
         async def run_after_accept() -> None:
             if not gate.done():
-                await gate
+                try:
+                    await gate
+                except asyncio.CancelledError:
+                    # Never started: nothing is committed, so a drain (after a
+                    # restart) still runs the buffered copy, once.
+                    if self.node.inbox is not None:
+                        self.node.inbox.release(self.agent_id, env["from"], env["id"])
+                    raise
             await self._run_handler(env, spec, handler_input, text, source, slot)
 
         runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
@@ -407,7 +417,7 @@ class HostedAgent:
             runner.cancel()  # the accept could not go out: nothing runs (as before)
             raise
         gate.set_result(None)
-        return "answered"
+        return "running"
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -458,6 +468,39 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
+        self,
+        env: dict[str, Any],
+        spec: OfferingSpec,
+        handler_input: Any,
+        text: str | None,
+        source: Path,
+        slot: _Slot | None = None,
+    ) -> None:
+        """Run the handler and answer; then the live pair is settled (done) in
+        the node inbox. A handler cancelled by a stopping node is not settled:
+        after a restart its buffered copy is kept as ``interrupted``, not run."""
+        inbox = self.node.inbox if source is Path.LIVE else None
+        if inbox is not None:
+            # Committed right before the handler starts, inline (with whatever
+            # else is queued riding along): a drain of the buffered copy never
+            # runs it again, even after a kill -9 (issue #23), and a crash
+            # mid-handler leaves it interrupted. _handle runs the handler before
+            # its first await, so nothing else runs in between.
+            inbox.commit_live_now(self.agent_id, env["from"], env["id"], self.node.now_ms())
+        try:
+            await self._handle(env, spec, handler_input, text, source, slot)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._settle_live(env, inbox)
+            raise
+        self._settle_live(env, inbox)
+
+    def _settle_live(self, env: Mapping[str, Any], inbox: InboxStore | None) -> None:
+        if inbox is not None:
+            inbox.settle(self.agent_id, env["from"], env["id"], self.node.now_ms())
+
+    async def _handle(
         self,
         env: dict[str, Any],
         spec: OfferingSpec,
@@ -689,6 +732,15 @@ class HostedAgent:
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
         """Sign a respond and deliver it to the requester's inbox (§6.5)."""
+        inbox = self.node.inbox
+        if (
+            not accept and path is Path.LIVE and inbox is not None
+            and inbox.taken(self.agent_id, request["from"], request["id"])
+        ):
+            # An answer without a handler (a refusal, describe, a cancel): the
+            # pair is committed before the answer goes out, so a drain of the
+            # buffered copy after a crash does not answer it a second time.
+            inbox.commit_live_now(self.agent_id, request["from"], request["id"], self.node.now_ms(), settled=True)
         payload: dict[str, Any] = {"status": status}
         if output is not None:
             payload["output"] = output

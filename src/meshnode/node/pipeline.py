@@ -378,14 +378,39 @@ async def receive(
             # no accept precedes it; every other refusal is silent.
             await hosted.answer_refusal(refused.envelope, refused.answer, path)
         return "refused"
-    if inbox is not None and path is not Path.MAILBOX:
-        # Persist what the live path has seen, so a drain after a restart
-        # acks the buffered copy instead of running it again (§16.4).
+    kind = env["type"]
+    taken = False
+    if inbox is not None and path is Path.LIVE:
+        # The broker buffers a copy of every live message, and a drain of that
+        # copy — in this process or after a kill -9 — must never run it a second
+        # time (issue #23). A respond is committed before it is routed; a
+        # request is *taken* (the drain leaves its copy alone) and its pair is
+        # committed right before the irreversible step: its handler starting
+        # (HostedAgent._run_handler) or an answer going out (_answer). A request
+        # caught by a crash before that is simply drained and run after the
+        # restart, once. (A local delivery has no buffered copy.)
+        if kind == "request":
+            inbox.take(hosted.agent_id, env["from"], env["id"])
+            taken = True
+        else:
+            inbox.commit_live_now(hosted.agent_id, env["from"], env["id"], now_ms, settled=True)
+    elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=path.value)
-    kind = env["type"]
     if kind == "request":
-        return await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        try:
+            outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        except BaseException:
+            if taken and inbox is not None:
+                # Failed before a handler ran (an answer that went out was
+                # committed first): a drain after a restart may still run it.
+                inbox.release(hosted.agent_id, env["from"], env["id"])
+            raise
+        if taken and inbox is not None and outcome != "running":
+            # Answered, refused or held without a background handler: the pair
+            # is finished. A running handler settles it itself.
+            inbox.settle(hosted.agent_id, env["from"], env["id"], now_ms)
+        return "answered" if outcome == "running" else outcome
     if kind == "respond":
         if node.on_respond(hosted, env):
             return "answered"

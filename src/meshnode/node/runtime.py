@@ -133,6 +133,12 @@ class Node:
         # (requester, whether the target has a buffer), under one subscription.
         self.watch = DeliveryWatch(connection, self.pending)
         self.inbox: InboxStore | None = inbox
+        if inbox is not None:
+            # A live request is settled only once its answer reached the broker
+            # (one PING/PONG per batch of settles): a pair settled while the answer
+            # still sat in the client's write buffer would make a drain after a
+            # kill -9 ack the copy of a request whose answer never left (#23).
+            inbox.settle_barrier = self._answers_sent
         self.pacer = SendPacer(self.now_ms)
         # Senders' vouches checked against the registry (§9.2), when configured.
         self.trust: VouchMemo | None = VouchMemo(self) if check_sender_vouch else None
@@ -517,6 +523,10 @@ class Node:
         return await self.manifest_cache.resolve(requester, target)
 
     # -- delivery --------------------------------------------------------------
+
+    async def _answers_sent(self) -> None:
+        """Everything published so far has reached the broker (a flush round trip)."""
+        await self.connection.flush(timeout=5)
 
     async def deliver(self, sender: HostedAgent, env: dict[str, Any], to_agent: str) -> None:
         """Send a signed envelope to an agent's inbox: locally when hosted here (§4.7)."""
