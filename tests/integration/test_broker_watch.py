@@ -29,7 +29,10 @@ def _broker(node: Any) -> dict[str, Any]:
 
 def test_a_frozen_embedded_broker_is_reported_and_restarted(meshnode_daemons: DaemonSet) -> None:
     node = meshnode_daemons.embedded("frozen", agents={"echo": {"plugin": "echo"}}, extra={"mesh": WATCH})
+    # A joined node on the same broker sees it freeze too, and reconnects once it is back.
+    joined = meshnode_daemons.joined("beside", node, agents={"echo2": {"plugin": "echo"}}, extra={"mesh": WATCH})
     assert node.call("echo", "echo", "before")["output"] == {"ok": "before"}
+    assert joined.call(node.agent_id("echo"), "echo", "across")["output"] == {"ok": "across"}
     eventually(lambda: _broker(node)["state"] == "responsive" and _broker(node)["last_rtt_ms"] is not None,
                what="a first answered check", detail=node.log_tail)
     frozen = _broker(node)["pid"]
@@ -41,6 +44,8 @@ def test_a_frozen_embedded_broker_is_reported_and_restarted(meshnode_daemons: Da
         seen = eventually(lambda: (b := _broker(node))["state"] == "unresponsive" and b,
                           timeout=30, what="the broker reported unresponsive", detail=node.log_tail)
         assert seen["unresponsive_since"] and "nats-server process" in seen["reason"]
+        eventually(lambda: _broker(joined)["state"] == "unresponsive", timeout=30,
+                   what="the joined node reports it too", detail=joined.log_tail)
         # Restarted on the same ports: a new process that answers, the connection back.
         eventually(lambda: (b := _broker(node))["state"] == "responsive" and b["pid"] not in (None, frozen)
                    and node.status()["mesh"]["connected"],
@@ -53,6 +58,13 @@ def test_a_frozen_embedded_broker_is_reported_and_restarted(meshnode_daemons: Da
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(frozen, signal.SIGCONT)  # never leave a stopped process behind
+    # The joined node is back too (it failed over, here to the same server restarted).
+    eventually(lambda: _broker(joined)["state"] == "responsive" and joined.status()["mesh"]["connected"],
+               timeout=60, what="the joined node answering again", detail=joined.log_tail)
+    assert eventually(lambda: joined.call(node.agent_id("echo"), "echo", "again", timeout=10).get("output")
+                      == {"ok": "again"}, timeout=60, what="a call from the joined node",
+                      detail=joined.log_tail, retry_on=(Exception,))
+    assert "failing over to another server" in joined.log_text()
     text = node.log_text()
     assert text.count("the mesh broker is not answering") == 1, node.log_tail()  # logged once per episode
     assert f"killing the unresponsive nats-server pid {frozen}" in text

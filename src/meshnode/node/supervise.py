@@ -81,6 +81,7 @@ async def supervise_retrying(
     first_delay_s: float = RETRY_FIRST_S,
     cap_s: float = RETRY_CAP_S,
     clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> int:
     """:func:`supervise_start` on ``make_start()``, again after each NotReady.
 
@@ -110,4 +111,4 @@ async def supervise_retrying(
                 ) from None
             log.warning("agent %s: not ready (%s); retrying in %g s (attempt %d)", name, exc.reason, delay, attempt)
             on_retry(attempt, exc.reason, delay)
-            await asyncio.sleep(delay)
+            await sleep(delay)
