@@ -269,6 +269,7 @@ class EmbeddedNatsServer(AsyncService):
         self._log_start = 0  # offset in the broker log where the current start began
         self.restarts = 0
         """How many times the broker was restarted after an unexpected exit."""
+        self._killed_pid: int | None = None  # the process kill_unresponsive() ended
 
     # -- identity and addresses --
 
@@ -731,6 +732,7 @@ class EmbeddedNatsServer(AsyncService):
         if process is None or process.returncode is not None or self._stopping:
             return
         log.error("killing the unresponsive nats-server pid %d; it is restarted on the same ports", process.pid)
+        self._killed_pid = process.pid
         with contextlib.suppress(ProcessLookupError):
             process.kill()
 
@@ -748,10 +750,13 @@ class EmbeddedNatsServer(AsyncService):
                 if time.monotonic() - self._started_at >= self.stable_after_s:
                     delays = backoff(*self.restart_backoff_s)  # a stable run starts the delays over
                     delay = next(delays)
-                log.error(
-                    "nats-server pid %d exited unexpectedly with status %s; restarting in %.1fs",
-                    process.pid, status, delay,
-                )
+                if self._killed_pid == process.pid:
+                    log.warning("nats-server pid %d killed as unresponsive; restarting in %.1fs", process.pid, delay)
+                else:
+                    log.error(
+                        "nats-server pid %d exited unexpectedly with status %s; restarting in %.1fs",
+                        process.pid, status, delay,
+                    )
                 while True:
                     await asyncio.sleep(delay)
                     delay = next(delays)
