@@ -20,6 +20,7 @@ from meshnode.agent import Reply
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
+from meshnode.transport.grants import Grants
 
 __all__ = ["FakeConnection", "FakeMsg", "FakeNode", "FakeSettings"]
 
@@ -118,6 +119,9 @@ class FakeNode:
         self.by_id: dict[str, Any] = {}
         self.trust_attestation: dict[str, Any] | None = None
         self.trusted_operators = trusted_operators
+        #: What the node's credential grants (meshnode.transport.grants).
+        self.grants = Grants.unrestricted()
+        self.platform_keys: set[str] = set()
         self.manifests = dict(manifests or {})
         self.delivered: list[dict[str, Any]] = []
         self.published: list[dict[str, Any]] = []

@@ -36,8 +36,11 @@ EXAMPLES: dict[str, list[str]] = {
     "mesh nodes": ["meshnode mesh nodes"],
     "mesh invite": ["meshnode mesh invite laptop --out laptop.creds"],
     "mesh retire": ["meshnode mesh retire --node UABC..."],
-    "join": ["meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo",
-             "meshnode join laptop.creds --data-dir ~/.local/share/meshnode --force  # keeps a .bak"],
+    "join": [
+        "meshnode join laptop.creds --data-dir ~/.local/share/meshnode --agent echo",
+        "meshnode join laptop.creds --data-dir ~/.local/share/meshnode --force  # keeps a .bak",
+        "meshnode join node.creds --server nats://mesh.example.org:4222 --data-dir ~/.local/share/meshnode",
+    ],
     "inbox list": ["meshnode inbox list --all"],
     "inbox show": ["meshnode inbox show 12"],
     "inbox reply": ["meshnode inbox reply 12 --text 'yes, go ahead'"],

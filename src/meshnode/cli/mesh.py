@@ -91,6 +91,14 @@ def register(commands: Any) -> None:
         "written as [mesh] ca_file",
     )
     join.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a NATS URL of the mesh (repeatable): for a plain .creds file from a mesh meshnode "
+        "did not build, which names none; overrides the invite's URLs",
+    )
+    join.add_argument(
         "--force", action="store_true",
         help="replace an existing configuration that differs (the old one is kept as FILE.bak)",
     )
@@ -108,6 +116,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"mesh           {info['name']} ({info['mode']})")
         print(f"nats           {', '.join(info['nats_urls'])}")
         print(f"control plane  {info.get('control_plane') or '-'}")
+        if info.get("websocket_url"):
+            print(f"websocket      {info['websocket_url']}")
         prefixes = info.get("inbox_prefixes") or {}
         if prefixes:
             print("reply prefix   " + ", ".join(f"{k}: {v}" for k, v in prefixes.items()))
@@ -223,8 +233,12 @@ def cmd_join(args: argparse.Namespace) -> int:
     except (InviteError, OSError) as exc:
         print(f"meshnode: {args.invite} is not a usable invite: {exc}", file=sys.stderr)
         return EX_DATAERR
-    if not invite.nats_urls:
-        print("meshnode: the invite names no NATS URL (a plain creds file); set [mesh] servers by hand", file=sys.stderr)
+    servers = list(args.server) or list(invite.nats_urls or ())
+    if not servers:
+        print(
+            f"meshnode: {args.invite} names no NATS URL (a plain creds file); give the mesh's with --server URL",
+            file=sys.stderr,
+        )
         return EX_DATAERR
     ca_file = Path(args.ca_file).expanduser().absolute() if args.ca_file else None
     if ca_file is not None and not ca_file.is_file():
@@ -243,7 +257,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         f"data_dir = {_toml_str(str(data_dir))}",
         "",
         "[mesh]",
-        f"servers = [{', '.join(_toml_str(u) for u in invite.nats_urls)}]",
+        f"servers = [{', '.join(_toml_str(u) for u in servers)}]",
     ]
     if invite.control_plane_url:
         lines.append(f"control_plane = {_toml_str(invite.control_plane_url)}")

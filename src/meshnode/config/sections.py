@@ -167,6 +167,11 @@ class EmbeddedMeshConfig(BaseModel):
     monitor_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     """nats-server's HTTP monitoring (/varz, /jsz) on ``host``; off unless set (it is
     unauthenticated and shows every connection); 0 picks a free port."""
+    websocket_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    """A WebSocket listener for nats.ws clients (the TypeScript SDK) on ``host``; off
+    unless set; 0 picks a free port. ``wss://`` with ``tls_cert``/``tls_key``, else plain
+    ``ws://``: then keep ``host`` on loopback or put a TLS-terminating proxy in front.
+    Same credentials as the client port."""
     tenants: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]] = Field(
         default_factory=list
     )
@@ -223,6 +228,11 @@ class MeshConfig(BaseModel):
     """NATS ``.creds`` file of a joining node; None when unset."""
     control_plane: OptionalHttpUrl = None
     """Control-plane URL for credential renewal (joining node); None when unset."""
+    inbox_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")] | None = None
+    """The reply-subject prefix of the node's connection. Unset: read from the node's
+    own credential (its private ``_INBOX_<node_id>`` when granted, else ``_INBOX`` as in
+    §14.3's example, else another ``P.>`` it grants). Set it on a mesh whose
+    operator grants a prefix of its own."""
     ca_file: OptionalFilePath = None
     """PEM CA bundle that verifies the mesh's TLS certificates (``tls://`` NATS URLs and
     an ``https://`` control plane) when they are not signed by a system-trusted CA."""

@@ -322,8 +322,11 @@ class Daemon:
             trust_attestation=mesh.trust_attestation(),
             a2a=self.gateways.outbound,
             refusals=self.refusals,
+            grants=mesh.grants,
         )
         self.node = hosting.node = node
+        # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
+        node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
         # Broker refusals counted always; spans/logs/metrics only when enabled (§13).
         o = self.config.observability
         install(node, ObservabilitySettings(

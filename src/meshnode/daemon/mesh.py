@@ -27,6 +27,7 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
 from meshnode.transport.errors import PortInUse
+from meshnode.transport.grants import Grants, InboxChoice, choose_inbox_prefix
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix
 from meshnode.transport.serverconf import TlsFiles
@@ -85,6 +86,10 @@ class MeshLink:
         self.tenant_connections: dict[str, MeshConnection] = {}
         self.jwt = ""
         self._tenant_jwts: dict[str, str] = {}
+        #: What the node's own credential grants (§14.3), read at connect: the
+        #: reply prefix and registration subjects follow from it.
+        self.grants = Grants.unrestricted()
+        self.inbox: InboxChoice | None = None
 
     @property
     def embedded_mode(self) -> bool:
@@ -137,6 +142,7 @@ class MeshLink:
             tenants=cfg.tenants,
             exports=[TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports],
             monitor_port=cfg.monitor_port,
+            websocket_port=cfg.websocket_port,
             tls=TlsFiles(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
         )
         self.embedded = embedded
@@ -194,13 +200,15 @@ class MeshLink:
         return client_context(self.config.mesh.ca_file) if self.config.mesh.ca_file else None
 
     async def connect(self, shutdown: Shutdown, on_lost: Callable[[], None]) -> MeshConnection:
-        """The ``connect`` stage: the node's one connection."""
+        """The ``connect`` stage: the node's one connection, with the reply prefix
+        its credential grants (:meth:`_choose_inbox`)."""
+        inbox = self._choose_inbox()
         connection = MeshConnection(
             self.mesh_urls(),
             node_key=self.node_key,
             jwt_source=lambda: self.jwt,
             name=f"meshnode {self.config.node.name}",
-            inbox_prefix=node_inbox_prefix(self.node_key.public_key),
+            inbox_prefix=inbox.prefix,
             tls=self.nats_tls(),
         )
         self.connection = connection
@@ -208,6 +216,39 @@ class MeshLink:
         await connection.connect()
         connection.on_lost(on_lost)
         return connection
+
+    def _choose_inbox(self) -> InboxChoice:
+        """Read the credential's grants and pick the reply prefix (module
+        :mod:`meshnode.transport.grants`). Every credential meshnode mints grants
+        the private prefix; a mesh built elsewhere may grant only ``_INBOX.>``."""
+        node_id = self.node_key.public_key
+        try:
+            self.grants = Grants.from_claims(decode_jwt(self.jwt)[1])
+        except Exception as exc:  # an unreadable JWT fails at connect, with the broker's reason
+            log.warning("cannot read the node credential's permissions (%s); assuming meshnode's grants", exc)
+            self.grants = Grants.unrestricted()
+        choice = choose_inbox_prefix(self.grants, node_id, self.config.mesh.inbox_prefix)
+        self.inbox = choice
+        if choice.source == "shared":
+            log.info(
+                "the node credential grants the shared reply prefix _INBOX.> and not %s.>: "
+                "replies to this node use _INBOX (as in spec §14.3's example); set [mesh] inbox_prefix to override",
+                node_inbox_prefix(node_id),
+            )
+        elif choice.source == "granted":
+            log.info("the node credential grants the reply prefix %s.>; replies to this node use it", choice.prefix)
+        elif choice.source == "ungranted":
+            log.warning(
+                "the node credential grants no reply prefix (neither %s.> nor _INBOX.>): replies to this "
+                "node's requests will not arrive; ask the mesh operator for one, or set [mesh] inbox_prefix",
+                choice.prefix,
+            )
+        elif choice.source == "configured" and not self.grants.can_subscribe(f"{choice.prefix}.>"):
+            log.warning(
+                "[mesh] inbox_prefix = %r, but the node credential does not grant subscribing to %s.>",
+                choice.prefix, choice.prefix,
+            )
+        return choice
 
     async def connect_tenant(self, tenant: str, shutdown: Shutdown) -> MeshConnection:
         """The service connection into ``tenant``'s account (same node key, its own credential)."""
@@ -338,5 +379,7 @@ class MeshLink:
             # The account that signed it, and the operator-attested profile
             # claims it carries (§9.7, §15): what the mesh says this node is.
             "account": claims.get("iss"),
+            # The reply prefix chosen from its grants (or [mesh] inbox_prefix).
+            "inbox_prefix": self.inbox.prefix if self.inbox is not None else None,
             **credential_profile(claims),
         }

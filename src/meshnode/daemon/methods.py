@@ -471,11 +471,22 @@ class CoreMethods:
             "node_id": self.d.node_key.public_key if self.d.node_key else None,
             # Set only when [mesh.embedded] monitor_port asks for it.
             "monitor_url": self.d.embedded.monitor_url if self.d.embedded is not None else None,
+            # Set only when [mesh.embedded] websocket_port asks for it (nats.ws clients).
+            "websocket_url": self.d.embedded.websocket_url if self.d.embedded is not None else None,
             # The reply prefix each enrolment profile's credential allows
             # (nats.connect(inbox_prefix=...)), and this node's own.
             "inbox_prefixes": dict(INBOX_PREFIXES),
-            "inbox_prefix": node_inbox_prefix(self.d.node_key.public_key) if self.d.node_key else None,
+            "inbox_prefix": self._own_inbox_prefix(),
         }
+
+    def _own_inbox_prefix(self) -> str | None:
+        """The reply prefix this node connected with: chosen from its credential's
+        grants (or [mesh] inbox_prefix), which on a mesh built elsewhere may be the
+        shared _INBOX; before the connect stage, the private one it would choose."""
+        mesh = self.d.mesh
+        if mesh is not None and mesh.inbox is not None:
+            return mesh.inbox.prefix
+        return node_inbox_prefix(self.d.node_key.public_key) if self.d.node_key else None
 
     async def mesh_token(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.d.control_plane is None:

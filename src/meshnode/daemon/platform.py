@@ -164,6 +164,12 @@ async def start_platform_services(
         sdk_agent_of=sdk_agent_of,
     )
     presence.vouched_by = registry.vouched_by
+    # The registry names its sibling services' keys in each registration reply,
+    # so a node (which pins the registry's key) knows every platform emitter and
+    # applies §5.3 step 2 to events without refusing the platform's own.
+    registry.platform_keys = frozenset(
+        contexts(name).key.public_key for name in ("registry", "presence", "artifacts", "tasks", "feeds")
+    )
     if first.node_budget is not None and first.node_budget.node_of is None:
         # The per-node budget attributes a sender to the node the registry
         # holds a current vouch from (one registry per account, so per tenant).

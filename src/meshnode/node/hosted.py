@@ -263,12 +263,13 @@ class HostedAgent:
             return "answered"
         trust = self.node.trust
         if trust is not None and offering_id != DESCRIBE_OFFERING and env["from"] not in self.node.by_id:
-            # §5.3 step 2: a node must vouch for the sender (describe stays open to strangers).
-            standing = await trust.status(self, env["from"])
-            if standing in ("unvouched", "revoked"):
-                reason = "sender_key_revoked" if standing == "revoked" else "sender_not_vouched"
-                self.count_refusal(reason)
-                error = error_object("UNAUTHORIZED", "no node vouches for the sender", {"reason": reason})
+            # §5.3 step 2: a node must vouch for the sender (describe stays open to
+            # strangers). The pipeline's stage, as for events; a request is answered.
+            try:
+                await pipeline.vouched(self, env)
+            except pipeline.Refused as refused:
+                self.count_refusal(refused.rule)
+                error = error_object("UNAUTHORIZED", "no node vouches for the sender", {"reason": refused.rule})
                 await self._answer(env, status="failed", error=error, path=source)
                 return "answered"
             if self.agent.refuse_sandbox_senders and trust.tier_of(env["from"]) == "sandbox":

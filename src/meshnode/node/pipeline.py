@@ -17,10 +17,12 @@ Which intake runs which stages:
 
 ==================  =========================================================
 inbox               decode, verify, guard (window by path), audit, route: a
-                    request to :meth:`HostedAgent.on_request`, a respond to
-                    the request waiting for it (:func:`receive`)
-event               decode, verify, kind (emit), guard (event memory), audit,
-                    ``on_event`` (:func:`receive_event`)
+                    request to :meth:`HostedAgent.on_request` (which runs
+                    vouched, §5.3 step 2, answering UNAUTHORIZED), a respond
+                    to the request waiting for it (:func:`receive`)
+event               decode, verify, kind (emit), guard (event memory),
+                    vouched (§5.3 step 2), audit, ``on_event``
+                    (:func:`receive_event`)
 feed                decode, verify, owner rule, guard (event memory), audit,
                     ``on_event`` (:meth:`PubSub.receive_feed`)
 telemetry           decode, verify, kind and owner, guard (live), ``on_event``
@@ -243,6 +245,35 @@ _ACCEPT_PATH: Final = {
 }
 
 
+#: The two §5.3 step 2 refusal rules (UNAUTHORIZED when a request is answered).
+SENDER_NOT_VOUCHED: Final = "sender_not_vouched"
+SENDER_KEY_REVOKED: Final = "sender_key_revoked"
+
+
+async def vouched(hosted: HostedAgent, env: Mapping[str, Any]) -> None:
+    """Stage: §5.3 step 2, the sender is vouched for by a node, asked of the registry
+    (:class:`~meshnode.node.trust.VouchMemo`, one look-up per sender, memoised).
+
+    Raises :class:`Refused` (``sender_not_vouched`` / ``sender_key_revoked``) for a
+    sender the registry says no node vouches for, or whose key was revoked. The
+    node's own agents are vouched for by definition; when the check is off
+    (``[protections] check_sender_vouch = false``) or the registry cannot say,
+    the envelope passes (a registry outage must not become a mesh outage).
+    The same rule for every intake that runs it: requests and events alike,
+    because §5.3 is stated for the receiver of any envelope.
+    """
+    node = hosted.node
+    trust = node.trust
+    sender = env["from"]
+    if trust is None or sender in node.by_id or sender in node.platform_keys:
+        return  # our own agents, and the platform's services (no node vouches for those)
+    standing = await trust.status(hosted, sender)
+    if standing == "revoked":
+        raise Refused(SENDER_KEY_REVOKED, "the sender's key was revoked", envelope=env)
+    if standing == "unvouched":
+        raise Refused(SENDER_NOT_VOUCHED, "no node vouches for the sender", envelope=env)
+
+
 def first_reply(path: Path, outcome: InboundOutcome, *, attended: bool = False) -> ReplyPlan:
     """What the requester gets first, by the pure rule :func:`plan_first_reply`:
     ``attended`` (an interactive agent with a node inbox) holds the request for
@@ -361,6 +392,10 @@ async def receive_event(hosted: HostedAgent, data: bytes, *, subject: str, sourc
         env = decode_verified(data)
         check_kind(env, _EMITS, "not_an_emit")
         guard(hosted.event_guard, env, path, now_ms)
+        # §5.3 step 2 for events as for requests: an event is an envelope whose
+        # sender the receiver acts on, and events have no reply path, so the
+        # refusal is silent (§22.7) and counted (event / sender_not_vouched).
+        await vouched(hosted, env)
     except Refused as refused:
         hosted.refuse(Intake.EVENT, refused.rule, refused.envelope, refused.detail)
         return False

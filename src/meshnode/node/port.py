@@ -16,7 +16,7 @@ implementation may keep a plain attribute.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from meshnode.protocol.envelope import IdGenerator
     from meshnode.protocol.protections import DedupMemory, InboundGuard
     from meshnode.transport.connection import MeshConnection, Message
+    from meshnode.transport.grants import Grants
 
 __all__ = ["NodePort"]
 
@@ -80,6 +81,12 @@ class NodePort(Protocol):
     def trust_attestation(self) -> dict[str, Any] | None: ...
     @property
     def trusted_operators(self) -> frozenset[str]: ...
+    @property
+    def platform_keys(self) -> Collection[str]:
+        """The platform services' keys this node knows (never subject to §5.3 step 2)."""
+    @property
+    def grants(self) -> Grants:
+        """What the node's own credential lets it publish and subscribe (§14.3)."""
 
     # -- bookkeeping ------------------------------------------------------------------
 

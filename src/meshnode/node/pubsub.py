@@ -56,6 +56,7 @@ from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.preflight import check_envelope_size
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.connection import Message
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -98,6 +99,7 @@ class PubSub:
     """The node's publish/subscribe state (see the module docstring)."""
 
     def __init__(self, node: NodePort, *, emit_limit: int = 600, emit_window_ms: int = 60_000) -> None:
+        self._live_only_logged: set[str] = set()
         self.node = node
         self.emit_limiter = SlidingWindowLimiter(emit_limit, emit_window_ms, max_keys=10_000)
         self._records: dict[str, list[SubscriptionRecord]] = {}
@@ -149,6 +151,8 @@ class PubSub:
         key = (hosted.agent_id, domain)
         if key in self._interest_checked or len(self._interest_checked) > 10_000:
             return
+        if not self.node.grants.can_publish(JS_STREAM_INFO.format(stream=subjects.MESH_EVENTS)):
+            return  # nothing to ask with (a mesh built elsewhere); the broker would refuse it
         self._interest_checked.add(key)
         self._spawn(self._check_interest(hosted, domain))
 
@@ -182,6 +186,8 @@ class PubSub:
         Returns the consumer name (durable) or the subject (ephemeral).
         """
         subject = subjects.event_filter(pattern)
+        if durable and not self._may_consume(subjects.MESH_EVENTS):
+            durable = False  # a mesh built elsewhere (§14.3's example grants no JetStream API)
         if not durable:
             async def on_live(msg: Message) -> None:
                 try:
@@ -205,6 +211,22 @@ class PubSub:
         )
         return name
 
+
+    def _may_consume(self, stream: str) -> bool:
+        """Whether the credential grants the JetStream API on ``stream`` (every
+        credential meshnode mints does). Without it a durable subscription is
+        made a live one, said once: what is published while the node is away
+        is then missed."""
+        if self.node.grants.can_publish(JS_STREAM_INFO.format(stream=stream)):
+            return True
+        if stream not in self._live_only_logged:
+            self._live_only_logged.add(stream)
+            log.info(
+                "the node credential grants no JetStream API on %s: durable subscriptions to it are "
+                "live ones (what is published while this node is away is missed)",
+                stream,
+            )
+        return False
 
     async def record_subscription(
         self,

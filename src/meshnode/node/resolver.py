@@ -33,7 +33,32 @@ if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.port import NodePort
 
-__all__ = ["ManifestCache"]
+__all__ = ["NOT_GRANTED", "ManifestCache", "discover_one"]
+
+#: ``details.reason`` of the AGENT_UNAVAILABLE a node raises for a service subject
+#: its own credential does not grant (nothing was sent).
+NOT_GRANTED = "not_granted"
+
+
+def not_granted(exc: ProtocolError) -> bool:
+    return exc.code == "AGENT_UNAVAILABLE" and (exc.details or {}).get("reason") == NOT_GRANTED
+
+
+async def discover_one(node: NodePort, requester: HostedAgent, target: str) -> dict[str, Any] | None:
+    """``target``'s manifest through ``mesh.registry.discover`` (``agent_ids`` filter),
+    or None when the registry lists it to nobody (unlisted, private, unknown).
+
+    For a mesh whose credentials grant discovery but no ``mesh.registry.get.*``,
+    as spec §14.3's example does; a lookup by id sees unlisted agents too.
+    """
+    found = await node.service_call(
+        requester, subjects.REGISTRY_DISCOVER, "discover", {"agent_ids": [target], "limit": 1}
+    )
+    agents = found.get("agents")
+    for manifest in agents if isinstance(agents, list) else ():
+        if isinstance(manifest, dict) and manifest.get("id") == target:
+            return manifest
+    return None
 
 
 def _retry_in(error: BaseException | None) -> float:
@@ -89,6 +114,12 @@ class ManifestCache:
                     requester, subjects.registry_get(target), "discover", {"agent_id": target}
                 )
             except ProtocolError as exc:
+                if not_granted(exc):
+                    # A mesh built elsewhere may grant discovery only (§14.3's example).
+                    manifest_or_none = await discover_one(self.node, requester, target)
+                    if manifest_or_none is None:
+                        raise ProtocolError("NOT_FOUND", f"the registry lists no agent {target}") from None
+                    return manifest_or_none
                 wait = _retry_in(exc)
                 if exc.code != "RATE_LIMITED" or time.monotonic() + wait > deadline:
                     raise

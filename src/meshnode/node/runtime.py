@@ -35,7 +35,7 @@ from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
-from meshnode.node.resolver import ManifestCache
+from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
 from meshnode.node.supervise import supervise_retrying
@@ -52,7 +52,7 @@ from meshnode.protocol.envelope import (
     sign_envelope,
 )
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.nkeys import KeyPair, is_valid_public
 from meshnode.protocol.preflight import (
     check_envelope_size,
     preflight_request,
@@ -61,7 +61,9 @@ from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
 from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.errors import NoResponders, Reconnecting, TransportTimeout
+from meshnode.transport.grants import Grants, register_subjects
 from meshnode.transport.jetstream import DurableSubscription
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
@@ -83,8 +85,18 @@ class Node:
         check_sender_vouch: bool = False,
         trust_attestation: dict[str, Any] | None = None,
         a2a: OutboundGateway | None = None,
+        grants: Grants | None = None,
     ) -> None:
         self.settings = settings
+        #: What the node's credential lets it publish (§14.3); a mesh built
+        #: elsewhere may grant less than meshnode's own credentials do.
+        self.grants = grants if grants is not None else Grants.unrestricted()
+        # The registration subjects to try, in order; narrowed to the one that
+        # worked once a registry answered (see register()).
+        self._no_drain_logged = False
+        self._register_subjects: list[str] = list(
+            register_subjects(self.grants, subjects.registry_register(node_key.public_key))
+        )
         self.key = node_key
         self.node_id = node_key.public_key
         self.connection = connection
@@ -104,6 +116,11 @@ class Node:
         #: with the platform services the daemon hosts, when it passes one).
         self.refusals = refusals if refusals is not None else RefusalCounter()
         self.service_keys: dict[str, str] = {}  # service name -> key pinned on first use
+        #: Keys of the platform services (§5.3 step 2 does not apply to them: no
+        #: node vouches for a service): those pinned from service replies, those
+        #: the pinned registry names in its registration replies, and the node's
+        #: own services' (the daemon adds them).
+        self.platform_keys: set[str] = set()
         # Targets' manifests, one registry look-up in flight per target (#21).
         self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
         self.directory = AgentDirectory(self, self.manifest_cache)
@@ -249,11 +266,31 @@ class Node:
             raise
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
-        if self.inbox is not None:
+        if self.inbox is not None and self._may_drain(hosted):
             drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s)
             self.drains[name] = drain
             drain.start()
         return hosted
+
+    def _may_drain(self, hosted: HostedAgent) -> bool:
+        """Whether the credential lets the node read ``hosted``'s redelivery buffer.
+
+        meshnode's own credentials always do; §14.3's example grants no
+        JetStream API, so there the live path is the only one: mail that arrives
+        while the node is away stays in the broker's buffer (up to its limits)
+        and is not drained. Said once rather than failing every drain pass.
+        """
+        stream = subjects.inbox_stream_name(hosted.agent_id)
+        if self.grants.can_publish(JS_STREAM_INFO.format(stream=stream)):
+            return True
+        if not self._no_drain_logged:
+            self._no_drain_logged = True
+            log.info(
+                "the node credential grants no JetStream API on %s: mail that arrives while this node "
+                "is offline is not drained (only live delivery), for this and any such agent",
+                stream,
+            )
+        return False
 
     async def unhost(self, name: str, *, deregister: bool = False, grace: float = 5.0) -> None:
         """Stop one agent: unsubscribe, let handlers finish, call on_stop.
@@ -378,6 +415,15 @@ class Node:
             kind, key.public_key, now_ms=self.now_ms(), payload=payload, ids=self.ids
         )
         sign_envelope(env, key)
+        if not self.grants.can_publish(subject):
+            # The broker would drop it and the caller wait out the timeout; on a
+            # mesh built elsewhere (§14.3's example grants no mesh.registry.get.*)
+            # that is every lookup. Answer at once, as the service's absence.
+            raise ProtocolError(
+                "AGENT_UNAVAILABLE",
+                f"the node credential does not grant publishing to {subject}",
+                {"reason": NOT_GRANTED, "subject": subject},
+            )
         try:
             msg = await self.connection.request(
                 subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
@@ -387,17 +433,27 @@ class Node:
         except TransportTimeout:
             raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
         reply = receive_service_reply(msg.data, env, subject, self.service_keys, self.refusals)
+        self.platform_keys.add(reply["from"])  # verified and pinned: a platform key
         if reply.get("error"):
             raise RemoteError(reply)
         payload_out = reply.get("payload")
         return payload_out if isinstance(payload_out, dict) else {}
 
     async def register(self, hosted: HostedAgent) -> None:
-        """Register on the connection-bound subject (§4.4 b); refusals are surfaced."""
+        """Register on the connection-bound subject (§4.4 b); refusals are surfaced.
+
+        When the credential grants the untokenized ``mesh.registry.register`` too
+        (§14.3's example; meshnode's own credentials also grant it, so the
+        registry can answer UNAUTHORIZED), a bound attempt that *nobody listens
+        to* (no responders: a registry that serves the untokenized form only) is
+        retried there, and once that succeeds the untokenized subject is kept
+        for every later registration (logged once). A timeout or a refusal is
+        never retried on the other form: meshnode's registry listens on the
+        bound subject, so its own nodes never fall back. Without the bound grant
+        the untokenized subject is the only one.
+        """
         try:
-            await self.service_call(
-                hosted, subjects.registry_register(self.node_id), "register", hosted.manifest
-            )
+            await self._register_once(hosted)
         except ProtocolError as exc:
             hosted.registered = False
             hosted.registration_error = f"{exc.code}: {exc.message}"
@@ -406,6 +462,30 @@ class Node:
         hosted.registered = True
         hosted.registration_error = None
         log.info("registered %s as %s", hosted.name, hosted.agent_id)
+
+    async def _register_once(self, hosted: HostedAgent) -> None:
+        candidates = self._register_subjects
+        unanswered: str | None = None  # the bound subject nobody listened on
+        for i, subject in enumerate(candidates):
+            last = i == len(candidates) - 1
+            try:
+                answer = await self.service_call(hosted, subject, "register", hosted.manifest)
+            except ProtocolError as exc:
+                if last or exc.code != "AGENT_UNAVAILABLE":
+                    raise
+                unanswered = subject
+                continue
+            if unanswered is not None:
+                log.info(
+                    "no registry listens on %s; registered on %s, kept from now on (spec §14.1: both forms are accepted)",
+                    unanswered, subject,
+                )
+                self._register_subjects = [subject]
+            # The registry's signed word (its key pinned) for its sibling services' keys.
+            named = answer.get("platform_keys")
+            if isinstance(named, list):
+                self.platform_keys.update(k for k in named if isinstance(k, str) and is_valid_public(k))
+            return
 
     async def deregister(self, hosted: HostedAgent) -> None:
         await self.service_call(hosted, "mesh.registry.deregister", "register", {"deregister": True})

@@ -45,6 +45,7 @@ from meshnode.protocol.tasks import (
 )
 from meshnode.transport.jetstream import DurableSubscription
 from meshnode.transport.messages import Message, Subscription
+from meshnode.transport.permissions import JS_STREAM_INFO
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -408,6 +409,7 @@ class RequesterTask:
         self.responder = str(opening["from"])
         self.sign_chunks = sign_chunks
         self.last_update: Mapping[str, Any] = opening
+        self._live = False  # followed by a core subscription (no JetStream API granted)
 
     def _consumer_name(self, kind: str) -> str:
         """The requester's consumer on MESH_TASKS (§18.6 ``mesh_task_{task}_{requester}``)."""
@@ -426,6 +428,13 @@ class RequesterTask:
             except Exception:
                 pass
 
+        node = self.hosted.node
+        if not node.grants.can_publish(JS_STREAM_INFO.format(stream="MESH_TASKS")):
+            # A mesh built elsewhere (§14.3's example grants mesh.task.*.update but no
+            # JetStream API): follow live. What the responder published before this
+            # subscription is missed; a node on such a mesh says so in its docs.
+            self._live = True
+            return queue, await node.connection.subscribe(subject, on_msg)
         name = self._consumer_name(kind)
 
         async def direct() -> DurableSubscription:
@@ -451,7 +460,9 @@ class RequesterTask:
         try:
             await sub.unsubscribe()
         finally:
-            await release_shared(self.hosted, request_for("MESH_TASKS", subject), "MESH_TASKS", self._consumer_name(kind))
+            # A live follow (self._live) made no consumer to delete.
+            if not self._live:
+                await release_shared(self.hosted, request_for("MESH_TASKS", subject), "MESH_TASKS", self._consumer_name(kind))
 
     @property
     def state(self) -> str:

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from meshnode.node.resolver import discover_one, not_granted
 from meshnode.node.singleflight import SingleFlightCache
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation, verify_vouch
@@ -116,6 +117,8 @@ class VouchMemo:
             )
         except ProtocolError as exc:
             details: Mapping[str, Any] = exc.details or {}
+            if not_granted(exc):
+                return await self._lookup_by_discovery(asker, sender)
             if exc.code == "NOT_FOUND":
                 return UNVOUCHED
             if exc.code == "UNAUTHORIZED" and details.get("reason") == "agent_key_revoked":
@@ -125,6 +128,31 @@ class VouchMemo:
                 self._outage_logged = True
             return UNKNOWN
         self._outage_logged = False
+        return self._judge(sender, manifest)
+
+    async def _lookup_by_discovery(self, asker: HostedAgent, sender: str) -> str:
+        """The look-up on a mesh whose credential grants discovery but no
+        ``mesh.registry.get.*`` (spec §14.3's example). Discovery lists only
+        listed agents, so a sender it does not show is *unknown* (let through),
+        not unvouched; said once."""
+        try:
+            manifest = await discover_one(self.node, asker, sender)
+        except ProtocolError as exc:
+            manifest, reason = None, exc.code
+        else:
+            reason = "unlisted"
+        if manifest is None:
+            if not self._outage_logged:
+                log.warning(
+                    "this node's credential grants no mesh.registry.get.*: senders' vouches are checked "
+                    "through discovery, which does not show unlisted agents (%s); those are let through",
+                    reason,
+                )
+                self._outage_logged = True
+            return UNKNOWN
+        return self._judge(sender, manifest)
+
+    def _judge(self, sender: str, manifest: Mapping[str, Any]) -> str:
         node = manifest.get("node") if isinstance(manifest.get("node"), Mapping) else {}
         attestation = node.get("attestation") if isinstance(node, Mapping) else None
         try:

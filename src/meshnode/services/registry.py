@@ -29,8 +29,9 @@ Subjects and payloads (the contract):
     unless ``require_connection_bound=False``, in which case the node binding
     is stored as self-asserted.
     Reply: ``{status: "registered", agent_id, node_binding:
-    "connection_bound"|"sdk_enrolled"|"self_asserted", dropped?: [member paths
-    dropped as unreadable]}``. Errors: ``INVALID_MANIFEST`` (``details.field``),
+    "connection_bound"|"sdk_enrolled"|"self_asserted", platform_keys?: [the
+    platform services' signing keys], dropped?: [member paths dropped as
+    unreadable]}``. Errors: ``INVALID_MANIFEST`` (``details.field``),
     ``IDENTITY_MISMATCH`` (``from`` ≠ ``id``), ``UNAUTHORIZED``
     (``details.reason``), ``RATE_LIMITED``.
     The stored manifest is the validated, normalized one: ``owner`` and
@@ -150,6 +151,10 @@ class RegistryService(ServiceBase):
         self._is_revoked = is_revoked
         self._kv: KeyValue | None = None
         self._mirror: KVMirror | None = None
+        #: The platform services' signing keys (this one's included), named in
+        #: every registration reply as ``platform_keys``: what they emit is the
+        #: platform's, though no node vouches for them (§5.3 step 2 on events).
+        self.platform_keys: frozenset[str] = frozenset()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -361,6 +366,8 @@ class RegistryService(ServiceBase):
         self.log.info("registered %s on node %s (%s)", agent_id, node_id, binding)
         await self.emit("registry", "agent_registered", {"agent_id": agent_id, "node": node_id})
         reply: dict[str, Any] = {"status": "registered", "agent_id": agent_id, "node_binding": binding}
+        if self.platform_keys:
+            reply["platform_keys"] = sorted(self.platform_keys)
         if result.dropped:
             reply["dropped"] = result.dropped
         return reply

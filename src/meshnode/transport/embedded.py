@@ -226,6 +226,7 @@ class EmbeddedNatsServer(AsyncService):
         exports: Sequence[TenantExport] = (),
         keys: MeshKeys | None = None,
         cluster: ClusterRoutes | None = None,
+        websocket_port: int | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
@@ -257,6 +258,8 @@ class EmbeddedNatsServer(AsyncService):
         self._port = port or None
         self._monitor_port = monitor_port
         self._monitor_url: str | None = None
+        # None: no WebSocket listener; 0 until the first start binds a free port.
+        self._websocket_port = websocket_port
         self._ports: BoundPorts | None = None
         # A cluster member is handed the cluster's keys rather than keeping its own.
         self._keys: MeshKeys | None = keys
@@ -334,6 +337,17 @@ class EmbeddedNatsServer(AsyncService):
     def monitor_url(self) -> str | None:
         """The HTTP monitoring base URL, when monitoring is enabled and running."""
         return self._monitor_url
+
+    @property
+    def websocket_url(self) -> str | None:
+        """``ws://host:port`` of the WebSocket listener (nats.ws clients), once it
+        runs (``wss://`` when the mesh has TLS files); None when ``websocket_port``
+        is None."""
+        if self._ports is None or self._ports.websocket is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        scheme = "wss" if self.tls is not None else "ws"
+        return f"{scheme}://{host}:{self._ports.websocket}"
 
     @property
     def pid(self) -> int | None:
@@ -546,6 +560,7 @@ class EmbeddedNatsServer(AsyncService):
             store_dir=self.mesh_dir / "jetstream",
             ports_file_dir=run_dir,
             cluster=self.cluster,
+            websocket_port=self._websocket_port,
             tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE
@@ -646,6 +661,8 @@ class EmbeddedNatsServer(AsyncService):
             self._monitor_url = f"http://{host}:{ports.monitoring}"
         if self.cluster is not None and ports.cluster is not None:
             self.cluster = replace(self.cluster, port=ports.cluster)
+        if self._websocket_port is not None and ports.websocket is not None:
+            self._websocket_port = ports.websocket
 
     @staticmethod
     def _read_ports_file(run_dir: Path, pid: int) -> BoundPorts | None:

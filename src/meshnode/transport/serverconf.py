@@ -77,6 +77,7 @@ def render_server_config(
     store_dir: Path,
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
+    websocket_port: int | None = None,
     tls: TlsFiles | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
@@ -84,7 +85,8 @@ def render_server_config(
     ``port`` 0 or None (and ``monitor_port=0``, ``cluster.port=0``) lets the
     server pick a free port; the chosen ports are then read from the ports
     file it writes into ``ports_file_dir`` (:class:`BoundPorts`).
-    ``monitor_port=None`` serves no monitoring.
+    ``monitor_port=None`` serves no monitoring; ``websocket_port`` likewise
+    (None: no WebSocket listener, 0: a free port) for nats.ws clients.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
     ``tls`` makes the client listener require TLS (nats-server's ``tls {}``
@@ -129,6 +131,23 @@ def render_server_config(
             "  timeout: 5",
             "}",
         ]
+    if websocket_port is not None:
+        # Same host as the client port and the same JWT authentication (operator
+        # mode applies to every client listener). With the mesh's TLS files the
+        # listener is wss://, else plain ws:// (nats-server demands TLS on a
+        # WebSocket listener unless told no_tls): the embedded mesh listens on
+        # loopback by default (docs/operations/foreign-mesh.md).
+        lines += ["websocket {", f"  host: {_conf_string(host)}", f"  port: {_listen_port(websocket_port)}"]
+        if tls is not None:
+            lines += [
+                "  tls {",
+                f"    cert_file: {_conf_string(str(tls.cert))}",
+                f"    key_file: {_conf_string(str(tls.key))}",
+                "  }",
+            ]
+        else:
+            lines.append("  no_tls: true")
+        lines.append("}")
     if monitor_port is not None:
         lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
     return "\n".join(lines) + "\n"

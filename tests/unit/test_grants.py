@@ -1,0 +1,320 @@
+"""Reading the node's own credential (issue #17): reply prefix and registration subject;
+and the embedded mesh's WebSocket listener.
+
+meshnode's own credentials grant the private ``_INBOX_<node>.>`` and only the
+connection-bound register subject, and must keep doing so; a credential minted
+as in spec §14.3's example grants ``_INBOX.>`` and both register forms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+
+from meshnode.agent import Agent, AgentSettings
+from meshnode.config.sections import EmbeddedMeshConfig, MeshConfig
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.resolver import NOT_GRANTED, ManifestCache
+from meshnode.node.runtime import Node
+from meshnode.node.settings import NodeSettings
+from meshnode.node.tasks import RequesterTask
+from meshnode.node.trust import UNKNOWN, VOUCHED, VouchMemo
+from meshnode.protocol import subjects
+from meshnode.protocol.attestations import make_vouch
+from meshnode.protocol.envelope import (
+    build_envelope,
+    decode_envelope,
+    encode_envelope,
+    sign_envelope,
+)
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.transport.errors import NoResponders, TransportTimeout
+from meshnode.transport.grants import (
+    Grants,
+    check_inbox_prefix,
+    choose_inbox_prefix,
+    covers,
+    register_subjects,
+)
+from meshnode.transport.jwt import decode_jwt, mint_user_jwt
+from meshnode.transport.permissions import (
+    JS_STREAM_INFO,
+    REGISTER_UNBOUND,
+    node_inbox_prefix,
+    node_permissions,
+)
+from meshnode.transport.serverconf import TlsFiles, render_server_config
+from tests.fakes import FakeConnection, FakeMsg, FakeNode
+
+NOW = 1_800_000_000_000
+
+
+def _claims(pub: list[str], sub: list[str], *, pub_deny: tuple[str, ...] = ()) -> dict[str, Any]:
+    account = KeyPair.generate(Prefix.ACCOUNT)
+    user = KeyPair.generate().public_key
+    jwt = mint_user_jwt(
+        account, user, name="n", issued_at=1, expires_at=10**10, pub_allow=pub, sub_allow=sub, pub_deny=pub_deny
+    )
+    return decode_jwt(jwt)[1]
+
+
+def _example(node: str, agent: str) -> Grants:
+    """Spec §14.3's example permissions, verbatim."""
+    return Grants.from_claims(_claims(
+        [
+            "mesh.registry.register", f"mesh.registry.register.{node}", "mesh.registry.discover",
+            "mesh.presence.get", "mesh.event.scraping.>", f"mesh.heartbeat.{node}",
+            "mesh.task.*.update", "mesh.task.*.stream",
+        ],
+        [f"mesh.agent.{agent}.inbox", "mesh.event.registry.>", "mesh.task.*.update", "mesh.task.*.stream", "_INBOX.>"],
+    ))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "expected"),
+    [
+        ("_INBOX.>", "_INBOX.>", True),
+        ("_INBOX.>", "_INBOX.abc.1", True),
+        (">", "_INBOX_U1.>", True),
+        ("_INBOX.*", "_INBOX.>", False),
+        ("_INBOX.>", "_INBOX", False),
+        ("mesh.registry.register", "mesh.registry.register.UABC", False),
+        ("mesh.registry.register.*", "mesh.registry.register.UABC", True),
+        ("mesh.agent.*.inbox", "mesh.agent.*.inbox", True),
+        ("mesh.agent.UA.inbox", "mesh.agent.*.inbox", False),
+        ("$JS.API.CONSUMER.*.S.>", "$JS.API.CONSUMER.INFO.S.c", True),
+    ],
+)
+def test_covers_is_subset_matching(pattern: str, subject: str, expected: bool) -> None:
+    assert covers(pattern, subject) is expected
+
+
+def test_meshnodes_own_credentials_keep_the_private_prefix_and_the_bound_subject() -> None:
+    node, agent = KeyPair.generate().public_key, KeyPair.generate().public_key
+    for role in ("participant", "service"):
+        perms = node_permissions(node, [agent], role=role)  # type: ignore[arg-type]
+        grants = Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow))
+        choice = choose_inbox_prefix(grants, node)
+        assert (choice.prefix, choice.source) == (node_inbox_prefix(node), "private")
+        bound = subjects.registry_register(node)
+        # The bound form first (the untokenized one is granted too, so that the
+        # registry can answer UNAUTHORIZED: see test_a_timeout_is_not_retried_untokenized).
+        assert list(register_subjects(grants, bound))[0] == bound
+        # Everything the node asks of the platform stays granted (no fast-fail on its own mesh).
+        for subject in (subjects.registry_get(agent), subjects.REGISTRY_DISCOVER, "mesh.registry.deregister",
+                        "mesh.presence.get", JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(agent)),
+                        JS_STREAM_INFO.format(stream=subjects.MESH_EVENTS)):
+            assert grants.can_publish(subject), (role, subject)
+        assert not grants.can_subscribe("_INBOX.>")
+
+
+def test_the_spec_example_gives_the_shared_prefix_and_both_register_forms() -> None:
+    node, agent = KeyPair.generate().public_key, KeyPair.generate().public_key
+    grants = _example(node, agent)
+    choice = choose_inbox_prefix(grants, node)
+    assert (choice.prefix, choice.source) == ("_INBOX", "shared")
+    bound = subjects.registry_register(node)
+    assert list(register_subjects(grants, bound)) == [bound, REGISTER_UNBOUND]
+    assert not grants.can_publish(subjects.registry_get(agent))
+    assert not grants.can_publish(JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(agent)))
+
+
+def test_only_the_granted_register_form_is_used_and_neither_keeps_the_bound_one() -> None:
+    node = KeyPair.generate().public_key
+    bound = subjects.registry_register(node)
+    unbound_only = Grants.from_claims(_claims([REGISTER_UNBOUND], ["_INBOX.>"]))
+    assert list(register_subjects(unbound_only, bound)) == [REGISTER_UNBOUND]
+    neither = Grants.from_claims(_claims(["mesh.registry.discover"], ["_INBOX.>"]))
+    assert list(register_subjects(neither, bound)) == [bound]
+
+
+def test_a_deny_wins_over_an_allow() -> None:
+    node = KeyPair.generate().public_key
+    grants = Grants.from_claims(_claims([">"], [">"], pub_deny=("mesh.registry.register",)))
+    assert list(register_subjects(grants, subjects.registry_register(node))) == [subjects.registry_register(node)]
+
+
+def test_another_granted_prefix_a_configured_one_and_none() -> None:
+    node = KeyPair.generate().public_key
+    other = Grants.from_claims(_claims(["mesh.>"], ["mesh.agent.*.inbox", "_R_acme.replies.>"]))
+    assert (choose_inbox_prefix(other, node).prefix, choose_inbox_prefix(other, node).source) == (
+        "_R_acme.replies", "granted",
+    )
+    assert choose_inbox_prefix(other, node, "_MINE").source == "configured"
+    none = Grants.from_claims(_claims(["mesh.>"], ["mesh.agent.*.inbox"]))
+    assert choose_inbox_prefix(none, node).source == "ungranted"
+    assert choose_inbox_prefix(Grants.unrestricted(), node).source == "private"
+    with pytest.raises(ValueError, match="inbox prefix"):
+        check_inbox_prefix("_INBOX.>")
+
+
+def test_no_permission_block_allows_everything() -> None:
+    grants = Grants.from_claims({"nats": {"type": "user"}})
+    assert grants.can_publish("anything.at.all") and grants.can_subscribe("_INBOX.>")
+
+
+# --------------------------------------------------------------------------- registration fallback
+
+
+def _node(grants: Grants, node_key: KeyPair | None = None) -> tuple[Node, HostedAgent, FakeConnection]:
+    conn = FakeConnection()
+    node = Node(settings=NodeSettings(name="t"), node_key=node_key or KeyPair.generate(),
+                connection=cast(Any, conn), clock=lambda: NOW, grants=grants)
+    key = KeyPair.generate()
+    hosted = cast(HostedAgent, type("H", (), {"agent_id": key.public_key, "key": key, "name": "a",
+                                              "manifest": {"id": key.public_key}, "registered": False,
+                                              "registration_error": None})())
+    return node, hosted, conn
+
+
+def _registry_answer(registry: KeyPair) -> Any:
+    def answer(data: bytes) -> bytes:
+        request = decode_envelope(data)
+        env = build_envelope("respond", registry.public_key, now_ms=NOW, to=request["from"],
+                             in_reply_to=request["id"], payload={"status": "registered"})
+        sign_envelope(env, registry)
+        return encode_envelope(env)
+    return answer
+
+
+def _no_responders(data: bytes) -> bytes:
+    raise NoResponders("no responders")
+
+
+async def test_a_bound_registration_nobody_answers_falls_back_once_and_sticks() -> None:
+    registry = KeyPair.generate()
+    grants = Grants.from_claims(_claims(["mesh.registry.register", "mesh.registry.register.*"], ["_INBOX.>"]))
+    node, hosted, conn = _node(grants)
+    bound = subjects.registry_register(node.node_id)
+    tried: list[str] = []
+
+    def bound_answer(data: bytes) -> bytes:
+        tried.append(bound)
+        return _no_responders(data)
+
+    conn.answers[bound] = bound_answer
+    conn.answers[REGISTER_UNBOUND] = _registry_answer(registry)
+    await node.register(hosted)
+    assert hosted.registered and tried == [bound]
+    await node.register(hosted)  # the subject that worked is kept: no second bound attempt
+    assert hosted.registered and tried == [bound]
+
+
+async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
+    node_key = KeyPair.generate()
+    perms = node_permissions(node_key.public_key, [])
+    node, hosted, conn = _node(Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow)), node_key)
+    tried: list[str] = []
+
+    def timeout(data: bytes) -> bytes:
+        tried.append("bound")
+        raise TransportTimeout("nats: timeout")
+
+    def untokenized(data: bytes) -> bytes:
+        tried.append("untokenized")
+        return _registry_answer(KeyPair.generate())(data)
+
+    conn.answers[subjects.registry_register(node.node_id)] = timeout
+    conn.answers[REGISTER_UNBOUND] = untokenized
+    await node.register(hosted)
+    assert not hosted.registered and tried == ["bound"]
+    assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
+
+
+async def test_a_service_subject_the_credential_does_not_grant_fails_at_once() -> None:
+    node_key = KeyPair.generate()
+    node, hosted, conn = _node(_example(node_key.public_key, node_key.public_key))
+    with pytest.raises(ProtocolError) as raised:
+        await node.service_call(hosted, subjects.registry_get(hosted.agent_id), "discover", {})
+    assert raised.value.code == "AGENT_UNAVAILABLE" and raised.value.details["reason"] == NOT_GRANTED
+    assert conn.published == []
+
+
+# --------------------------------------------------------------------------- lookups through discovery
+
+
+async def test_without_registry_get_targets_and_senders_are_looked_up_through_discovery() -> None:
+    node = FakeNode(now_ms=NOW)
+    host, agent = KeyPair.generate(), KeyPair.generate()
+    vouch = make_vouch(host, agent.public_key, NOW - 1000, NOW + 3_600_000)
+    manifest = {"id": agent.public_key, "node": {"id": host.public_key, "attestation": vouch}}
+    hidden = KeyPair.generate().public_key
+
+    async def refuse(payload: Any) -> dict[str, Any]:
+        raise ProtocolError("AGENT_UNAVAILABLE", "not granted", {"reason": NOT_GRANTED})
+
+    async def discover(payload: Any) -> dict[str, Any]:
+        return {"agents": [manifest] if agent.public_key in payload["agent_ids"] else [], "total": 1}
+
+    node.service_answers[subjects.registry_get(agent.public_key)] = refuse
+    node.service_answers[subjects.registry_get(hidden)] = refuse
+    node.service_answers[subjects.REGISTRY_DISCOVER] = discover
+    assert (await ManifestCache(node).resolve(cast(Any, None), agent.public_key))["id"] == agent.public_key
+    with pytest.raises(ProtocolError) as raised:
+        await ManifestCache(node).resolve(cast(Any, None), hidden)
+    assert raised.value.code == "NOT_FOUND"
+    memo = VouchMemo(node)
+    assert await memo.status(cast(Any, None), agent.public_key) == VOUCHED
+    # Discovery does not show unlisted agents: not seen is unknown (let through), not unvouched.
+    assert await memo.status(cast(Any, None), hidden) == UNKNOWN
+
+
+# --------------------------------------------------------------------------- the WebSocket listener
+
+
+def test_the_websocket_listener_is_off_by_default_and_plain_ws_on_the_mesh_host(tmp_path: Any) -> None:
+    def render(websocket_port: int | None) -> str:
+        return render_server_config(
+            server_name="x", host="127.0.0.1", port=None, monitor_port=None, max_payload=1024,
+            max_control_line=1024, operator_jwt="op", system_account="SYS", account_jwts={},
+            store_dir=tmp_path, ports_file_dir=tmp_path, websocket_port=websocket_port,
+        )
+
+    assert "websocket {" not in render(None)
+    any_port = render(0)
+    assert 'websocket {\n  host: "127.0.0.1"\n  port: -1\n  no_tls: true\n}' in any_port
+    assert "  port: 8443\n" in render(8443)
+    secure = render_server_config(
+        server_name="x", host="127.0.0.1", port=None, monitor_port=None, max_payload=1024,
+        max_control_line=1024, operator_jwt="op", system_account="SYS", account_jwts={},
+        store_dir=tmp_path, ports_file_dir=tmp_path, websocket_port=0,
+        tls=TlsFiles(tmp_path / "c.pem", tmp_path / "k.pem"),
+    )
+    websocket = secure[secure.index("websocket {"):]
+    assert "no_tls" not in websocket and f'cert_file: "{tmp_path / "c.pem"}"' in websocket
+    assert EmbeddedMeshConfig().websocket_port is None
+    assert EmbeddedMeshConfig(websocket_port=0).websocket_port == 0
+    assert MeshConfig().inbox_prefix is None
+    with pytest.raises(ValueError, match="inbox_prefix"):
+        MeshConfig(inbox_prefix="_INBOX.>")
+
+
+async def test_a_deferred_task_is_followed_live_without_the_jetstream_api() -> None:
+    node_key = KeyPair.generate()
+    node, _, conn = _node(_example(node_key.public_key, node_key.public_key))
+    responder, key = KeyPair.generate(), KeyPair.generate()
+    hosted = HostedAgent(node, name="asker", kind="t", agent=Agent("asker", AgentSettings()), key=key,
+                         guard=node.new_guard(key.public_key), interaction="service")
+    opening = sign_envelope(build_envelope("respond", responder.public_key, now_ms=NOW, to=key.public_key,
+                                           in_reply_to="r1", task_id="t1", payload={"status": "working"}), responder)
+    task = RequesterTask(hosted, opening)
+    updates = task.updates(timeout=5.0)
+    pending = asyncio.ensure_future(anext(updates))
+    subject = subjects.task_update("t1")
+    await _until(lambda: subject in conn.subscriptions)  # a core subscription, no consumer
+    done = sign_envelope(build_envelope("respond", responder.public_key, now_ms=NOW, to=key.public_key,
+                                        in_reply_to="r1", task_id="t1", payload={"status": "completed"}), responder)
+    await conn.subscriptions[subject](FakeMsg(subject, encode_envelope(done)))
+    assert (await pending)["payload"]["status"] == "completed"
+    await updates.aclose()
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    pytest.fail("condition never held")
