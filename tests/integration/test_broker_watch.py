@@ -7,12 +7,14 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from meshnode.admin.client import call_sync
 from meshnode.testing import DaemonSet, eventually
+from meshnode.transport.embedded import EmbeddedNatsServer
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +117,23 @@ def test_an_agent_not_ready_is_retried_while_the_others_serve(meshnode_daemons: 
     assert by_name["later"]["state"] == "running" and by_name["later"]["not_ready"] is None
     assert node.call("later", "ready")["output"]["attempts"] >= 3
     assert "agent later: not ready (waiting for gate" in node.log_text()
+
+
+@pytest.mark.parametrize("monitor_port", [None, 0], ids=["client-port", "healthz"])
+async def test_the_process_probe_times_out_on_a_stopped_server(tmp_path: Path, monitor_port: int | None) -> None:
+    # Both ways of asking the process itself: the INFO greeting and /healthz.
+    server = EmbeddedNatsServer(tmp_path / "data", port=0, monitor_port=monitor_port, ready_timeout_s=10.0)
+    await server.start()
+    try:
+        await server.probe(2.0)
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await server.probe(0.3)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await server.probe(5.0)
+    finally:
+        await server.stop()
