@@ -101,6 +101,7 @@ class FakeNode:
     inbox: Any = None
     trust: Any = None
     a2a: Any = None
+    commerce: Any = None
 
     def __init__(
         self,

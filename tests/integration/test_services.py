@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 from nats.aio.msg import Msg
-from nats.js.api import RetentionPolicy
+from nats.js.api import DiscardPolicy, RetentionPolicy
 from nats.js.errors import NotFoundError
 
 from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
@@ -280,7 +280,8 @@ async def test_register_on_the_bound_subject_stores_the_normalized_manifest(
     # The redelivery buffer exists, as WIRE-NOTES and §18.3 shape it.
     inbox = (await net.service_conn.jetstream.native.stream_info(f"MESH_INBOX_{agent.public_key}")).config
     assert inbox.subjects == [f"mesh.agent.{agent.public_key}.inbox"]
-    assert inbox.no_ack is True and inbox.max_age == 7 * 86400 and inbox.max_bytes == 25 * 1024 * 1024
+    assert inbox.no_ack is True and inbox.max_age == 7 * 86400 and inbox.max_bytes == 8 * 1024 * 1024
+    assert inbox.max_msgs == 2000 and inbox.discard == DiscardPolicy.NEW  # a flood cannot evict (#22.4)
     assert inbox.retention == RetentionPolicy.LIMITS
 
     await eventually_async(lambda: len(events) == 1)

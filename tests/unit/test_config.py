@@ -79,7 +79,8 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
         7422,
     )
     assert emb.max_payload == 1024**2
-    assert emb.jetstream_max_store == 1024**3
+    assert emb.jetstream_max_store == 4 * 1024**3
+    assert emb.account_max_store is None
     assert emb.credential_ttl == timedelta(hours=24)
     assert emb.monitor_port is None  # unauthenticated monitoring is off unless asked for
     assert config.registry.require_connection_bound is True
@@ -95,7 +96,9 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert p.dedup_entries == 5000
     assert config.inbox.drain_interval == timedelta(seconds=60)
     assert config.inbox.buffer_max_age == timedelta(days=7)
-    assert config.inbox.buffer_max_bytes == 25 * 1024**2
+    assert config.inbox.buffer_max_bytes == 8 * 1024**2
+    assert config.inbox.buffer_max_msgs == 2000
+    assert config.storage.tasks_max_bytes == 64 * 1024**2
     assert config.keystore.backend == "auto"
     assert config.logging.level == "info"
     assert config.logging.format == "auto"
@@ -302,6 +305,8 @@ def test_schema_export_names_every_table() -> None:
         "admin",
         "protections",
         "inbox",
+        "storage",
+        "commerce",
         "artifacts",
         "keystore",
         "logging",

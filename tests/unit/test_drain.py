@@ -41,3 +41,34 @@ async def test_overlapping_triggers_never_run_two_passes_at_once() -> None:
     await asyncio.gather(*calls)
     await drain.stop()
     assert peak == 1 and passes >= 20
+
+
+class _Buffer:
+    stream = "MESH_INBOX_X"
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.purged: list[int] = []
+
+    async def purge_through(self, seq: int) -> None:
+        if self.fail:
+            raise PermissionError("permissions violation for publish to $JS.API.STREAM.PURGE.MESH_INBOX_X")
+        self.purged.append(seq)
+
+
+async def test_the_drain_purges_what_it_committed_and_a_refused_purge_is_logged_once(
+    caplog: Any,
+) -> None:
+    # Issue #22.4: the mailbox discards new mail at its bound, so the drain
+    # removes what it committed; a credential without the grant costs room, never mail.
+    drain = InboxDrain(object(), _Stub(), object(), interval_s=60)  # type: ignore[arg-type]
+    ok = _Buffer(fail=False)
+    await drain._purge(ok, 41)  # type: ignore[arg-type]
+    assert ok.purged == [41] and drain.stats.purged_through == 41
+    refused = _Buffer(fail=True)
+    with caplog.at_level("WARNING", logger="meshnode.drain"):
+        await drain._purge(refused, 50)  # type: ignore[arg-type]
+        await drain._purge(refused, 51)  # type: ignore[arg-type]
+    assert drain.stats.purge_failures == 2 and drain.stats.purged_through == 41
+    warnings = [r for r in caplog.records if "cannot purge" in r.getMessage()]
+    assert len(warnings) == 1 and "MESH_INBOX_X" in warnings[0].getMessage()

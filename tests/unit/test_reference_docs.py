@@ -52,7 +52,8 @@ def test_configuration_reference_covers_every_table_and_key() -> None:
                     "## `[a2a.peers.<name>]`", "## `[agents.<name>]`"):
         assert heading in text
     assert "| `heartbeat_interval` | duration | `\"30s\"` |" in text
-    assert "| `buffer_max_bytes` | size | `25MiB` |" in text
+    assert "| `buffer_max_bytes` | size | `8MiB` |" in text
+    assert "## `[storage]`" in text and "| `tasks_max_bytes` | size | `64MiB` |" in text
 
 
 def test_cli_reference_covers_nested_commands() -> None:

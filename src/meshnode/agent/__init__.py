@@ -151,6 +151,12 @@ class OfferingSpec:
     delivers: Mapping[str, Any] | None = None
     advertise: bool = True
     framing: bool = True
+    #: §19.1: the offering's price (one of the five shapes); None = not priced here.
+    price: Mapping[str, Any] | None = None
+    #: The SKU id (``[a-z0-9-]{1,64}``); defaults to one derived from the offering id.
+    sku: str | None = None
+    #: §19.4: who bills for it; defaults to ``{"id": "internal"}``.
+    billing_provider: Mapping[str, Any] | None = None
 
     def manifest_entry(self) -> dict[str, Any]:
         """The offering as it appears in the manifest (absent fields omitted)."""
@@ -201,6 +207,9 @@ def offering(
     delivers: Mapping[str, Any] | None = None,
     advertise: bool = True,
     framing: bool = True,
+    price: Mapping[str, Any] | None = None,
+    sku: str | None = None,
+    billing_provider: Mapping[str, Any] | None = None,
 ) -> Callable[[F], F]:
     """Declare an async method as the handler of offering ``id``.
 
@@ -210,6 +219,16 @@ def offering(
     ``framing=True`` (the default, §22.6) hands the handler a copy of its input
     whose sender text is wrapped in the provenance frame. Turn it off only for
     an offering that never shows the text to a model, or that frames it itself.
+
+    ``price`` (§19.1, e.g. ``{"model": "flat", "currency": "USD",
+    "amount_micro": 2000}``) makes the offering a SKU of its own: the node
+    builds ``{sku, covers: {offerings: [id]}, price, provider}``, computes its
+    digest, lists it in the manifest's ``skus`` and (when advertised) the
+    storefront, and refuses a paid request without an agreement
+    (AGREEMENT_REQUIRED, §19.5) before the handler runs. ``sku`` names the
+    SKU (default: the offering id, lower-cased, other characters as ``-``);
+    ``billing_provider`` is who bills (§19.4, default ``{"id": "internal"}``).
+    Agent-wide SKUs go in :attr:`Agent.skus`.
     """
 
     def decorate(fn: F) -> F:
@@ -229,6 +248,9 @@ def offering(
             delivers=delivers,
             advertise=advertise,
             framing=framing,
+            price=price,
+            sku=sku,
+            billing_provider=billing_provider,
         )
         return fn
 
@@ -562,6 +584,10 @@ class Agent:
     refuse_sandbox_senders: ClassVar[bool] = False
     default_input_modes: ClassVar[Sequence[str] | None] = None
     default_output_modes: ClassVar[Sequence[str] | None] = None
+    #: §19.1 SKUs declared whole (``{sku, covers, price, provider}``), e.g. an
+    #: agent-wide one (``covers: {"agent": true}``). ``@offering(price=...)``
+    #: adds one per priced offering; the node computes every digest.
+    skus: ClassVar[Sequence[Mapping[str, Any]]] = ()
     Settings: ClassVar[type[AgentSettings]] = AgentSettings
 
     def __init__(self, name: str, settings: AgentSettings) -> None:

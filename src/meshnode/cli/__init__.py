@@ -66,6 +66,12 @@ EXAMPLES: dict[str, list[str]] = {
     "artifacts rm": ["meshnode artifacts rm mesh:artifacts:..."],
     "artifacts usage": ["meshnode artifacts usage"],
     "a2a charges": ["meshnode a2a charges --peer travel"],
+    "agreements sign": ["meshnode agreements sign summarizer --offering summarize",
+                        "meshnode agreements sign Uabc... --sku caselaw-metered --out agreement.json"],
+    "agreements add": ["meshnode agreements add agreement.json"],
+    "agreements list": ["meshnode agreements list --json"],
+    "usage": ["meshnode usage --charges", "meshnode usage --owner Uowner... --json"],
+    "agreements revoke": ["meshnode agreements revoke caselaw-metered --owner Uowner..."],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
     "new-agent": ["meshnode new-agent greeter --dir ~/src && pip install -e ~/src/greeter"],
@@ -93,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     # its modules) alone does not pull in every command module.
     from . import (
         a2a,
+        agreements,
         artifacts,
         completion,
         daemon,
@@ -119,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.register(commands)
     artifacts.register(commands)
     a2a.register(commands)
+    agreements.register(commands)
+    agreements.register_usage(commands)
     events.register(commands)
     scaffold.register(commands)
     service.register(commands)

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
 from meshnode.admin.protocol import AdminError
-from meshnode.config import Config, ConfigError, describe_sources, load_config
+from meshnode.config import Config, ConfigError, describe_sources, format_size, load_config
 from meshnode.daemon.hosting import scan_plugins
 from meshnode.daemon.plugin_check import (
     agent_problems,
@@ -183,6 +183,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if inbox and not inbox.get("writable", True):
         print(f"inbox     NOT WRITABLE since {_when((inbox.get('fault_since_ms') or 0) // 1000)}: {inbox.get('fault')}"
               " (nothing is acked; mail waits in the broker's buffer)")
+    storage = status.get("storage")
+    if storage:
+        print(f"store     {_store_line(storage)}")
+        for reason in storage.get("low") or []:
+            print(f"  LOW     {reason}")
     summary = status.get("agent_summary") or {}
     print(f"agents    {summary.get('hosted', len(status['agents']))} hosted, {summary.get('registered', '?')} registered, "
           f"{summary.get('failed', '?')} failed")
@@ -206,6 +211,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"a2a       {a2a['url']}  exposing {', '.join(a2a['expose']) or 'nothing'} as {a2a['application']!r}")
         print(f"          run reports signed by {a2a['report_key']}")
     return EX_OK
+
+
+def _store_line(storage: dict[str, Any]) -> str:
+    """The mesh's JetStream store in one line: use, reservations, limit, headroom."""
+    if storage.get("state") == "unknown":
+        return f"unknown ({storage.get('error') or 'not read yet'})"
+    limit = storage.get("limit_bytes", -1)
+    text = (f"{storage['state']}: {format_size(storage['used_bytes'])} stored, "
+            f"{format_size(storage['reserved_bytes'])} reserved")
+    if limit is not None and limit >= 0:
+        text += f" of {format_size(limit)}, {format_size(storage.get('headroom_bytes') or 0)} headroom"
+    else:
+        text += " (the account has no storage limit)"
+    return text
 
 
 def _when(epoch_s: Any) -> str:

@@ -53,6 +53,7 @@ from .sections import (
     ProtectionsConfig,
     RegistryConfig,
     ServicesConfig,
+    StorageConfig,
 )
 from .values import (
     CONFIG_ENV,
@@ -87,6 +88,7 @@ __all__ = [
     "EmbeddedMeshConfig",
     "EventsConfig",
     "InboxConfig",
+    "StorageConfig",
     "KeystoreConfig",
     "LoggingConfig",
     "MeshConfig",

@@ -29,6 +29,7 @@ from .sections import (
     AdminConfig,
     AgentConfig,
     ArtifactsConfig,
+    CommerceConfig,
     EventsConfig,
     InboxConfig,
     KeystoreConfig,
@@ -39,6 +40,7 @@ from .sections import (
     ProtectionsConfig,
     RegistryConfig,
     ServicesConfig,
+    StorageConfig,
 )
 from .values import (
     _AGENT_NAME,
@@ -91,6 +93,8 @@ class Config(BaseSettings):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     protections: ProtectionsConfig = Field(default_factory=ProtectionsConfig)
     inbox: InboxConfig = Field(default_factory=InboxConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    commerce: CommerceConfig = Field(default_factory=CommerceConfig)
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig)
     keystore: KeystoreConfig = Field(default_factory=KeystoreConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -42,6 +42,7 @@ __all__ = [
     "AdminConfig",
     "AgentConfig",
     "ArtifactsConfig",
+    "CommerceConfig",
     "EmbeddedMeshConfig",
     "EventsConfig",
     "InboxConfig",
@@ -152,7 +153,13 @@ class EmbeddedMeshConfig(BaseModel):
     control_port: Annotated[int, Field(ge=0, le=65535)] = 7422
     """HTTP control plane that issues node credentials; 0 picks a free port."""
     max_payload: ByteSize = 1024**2
-    jetstream_max_store: ByteSize = 1024**3
+    jetstream_max_store: ByteSize = 4 * 1024**3
+    """The embedded nats-server's JetStream file store (its ``max_file_store``). Every
+    stream and bucket reserves its ``[storage]`` bound out of it when created; see
+    docs/security-quotas.md."""
+    account_max_store: ByteSize | None = None
+    """Each tenant account's JetStream storage limit (in its account JWT); None splits
+    ``jetstream_max_store`` evenly between the mesh account and the tenants."""
     credential_ttl: Duration = timedelta(hours=24)
     invite_ttl: Duration = timedelta(hours=1)
     """Lifetime of the starter credential in an invite. It grants nothing on the mesh
@@ -348,7 +355,75 @@ class InboxConfig(BaseModel):
 
     drain_interval: Duration = timedelta(seconds=60)
     buffer_max_age: Duration = timedelta(days=7)
-    buffer_max_bytes: ByteSize = 25 * 1024**2
+    buffer_max_bytes: ByteSize = 8 * 1024**2
+    """One agent's mailbox (``MESH_INBOX_*``), reserved in the mesh's store at
+    registration. Full, it refuses new mail and keeps what it holds (a flood
+    cannot evict buffered requests); the drain empties it."""
+    buffer_max_msgs: Annotated[int, Field(ge=1)] = 2000
+    """Messages one mailbox holds (the same refusal when reached)."""
+    buffer_discard: Annotated[Literal["new", "old"], _choice("new", "old")] = "new"
+    """``new``: a full mailbox refuses new mail (a flood cannot evict what is buffered).
+    ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
+    drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
+    buffer_sweep_interval: Duration = timedelta(seconds=60)
+    """How often the registry purges every mailbox up to what its drain consumer acked."""
+
+
+class StorageConfig(BaseModel):
+    """``[storage]``: the bound (``max_bytes``) of every stream and bucket the platform
+    services create, each reserved in the account's JetStream store (issue #22.3).
+
+    Read by the node that runs the services; the total (784 MiB by default) plus
+    one ``inbox.buffer_max_bytes`` per agent must fit in the account's limit
+    (``[mesh.embedded] account_max_store``). See docs/security-quotas.md.
+    """
+
+    model_config = _FORBID
+
+    tasks_max_bytes: ByteSize = 64 * 1024**2
+    """``MESH_TASKS`` (task updates and stream chunks; any node may publish)."""
+    events_max_bytes: ByteSize = 32 * 1024**2
+    """``MESH_EVENTS``."""
+    feed_max_bytes: ByteSize = 32 * 1024**2
+    """``MESH_FEED``."""
+    heartbeat_max_bytes: ByteSize = 8 * 1024**2
+    """``MESH_HEARTBEAT``."""
+    registry_events_max_bytes: ByteSize = 8 * 1024**2
+    """``MESH_REGISTRY``."""
+    registry_max_bytes: ByteSize = 32 * 1024**2
+    """KV ``mesh_registry`` (manifests)."""
+    task_records_max_bytes: ByteSize = 64 * 1024**2
+    """KV ``mesh_tasks`` (task records)."""
+    feed_state_max_bytes: ByteSize = 16 * 1024**2
+    """KV ``mesh_feed_state``."""
+    artifacts_max_bytes: ByteSize = 512 * 1024**2
+    """The artifact object store, all owners together (``[artifacts]`` has the per-owner quota)."""
+    artifact_index_max_bytes: ByteSize = 8 * 1024**2
+    artifact_uploads_max_bytes: ByteSize = 8 * 1024**2
+    max_msg_size: ByteSize | None = None
+    """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``;
+    None (absent) is ``[mesh.embedded] max_payload`` (1 MiB by default), so a raised
+    payload limit is not refused by the streams."""
+    low_store_warning: Annotated[float, Field(gt=0, le=1)] = 0.8
+    """Share of the store (account limit, or a platform object's bound) in use at
+    which the node logs a warning once and ``status`` says ``low``."""
+    check_interval: Duration = timedelta(seconds=30)
+    """How often a service node reads the store's use for ``status`` and the metrics."""
+
+
+class CommerceConfig(BaseModel):
+    """``[commerce]``: the Economics extension's admission check (§19.5)."""
+
+    model_config = _FORBID
+
+    approval_url: str | None = None
+    """The deployment's approval surface for ``internal`` SKUs: the approval_url an
+    AGREEMENT_REQUIRED refusal carries (``?sku=<id>`` is appended) when the SKU's
+    provider names no checkout_url. Unset: the provider's terms_url, else the
+    offering cannot be refused usefully and the SKU is refused at start."""
+    gate_free_terms: bool = False
+    """Also require an agreement for a free SKU that carries a terms_url
+    (§19.5: agreement without money is a terms gate)."""
 
 
 class ArtifactsConfig(BaseModel):

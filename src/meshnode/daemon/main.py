@@ -16,6 +16,7 @@ API; :mod:`.operations` also applies a reloaded configuration).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
+from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.broker import broker_watch
 from meshnode.daemon.gateways import A2AGateways
@@ -38,10 +40,17 @@ from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed,
 from meshnode.daemon.mesh import MeshLink, credential_profile
 from meshnode.daemon.methods import CoreMethods, register_core_methods
 from meshnode.daemon.operations import register_operations, reload_config
-from meshnode.daemon.platform import PlatformServices, PlatformSettings, start_platform_services
+from meshnode.daemon.platform import (
+    PlatformServices,
+    PlatformSettings,
+    start_platform_services,
+    stream_limits,
+)
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -90,6 +99,8 @@ class Daemon:
         self.broker_watch: BrokerWatch | None = None
         self._stop = asyncio.Event()
         self._signal_tasks = BackgroundTasks()
+        #: The store reading of a service node (None elsewhere), issue #22.3.
+        self.store_watch: StoreWatch | None = None
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
         self._force = 0
@@ -241,6 +252,14 @@ class Daemon:
         self._node_limiter = SlidingWindowLimiter(registry.node_rate_limit, window_ms, max_keys=10_000)
         self._unvouched_limiter = SlidingWindowLimiter(registry.unvouched_rate_limit, window_ms)
         await self._start_platform(mesh.connection, limiter, "mesh", hosting)
+        s = self.config.storage
+        self.store_watch = StoreWatch(
+            mesh.connection.jetstream,
+            threshold=s.low_store_warning,
+            interval_s=s.check_interval.total_seconds(),
+        )
+        self.store_watch.start()
+        self._shutdown.push("stop-intake", self.store_watch.stop)  # before the connection closes
         # §15: every tenant is its own account, so its own registry, presence,
         # task records, feeds and artifacts (streams and KV are account-scoped).
         # The services keep the same keys in every tenant: one platform, whose
@@ -258,6 +277,7 @@ class Daemon:
         replicas = mesh.replicas()
         log.info("platform services (%s): JetStream objects with %d replica(s)", tenant, replicas)
 
+        limits = stream_limits(self.config)
         # One node budget per account: each tenant's registry knows its own nodes;
         # the limiters are shared, so a node is one node across tenants.
         budget = NodeBudget(self._node_limiter, self._unvouched_limiter)
@@ -273,6 +293,7 @@ class Daemon:
                 limiter=limiter,
                 node_budget=budget,
                 refusals=self.refusals,
+                stream_limits=limits,
             )
 
         plane = mesh.control_plane
@@ -324,6 +345,13 @@ class Daemon:
             refusals=self.refusals,
             grants=mesh.grants,
         )
+        # §19.5: agreements this node enforces at admission (node-local store).
+        c = self.config.commerce
+        node.commerce = AgreementGate(
+            AgreementStore(self.data_dir / "agreements.json"),
+            approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
+            usage=UsageLog(self.data_dir / "usage.jsonl"),
+        )
         self.node = hosting.node = node
         # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
         node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
@@ -358,6 +386,7 @@ class Daemon:
         self.methods = register_core_methods(self, methods)
         register_operations(self, methods)
         register_artifact_methods(self, methods)
+        register_agreement_methods(self, methods)
         register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(
@@ -536,7 +565,17 @@ async def run_daemon(config: Config) -> int:
         # So are plugin problems under [node] strict_plugins: an agent kind no
         # installed plugin provides, settings its plugin refuses, a plugin that
         # fails to load (plugin_check words them like every config error).
-        return EX_CONFIG if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError) else 1
+        if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError):
+            return EX_CONFIG
+        if _disk_full(exc.cause):
+            # Temporary by nature (#23.9): nothing is lost, and the start after
+            # space returns serves again (systemd's Restart= makes that automatic).
+            log.error(
+                "the data disk of %s is full; free space and start again (nothing is lost: the "
+                "broker's store and the inbox recover on the next start)", config.node.data_dir,
+            )
+            return EX_TEMPFAIL
+        return 1
     try:
         await daemon.wait()
     finally:
@@ -552,6 +591,22 @@ FORCE_EXIT_WRITE_S = 5.0
 
 #: sysexits.h EX_CONFIG: the configuration cannot work here (cli.exitcodes has the same).
 EX_CONFIG = 78
+#: sysexits.h EX_TEMPFAIL: try again later (a full data disk).
+EX_TEMPFAIL = 75
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """True when ``exc`` or one of its causes is a full filesystem (ENOSPC, or a
+    broker that said so in its log tail)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "no space left on device" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def tighten_data_dir(data_dir: Path, config: Config) -> None:

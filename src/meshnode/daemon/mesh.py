@@ -139,6 +139,8 @@ class MeshLink:
             host=cfg.host,
             port=cfg.port or None,
             max_payload=cfg.max_payload,
+            max_store=cfg.jetstream_max_store,
+            account_max_store=cfg.account_max_store,
             tenants=cfg.tenants,
             exports=[TenantExport(e.from_, e.to, tuple(e.agents), e.discover) for e in cfg.exports],
             monitor_port=cfg.monitor_port,

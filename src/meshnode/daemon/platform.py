@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from meshnode.config import Config
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
@@ -25,7 +25,13 @@ from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
 from meshnode.services.registry import RegistryService
 from meshnode.services.tasks import TaskManagerService
-from meshnode.transport.streams import ensure_mesh_streams, wait_jetstream_ready
+from meshnode.transport.streams import (
+    DEFAULT_MAILBOX_BYTES,
+    DEFAULT_MAILBOX_MSGS,
+    StreamLimits,
+    ensure_mesh_streams,
+    wait_jetstream_ready,
+)
 
 __all__ = [
     "SERVICE_ORDER",
@@ -33,6 +39,7 @@ __all__ = [
     "PlatformSettings",
     "artifact_limits",
     "start_platform_services",
+    "stream_limits",
 ]
 
 log = logging.getLogger("meshnode.daemon")
@@ -48,6 +55,25 @@ def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
 
 #: The services in start order (each stops in reverse).
 SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers")
+
+
+def stream_limits(config: Config) -> StreamLimits:
+    """The bounds of the platform's streams and buckets from ``[storage]``."""
+    s = config.storage
+    return StreamLimits(
+        tasks=s.tasks_max_bytes,
+        events=s.events_max_bytes,
+        feed=s.feed_max_bytes,
+        heartbeat=s.heartbeat_max_bytes,
+        registry_events=s.registry_events_max_bytes,
+        registry=s.registry_max_bytes,
+        task_records=s.task_records_max_bytes,
+        feed_state=s.feed_state_max_bytes,
+        artifacts=s.artifacts_max_bytes,
+        artifact_index=s.artifact_index_max_bytes,
+        artifact_uploads=s.artifact_uploads_max_bytes,
+        max_msg_size=s.max_msg_size if s.max_msg_size is not None else config.mesh.embedded.max_payload,
+    )
 
 
 def artifact_limits(config: Config) -> ArtifactLimits:
@@ -72,7 +98,10 @@ class PlatformSettings:
     require_connection_bound: bool = True
     allow_foreign_endpoints: bool = False
     inbox_max_age_s: int = 7 * 86400
-    inbox_max_bytes: int = 25 * 1024 * 1024
+    inbox_max_bytes: int = DEFAULT_MAILBOX_BYTES
+    inbox_max_msgs: int = DEFAULT_MAILBOX_MSGS
+    inbox_discard: Literal["new", "old"] = "new"
+    inbox_sweep_interval_s: float = 60.0
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
 
@@ -84,6 +113,9 @@ class PlatformSettings:
             allow_foreign_endpoints=config.registry.allow_foreign_endpoints,
             inbox_max_age_s=int(config.inbox.buffer_max_age.total_seconds()),
             inbox_max_bytes=config.inbox.buffer_max_bytes,
+            inbox_max_msgs=config.inbox.buffer_max_msgs,
+            inbox_discard=config.inbox.buffer_discard,
+            inbox_sweep_interval_s=config.inbox.buffer_sweep_interval.total_seconds(),
             artifacts=artifact_limits(config),
             max_consumers_per_agent=config.services.max_consumers_per_agent,
         )
@@ -148,7 +180,7 @@ async def start_platform_services(
     first = contexts("registry")
     if wait_ready:
         await wait_jetstream_ready(first.connection.jetstream, timeout=20.0)
-    await ensure_mesh_streams(first.connection.jetstream, first.replicas)
+    await ensure_mesh_streams(first.connection.jetstream, first.replicas, first.stream_limits)
     presence = PresenceService(contexts("presence"), heartbeat_interval_s=settings.heartbeat_interval_s)
     registry = RegistryService(
         first,
@@ -156,6 +188,9 @@ async def start_platform_services(
         allow_foreign_endpoints=settings.allow_foreign_endpoints,
         inbox_max_age_s=settings.inbox_max_age_s,
         inbox_max_bytes=settings.inbox_max_bytes,
+        inbox_max_msgs=settings.inbox_max_msgs,
+        inbox_discard=settings.inbox_discard,
+        inbox_sweep_interval_s=settings.inbox_sweep_interval_s,
         presence=presence,
         is_revoked=is_revoked,
         trust_tier_of=trust_tier_of,

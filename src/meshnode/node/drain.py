@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.inbox import InboxStore
     from meshnode.node.runtime import Node
+    from meshnode.transport.jetstream import MailboxBuffer
 
 __all__ = ["FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
 
@@ -56,6 +57,8 @@ class DrainStats:
     running: bool = False
     idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
     quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
+    purged_through: int = 0  # the last stream sequence removed from the broker buffer
+    purge_failures: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -156,6 +159,8 @@ class InboxDrain:
             "last_bound": st.last_bound,
             "idle_skips": st.idle_skips,
             "quiet_skips": st.quiet_skips,
+            "purged_through": st.purged_through,
+            "purge_failures": st.purge_failures,
             "running": st.running,
             "failing": self.job.failing,
             "last_error": self.job.last_error,
@@ -210,6 +215,7 @@ class InboxDrain:
             consumer_state = await psub.consumer_info()
             if not consumer_state.num_pending and not consumer_state.num_ack_pending:
                 self._settled_through = bound
+                await self._purge(buffer, bound)
                 return  # an idle pass: nothing buffered that we have not acked
             floor = consumer_state.delivered_stream_seq
             while True:
@@ -241,11 +247,30 @@ class InboxDrain:
                 # unacked (a failed pass before this one) the buffer is not
                 # settled, or idle passes would skip them until new mail came.
                 self._settled_through = bound
+                await self._purge(buffer, bound)
         finally:
             try:
                 await psub.unsubscribe()
             except Exception:
                 pass
+
+    async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
+        # Everything through ``bound`` is committed to the node inbox: drop it
+        # from the broker, which refuses new mail once the buffer is full
+        # (discard-new, issue #22.4). A failure costs only room, never mail;
+        # a credential minted before the purge grant is logged once.
+        try:
+            await buffer.purge_through(bound)
+        except Exception as exc:
+            self.stats.purge_failures += 1
+            if self.stats.purge_failures == 1:
+                log.warning(
+                    "agent %s: cannot purge its drained mailbox %s (%s); it fills with handled "
+                    "mail and then refuses new offline mail until max_age",
+                    self.hosted.agent_id, buffer.stream, exc,
+                )
+        else:
+            self.stats.purged_through = bound
 
     async def _commit_and_ack(self, msgs: list[Message]) -> None:
         if not msgs:

@@ -29,6 +29,7 @@ from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.aio import BackgroundTasks
 from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
+from meshnode.node.commerce import declared_skus
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.manifests import describe
@@ -40,6 +41,7 @@ from meshnode.protocol.accept import FirstReply, InboundOutcome, build_queued_ac
 from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.budget import check_admission, parse_budget
 from meshnode.protocol.cancel import check_cancelable, parse_cancel_input
+from meshnode.protocol.commerce import Sku
 from meshnode.protocol.envelope import build_envelope, child_trace, sign_envelope
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
@@ -93,6 +95,9 @@ class HostedAgent:
                 cls = jsonschema.validators.validator_for(schema)
                 cls.check_schema(schema)
                 self._validators[spec.id] = cls(schema)
+        # §19.1: the SKUs the class declares, digests computed here (a malformed
+        # SKU fails this agent's start, naming the member at fault).
+        self.skus: tuple[Sku, ...] = declared_skus(type(agent).skus, self.offerings.values())
         self.manifest: dict[str, Any] = {}
         self.vouch: dict[str, Any] = {}
         self.registered = False
@@ -316,6 +321,10 @@ class HostedAgent:
             return "answered"
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
+            commerce = self.node.commerce
+            if commerce is not None and self.skus:
+                # §19.5, in the §7.7/§22 slot: no agreement to a paid SKU, no work.
+                await commerce.check(self, env, spec.id, now_ms)
             await self._admit_budget(env, spec, handler_input)
         except ProtocolError as exc:
             # Refused at admission: the refusal is the first reply, no accept (§6.4a).
@@ -447,6 +456,8 @@ class HostedAgent:
                 await self._answer(env, status="failed", error=error, path=source)
         else:
             self.counters["completed"] += 1
+            if self.node.commerce is not None and self.skus:
+                self.node.commerce.delivered(self, env, spec.id, self.node.now_ms())  # §13.5 requests meter
             try:
                 # Artifacts the handler attached, and the output itself stored
                 # as one when the answer would not fit the transport (§18.9).

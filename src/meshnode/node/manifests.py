@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.node.pubsub import PubSub
 from meshnode.protocol import subjects
+from meshnode.protocol.commerce import public_sku
 from meshnode.protocol.envelope import PROTOCOL_VERSION
 from meshnode.protocol.manifest import describe_document, materialize_public_block
 
@@ -43,6 +44,15 @@ def build_manifest(hosted: HostedAgent, node: dict[str, Any], max_inbound_chars:
     public: dict[str, Any] = dict(cls.public or {})
     public.setdefault("description", manifest["description"])
     public["offerings"] = [s.id for s in hosted.offerings.values() if s.advertise]
+    if hosted.skus:
+        # §19.1: the SKUs as declared (their digests are over these bytes), and
+        # the storefront's {sku, price, digest} of each SKU covering something
+        # advertised (an agent-wide one always): terms a buyer reads pre-admission (§8.7).
+        manifest["skus"] = [sku.to_object() for sku in hosted.skus]
+        advertised = set(public["offerings"])
+        public.setdefault("skus", [
+            public_sku(sku) for sku in hosted.skus if sku.covers_agent or advertised & set(sku.offerings)
+        ])
     manifest["public"] = public
     for attr in ("provider", "rate_limits"):
         value = getattr(cls, attr)

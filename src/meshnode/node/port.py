@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from meshnode.agent import Reply
+    from meshnode.node.commerce import AgreementGate
     from meshnode.node.directory import AgentDirectory
     from meshnode.node.gateway import OutboundGateway
     from meshnode.node.hosted import HostedAgent
@@ -79,6 +80,9 @@ class NodePort(Protocol):
         """The outbound gateway (``a2a:<peer>`` targets), or None."""
     @property
     def trust_attestation(self) -> dict[str, Any] | None: ...
+    @property
+    def commerce(self) -> AgreementGate | None:
+        """The §19.5 agreement check at admission, or None (nothing is gated)."""
     @property
     def trusted_operators(self) -> frozenset[str]: ...
     @property

@@ -22,6 +22,7 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
 from meshnode.node.directory import AgentDirectory
@@ -144,6 +145,8 @@ class Node:
         # The outbound gateway ([a2a.peers]; the daemon plugs in the A2A bridge's
         # client, meshnode.a2a.outbound.A2AOutbound); None when no peer is configured.
         self.a2a: OutboundGateway | None = a2a
+        #: The §19.5 agreement check (the daemon plugs it in); None gates nothing.
+        self.commerce: AgreementGate | None = None
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 

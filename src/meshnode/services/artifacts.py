@@ -158,7 +158,7 @@ class ArtifactService(ChunkedObjects, ServiceBase):
         if self.running:
             return
         js = self.ctx.connection.jetstream
-        store, index, uploads = artifact_buckets(self.ctx.replicas)
+        store, index, uploads = artifact_buckets(self.ctx.replicas, self.ctx.stream_limits)
         await ensure_object_store(js, store)
         for config in (index, uploads):
             await ensure_key_value(js, config)

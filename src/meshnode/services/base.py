@@ -61,8 +61,9 @@ from meshnode.protocol.protections import (
 from meshnode.protocol.ratelimit import RateDecision, SlidingWindowLimiter
 from meshnode.protocol.subjects import event_subject
 from meshnode.transport.connection import ConnectionListener, MeshConnection, Message, Subscription
-from meshnode.transport.errors import NotFound
+from meshnode.transport.errors import NotFound, StoreFull
 from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, KvWatch, PullConsumer
+from meshnode.transport.streams import DEFAULT_STREAM_LIMITS, StreamLimits
 
 __all__ = [
     "NON_REQUEST_TYPES",
@@ -84,6 +85,24 @@ Operation = Callable[[Message, Envelope], Awaitable[Mapping[str, Any]]]
 def wall_clock_ms() -> int:
     """Epoch milliseconds from the system clock."""
     return time.time_ns() // 1_000_000
+
+
+def store_full_error(service: str, exc: StoreFull) -> dict[str, Any]:
+    """The §12.2 answer for a write the JetStream store refused (issue #22.3).
+
+    QUOTA_EXCEEDED rather than INTERNAL_ERROR: the service is healthy, the
+    mesh's store (an object's ``max_bytes``, the account's or the server's
+    limit) is not, and retrying does not help until an operator frees space
+    or raises the limits (``[storage]``, ``[mesh.embedded] jetstream_max_store``).
+    """
+    code = f", JetStream error {exc.err_code}" if exc.err_code else ""
+    return error_object(
+        "QUOTA_EXCEEDED",
+        f"{service}: the mesh's JetStream store refused the write ({exc}{code}); "
+        "`meshnode status` on the mesh host shows store use; the operator frees space "
+        "or raises [storage] / [mesh.embedded] jetstream_max_store / account_max_store",
+        {"store": "jetstream", "service": service, **({"err_code": exc.err_code} if exc.err_code else {})},
+    )
 
 
 UNVOUCHED = "-"
@@ -147,6 +166,8 @@ class ServiceContext:
     freshness: FreshnessWindow = DEFAULT_FRESHNESS_WINDOW
     refusals: RefusalCounter = field(default_factory=RefusalCounter)
     max_inbound_chars: int | None = None
+    stream_limits: StreamLimits = DEFAULT_STREAM_LIMITS
+    """The bound of every stream and bucket the services create (``[storage]``)."""
     node_budget: NodeBudget | None = None
 
     @property
@@ -303,6 +324,12 @@ class ServiceBase:
                 payload = await operation(msg, env)
             except ProtocolError as exc:
                 await self.reply(msg, env, error=exc.to_object())
+                return
+            except StoreFull as exc:
+                # Not INTERNAL_ERROR: the mesh's store (or this object's bound)
+                # is full, which the operator fixes, not a retry (issue #22.3).
+                self.log.warning("%s cannot write on %s: the JetStream store is full: %s", self.name, msg.subject, exc)
+                await self.reply(msg, env, error=store_full_error(self.name, exc))
                 return
             except Exception as exc:
                 self.log.exception("%s failed on %s", self.name, msg.subject)

@@ -80,8 +80,8 @@ class FeedService(ServiceBase):
         if self.running:
             return
         js = self.ctx.connection.jetstream
-        await ensure_stream(js, feed_stream_config(self.ctx.replicas))
-        await ensure_key_value(js, feed_state_bucket_config(self.ctx.replicas))
+        await ensure_stream(js, feed_stream_config(self.ctx.replicas, self.ctx.stream_limits))
+        await ensure_key_value(js, feed_state_bucket_config(self.ctx.replicas, self.ctx.stream_limits))
         self._kv = await js.key_value(subjects.KV_FEED_STATE)
         self._running = True
 

@@ -69,9 +69,10 @@ Subjects and payloads (the contract):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -83,9 +84,16 @@ from meshnode.protocol.manifest import check_registration
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
 from meshnode.transport.connection import Message
-from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.errors import Conflict, NotFound, StoreFull
 from meshnode.transport.jetstream import KeyValue
-from meshnode.transport.streams import ensure_inbox_stream, ensure_key_value, registry_bucket_config
+from meshnode.transport.streams import (
+    DEFAULT_MAILBOX_BYTES,
+    DEFAULT_MAILBOX_MSGS,
+    ensure_inbox_stream,
+    ensure_key_value,
+    purge_acked_mailboxes,
+    registry_bucket_config,
+)
 
 from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
@@ -110,7 +118,10 @@ class RegistryService(ServiceBase):
         *,
         require_connection_bound: bool = True,
         inbox_max_age_s: float = 7 * 86400,
-        inbox_max_bytes: int = 25 * 1024 * 1024,
+        inbox_max_bytes: int = DEFAULT_MAILBOX_BYTES,
+        inbox_max_msgs: int = DEFAULT_MAILBOX_MSGS,
+        inbox_discard: Literal["new", "old"] = "new",
+        inbox_sweep_interval_s: float = 60.0,
         presence: PresenceService | None = None,
         sync_timeout_s: float = 10.0,
         is_revoked: Callable[[str], bool] | None = None,
@@ -139,6 +150,9 @@ class RegistryService(ServiceBase):
         self.require_connection_bound = require_connection_bound
         self.inbox_max_age_s = inbox_max_age_s
         self.inbox_max_bytes = inbox_max_bytes
+        self.inbox_max_msgs = inbox_max_msgs
+        self.inbox_discard: Literal["new", "old"] = inbox_discard
+        self.inbox_sweep_interval_s = inbox_sweep_interval_s
         self.presence = presence
         if presence is not None and presence.vouched_by is None:
             presence.vouched_by = self.vouched_by
@@ -163,7 +177,7 @@ class RegistryService(ServiceBase):
         if self.running:
             return
         js = self.ctx.connection.jetstream
-        await ensure_key_value(js, registry_bucket_config(self.ctx.replicas))
+        await ensure_key_value(js, registry_bucket_config(self.ctx.replicas, self.ctx.stream_limits))
         self._kv = await js.key_value(subjects.KV_REGISTRY)
         self._running = True
         self._mirror = KVMirror(self, self._kv, "registry")
@@ -179,6 +193,24 @@ class RegistryService(ServiceBase):
         await self.serve(subjects.REGISTRY_DISCOVER, self._discover)
         await self.serve("mesh.registry.get.*", self._get)
         await self.ctx.connection.flush()
+        if self.inbox_sweep_interval_s > 0:
+            self.spawn(self._mailbox_sweep_loop, "mailbox-sweep")
+
+    async def _mailbox_sweep_loop(self) -> None:
+        # Issue #22.4: the mailboxes refuse new mail at their bound, so what a
+        # client has acked through its drain durable is purged here, whatever
+        # the client (a meshnode node also purges its own after each drain).
+        while self.running:
+            await asyncio.sleep(self.inbox_sweep_interval_s)
+            try:
+                purged = await purge_acked_mailboxes(self.ctx.connection.jetstream)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("mailbox sweep failed: %s", exc)
+                continue
+            if purged:
+                self.log.debug("mailbox sweep purged %d mailbox(es)", len(purged))
 
     async def stop(self) -> None:
         await super().stop()
@@ -347,13 +379,25 @@ class RegistryService(ServiceBase):
                 await js.delete_stream(subjects.inbox_stream_name(agent_id))
         else:
             # The buffer exists before the manifest says the agent is reachable.
-            await ensure_inbox_stream(
-                js,
-                agent_id,
-                max_age_s=self.inbox_max_age_s,
-                max_bytes=self.inbox_max_bytes,
-                replicas=self.ctx.replicas,
-            )
+            try:
+                await ensure_inbox_stream(
+                    js,
+                    agent_id,
+                    max_age_s=self.inbox_max_age_s,
+                    max_bytes=self.inbox_max_bytes,
+                    max_msgs=self.inbox_max_msgs,
+                    discard=self.inbox_discard,
+                    replicas=self.ctx.replicas,
+                )
+            except StoreFull as exc:
+                # Name the store that is full: the mailbox's reservation did not fit.
+                stream = subjects.inbox_stream_name(agent_id)
+                raise StoreFull(
+                    f"reserving the mailbox {stream} ({self.inbox_max_bytes} bytes, [inbox] "
+                    f"buffer_max_bytes) in the account's store: {exc}",
+                    code=exc.code,
+                    err_code=exc.err_code,
+                ) from exc
         revision, kept = await self._store(agent_id, stored)
         if kept is not None:
             # Another instance stored a registration with a newer vouch while

@@ -195,9 +195,9 @@ class TaskManagerService(ServiceBase):
         if self.running:
             return
         js = self.ctx.connection.jetstream
-        stream = next(c for c in mesh_stream_configs(self.ctx.replicas) if c.name == subjects.MESH_TASKS)
+        stream = next(c for c in mesh_stream_configs(self.ctx.replicas, self.ctx.stream_limits) if c.name == subjects.MESH_TASKS)
         await ensure_stream(js, stream)
-        await ensure_key_value(js, tasks_bucket_config(self.ctx.replicas))
+        await ensure_key_value(js, tasks_bucket_config(self.ctx.replicas, self.ctx.stream_limits))
         self._kv = await js.key_value(subjects.KV_TASKS)
         self._max_record_bytes = max(64 * 1024, self.ctx.connection.max_payload - _REPLY_SLACK)
         self._running = True

@@ -46,6 +46,8 @@ from meshnode.aio import backoff
 from .errors import EmbeddedMeshError, PortInUse
 from .files import ensure_private_dir, write_private_file
 from .jwt import (
+    NO_LIMIT,
+    JetStreamLimits,
     ResponsePermission,
     mint_account_jwt,
     mint_operator_jwt,
@@ -227,6 +229,8 @@ class EmbeddedNatsServer(AsyncService):
         keys: MeshKeys | None = None,
         cluster: ClusterRoutes | None = None,
         websocket_port: int | None = None,
+        max_store: int | None = None,
+        account_max_store: int | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
@@ -244,6 +248,11 @@ class EmbeddedNatsServer(AsyncService):
         self.exports: tuple[TenantExport, ...] = tuple(exports)
         self.mesh_dir = Path(data_dir).absolute() / "mesh"
         self.cluster = cluster
+        self.max_store = max_store
+        """The server's JetStream file store (``max_file_store``); None: nats-server's default."""
+        self.account_max_store = account_max_store
+        """Each tenant account's JetStream storage limit (its account JWT); None:
+        ``max_store`` split evenly between the accounts (unlimited without ``max_store``)."""
         self.host = host
         self.server_name = server_name
         self.max_payload = max_payload
@@ -506,6 +515,20 @@ class EmbeddedNatsServer(AsyncService):
 
     # -- internals --
 
+    def account_store_limit(self) -> int:
+        """The JetStream storage limit written into every tenant account's JWT.
+
+        Why per account: nats-server counts a stream's ``max_bytes`` as reserved
+        against its account's limit when the stream is created, so one tenant
+        (or its participants' mailboxes) can only ever reserve its share of the
+        server's store, never a neighbour's (§15, issue #22.3).
+        """
+        if self.account_max_store is not None:
+            return self.account_max_store
+        if self.max_store is None:
+            return NO_LIMIT
+        return self.max_store // (1 + len(self.tenants))
+
     def _write_config(self) -> Path:
         keys = self.keys
         issued_at = int(time.time())
@@ -535,6 +558,7 @@ class EmbeddedNatsServer(AsyncService):
                 jetstream=None,  # nats-server refuses JetStream in the system account
             ),
         }
+        limits = JetStreamLimits(disk_storage=self.account_store_limit())
         for tenant, account in tenant_accounts.items():
             exports, imports = links[tenant]
             accounts[account] = mint_account_jwt(
@@ -542,6 +566,7 @@ class EmbeddedNatsServer(AsyncService):
                 account,
                 name=self.account_name if tenant == DEFAULT_TENANT else f"TENANT {tenant}",
                 issued_at=issued_at,
+                jetstream=limits,
                 exports=exports,
                 imports=imports,
             )
@@ -561,6 +586,7 @@ class EmbeddedNatsServer(AsyncService):
             ports_file_dir=run_dir,
             cluster=self.cluster,
             websocket_port=self._websocket_port,
+            max_file_store=self.max_store,
             tls=self.tls,
         )
         path = self.mesh_dir / _CONFIG_FILE

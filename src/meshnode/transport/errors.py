@@ -46,8 +46,9 @@ __all__ = [
 
 # JetStream API error codes (nats-server's errors.json) that mean "no room left":
 # account resources exceeded, insufficient resources, storage resources exceeded,
-# store failed (a full disk).
-_STORE_FULL_CODES = frozenset({10002, 10023, 10047, 10054})
+# message too large for the stream, store failed (a full disk, a discard-new
+# stream at its max_bytes or max_msgs).
+_STORE_FULL_CODES = frozenset({10002, 10023, 10047, 10054, 10077})
 _ALREADY_IN_USE = 10058  # stream name already in use with a different configuration
 _WRONG_LAST_SEQUENCE = 10071
 

@@ -289,6 +289,13 @@ class MailboxBuffer:
         except NotFound:
             return None
 
+    async def purge_through(self, seq: int) -> None:
+        """Remove every message up to and including ``seq`` (the drain has
+        committed them): the buffer discards new mail at its bound, so it
+        must only ever hold mail not yet taken in (issue #22.4)."""
+        with translated():
+            await self._js.purge_stream(self.stream, seq=seq + 1)
+
     async def reader(self) -> PullConsumer:
         """The drain's pull consumer (created on first use, bound afterwards)."""
         with translated():

@@ -78,6 +78,7 @@ def render_server_config(
     ports_file_dir: Path,
     cluster: ClusterRoutes | None = None,
     websocket_port: int | None = None,
+    max_file_store: int | None = None,
     tls: TlsFiles | None = None,
 ) -> str:
     """The nats-server config of an operator-mode server with a memory resolver.
@@ -89,6 +90,9 @@ def render_server_config(
     (None: no WebSocket listener, 0: a free port) for nats.ws clients.
     ``cluster`` makes the server one member of a routed cluster (JetStream
     clustered: ``server_name`` must then be unique among the members).
+    ``max_file_store`` caps the server's JetStream file store (bytes; None is
+    nats-server's default, most of the disk). nats-server enforces it against
+    the sum of the streams' ``max_bytes`` reservations as well as what is stored.
     ``tls`` makes the client listener require TLS (nats-server's ``tls {}``
     block; clients then connect with ``tls://``).
     """
@@ -111,6 +115,7 @@ def render_server_config(
         "}",
         "jetstream {",
         f"  store_dir: {_conf_string(str(store_dir))}",
+        *([f"  max_file_store: {int(max_file_store)}"] if max_file_store is not None else []),
         "}",
     ]
     if cluster is not None:

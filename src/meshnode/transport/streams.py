@@ -16,6 +16,27 @@ Two stream settings are deliberate rather than defaults:
   signal (§18.7).
 * a duplicate window of at least two minutes on ``MESH_TASKS`` and
   ``MESH_EVENTS`` (§18.3, §18.8), so a republished ``Nats-Msg-Id`` dedups.
+
+And every object is bounded (:class:`StreamLimits`, issue #22.3): each stream
+and bucket has a ``max_bytes``, so nats-server *reserves* that much of the
+account's store for it when it is created (and refuses the creation, error
+10047, when the reservations would exceed the account's limit). What one
+participant can write into a stream it may publish on (``MESH_TASKS``,
+``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``, the mailboxes) can then
+never eat into the registry's, the task records' or the artifacts' share.
+The participant-writable streams also carry ``max_msg_size``, refused at the
+publisher's PubAck (10054 "message size exceeds maximum allowed").
+Discard policy per stream:
+
+* the shared streams discard the **oldest** message at their bound: a flood
+  evicts history (which the task manager and feed writer already folded into
+  their buckets) instead of refusing every legitimate update for the next
+  seven days;
+* a mailboxes discards **new** messages at its bound (``max_bytes`` and
+  ``max_msgs``): "nothing lost while you are away" (§16.4) holds against a
+  hostile sender, whose flood is refused while what was buffered before it
+  stays; the drain purges what it has committed, so the bound only ever
+  holds mail not yet taken in (issue #22.4).
 """
 
 from __future__ import annotations
@@ -25,6 +46,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from nats.js.api import (
@@ -45,6 +67,10 @@ from .jetstream import JetStream
 
 __all__ = [
     "DAY_S",
+    "DEFAULT_MAILBOX_BYTES",
+    "DEFAULT_MAILBOX_MSGS",
+    "DEFAULT_STREAM_LIMITS",
+    "StreamLimits",
     "artifact_buckets",
     "ensure_object_store",
     "DUPLICATE_WINDOW_S",
@@ -53,6 +79,7 @@ __all__ = [
     "ensure_key_value",
     "ensure_mesh_streams",
     "ensure_stream",
+    "purge_acked_mailboxes",
     "feed_state_bucket_config",
     "feed_stream_config",
     "inbox_stream_config",
@@ -68,6 +95,53 @@ DAY_S = 24 * 3600
 DUPLICATE_WINDOW_S = 120.0
 EnsureOutcome = Literal["created", "updated", "unchanged"] | str
 
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """The byte bound of every stream and bucket the platform creates.
+
+    Each is that object's ``max_bytes`` and so its reservation in the
+    account's JetStream store (module docstring); :meth:`platform_total` is
+    what one account's platform objects reserve before the first mailbox.
+    ``max_msg_size`` bounds one message on the participant-writable streams.
+    Configured under ``[storage]``; the defaults total 784 MiB.
+    """
+
+    tasks: int = 64 * _MIB
+    """``MESH_TASKS``: task updates and stream chunks in flight (participant-writable)."""
+    events: int = 32 * _MIB
+    """``MESH_EVENTS`` (participant-writable)."""
+    feed: int = 32 * _MIB
+    """``MESH_FEED`` (participant-writable)."""
+    heartbeat: int = 8 * _MIB
+    """``MESH_HEARTBEAT`` (each node its own subject)."""
+    registry_events: int = 8 * _MIB
+    """``MESH_REGISTRY`` (written by the registry service)."""
+    registry: int = 32 * _MIB
+    """KV ``mesh_registry``: manifests."""
+    task_records: int = 64 * _MIB
+    """KV ``mesh_tasks``: the authoritative task records."""
+    feed_state: int = 16 * _MIB
+    """KV ``mesh_feed_state``."""
+    artifacts: int = 512 * _MIB
+    """The artifact object store (all owners together; each owner also has its quota)."""
+    artifact_index: int = 8 * _MIB
+    artifact_uploads: int = 8 * _MIB
+    max_msg_size: int = 1 * _MIB
+    """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``."""
+
+    def platform_total(self) -> int:
+        """Bytes the platform objects of one account reserve (mailboxes not included)."""
+        return sum(
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "max_msg_size"
+        )
+
+
+DEFAULT_STREAM_LIMITS = StreamLimits()
+
+
 # The fields a mesh stream definition owns; anything else on an existing
 # stream (placement, metadata, server defaults) is left as the server has it.
 _OWNED_FIELDS = (
@@ -75,6 +149,8 @@ _OWNED_FIELDS = (
     "retention",
     "max_age",
     "max_bytes",
+    "max_msgs",
+    "max_msg_size",
     "discard",
     "no_ack",
     "duplicate_window",
@@ -83,9 +159,11 @@ _OWNED_FIELDS = (
 )
 
 
-def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
+def mesh_stream_configs(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> list[StreamConfig]:
     """The core streams of §18.3 (``replicas`` per the table: R3 where it says 3,
-    capped by the cluster; ``MESH_HEARTBEAT`` is always R1)."""
+    capped by the cluster; ``MESH_HEARTBEAT`` is always R1), bounded by ``limits``."""
     return [
         StreamConfig(
             name=subjects.MESH_REGISTRY,
@@ -93,6 +171,8 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
             subjects=["mesh.registry.>"],
             retention=RetentionPolicy.LIMITS,
             max_age=DAY_S,
+            max_bytes=limits.registry_events,
+            discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=replicas,
             no_ack=True,
@@ -107,6 +187,9 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
             subjects=["mesh.task.*.update", "mesh.task.*.stream"],
             retention=RetentionPolicy.LIMITS,
             max_age=7 * DAY_S,
+            max_bytes=limits.tasks,
+            max_msg_size=limits.max_msg_size,
+            discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=replicas,
             duplicate_window=DUPLICATE_WINDOW_S,
@@ -117,6 +200,9 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
             subjects=["mesh.event.>"],
             retention=RetentionPolicy.INTEREST,
             max_age=DAY_S,
+            max_bytes=limits.events,
+            max_msg_size=limits.max_msg_size,
+            discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=replicas,
             duplicate_window=DUPLICATE_WINDOW_S,
@@ -127,6 +213,9 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
             subjects=["mesh.heartbeat.>"],
             retention=RetentionPolicy.LIMITS,
             max_age=300,
+            max_bytes=limits.heartbeat,
+            max_msg_size=limits.max_msg_size,
+            discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=1,
             no_ack=True,
@@ -134,31 +223,37 @@ def mesh_stream_configs(replicas: int) -> list[StreamConfig]:
     ]
 
 
-def registry_bucket_config(replicas: int) -> KeyValueConfig:
+def registry_bucket_config(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> KeyValueConfig:
     """KV ``mesh_registry``: manifests keyed by agent id, no TTL, latest only (§18.4)."""
     return KeyValueConfig(
         bucket=subjects.KV_REGISTRY,
         description="Agent manifests (AgentMesh §9.1, §18.4)",
         history=1,
         ttl=None,
+        max_bytes=limits.registry,
         storage=StorageType.FILE,
         replicas=replicas,
     )
 
 
-def tasks_bucket_config(replicas: int) -> KeyValueConfig:
+def tasks_bucket_config(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> KeyValueConfig:
     """KV ``mesh_tasks``: authoritative task state keyed by task id, 7-day TTL (§18.4)."""
     return KeyValueConfig(
         bucket=subjects.KV_TASKS,
         description="Task state (AgentMesh §7.4, §18.4)",
         history=1,
         ttl=7 * DAY_S,
+        max_bytes=limits.task_records,
         storage=StorageType.FILE,
         replicas=replicas,
     )
 
 
-def feed_stream_config(replicas: int) -> StreamConfig:
+def feed_stream_config(replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS) -> StreamConfig:
     """``MESH_FEED``: stream-feed history (§6.6a, §18.3).
 
     Bound to the four-token feed grammar ``mesh.feed.*.*`` and never the
@@ -173,13 +268,18 @@ def feed_stream_config(replicas: int) -> StreamConfig:
         subjects=[subjects.FEED_GRAMMAR],
         retention=RetentionPolicy.INTEREST,
         max_age=DAY_S,
+        max_bytes=limits.feed,
+        max_msg_size=limits.max_msg_size,
+        discard=DiscardPolicy.OLD,
         storage=StorageType.FILE,
         num_replicas=replicas,
         duplicate_window=DUPLICATE_WINDOW_S,
     )
 
 
-def feed_state_bucket_config(replicas: int) -> KeyValueConfig:
+def feed_state_bucket_config(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> KeyValueConfig:
     """KV ``mesh_feed_state``: the latest emit envelope of each state feed, keyed
     ``{agent_id}.{topic}`` (§18.3); latest only, no TTL."""
     return KeyValueConfig(
@@ -187,22 +287,35 @@ def feed_state_bucket_config(replicas: int) -> KeyValueConfig:
         description="Current value of each state feed (AgentMesh §6.6a, §18.3)",
         history=1,
         ttl=None,
+        max_bytes=limits.feed_state,
         storage=StorageType.FILE,
         replicas=replicas,
     )
+
+
+_MAILBOX_PREFIX = "MESH_INBOX_"
+DEFAULT_MAILBOX_BYTES = 8 * _MIB
+DEFAULT_MAILBOX_MSGS = 2000
 
 
 def inbox_stream_config(
     agent_id: str,
     *,
     max_age_s: float = 7 * DAY_S,
-    max_bytes: int = 25 * 1024 * 1024,
+    max_bytes: int = DEFAULT_MAILBOX_BYTES,
+    max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
+    discard: Literal["new", "old"] = "new",
 ) -> StreamConfig:
     """``MESH_INBOX_{agent_id}``: the agent's redelivery buffer (§16.4, §18.3).
 
-    Limits retention, bounded by age and size, oldest discarded first, and
-    ``no_ack`` so capturing a request never answers its reply subject.
+    Limits retention, bounded by age, size and count, and ``no_ack`` so
+    capturing a request never answers its reply subject. At its bound it
+    discards **new** mail: a flood is refused rather than evicting the
+    requests buffered before it (issue #22.4); the node's drain purges what it
+    has committed, so the bound holds only mail not yet taken in.
+    ``discard="old"`` is the earlier eviction, for meshes whose clients neither
+    purge nor ack their mailbox (``[inbox] buffer_discard``).
     """
     return StreamConfig(
         name=subjects.inbox_stream_name(agent_id),
@@ -211,20 +324,24 @@ def inbox_stream_config(
         retention=RetentionPolicy.LIMITS,
         max_age=max_age_s,
         max_bytes=max_bytes,
-        discard=DiscardPolicy.OLD,
+        max_msgs=max_msgs,
+        discard=DiscardPolicy.NEW if discard == "new" else DiscardPolicy.OLD,
         storage=StorageType.FILE,
         num_replicas=replicas,
         no_ack=True,
     )
 
 
-def artifact_buckets(replicas: int) -> tuple[ObjectStoreConfig, KeyValueConfig, KeyValueConfig]:
+def artifact_buckets(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> tuple[ObjectStoreConfig, KeyValueConfig, KeyValueConfig]:
     """The object store and the two KV buckets the artifact service owns (§18.5)."""
     store = ObjectStoreConfig(
         bucket=OBJECT_STORE_BUCKET,
         description="Artifact bytes (AgentMesh §7.5, §18.5)",
         storage=StorageType.FILE,
         replicas=replicas,
+        max_bytes=limits.artifacts,
     )
     index = KeyValueConfig(
         bucket=INDEX_BUCKET,
@@ -232,6 +349,7 @@ def artifact_buckets(replicas: int) -> tuple[ObjectStoreConfig, KeyValueConfig, 
         history=1,
         storage=StorageType.FILE,
         replicas=replicas,
+        max_bytes=limits.artifact_index,
     )
     uploads = KeyValueConfig(
         bucket=UPLOADS_BUCKET,
@@ -239,6 +357,7 @@ def artifact_buckets(replicas: int) -> tuple[ObjectStoreConfig, KeyValueConfig, 
         history=1,
         storage=StorageType.FILE,
         replicas=replicas,
+        max_bytes=limits.artifact_uploads,
     )
     return store, index, uploads
 
@@ -248,7 +367,7 @@ def _normalized(field: str, value: Any) -> Any:
         return sorted(value or [])
     if field in ("max_age", "duplicate_window"):
         return float(value or 0)
-    if field == "max_bytes":
+    if field in ("max_bytes", "max_msgs", "max_msg_size"):
         return -1 if value in (None, 0) else int(value)
     if field in ("retention", "discard", "storage"):
         return getattr(value, "value", value)
@@ -333,6 +452,7 @@ async def _ensure_key_value(jetstream: JetStream, config: KeyValueConfig) -> Ens
         max_age=config.ttl or 0.0,
         max_msgs_per_subject=config.history,
         num_replicas=config.replicas,
+        max_bytes=config.max_bytes,
     )
     have = info.config
     diffs = [
@@ -341,6 +461,7 @@ async def _ensure_key_value(jetstream: JetStream, config: KeyValueConfig) -> Ens
             ("max_age", float(want.max_age or 0), float(have.max_age or 0)),
             ("max_msgs_per_subject", want.max_msgs_per_subject, have.max_msgs_per_subject),
             ("num_replicas", want.num_replicas, have.num_replicas),
+            ("max_bytes", _normalized("max_bytes", want.max_bytes), _normalized("max_bytes", have.max_bytes)),
         )
         if wanted != current
     ]
@@ -355,15 +476,25 @@ async def _ensure_key_value(jetstream: JetStream, config: KeyValueConfig) -> Ens
     return "updated"
 
 
-async def ensure_object_store(jetstream: JetStream, config: ObjectStoreConfig) -> None:
-    """Create the object store unless its stream exists (its config is left as it is)."""
+async def ensure_object_store(jetstream: JetStream, config: ObjectStoreConfig) -> EnsureOutcome:
+    """Create the object store, or bring its ``max_bytes`` up to date (the rest of
+    an existing store's config is left as it is)."""
     js = jetstream.native
     with translated():
         try:
-            await js.stream_info(f"OBJ_{config.bucket}")
+            info = await js.stream_info(f"OBJ_{config.bucket}")
         except NotFoundError:
             with contextlib.suppress(APIError):  # a concurrent instance created it first
                 await js.create_object_store(str(config.bucket), config=config)
+            return "created"
+        if _normalized("max_bytes", config.max_bytes) == _normalized("max_bytes", info.config.max_bytes):
+            return "unchanged"
+        try:
+            await js.update_stream(dataclasses.replace(info.config, max_bytes=config.max_bytes))
+        except APIError as exc:
+            log.warning("object store %s: max_bytes not updated: %s", config.bucket, exc.description)
+            return "mismatch: max_bytes"
+        return "updated"
 
 
 async def ensure_inbox_stream(
@@ -371,17 +502,65 @@ async def ensure_inbox_stream(
     agent_id: str,
     *,
     max_age_s: float = 7 * DAY_S,
-    max_bytes: int = 25 * 1024 * 1024,
+    max_bytes: int = DEFAULT_MAILBOX_BYTES,
+    max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
+    discard: Literal["new", "old"] = "new",
 ) -> EnsureOutcome:
     """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`)."""
     return await ensure_stream(
         js,
-        inbox_stream_config(agent_id, max_age_s=max_age_s, max_bytes=max_bytes, replicas=replicas),
+        inbox_stream_config(
+            agent_id,
+            max_age_s=max_age_s,
+            max_bytes=max_bytes,
+            max_msgs=max_msgs,
+            replicas=replicas,
+            discard=discard,
+        ),
     )
 
 
-async def ensure_mesh_streams(js: JetStream, replicas: int) -> dict[str, EnsureOutcome]:
+async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
+    """Purge every mailbox up to what its drain consumer has acked; returns the
+    purged mailboxes with the sequence each was purged through.
+
+    The platform's half of the discard-new mailbox (issue #22.4): a meshnode
+    node purges its own mailbox after a drain, but any client that drains
+    through the §18.6 durable (``inbox_{agent}``) and acks gets the same room
+    back here, without a purge grant. A mailbox without that consumer, or
+    with nothing acked past its first message, is left alone.
+    """
+    js = jetstream.native
+    purged: dict[str, int] = {}
+    with translated():
+        offset = 0
+        while True:
+            page = await js.streams_info(offset=offset)
+            if not page:
+                break
+            offset += len(page)
+            for info in page:
+                name = str(info.config.name)
+                if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
+                    continue
+                try:
+                    durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
+                    consumer = await js.consumer_info(name, durable)
+                except (NotFoundError, ValueError):
+                    continue  # nobody drains it through the §18.6 durable (or not an agent's)
+                floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
+                if floor >= int(info.state.first_seq or 0):
+                    await js.purge_stream(name, seq=floor + 1)
+                    purged[name] = floor
+            if len(page) < 256:  # the JetStream API's page size: this was the last page
+                break
+    return purged
+
+
+async def ensure_mesh_streams(
+    js: JetStream, replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> dict[str, EnsureOutcome]:
     """Create or update every core stream and KV bucket of §18.3/§18.4.
 
     Returns each object's name with what happened to it. ``replicas`` is
@@ -390,10 +569,10 @@ async def ensure_mesh_streams(js: JetStream, replicas: int) -> dict[str, EnsureO
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     outcomes: dict[str, EnsureOutcome] = {}
-    for config in mesh_stream_configs(replicas):
+    for config in mesh_stream_configs(replicas, limits):
         assert config.name is not None
         outcomes[config.name] = await ensure_stream(js, config)
-    for bucket in (registry_bucket_config(replicas), tasks_bucket_config(replicas)):
+    for bucket in (registry_bucket_config(replicas, limits), tasks_bucket_config(replicas, limits)):
         outcomes[bucket.bucket] = await ensure_key_value(js, bucket)
     return outcomes
 

@@ -1,0 +1,151 @@
+"""``meshnode agreements``: sign, add, list and revoke §19.5 agreements (Economics extension).
+
+The signing key is the node's own (the default owner of every agent it hosts,
+§8.3), held by the daemon from the keystore: the CLI never reads a key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .daemon import _admin, _client_args
+from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
+from .output import emit_json
+
+
+def register(commands: Any) -> None:
+    agreements = commands.add_parser("agreements", help="agreements to paid SKUs (§19.5)")
+    sub = agreements.add_subparsers(dest="agreements_command", metavar="ACTION", required=True)
+    sign = sub.add_parser("sign", help="sign (as this node's owner key) an agreement to a seller's SKU at its current digest")
+    sign.add_argument("seller", help="the seller agent: a local name, an id (U...) or a registry name")
+    sign.add_argument("--sku", help="the SKU id (default: the one covering --offering, or the seller's only SKU)")
+    sign.add_argument("--offering", help="pick the SKU covering this offering")
+    sign.add_argument("--expires-in", type=int, metavar="SECONDS", help="the agreement expires this long after now")
+    sign.add_argument("--out", type=Path, help="also write the signed document here (to `agreements add` on the seller's node)")
+    _client_args(sign)
+    sign.set_defaults(handler=cmd_sign)
+    add = sub.add_parser("add", help="keep an agreement signed elsewhere (a JSON file) in this node's store")
+    add.add_argument("file", type=Path, help="the signed agreement document (JSON)")
+    _client_args(add)
+    add.set_defaults(handler=cmd_add)
+    lst = sub.add_parser("list", help="the agreements this node enforces")
+    _client_args(lst)
+    lst.set_defaults(handler=cmd_list)
+    revoke = sub.add_parser("revoke", help="revoke agreements to a SKU from now on (prospective)")
+    revoke.add_argument("sku", help="the SKU id")
+    revoke.add_argument("--owner", help="only this consumer owner's (U...)")
+    revoke.add_argument("--seller", help="only to this seller (a local name or an id)")
+    _client_args(revoke)
+    revoke.set_defaults(handler=cmd_revoke)
+
+
+def register_usage(commands: Any) -> None:
+    usage = commands.add_parser("usage", help="meter events of priced offerings, rated against the agreements (§19.6)")
+    usage.add_argument("--owner", help="only this consumer owner (U...)")
+    usage.add_argument("--seller", help="only this seller (a local name or an id)")
+    usage.add_argument("--charges", action="store_true", help="list every rated event, not only the totals")
+    _client_args(usage)
+    usage.set_defaults(handler=cmd_usage)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {}
+    if args.owner:
+        params["owner"] = args.owner
+    if args.seller:
+        params["seller"] = args.seller
+    code, result = _admin(args, "Usage.Rated", params)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    if not result["charges"]:
+        print("no usage recorded")
+        return EX_OK
+    if args.charges:
+        for c in result["charges"]:
+            print(f"{c['ts']}  {c['sku']:<16} {c['meter']:<10} {c['quantity']:>6}  {c['amount_micro']:>10} "
+                  f"{c.get('currency', '')}  {c['outcome']:<13} owner {c.get('consumer_owner', '?')}")
+    for t in result["totals"]:
+        print(f"{t['period']}  owner {t['consumer_owner']}  seller {t['seller_agent']}  "
+              f"{t['amount_micro']} micro-{t['currency']}")
+    return EX_OK
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"seller": args.seller}
+    for name, value in (("sku", args.sku), ("offering", args.offering), ("expires_in_s", args.expires_in)):
+        if value is not None:
+            params[name] = value
+    code, result = _admin(args, "Agreements.Sign", params)
+    if code != EX_OK:
+        return code
+    if args.out is not None:
+        args.out.write_text(json.dumps(result["agreement"], indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    a = result["agreement"]
+    print(f"signed {a['sku']} ({a['sku_digest']}) for {a['seller_agent']} as {a['consumer_owner']}")
+    if result["stored"]:
+        print("stored: the seller is hosted here and admits this owner's agents now")
+    else:
+        where = f" {args.out}" if args.out else " (use --out FILE)"
+        print(f"not stored here: hand{where} to the seller's operator for `meshnode agreements add`")
+    return EX_OK
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    try:
+        document = json.loads(args.file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        print(f"meshnode: {args.file}: no such file", file=sys.stderr)
+        return EX_NOINPUT
+    except ValueError as exc:
+        print(f"meshnode: {args.file}: not JSON: {exc}", file=sys.stderr)
+        return EX_DATAERR
+    code, result = _admin(args, "Agreements.Add", {"agreement": document})
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    a = result["agreement"]
+    print(f"added {a['sku']} ({a['sku_digest']}) of {a['consumer_owner']}")
+    return EX_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    code, result = _admin(args, "Agreements.List")
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    if not result["agreements"]:
+        print("no agreements held")
+    for a in result["agreements"]:
+        state = f"revoked {a['revoked_at']}" if a["revoked_at"] else f"expires {a['expires_at']}" if a["expires_at"] else "live"
+        print(f"{a['sku']:<20} {a['sku_digest']}  owner {a['consumer_owner']}  seller {a['seller_agent']}  {state}")
+    return EX_OK
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"sku": args.sku}
+    if args.owner:
+        params["owner"] = args.owner
+    if args.seller:
+        params["seller"] = args.seller
+    code, result = _admin(args, "Agreements.Revoke", params)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    print(f"revoked {len(result['revoked'])} agreement(s) to {args.sku}")
+    return EX_OK

@@ -1,0 +1,208 @@
+"""The ``Agreements.*`` admin methods (§19.5): sign, add, list and revoke agreements;
+``Usage.Rated`` (§19.6): the recorded meter events rated against them.
+
+The owner key is this node's key (read from the keystore at start): the node
+is the default owner of every agent it hosts (§8.3), so it is the account
+whose agreements cover requests from those agents. ``Agreements.Sign`` signs
+an agreement to a seller's SKU at the digest the seller currently declares
+(its own manifest when the seller is hosted here, else the registry's copy)
+and keeps it in this node's store when the seller is hosted here;
+``Agreements.Add`` takes an agreement signed elsewhere (a file the consumer's
+operator hands over) into the store, verifying the owner's signature.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from meshnode.admin.methods import param
+from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.node.builtin import CLI_AGENT_NAME
+from meshnode.node.commerce import AgreementGate
+from meshnode.protocol.commerce import AgreementRecord, ledger_totals, parse_skus, sign_agreement
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.timeutil import format_ts
+
+if TYPE_CHECKING:
+    from meshnode.daemon.main import Daemon
+
+__all__ = ["record_summary", "register_agreement_methods"]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def record_summary(record: AgreementRecord) -> dict[str, Any]:
+    """One stored agreement as the CLI shows it (the signed document included)."""
+    a = record.agreement
+    return {
+        "consumer_owner": a.consumer_owner,
+        "seller_agent": a.seller_agent,
+        "sku": a.sku,
+        "sku_digest": a.sku_digest,
+        "agreed_at": a.agreed_at,
+        "expires_at": a.expires_at,
+        "revoked_at": format_ts(record.revoked_at_ms) if record.revoked_at_ms is not None else None,
+        "document": a.to_object(),
+    }
+
+
+def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
+    """Add the ``Agreements.*`` admin methods (module docstring)."""
+    ops = _AgreementMethods(daemon)
+    methods.add(
+        "Agreements.Sign", ops.sign, level="admin",
+        doc="params {seller, sku?, offering?, expires_in_s?} -> {agreement, stored}: this node's key (the owner of "
+        "its agents) signs an agreement to the seller's SKU at its current digest; stored when the seller is hosted here",
+    )
+    methods.add(
+        "Agreements.Add", ops.add, level="admin",
+        doc="params {agreement} -> {agreement}: keep an owner-signed agreement (§19.5) in this node's store (verified)",
+    )
+    methods.add("Agreements.List", ops.list, level="operator", doc="-> {owner, agreements: [...]} the agreements this node enforces")
+    methods.add(
+        "Usage.Rated", ops.usage, level="operator",
+        doc="params {owner?, seller?} -> {events, charges: [...], totals: [{consumer_owner, seller_agent, currency, "
+        "period, amount_micro}]}: the recorded meter events of priced offerings rated (§19.6) against the held "
+        "agreements, replayed from the log (the same log gives the same charges)",
+    )
+    methods.add(
+        "Agreements.Revoke", ops.revoke, level="admin",
+        doc="params {sku, owner?, seller?} -> {revoked: [...]}: revoke from now on (prospective, §19.5)",
+    )
+
+
+class _AgreementMethods:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def _gate(self) -> AgreementGate:
+        node = self.d.node
+        if node is None or node.commerce is None:
+            raise NotFound("the node is not running")
+        return node.commerce
+
+    async def _seller_skus(self, seller: str) -> tuple[str, list[Mapping[str, Any]]]:
+        """The seller's id and its SKUs ({sku, covers?, digest}) as currently declared."""
+        node = self.d.node
+        assert node is not None
+        local = node.agents.get(seller) or node.by_id.get(seller)
+        if local is not None:
+            return local.agent_id, [
+                {"sku": s.sku, "digest": s.digest, "offerings": list(s.offerings), "agent": s.covers_agent}
+                for s in local.skus
+            ]
+        try:
+            info = await node.directory.resolve(node.agents[CLI_AGENT_NAME], seller)
+        except ProtocolError as exc:
+            raise NotFound(f"seller {seller!r}: {exc.message}") from None
+        manifest = info.manifest
+        if isinstance(manifest.get("skus"), list):
+            try:
+                skus = parse_skus(manifest["skus"])
+            except ProtocolError as exc:
+                raise InvalidParameter(f"seller {seller!r} declares malformed skus: {exc.message}") from None
+            return info.id, [
+                {"sku": s.sku, "digest": s.digest, "offerings": list(s.offerings), "agent": s.covers_agent}
+                for s in skus
+            ]
+        public = manifest.get("public")
+        advertised = public.get("skus") if isinstance(public, Mapping) else None
+        return info.id, [
+            {"sku": s.get("sku"), "digest": s.get("digest"), "offerings": [], "agent": False}
+            for s in (advertised if isinstance(advertised, list) else [])
+            if isinstance(s, Mapping)
+        ]
+
+    async def sign(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        seller = param(params, "seller", str)
+        sku_id = param(params, "sku", str, None)
+        offering = param(params, "offering", str, None)
+        expires_in = param(params, "expires_in_s", int, None)
+        if expires_in is not None and expires_in <= 0:
+            raise InvalidParameter("expires_in_s must be a positive number of seconds", {"parameter": "expires_in_s"})
+        seller_id, skus = await self._seller_skus(seller)
+        if sku_id is None and offering is not None:
+            named = [s for s in skus if offering in s["offerings"]] or [s for s in skus if s["agent"]]
+            sku_id = named[0]["sku"] if named else None
+        if sku_id is None and len(skus) == 1:
+            sku_id = skus[0]["sku"]
+        chosen = next((s for s in skus if s["sku"] == sku_id), None)
+        if chosen is None:
+            names = ", ".join(str(s["sku"]) for s in skus) or "none"
+            raise NotFound(f"seller {seller!r} declares no SKU {sku_id!r} (its SKUs: {names}); pass --sku")
+        key = self.d.node_key
+        assert key is not None
+        now = _now_ms()
+        doc: dict[str, Any] = {
+            "v": 1,
+            "consumer_owner": key.public_key,
+            "seller_agent": seller_id,
+            "sku": chosen["sku"],
+            "sku_digest": chosen["digest"],
+            "agreed_at": format_ts(now),
+        }
+        if expires_in is not None:
+            doc["expires_at"] = format_ts(now + expires_in * 1000)
+        try:
+            signed = sign_agreement(doc, key)
+        except ProtocolError as exc:
+            raise InvalidParameter(f"cannot sign: {exc.message}", exc.details) from None
+        stored = seller_id in self.d.node.by_id if self.d.node is not None else False
+        if stored:
+            gate.store.add(signed)
+        return {"agreement": signed, "stored": stored}
+
+    async def add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        document = param(params, "agreement", dict)
+        try:
+            agreement = gate.store.add(document)
+        except ProtocolError as exc:
+            raise InvalidParameter(f"agreement refused: {exc.message}", exc.details) from None
+        return {"agreement": agreement.to_object()}
+
+    async def list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        key = self.d.node_key
+        return {
+            "owner": key.public_key if key is not None else None,
+            "agreements": [record_summary(r) for r in gate.store.records()],
+        }
+
+    async def usage(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        owner = param(params, "owner", str, None)
+        seller = param(params, "seller", str, None)
+        node = self.d.node
+        if seller is not None and node is not None:
+            local = node.agents.get(seller)
+            seller = local.agent_id if local is not None else seller
+        if gate.usage is None:
+            return {"events": 0, "charges": [], "totals": []}
+        charges = [
+            c for c in gate.usage.rate(gate.store.records())
+            if (owner is None or c.consumer_owner == owner) and (seller is None or c.seller_agent == seller)
+        ]
+        totals = [
+            {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
+            for k, v in sorted(ledger_totals(charges).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+        ]
+        return {"events": len(charges), "charges": [c.to_object() for c in charges], "totals": totals}
+
+    async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        gate = self._gate()
+        sku = param(params, "sku", str)
+        owner = param(params, "owner", str, None)
+        seller = param(params, "seller", str, None)
+        node = self.d.node
+        if seller is not None and node is not None:
+            local = node.agents.get(seller)
+            seller = local.agent_id if local is not None else seller
+        revoked = gate.store.revoke(sku=sku, consumer_owner=owner, seller_agent=seller, now_ms=_now_ms())
+        return {"revoked": [a.to_object() for a in revoked]}

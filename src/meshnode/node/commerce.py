@@ -1,0 +1,330 @@
+"""The Economics extension on the node (§19.1, §19.5): declared SKUs and the agreement check.
+
+Three jobs, each small:
+
+* :func:`declared_skus` turns what an agent class declares (``@offering(price=...)``
+  and :attr:`meshnode.agent.Agent.skus`) into validated §19.1 SKUs with their
+  digests: the plugin author writes prices, never digests.
+* :class:`AgreementStore` holds the agreements this node enforces: owner-signed
+  documents (§19.5), verified on the way in, kept in ``agreements.json`` in the
+  data directory, revocable (prospectively).
+* :class:`AgreementGate` is the admission check in the §7.7/§22 slot: a request
+  whose offering a paid SKU covers, from a requester whose owner holds no
+  unexpired agreement at the SKU's current digest, is refused with
+  AGREEMENT_REQUIRED before any work.
+
+Why a node-local store and not a platform service: admission needs the
+agreement on the provider's node at the instant of the request, and a
+registered-on-the-mesh store (the §19.5 "registered with the platform"
+posture) needs a new service subject, its permissions and its replication.
+The local store gives the same admission semantics now; an agreement signed
+on another node is carried to the provider's node as a file
+(``meshnode agreements add``). See docs/guides/pricing.md for the limitation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshnode.agent import OfferingSpec
+from meshnode.protocol.commerce import (
+    Agreement,
+    AgreementRecord,
+    Charge,
+    Rater,
+    Sku,
+    agreement_required,
+    approval_url,
+    find_agreement,
+    parse_sku,
+    parse_skus,
+    sku_for,
+    verify_agreement,
+)
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.metering import MeterClass, meter_event
+
+if TYPE_CHECKING:
+    from meshnode.node.hosted import HostedAgent
+
+__all__ = ["AgreementGate", "AgreementStore", "UsageLog", "declared_skus", "default_sku_id"]
+
+log = logging.getLogger("meshnode.commerce")
+
+_NOT_SKU_CHAR = re.compile(r"[^a-z0-9-]+")
+
+
+def default_sku_id(offering_id: str) -> str:
+    """The SKU id of a priced offering that names none: the offering id lower-cased,
+    every run of other characters as one ``-``, at most 64 characters."""
+    return _NOT_SKU_CHAR.sub("-", offering_id.lower()).strip("-")[:64] or "sku"
+
+
+def declared_skus(declared: Sequence[Mapping[str, Any]], offerings: Iterable[OfferingSpec]) -> tuple[Sku, ...]:
+    """Validated SKUs of an agent class: ``declared`` (whole SKU objects) then one
+    per priced offering. Raises ProtocolError INVALID_MANIFEST naming the member
+    (``skus[i]....``) when a SKU is malformed or two SKUs cover one offering."""
+    objects: list[dict[str, Any]] = [dict(s) for s in declared]
+    for spec in offerings:
+        if spec.price is None:
+            continue
+        objects.append({
+            "sku": spec.sku or default_sku_id(spec.id),
+            "covers": {"offerings": [spec.id]},
+            "price": dict(spec.price),
+            "provider": dict(spec.billing_provider or {"id": "internal"}),
+        })
+    return parse_skus(objects) if objects else ()
+
+
+def _record_object(record: AgreementRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {"agreement": record.agreement.to_object()}
+    if record.revoked_at_ms is not None:
+        out["revoked_at_ms"] = record.revoked_at_ms
+    return out
+
+
+class AgreementStore:
+    """The agreements this node enforces, in ``path`` (JSON, written atomically, 0600).
+
+    One record per (consumer owner, seller agent, SKU id): a newer agreement to
+    the same SKU replaces the older one (re-approval after a price change).
+    Only documents whose signature verifies against their own
+    ``consumer_owner`` are accepted; a record that no longer verifies when the
+    file is read is dropped with a warning, never enforced as valid.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._records: dict[tuple[str, str, str], AgreementRecord] = {}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            # Fail closed: an unreadable store holds no agreements (paid work is refused).
+            log.error("%s: unreadable agreement store (%s); no agreements are enforced as held", self.path, exc)
+            return
+        for i, item in enumerate(raw.get("agreements", []) if isinstance(raw, dict) else []):
+            try:
+                agreement = verify_agreement(item.get("agreement") if isinstance(item, dict) else None)
+            except ProtocolError as exc:
+                log.warning("%s: agreements[%d] dropped: %s", self.path, i, exc.message)
+                continue
+            revoked = item.get("revoked_at_ms")
+            self._records[self._key(agreement)] = AgreementRecord(
+                agreement, revoked if isinstance(revoked, int) else None
+            )
+
+    @staticmethod
+    def _key(agreement: Agreement) -> tuple[str, str, str]:
+        return (agreement.consumer_owner, agreement.seller_agent, agreement.sku)
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        data = json.dumps({"agreements": [_record_object(r) for r in self._records.values()]}, indent=2)
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def add(self, document: object) -> Agreement:
+        """Verify (shape and the owner's signature, §19.5) and keep ``document``.
+        Raises ProtocolError (INVALID_ENVELOPE / IDENTITY_MISMATCH) otherwise."""
+        agreement = verify_agreement(document)
+        self._records[self._key(agreement)] = AgreementRecord(agreement)
+        self._save()
+        return agreement
+
+    def revoke(self, *, sku: str, consumer_owner: str | None, seller_agent: str | None, now_ms: int) -> list[Agreement]:
+        """Revoke (from ``now_ms`` on, prospectively) the live agreements to ``sku``
+        matching the given owner and seller (None: any). Returns those revoked."""
+        revoked: list[Agreement] = []
+        for key, record in self._records.items():
+            a = record.agreement
+            if a.sku != sku or record.revoked_at_ms is not None:
+                continue
+            if consumer_owner is not None and a.consumer_owner != consumer_owner:
+                continue
+            if seller_agent is not None and a.seller_agent != seller_agent:
+                continue
+            self._records[key] = AgreementRecord(a, now_ms)
+            revoked.append(a)
+        if revoked:
+            self._save()
+        return revoked
+
+    def records(self) -> list[AgreementRecord]:
+        return list(self._records.values())
+
+
+class UsageLog:
+    """The meter events of priced offerings this node recorded, in ``path`` (JSON lines).
+
+    Each line is ``{"event": <§13.5 meter event>, "sku": <the SKU as declared
+    when the event happened>, "consumer_owner": <resolved at admission>}``, so a
+    replay rates each event under the terms current at its ts, whatever the
+    agent declares now. Recorded: one observed ``requests`` event per
+    completed request of an offering a SKU covers, and one refusal event
+    (quantity 0, ``refused: true``) per AGREEMENT_REQUIRED.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None) -> None:
+        line = json.dumps({"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner},
+                          separators=(",", ":"))
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every readable record, in order (a torn last line is skipped)."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        out: list[dict[str, Any]] = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("event"), dict):
+                out.append(record)
+        return out
+
+    def rate(self, agreements: Iterable[Agreement | AgreementRecord]) -> list[Charge]:
+        """The §19.6 fold of the recorded events × the agreements: a fresh
+        :class:`~meshnode.protocol.commerce.Rater`, so the same log and
+        agreements always give the same charges to the micro-unit."""
+        rater = Rater(list(agreements))
+        charges: list[Charge] = []
+        for record in self.read():
+            try:
+                sku = parse_sku(record.get("sku"))
+            except ProtocolError:
+                continue
+            owner = record.get("consumer_owner")
+            charge = rater.rate(record["event"], sku=sku, consumer_owner=owner if isinstance(owner, str) else None)
+            if charge is not None:
+                charges.append(charge)
+        return charges
+
+
+#: Admitted requests awaiting their completion's meter event, at most this many.
+_ADMITTED_CAP = 10_000
+
+
+class AgreementGate:
+    """The §19.5 admission check, with the node's store and ``[commerce]`` settings."""
+
+    def __init__(
+        self,
+        store: AgreementStore,
+        *,
+        approval_surface: str | None,
+        gate_free_terms: bool,
+        usage: UsageLog | None = None,
+    ) -> None:
+        self.store = store
+        self.approval_surface = approval_surface
+        self.gate_free_terms = gate_free_terms
+        self.usage = usage
+        # Request id -> (SKU, owner) from admission to completion (FIFO-bounded:
+        # a request whose handler never completes must not grow it forever).
+        self._admitted: dict[str, tuple[Sku, str | None]] = {}
+
+    def _record(self, hosted: HostedAgent, env: Mapping[str, Any], sku: Sku, owner: str | None,
+                offering: str, now_ms: int, refusal_code: str | None = None) -> None:
+        if self.usage is None:
+            return
+        try:
+            event = meter_event(
+                "requests", MeterClass.OBSERVED, 0 if refusal_code else 1, provider=hosted.agent_id,
+                consumer=str(env["from"]), envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering,
+                refusal_code=refusal_code,
+            )
+            self.usage.append(event, sku, owner)
+        except (OSError, ValueError) as exc:
+            # Usage is a record, not a gate: losing a line never refuses work.
+            log.warning("%s: meter event not recorded: %s", self.usage.path, exc)
+
+    def delivered(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> None:
+        """A request admitted by :meth:`check` completed: record its ``requests`` event."""
+        admitted = self._admitted.pop(str(env.get("id")), None)
+        if admitted is not None:
+            self._record(hosted, env, admitted[0], admitted[1], offering, now_ms)
+
+    async def owner_of(self, hosted: HostedAgent, requester: str) -> str | None:
+        """The requester's owner the way EXT-2 §7.1 resolves it: the owner of its
+        registry manifest (which the registry materializes, defaulting to the
+        hosting node). None when the registry does not know it: an unresolvable
+        owner holds no agreements."""
+        try:
+            info = await hosted.node.directory.resolve(hosted, requester)
+        except ProtocolError:
+            return None
+        manifest = info.manifest
+        owner = manifest.get("owner")
+        if isinstance(owner, str):
+            return owner
+        # A manifest this node serves itself (a local requester) is the
+        # registrant's copy, before the registry's rewrite: owner defaults to
+        # the hosting node (§8.3), which is exactly what the registry records.
+        node = manifest.get("node")
+        node_id = node.get("id") if isinstance(node, Mapping) else None
+        return node_id if isinstance(node_id, str) else None
+
+    def _admit(self, env: Mapping[str, Any], sku: Sku, owner: str | None) -> Sku:
+        if self.usage is not None:
+            self._admitted[str(env.get("id"))] = (sku, owner)
+            if len(self._admitted) > _ADMITTED_CAP:
+                self._admitted.pop(next(iter(self._admitted)))
+        return sku
+
+    async def check(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> Sku | None:
+        """Raise AGREEMENT_REQUIRED (details sku, sku_digest, approval_url) when a
+        paid SKU covers ``offering`` and the requester's (``env["from"]``) owner
+        holds no live agreement at its current digest. Returns the covering SKU
+        (None: free). The refusal, and later the completion, are recorded as
+        meter events in the usage log."""
+        sku = sku_for(hosted.skus, offering)
+        if sku is None:
+            return None
+        requester = str(env["from"])
+        gated = sku.is_paid or (self.gate_free_terms and sku.provider.terms_url is not None)
+        if not gated:
+            return self._admit(env, sku, None)  # free: nothing to agree to, nothing to attribute
+        owner = await self.owner_of(hosted, requester)
+        if find_agreement(
+            self.store.records(), consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms
+        ) is not None:
+            return self._admit(env, sku, owner)
+        self._record(hosted, env, sku, owner, offering, now_ms, refusal_code="AGREEMENT_REQUIRED")
+        try:
+            url = approval_url(sku, self.approval_surface)
+        except ValueError:
+            # No approval surface anywhere: still refused (paid work without an
+            # agreement never runs), and the message says which key fixes it.
+            raise ProtocolError(
+                "AGREEMENT_REQUIRED",
+                f"{sku.sku!r} is paid and this account holds no agreement to its current terms; the operator "
+                "has configured no approval surface ([commerce] approval_url, or the SKU's provider.checkout_url)",
+                {"sku": sku.sku, "sku_digest": sku.digest, "approval_url": None},
+            ) from None
+        raise agreement_required(sku, url)

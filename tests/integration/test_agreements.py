@@ -1,0 +1,115 @@
+"""Economics §19.5 over real daemons: a paid offering and the agreement that admits it.
+
+The consumer node runs the embedded mesh (registry, presence); the provider
+joins it and hosts ``priced`` (``tests.agents.priced``), whose ``summarize``
+offering declares a flat price. The consumer's CLI identity (owned by the
+consumer node, §8.3) asks it for work: refused with AGREEMENT_REQUIRED before
+the handler runs; served once the consumer signs an agreement
+(``meshnode agreements sign``) and the provider's operator adds it
+(``meshnode agreements add``); refused again after the provider restarts with
+another price (the SKU's digest moved, so the standing agreement is stale).
+``meshnode usage`` then rates the recorded meter events: refusals at zero,
+the served request at the price agreed, the same on every replay.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
+
+pytestmark = pytest.mark.integration
+
+APPROVAL = "https://billing.example/approve"
+
+
+def _registered(daemon: DaemonProcess, name: str) -> bool:
+    return any(a["name"] == name and a.get("registered") for a in daemon.status()["agents"])
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    daemons = DaemonSet()
+    try:
+        consumer = daemons.embedded("consumer")
+        provider = daemons.joined(
+            "provider", consumer, agents={"priced": {"plugin": "priced"}},
+            node={"plugin_modules": ["tests.agents.priced:plugin"]}, start=False,
+        )
+        provider.config_path.write_text(provider.config_path.read_text() + f'\n[commerce]\napproval_url = "{APPROVAL}"\n')
+        provider.start()
+        eventually(lambda: _registered(provider, "priced"), what="priced registered", timeout=60)
+        yield consumer, provider
+    finally:
+        daemons.close()
+
+
+def _summarize(consumer: DaemonProcess, seller: str) -> dict[str, Any]:
+    result: dict[str, Any] = consumer.call(seller, "summarize", "a long text to summarize")
+    return result
+
+
+def test_paid_offering_needs_an_agreement_at_the_current_digest(
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
+) -> None:
+    consumer, provider = nodes
+    seller = provider.agent_id("priced")
+
+    # No agreement: refused at admission, with where to approve, and nothing ran.
+    refused = _summarize(consumer, seller)
+    assert refused["status"] == "failed", refused
+    error = refused["error"]
+    assert error["code"] == "AGREEMENT_REQUIRED", error
+    assert error["details"]["sku"] == "summarize"
+    assert error["details"]["approval_url"] == f"{APPROVAL}?sku=summarize"
+    first_digest = error["details"]["sku_digest"]
+    assert provider.call("priced", "ping")["output"] == {"runs": 0}
+    # A free offering of the same agent is not gated.
+    assert consumer.call(seller, "ping")["status"] == "completed"
+
+    # The consumer's owner signs at the digest the registry shows (the storefront's).
+    doc = tmp_path / "agreement.json"
+    signed = json.loads(run_cli(
+        "agreements", "sign", seller, "--offering", "summarize", "--out", str(doc),
+        "--socket", consumer.socket_path, "--json",
+    ).stdout)
+    assert signed["stored"] is False  # the seller is hosted elsewhere
+    assert signed["agreement"]["sku_digest"] == first_digest
+    assert signed["agreement"]["consumer_owner"] == consumer.status()["node"]["id"]
+    run_cli("agreements", "add", str(doc), "--socket", provider.socket_path)
+    held = json.loads(run_cli("agreements", "list", "--socket", provider.socket_path, "--json").stdout)
+    assert [a["sku"] for a in held["agreements"]] == ["summarize"]
+
+    served = _summarize(consumer, seller)
+    assert served["status"] == "completed", served
+    assert served["output"]["runs"] == 1  # the refused request never ran
+
+    # The price moves: the provider restarts with new terms, the digest moves,
+    # the standing agreement (still in the store) no longer admits.
+    provider.stop()
+    provider.start(env_extra={"MESHNODE_TEST_PRICE_MICRO": "3000"})
+    eventually(lambda: _registered(provider, "priced"), what="priced registered again", timeout=60)
+    again = _summarize(consumer, seller)
+    assert again["status"] == "failed", again
+    assert again["error"]["code"] == "AGREEMENT_REQUIRED"
+    assert again["error"]["details"]["sku_digest"] != first_digest
+    assert provider.call("priced", "ping")["output"] == {"runs": 0}  # a fresh process; nothing ran
+    held = json.loads(run_cli("agreements", "list", "--socket", provider.socket_path, "--json").stdout)
+    assert [a["sku_digest"] for a in held["agreements"]] == [first_digest]
+
+    # The recorded meter events, rated (§19.6): both refusals rate to zero,
+    # the served request is charged at the terms agreed then; a replay is identical.
+    rated = json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout)
+    outcomes = [(c["outcome"], c["amount_micro"], c["sku_digest"]) for c in rated["charges"]]
+    assert outcomes == [("refused", 0, first_digest), ("charged", 2000, first_digest),
+                        ("refused", 0, again["error"]["details"]["sku_digest"])]
+    owner = consumer.status()["node"]["id"]
+    assert [(t["consumer_owner"], t["seller_agent"], t["currency"], t["amount_micro"]) for t in rated["totals"]] == [
+        (owner, seller, "USD", 2000)
+    ]
+    assert json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout) == rated

@@ -1,0 +1,205 @@
+"""The Economics extension on the node (meshnode.node.commerce): SKUs built from
+what a plugin declares, the manifest and storefront members, the agreement
+store, and the §19.5 admission check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import pytest
+
+from meshnode.agent import Agent, AgentSettings, Context, offering
+from meshnode.node.commerce import (
+    AgreementGate,
+    AgreementStore,
+    UsageLog,
+    declared_skus,
+    default_sku_id,
+)
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.manifests import build_manifest
+from meshnode.node.runtime import Node, NodeSettings
+from meshnode.protocol.commerce import make_agreement, sku_digest
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import KeyPair
+from tests.fakes import FakeConnection
+
+NOW = 1_800_000_000_000
+FLAT = {"model": "flat", "currency": "USD", "amount_micro": 2000}
+
+
+class Shop(Agent):
+    skus: ClassVar[list[dict[str, Any]]] = [
+        {"sku": "all-in", "covers": {"agent": True}, "price": {"model": "free"},
+         "provider": {"id": "internal", "terms_url": "https://t.example/v1"}},
+    ]
+
+    @offering("Summarize.Text", price=FLAT)
+    async def summarize(self, ctx: Context, input: Any) -> Any:
+        return "s"
+
+    @offering("secret", price=FLAT, sku="hidden", advertise=False)
+    async def secret(self, ctx: Context, input: Any) -> Any:
+        return "x"
+
+    @offering("free")
+    async def free(self, ctx: Context, input: Any) -> Any:
+        return "f"
+
+
+class Caller(Agent):
+    @offering("noop")
+    async def noop(self, ctx: Context, input: Any) -> Any:
+        return None
+
+
+def _env(requester: HostedAgent, request_id: str = "r1") -> dict[str, Any]:
+    return {"from": requester.agent_id, "id": request_id}
+
+
+def _host(node: Node, name: str, agent: Agent) -> HostedAgent:
+    key = KeyPair.generate()
+    hosted = HostedAgent(node, name=name, kind="test", agent=agent, key=key,
+                         guard=node.new_guard(key.public_key), interaction="service")
+    node.agents[name] = hosted
+    node.by_id[hosted.agent_id] = hosted
+    hosted.manifest = build_manifest(hosted, {"id": node.node_id}, 65536)
+    return hosted
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Node, HostedAgent, HostedAgent, AgreementGate]:
+    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+                connection=cast(Any, FakeConnection()), clock=lambda: NOW)
+    gate = AgreementGate(AgreementStore(tmp_path / "agreements.json"),
+                         approval_surface="https://approve.example/ui", gate_free_terms=False)
+    node.commerce = gate
+    return node, _host(node, "shop", Shop("shop", AgentSettings())), _host(node, "caller", Caller("caller", AgentSettings())), gate
+
+
+def test_a_priced_offering_becomes_a_sku_with_the_node_computed_digest() -> None:
+    assert default_sku_id("Summarize.Text") == "summarize-text"
+    skus = {s.sku: s for s in declared_skus(Shop.skus, Shop.offerings().values())}
+    assert set(skus) == {"all-in", "summarize-text", "hidden"}
+    sku = skus["summarize-text"]
+    assert sku.to_object() == {"sku": "summarize-text", "covers": {"offerings": ["Summarize.Text"]},
+                               "price": FLAT, "provider": {"id": "internal"}}
+    assert sku.digest == sku_digest(sku.to_object())
+    assert sku.is_paid and not skus["all-in"].is_paid
+
+
+def test_a_malformed_price_is_refused_naming_the_member() -> None:
+    class Bad(Agent):
+        @offering("x", price={"model": "flat", "currency": "usd", "amount_micro": 1})
+        async def x(self, ctx: Context, input: Any) -> Any:
+            return None
+
+    with pytest.raises(ProtocolError) as info:
+        declared_skus((), Bad.offerings().values())
+    assert info.value.code == "INVALID_MANIFEST"
+    assert str(info.value.details["member"]).startswith("skus[0].")
+
+
+def test_manifest_carries_the_skus_and_the_storefront_their_terms(setup: Any) -> None:
+    _, shop, _, _ = setup
+    manifest = shop.manifest
+    assert [s["sku"] for s in manifest["skus"]] == ["all-in", "summarize-text", "hidden"]
+    public = {s["sku"]: s for s in manifest["public"]["skus"]}
+    # The unadvertised offering's SKU stays off the storefront; each entry is {sku, price, digest}.
+    assert set(public) == {"all-in", "summarize-text"}
+    by_id = {s.sku: s for s in shop.skus}
+    assert public["summarize-text"] == {"sku": "summarize-text", "price": FLAT, "digest": by_id["summarize-text"].digest}
+
+
+async def test_no_agreement_refuses_and_an_agreement_at_the_digest_admits(setup: Any) -> None:
+    node, shop, caller, gate = setup
+    with pytest.raises(ProtocolError) as info:
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    assert info.value.code == "AGREEMENT_REQUIRED"
+    assert info.value.details == {"sku": "summarize-text", "sku_digest": sku.digest,
+                                  "approval_url": "https://approve.example/ui?sku=summarize-text"}
+    # The caller's owner is its node (§8.3): the node key signs.
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW - 1000))
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW) == sku
+    # Another offering's SKU is not covered by it; a free one needs nothing.
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller), "secret", NOW)
+    assert (await gate.check(shop, _env(caller), "free", NOW)).sku == "all-in"  # type: ignore[union-attr]
+
+
+async def test_another_owners_or_stale_or_revoked_agreement_does_not_admit(setup: Any, tmp_path: Path) -> None:
+    node, shop, caller, gate = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    stranger = KeyPair.generate()
+    gate.store.add(make_agreement(stranger, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW,
+                                  expires_at_ms=NOW + 10))
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW + 5) == sku
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW + 10)  # expired
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+    revoked = gate.store.revoke(sku=sku.sku, consumer_owner=node.node_id, seller_agent=None, now_ms=NOW + 1)
+    assert [a.consumer_owner for a in revoked] == [node.node_id]
+    assert await gate.check(shop, _env(caller), "Summarize.Text", NOW) == sku  # prospective
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW + 1)
+
+
+def test_the_store_accepts_only_the_owners_signature_and_survives_a_restart(setup: Any, tmp_path: Path) -> None:
+    node, shop, _, gate = setup
+    sku = shop.skus[1]
+    doc = make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW)
+    forged = dict(doc, consumer_owner=KeyPair.generate().public_key)
+    with pytest.raises(ProtocolError) as info:
+        gate.store.add(forged)
+    assert info.value.code == "IDENTITY_MISMATCH"
+    gate.store.add(doc)
+    path = tmp_path / "agreements.json"
+    assert (path.stat().st_mode & 0o777) == 0o600
+    again = AgreementStore(path)
+    assert [r.agreement.to_object() for r in again.records()] == [doc]
+    # A record edited on disk no longer verifies: dropped, never enforced.
+    raw = json.loads(path.read_text())
+    raw["agreements"][0]["agreement"]["sku_digest"] = shop.skus[2].digest
+    path.write_text(json.dumps(raw))
+    assert AgreementStore(path).records() == []
+
+
+async def test_no_approval_surface_still_refuses_and_says_which_key(tmp_path: Path, setup: Any) -> None:
+    _, shop, caller, _ = setup
+    gate = AgreementGate(AgreementStore(tmp_path / "other.json"), approval_surface=None, gate_free_terms=True)
+    with pytest.raises(ProtocolError) as info:
+        await gate.check(shop, _env(caller), "Summarize.Text", NOW)
+    assert info.value.code == "AGREEMENT_REQUIRED"
+    assert info.value.details["approval_url"] is None
+    assert "[commerce] approval_url" in info.value.message
+    # gate_free_terms: a free SKU with terms is a terms gate, its url the terms_url.
+    with pytest.raises(ProtocolError) as info:
+        await gate.check(shop, _env(caller), "free", NOW)
+    assert info.value.details["approval_url"] == "https://t.example/v1"
+
+
+async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: Any, tmp_path: Path) -> None:
+    node, shop, caller, _ = setup
+    usage = UsageLog(tmp_path / "usage.jsonl")
+    gate = AgreementGate(AgreementStore(tmp_path / "a.json"), approval_surface="https://a.example",
+                         gate_free_terms=False, usage=usage)
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    with pytest.raises(ProtocolError):
+        await gate.check(shop, _env(caller, "r1"), "Summarize.Text", NOW)
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+    for rid in ("r2", "r3"):
+        await gate.check(shop, _env(caller, rid), "Summarize.Text", NOW + 1)
+        gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
+    gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
+    charges = usage.rate(gate.store.records())
+    assert [(c.envelope_id, c.outcome.value, c.amount_micro) for c in charges] == [
+        ("r1", "refused", 0), ("r2", "charged", 2000), ("r3", "charged", 2000)]
+    assert [c.to_object() for c in usage.rate(gate.store.records())] == [c.to_object() for c in charges]
+    # Without the agreement, the same log rates to zero: no agreement, no charge.
+    assert {c.amount_micro for c in usage.rate([])} == {0}
