@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from meshnode.admin.client import call_sync
-from meshnode.testing import DaemonSet, eventually
+from meshnode.testing import DaemonSet, eventually, eventually_async
 from meshnode.transport.embedded import EmbeddedNatsServer
 
 pytestmark = pytest.mark.integration
@@ -22,6 +22,12 @@ TEST_PLUGINS = {"plugin_modules": ["tests.agents:plugin"]}
 # Short bounds for the test; the defaults are 5 s / 3 s / 20 s (docs/operations/reliability.md).
 RESTART_AFTER_S = 3.0
 WATCH = {"broker_check_interval": "250ms", "broker_check_timeout": "1s", "broker_restart_after": "3s"}
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0]
 
 
 def _broker(node: Any) -> dict[str, Any]:
@@ -130,6 +136,8 @@ async def test_the_process_probe_times_out_on_a_stopped_server(tmp_path: Path, m
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         try:
+            # The signal is asynchronous: wait until the kernel says it is stopped.
+            await eventually_async(lambda: _process_state(pid) == "T", what="nats-server stopped")
             with pytest.raises(TimeoutError):
                 await server.probe(0.3)
         finally:
