@@ -74,10 +74,12 @@ def test_a_frozen_embedded_broker_is_reported_and_restarted(meshnode_daemons: Da
                       detail=joined.log_tail, retry_on=(Exception,))
     assert "failing over to another server" in joined.log_text()
     text = node.log_text()
-    assert text.count("the mesh broker is not answering") == 1, node.log_tail()  # logged once per episode
     assert f"killing the unresponsive nats-server pid {frozen}" in text
     broker = _broker(node)
     assert broker["unresponsive_episodes"] >= 1 and broker["remedies"] >= 1 and broker["process_restarts"] >= 1
+    # Logged once per episode, not once per failed check (a loaded host may add an episode of its own).
+    assert text.count("the mesh broker is not answering") == broker["unresponsive_episodes"], node.log_tail()
+    assert broker["failed_probes"] > broker["unresponsive_episodes"]
     metrics = node.admin("Metrics")["runtime"]
     assert metrics["broker_unresponsive"] == 0 and metrics["broker_unresponsive_episodes"] >= 1
     assert node.status()["mesh"]["urls"] == node.admin("Mesh.Info")["nats_urls"]
