@@ -37,7 +37,7 @@ from meshnode.testing import DaemonProcess, DaemonSet
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import nats_auth_callbacks
 
-from .bench_roundtrip import PAYLOAD, _crypto_floor_us
+from .bench_roundtrip import PAYLOAD, _crypto_floor_us, issue21_figures, print_issue21_figures
 from .driver import time_concurrent, time_sequential
 from .harness import print_table, run_loop, write_result
 from .raw_responder import SUBJECT
@@ -161,6 +161,7 @@ def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100) -> dict[str
             "cpu_per_round_trip_us": mesh["cpu_us"],
             "crypto_floor_us": floor,
             "cpu_vs_floor": mesh["cpu_us"] / floor,
+            **issue21_figures(floor=floor, raw=raw, mesh=mesh),
             "samples": {"latency": n_lat, "throughput": n_tp, "repeats": repeats, "concurrency": CONCURRENCY},
         }
 
@@ -195,5 +196,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     print(f"at concurrency {CONCURRENCY}: meshnode {mesh['cpu_us_at_64']:.0f} µs CPU per round trip, "
           f"{mesh['cpu_us_at_64'] * mesh['throughput'] / 1e6:.2f} cores busy (both daemons); raw nats-py "
           f"{raw['cpu_us_at_64']:.0f} µs, {raw['cpu_us_at_64'] * raw['throughput'] / 1e6:.2f} cores busy")
+    print_issue21_figures(result, floor=result["crypto_floor_us"])
     print(f"written {write_result('roundtrip2', result)}")
     return result

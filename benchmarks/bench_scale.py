@@ -61,7 +61,9 @@ def _jsz_api_total(monitor_url: str) -> int:
     return int(data.get("api", {}).get("total", 0))
 
 
-def measure(n: int, *, settle_s: float, window_s: float) -> dict[str, Any]:
+def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> dict[str, Any]:
+    """One daemon hosting ``n`` agents: start-up until all are registered, then
+    (``idle``) RSS, idle CPU and idle JetStream API rate."""
     daemons = DaemonSet()
     try:
         agents = {f"a{i:05d}": {"plugin": "echo"} for i in range(n)}
@@ -86,6 +88,8 @@ def measure(n: int, *, settle_s: float, window_s: float) -> dict[str, Any]:
         startup_s = time.monotonic() - t0
         pid = daemon.pid
         assert pid is not None
+        if not idle:
+            return {"agents": n, "startup_s": startup_s, "rss_mb": _proc_rss_mb(pid)}
         monitor = daemon.admin("Mesh.Info")["monitor_url"]
         time.sleep(settle_s)
         cpu0, api0, w0 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()

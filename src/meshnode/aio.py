@@ -1,4 +1,4 @@
-"""Two asyncio primitives every layer above the protocol core shares.
+"""The asyncio primitives every layer above the protocol core shares.
 
 * :class:`BackgroundTasks`: the owner of fire-and-forget tasks. The event loop
   keeps only weak references to tasks, so a task nobody holds may be collected
@@ -7,6 +7,9 @@
 * :func:`backoff`: the delays of a retry loop, doubling from ``first`` up to
   ``cap``; the loop decides when to give up (a deadline, a number of attempts,
   its owner stopping) and when to start over (a fresh iterator).
+* :class:`KeyedConcurrency`: run jobs side by side, a bounded number at once,
+  but one at a time and in arrival order for the same key (a request handler
+  that may serve different agents concurrently but never one agent twice at once).
 
 This module imports nothing of meshnode: it sits beside the protocol core at
 the bottom of the layers, but unlike it, it is about asyncio.
@@ -16,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks", "backoff"]
+__all__ = ["BackgroundTasks", "KeyedConcurrency", "backoff"]
 
 _T = TypeVar("_T")
 
@@ -65,3 +68,59 @@ class BackgroundTasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class KeyedConcurrency:
+    """At most ``limit`` jobs at once; jobs of one key strictly one after another.
+
+    :meth:`submit` waits for a free slot (so a caller feeding it from a
+    subscription is slowed down instead of piling up tasks), then starts the
+    job as a task of ``tasks`` and returns. A job whose key already has a job
+    queued or running waits for that one to end (however it ends) before it
+    starts: per key, jobs run in the order they were submitted and never
+    overlap. The waiting job holds its slot; the job it waits for holds one
+    too and is running or itself waiting on a running one, so the chain always
+    moves.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        self.limit = limit
+        self._gate = asyncio.Semaphore(limit)
+        # The last job submitted per key, while it has not ended.
+        self._tails: dict[str, asyncio.Task[None]] = {}
+        self.running = 0
+        #: The most jobs that ran at once (observability and tests).
+        self.peak = 0
+
+    async def submit(
+        self, key: str, job: Callable[[], Awaitable[None]], tasks: BackgroundTasks, *, name: str | None = None
+    ) -> asyncio.Task[None]:
+        """Start ``job()`` once a slot is free and every earlier job of ``key`` has ended."""
+        await self._gate.acquire()
+        previous = self._tails.get(key)
+
+        async def run() -> None:
+            try:
+                if previous is not None and not previous.done():
+                    # asyncio.wait never raises the predecessor's error or cancellation.
+                    await asyncio.wait([previous])
+                self.running += 1
+                self.peak = max(self.peak, self.running)
+                try:
+                    await job()
+                finally:
+                    self.running -= 1
+            finally:
+                self._gate.release()
+                if self._tails.get(key) is asyncio.current_task():
+                    del self._tails[key]
+
+        try:
+            task = tasks.spawn(run(), name=name)
+        except BaseException:
+            self._gate.release()
+            raise
+        self._tails[key] = task
+        return task

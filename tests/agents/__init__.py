@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,37 @@ class Faulty(Agent):
         return {"n": input["n"]}
 
 
+class Blocking(Agent):
+    """Handlers that misuse the loop (issue #23 items 2, 10): one blocks it, one holds a slot."""
+
+    description = "test agent that blocks the event loop or holds requests"
+
+    #: Shared by every agent of this kind in the process: one agent releases
+    #: another's held requests (the held one is at its limit and takes nothing).
+    _release: asyncio.Event | None = None
+
+    @classmethod
+    def released(cls) -> asyncio.Event:
+        if Blocking._release is None:
+            Blocking._release = asyncio.Event()
+        return Blocking._release
+
+    @offering("block")
+    async def block(self, ctx: Context, input: Any) -> Any:
+        time.sleep(float(input or 1))  # the bug under test: a blocking call in a handler
+        return {"blocked": input}
+
+    @offering("hold")
+    async def hold(self, ctx: Context, input: Any) -> Any:
+        await self.released().wait()
+        return {"held": input}
+
+    @offering("release")
+    async def release_held(self, ctx: Context, input: Any) -> Any:
+        self.released().set()
+        return {"released": True}
+
+
 class TierProbe(Agent):
     """Says what it knows of the sender's node standing (§9.7)."""
 
@@ -109,6 +141,8 @@ class TestAgents:
         register("test-hang-on-start", HangOnStart)
         register("test-faulty", Faulty)
         register("test-not-ready", NotReadyYet)
+        register("test-blocking", Blocking)
+        register("test-presence-watch", PresenceWatch)
         register("test-tier", TierProbe)
         register("test-picky", Picky)
 
@@ -138,6 +172,13 @@ class Listener(Agent):
     async def emit(self, ctx: Context, input: Any) -> Any:
         await ctx.emit(input.get("domain", "demo"), input.get("event_type", "tick"), input.get("data"))
         return {"emitted": True, "trace_id": ctx.trace.get("trace_id")}
+
+
+class PresenceWatch(Listener):
+    """Records presence's node_online/node_offline events (a stall must not cause an offline)."""
+
+    description = "records presence.* events"
+    accepts = ("presence.*",)
 
 
 class ListenerPlugin:
@@ -847,3 +888,37 @@ class AskerPlugin:
 
 
 asker_plugin = AskerPlugin()
+
+
+class Tally(Agent):
+    """Echo that counts its own runs: appends ``<request id> <tag>`` to a file
+    before it answers (the crash test's witness that a handler ran at most once
+    per request, issue #23 item 1). A plain ``write()`` survives a SIGKILL (it
+    is in the OS's hands); no fsync, so the handler does not block the loop the
+    way a real echo does not."""
+
+    description = "an echo that records every run of its handler"
+    Settings = JournalSettings
+
+    @offering("work", framing=False)
+    async def work(self, ctx: Context, input: Any) -> Any:
+        import os
+
+        settings = self.settings
+        assert isinstance(settings, JournalSettings)
+        tag = str((input or {}).get("tag", ""))
+        fd = os.open(settings.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{ctx.envelope['id']} {tag}\n".encode())
+        finally:
+            os.close(fd)
+        return {"tag": tag}
+
+
+class TallyPlugin:
+    @hookimpl
+    def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
+        register("test-tally", Tally)
+
+
+tally_plugin = TallyPlugin()

@@ -101,6 +101,9 @@ class RecordingConnection:
     async def publish(self, subject: str, data: bytes, **_: Any) -> None:
         self.published.append((subject, bytes(data)))
 
+    async def flush(self, timeout: float = 5) -> None:
+        """Everything published is "at the broker" at once (the inbox's settle barrier)."""
+
     def responds_to(self, msg_id: object) -> list[dict[str, Any]]:
         out = []
         for _, data in self.published:

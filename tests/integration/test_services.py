@@ -593,6 +593,91 @@ async def test_registry_instances_share_the_bucket(net: Mesh, platform: Platform
         await third.stop()
 
 
+async def _send_in_order(conn: MeshConnection, subject: str, envs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Publish every envelope on ``subject`` back to back (one connection: the
+    registry reads them in this order), then collect each one's verified reply."""
+    replies: list[asyncio.Future[dict[str, Any]]] = []
+    subs = []
+    for _ in envs:
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+
+        async def on(msg: Msg, future: asyncio.Future[dict[str, Any]] = future) -> None:
+            if not future.done():
+                future.set_result(decode_envelope(msg.data))
+
+        inbox = conn.new_inbox()
+        subs.append(await conn.subscribe(inbox, on))
+        replies.append(future)
+    await conn.flush()
+    for env, sub in zip(envs, subs, strict=True):
+        await conn.publish(subject, encode_envelope(env), reply=sub.subject)
+    await conn.flush()
+    try:
+        answers = [await asyncio.wait_for(f, 10) for f in replies]
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    for env, answer in zip(envs, answers, strict=True):
+        assert answer["in_reply_to"] == env["id"]
+    return answers
+
+
+async def test_concurrent_registrations_are_all_stored_and_one_agents_stay_in_order(
+    net: Mesh, platform: PlatformServices
+) -> None:
+    """The registry serves registrations side by side (bounded); nothing is lost
+    or mixed up between agents, and one agent's requests are served in order."""
+    node = await net.participant(24)
+    replies = await asyncio.gather(*(node.register(a) for a in node.agents))
+    assert [r["payload"]["agent_id"] for r in replies] == [a.public_key for a in node.agents]
+    assert {r["payload"]["status"] for r in replies} == {"registered"}
+    kv = await net.service_conn.jetstream.native.key_value("mesh_registry")
+    for agent in node.agents:
+        stored = decode_json((await kv.get(agent.public_key)).value)
+        assert stored["id"] == agent.public_key
+        assert stored["endpoints"] == {"inbox": f"mesh.agent.{agent.public_key}.inbox"}
+        assert await stream_exists(net.service_conn, f"MESH_INBOX_{agent.public_key}")
+    gate = platform.registry.registrations
+    assert 1 <= gate.peak <= gate.limit
+    await eventually_async(lambda: gate.running == 0)
+
+    # One agent, three requests at once on one subject: a registration, a newer
+    # one, a deregistration. Served in arrival order, so the deregistration
+    # lands last and wins: no manifest, no buffer left behind by a registration
+    # still creating its stream while the deregistration ran.
+    agent = node.agents[0]
+    t = now_ms()
+
+    def vouched(issued_ms: int) -> dict[str, Any]:
+        manifest = node.manifest(agent)
+        manifest["node"] = {
+            "id": node.node_id, "attestation": make_vouch(node.key, agent.public_key, issued_ms, t + 3_600_000)}
+        return manifest
+
+    subject = f"mesh.registry.register.{node.node_id}"
+    first, second, bye = await _send_in_order(node.conn, subject, [
+        signed("register", agent, vouched(t - 900)),
+        signed("register", agent, vouched(t - 800)),
+        signed("register", agent, {"deregister": True}),
+    ])
+    assert first["payload"]["status"] == second["payload"]["status"] == "registered"
+    assert bye["payload"] == {"status": "deregistered", "agent_id": agent.public_key, "existed": True}
+    assert not await stream_exists(net.service_conn, f"MESH_INBOX_{agent.public_key}")
+    got = await call(node.conn, f"mesh.registry.get.{agent.public_key}", signed("discover", agent, {}))
+    assert error_code(got) == "NOT_FOUND"
+
+    # Two registrations of one agent at once, the newer vouch first: both are
+    # answered, and the stored record is the newer one (never the older, never torn).
+    newer, older = await _send_in_order(node.conn, subject, [
+        signed("register", agent, vouched(t - 100)),
+        signed("register", agent, vouched(t - 700)),
+    ])
+    assert newer["payload"]["status"] == older["payload"]["status"] == "registered"
+    stored = decode_json((await kv.get(agent.public_key)).value)
+    assert stored["node"]["attestation"] == vouched(t - 100)["node"]["attestation"]
+    assert platform.registry.manifest(agent.public_key) == stored
+
+
 # --- presence ----------------------------------------------------------------------------------
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 
-from meshnode.aio import BackgroundTasks, backoff
+import pytest
+
+from meshnode.aio import BackgroundTasks, KeyedConcurrency, backoff
 from meshnode.testing import eventually_async
 
 
@@ -48,3 +51,47 @@ async def test_cancel_ends_every_task_and_swallows_their_errors() -> None:
     await tasks.cancel()
     assert all(t.done() for t in running)
     assert running[0].cancelled()
+
+
+async def test_keyed_concurrency_runs_keys_side_by_side_and_one_key_in_order() -> None:
+    tasks = BackgroundTasks()
+    gate = KeyedConcurrency(3)
+    release = {name: asyncio.Event() for name in ("a1", "a2", "b1", "d1")}
+    started: list[str] = []
+    ended: list[str] = []
+
+    def job(name: str) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            started.append(name)
+            await release[name].wait()
+            ended.append(name)
+            if name == "a1":
+                raise RuntimeError("a failed job still lets the next of its key run")
+
+        return run
+
+    for name in ("a1", "a2", "b1"):
+        await gate.submit(name[0], job(name), tasks)
+    # a2 waits for a1 (same key) and holds the third slot: d1 must wait for a slot.
+    waiting = asyncio.ensure_future(gate.submit("d", job("d1"), tasks))
+    await eventually_async(lambda: started == ["a1", "b1"])
+    assert not waiting.done() and gate.running == 2
+    release["b1"].set()
+    await waiting  # b1's slot went to d1
+    await eventually_async(lambda: started == ["a1", "b1", "d1"])
+    assert "a2" not in started
+    release["a1"].set()
+    await eventually_async(lambda: started == ["a1", "b1", "d1", "a2"])
+    assert ended.index("a1") < started.index("a2")
+    assert gate.peak == 2
+    for event in release.values():
+        event.set()
+    await eventually_async(lambda: not tasks)
+    assert sorted(ended) == ["a1", "a2", "b1", "d1"] and gate.running == 0
+    # Every slot came back, and the per-key bookkeeping emptied.
+    assert gate._gate._value == 3 and not gate._tails
+
+
+def test_keyed_concurrency_needs_a_slot() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        KeyedConcurrency(0)

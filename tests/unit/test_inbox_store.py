@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.node.inbox import InboxStore
+from meshnode.node.inbox import InboxStore, InboxUnwritable
+from meshnode.testing import eventually_async
 
 A = "U" + "A" * 55
 
@@ -70,15 +71,209 @@ async def test_a_failed_write_behind_keeps_its_batch_for_the_next(tmp_path: Path
     store = InboxStore(tmp_path / "i.sqlite3")
     await store.open()
     store.remember("A", "S", "m1", 1000)
-    real = store._write_behind
-
-    async def failing(*args: object) -> None:
-        raise OSError("disk full")
-
-    store._write_behind = failing  # type: ignore[method-assign]
-    with pytest.raises(OSError):
+    store.db.execute("PRAGMA query_only = 1")  # every write fails, as on a read-only file
+    with pytest.raises(InboxUnwritable):
         await store.flush()
-    store._write_behind = real  # type: ignore[method-assign]
+    store.db.execute("PRAGMA query_only = 0")
     await store.flush()
     assert await store.load_seen("A", 10) == [("S", "m1")]
     await store.close()
+
+
+# -- the live path's commit before dispatch (issue #23) ------------------------------
+
+
+async def test_live_pairs_are_group_committed_before_dispatch_and_never_drained_again(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        # Pairs queued in the same turn of the loop ride in one commit; an idle
+        # store commits a lone pair at once (no gathering window).
+        before = store.group_commits
+        outcomes = await asyncio.gather(*(store.commit_live(A, "s", f"m{i}", 100) for i in range(20)))
+        assert outcomes == ["committed"] * 20
+        assert store.group_commits == before + 1
+        assert await store.commit_live(A, "s", "lone", 100) == "committed"
+        assert store.group_commits == before + 2
+        items = [("s", f"m{i}", "request", b"{}", i) for i in range(20)]
+        # Their handlers run: the buffered copies stay in the broker meanwhile.
+        assert await store.accept_batch(A, items, 102) == [None] * 20
+        for i in range(20):
+            store.settle(A, "s", f"m{i}", 103)
+        # Settled: the copies are acked without dispatch.
+        assert await store.accept_batch(A, items, 104) == [False] * 20
+        assert await store.counts() == {}
+    finally:
+        await store.close()
+
+
+async def test_a_drained_copy_never_overtakes_the_commit_of_its_live_pair(tmp_path: Path) -> None:
+    """A live pair still queued for its group commit when a drain batch arrives
+    is committed by that batch's transaction, before the copy is acked."""
+    path = tmp_path / "i.sqlite3"
+    store = InboxStore(path)
+    await store.open()
+    try:
+        waiting = asyncio.ensure_future(store.commit_live(A, "s", "q1", 100))
+        await asyncio.sleep(0)  # queued, its commit scheduled but not run
+        # Committed by the batch's transaction, its handler about to run: the copy waits.
+        assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 101) == [None]
+        assert await waiting == "committed"
+        assert ("s", "q1") in await store.load_seen(A, 10)
+    finally:
+        await store.close()
+
+
+async def test_a_crash_mid_handler_keeps_the_buffered_copy_as_interrupted(tmp_path: Path) -> None:
+    """Committed live, never settled (the process died while the handler ran):
+    after a restart the drained copy is kept as ``interrupted`` — neither run
+    a second time nor silently dropped. Settled pairs are plain duplicates."""
+    path = tmp_path / "i.sqlite3"
+    store = InboxStore(path)
+    await store.open()
+    assert await store.commit_live(A, "s", "running", 100) == "committed"
+    assert await store.commit_live(A, "s", "finished", 100) == "committed"
+    store.settle(A, "s", "finished", 100)
+    await asyncio.sleep(0)  # the settle rides in the next group commit
+    assert await store.commit_live(A, "s", "answer", 100, settled=True) == "committed"
+    # A kill -9 here: the file is not closed (the connection is simply dropped).
+    store._db.close()  # type: ignore[union-attr]
+    store._db = None
+    store._closing = True
+    reopened = InboxStore(path)
+    await reopened.open()
+    try:
+        items = [("s", "running", "request", b"{}", 1), ("s", "finished", "request", b"{}", 2),
+                 ("s", "answer", "respond", b"{}", 3)]
+        assert await reopened.accept_batch(A, items, 200) == [False, False, False]
+        kept = await reopened.rows(states=["interrupted"])
+        assert [r.msg_id for r in kept] == ["running"] and kept[0].envelope == b"{}"
+        assert await reopened.claim_pending(A, 10, 201) == []
+        # The copy drained again (its ack was lost) adds nothing.
+        assert await reopened.accept_batch(A, items[:1], 202) == [False]
+        assert len(await reopened.rows(states=["interrupted"])) == 1
+    finally:
+        await reopened.close()
+
+
+async def test_the_sync_barrier_runs_only_when_something_was_committed(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        assert await store.accept_batch(A, [("s", "n1", "request", b"{}", 1)], 100) == [True]
+        syncs = store.syncs
+        assert syncs >= 1
+        # Already-seen copies only, nothing committed since: no fsync at all.
+        assert await store.accept_batch(A, [("s", "n1", "request", b"{}", 1)], 101) == [False]
+        assert store.syncs == syncs
+        # A live commit since the last sync: the ack of its copy waits for one fsync.
+        await store.commit_live(A, "s", "l1", 102, settled=True)
+        assert await store.accept_batch(A, [("s", "l1", "request", b"{}", 2)], 103) == [False]
+        assert store.syncs == syncs + 1
+    finally:
+        await store.close()
+
+
+async def test_an_unwritable_inbox_degrades_the_live_commit_to_write_behind(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        store.db.execute("PRAGMA query_only = 1")
+        assert await store.commit_live(A, "s", "d1", 100) == "degraded"  # dispatched anyway
+        assert store.fault is not None and store.health()["live_degraded"] == 1
+        store.db.execute("PRAGMA query_only = 0")
+        await store.probe()
+        await store.flush()  # the write-behind carries it once the disk is back
+        assert ("s", "d1") in await store.load_seen(A, 10)
+    finally:
+        await store.close()
+
+
+async def test_a_file_of_an_older_version_gains_the_done_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "i.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE seen (agent TEXT NOT NULL, sender TEXT NOT NULL, msg_id TEXT NOT NULL,"
+        " seen_ms INTEGER NOT NULL, PRIMARY KEY (agent, sender, msg_id)) WITHOUT ROWID;"
+        f" INSERT INTO seen VALUES ('{A}', 's', 'old', 1);"
+    )
+    old.commit()
+    old.close()
+    store = InboxStore(path)
+    await store.open()
+    try:
+        # An old pair was written after its dispatch: handled, a plain duplicate.
+        assert await store.accept_batch(A, [("s", "old", "request", b"{}", 1)], 100) == [False]
+        assert await store.rows(states=["interrupted"]) == []
+    finally:
+        await store.close()
+
+
+async def test_a_taken_request_is_left_in_the_broker_until_it_settles(tmp_path: Path) -> None:
+    """Taken by the live path, its handler not started: the drain neither acks
+    nor dispatches the copy (a crash now must find it and run it once); once
+    the request settled the copy is a plain duplicate. Released (cancelled
+    before it ran), nothing is written and the copy is new work."""
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        store.take(A, "s", "t1")
+        store.take(A, "s", "t2")
+        items = [("s", "t1", "request", b"{}", 1), ("s", "t2", "request", b"{}", 2)]
+        assert await store.accept_batch(A, items, 100) == [None, None]
+        store.settle(A, "s", "t1", 101)  # answered without a handler
+        store.release(A, "s", "t2")  # cancelled before its handler started
+        await asyncio.sleep(0)
+        assert await store.accept_batch(A, items, 102) == [False, True]
+        assert store.health()["drain_deferred"] == 2
+    finally:
+        await store.close()
+
+
+async def test_outcomes_written_behind_land_on_their_rows(tmp_path: Path) -> None:
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        assert await store.accept_batch(A, [("s", "o1", "request", b"{}", 1)], 100) == [True]
+        (row,) = await store.claim_pending(A, 10, 101)
+        await store.set_state(row.inbox_id, "answered", 102, "done", durable=False)
+        await store.flush()
+        written = await store.get(row.inbox_id)
+        assert written is not None and (written.state, written.state_ms, written.note) == ("answered", 102, "done")
+    finally:
+        await store.close()
+
+
+async def test_a_request_settles_only_after_its_answer_reached_the_broker(tmp_path: Path) -> None:
+    """The finished mark waits for the settle barrier (the node's flush round
+    trip): written while the answer still sat in the client's buffer, a kill -9
+    would let the drain ack the copy of a request whose answer never left."""
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    sent = asyncio.Event()
+    passes = 0
+
+    async def barrier() -> None:
+        nonlocal passes
+        await sent.wait()
+        passes += 1
+
+    store.settle_barrier = barrier
+    try:
+        store.take(A, "s", "b1")
+        assert store.commit_live_now(A, "s", "b1", 100) == "committed"
+        store.settle(A, "s", "b1", 101)  # answered; the answer is not out yet
+        store.take(A, "s", "b2")
+        assert store.commit_live_now(A, "s", "b2", 100) == "committed"
+        store.settle(A, "s", "b2", 101)
+        await asyncio.sleep(0)
+        items = [("s", "b1", "request", b"{}", 1), ("s", "b2", "request", b"{}", 2)]
+        assert await store.accept_batch(A, items, 102) == [None, None]  # still unfinished: left in the broker
+        sent.set()
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the settle marks written")
+        assert passes == 1, "one barrier for the batch of answers"
+        assert await store.accept_batch(A, items, 103) == [False, False]
+    finally:
+        await store.close()

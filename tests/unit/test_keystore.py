@@ -28,6 +28,7 @@ from meshnode.keystore import (
     KeyStoreUnavailable,
     SystemdCredentialsKeyStore,
     detect_keyring,
+    get_or_create_all,
     keyring_usable,
     open_keystore,
     validate_key_name,
@@ -138,6 +139,20 @@ def test_get_or_create_is_idempotent(store: FileKeyStore) -> None:
     assert again.public_key == first.public_key
     assert again.seed == first.seed
     assert first.role == Prefix.USER
+
+
+def test_get_or_create_all_writes_new_keys_in_one_batch(store: FileKeyStore, permissive_umask: None) -> None:
+    existing = store.get_or_create("agent.a003")
+    names = [f"agent.a{i:03d}" for i in range(40)]
+    keys = get_or_create_all(store, [*names, "agent.a001"])  # a repeated name gets the same key
+    assert [k.public_key for k in keys[:40]] == [store.get(n).public_key for n in names]  # type: ignore[union-attr]
+    assert keys[3].public_key == existing.public_key and keys[40].public_key == keys[1].public_key
+    assert len({k.public_key for k in keys[:40]}) == 40
+    assert all(mode_of(store.path_for(n)) == 0o600 for n in names)
+    assert sorted(os.listdir(store.directory)) == sorted(f"{n}.seed" for n in names)  # no temp files left
+    # Idempotent: a second batch reads what the first wrote.
+    again = get_or_create_all(FileKeyStore(store.data_dir), names)
+    assert [k.seed for k in again] == [k.seed for k in keys[:40]]
 
 
 def test_get_missing_and_names_and_delete(store: FileKeyStore) -> None:

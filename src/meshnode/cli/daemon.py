@@ -201,6 +201,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             # Interest retention (§18.3): a durable subscription's history starts at its consumer.
             kept = f"durable, capturing since {sub.get('capturing_since')}" if sub.get("durable") else "live only"
             print(f"    {sub['kind']:<9} {sub['subject']}  ({kept})")
+    loop = status.get("loop")
+    if loop and loop.get("blocks"):
+        # A handler blocked the event loop (#23): name who, so the plugin can be fixed.
+        who = ", ".join(f"{agent} {n}x" for agent, n in sorted(loop["blocks"].items()))
+        print(f"loop      BLOCKED by handlers: {who}; worst stall {loop.get('max_lag_s')} s")
     obs = status.get("observability")
     if obs:
         on = ", ".join(k for k in ("spans", "logs", "metrics") if obs.get(k)) or "nothing"

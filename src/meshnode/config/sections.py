@@ -84,8 +84,18 @@ class NodeConfig(BaseModel):
     """An agent's ``on_start`` still running after this long is logged as slow."""
     agent_start_timeout: Duration = timedelta(seconds=60)
     """An agent whose ``on_start`` runs longer is cancelled and failed (that agent only)."""
+    agent_max_concurrency: Annotated[int, Field(ge=1, le=100_000)] = 64
+    """Requests one agent may have in its handlers at once; past it a request is
+    refused ``AGENT_OVERLOADED`` (retryable) instead of queued without bound.
+    ``[agents.<name>] max_concurrency`` overrides it for one agent."""
+    loop_block_threshold: Duration = timedelta(seconds=1)
+    """The event loop stalled this long (a handler blocking it, e.g. ``time.sleep``)
+    is logged with the agent whose handler was running, and counted."""
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
+    host_concurrency: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Agents started (and registered) at once when the node starts; the rest wait
+    their turn. Each start is mostly waiting on the registry's answer."""
     plugin_modules: list[
         Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")]
     ] = Field(default_factory=list)
@@ -285,6 +295,12 @@ class RegistryConfig(BaseModel):
     unvouched_rate_limit: Annotated[int, Field(ge=1)] = 600
     """Requests per window, all together, from senders no registered node vouches for."""
     rate_window: Duration = timedelta(seconds=60)
+    max_concurrent_registrations: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Registrations (and deregistrations) one registry instance serves at once; one
+    agent's are still served one at a time, in arrival order. Each is mostly waiting on
+    JetStream (the agent's mailbox stream, the revision-checked write), so a node
+    registering thousands of agents is bounded by this, not by the CPU; 1 serves them
+    strictly one after another."""
 
 
 class ServicesConfig(BaseModel):
@@ -506,7 +522,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency")
 
 
 def _plugin_name(value: object) -> str:
@@ -537,6 +553,9 @@ class AgentConfig(BaseModel):
         _choice_schema("service", "interactive", optional=True),
     ] = None
     """None lets the plugin decide."""
+    max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """This agent's limit of requests in its handlers at once; unset, it takes
+    ``[node] agent_max_concurrency``."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

@@ -27,7 +27,7 @@ from meshnode.daemon.plugin_check import (
     settings_error,
     unknown_kind_message,
 )
-from meshnode.keystore import KeyStore
+from meshnode.keystore import KeyStore, get_or_create_all
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
@@ -36,12 +36,10 @@ from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.protections import FreshnessWindow
 from meshnode.services.identity import SERVICE_NAMES, load_service_keys
 
-__all__ = ["HOST_CONCURRENCY", "AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
+__all__ = ["AgentHost", "load_plugin_catalog", "ms", "node_settings", "rescan_catalog", "scan_plugins"]
 
 log = logging.getLogger("meshnode.daemon")
 
-#: Agents started at once at start-up (see :meth:`AgentHost.host_roster`).
-HOST_CONCURRENCY = 32
 #: What an agent's name must look like (its key, subjects and config table use it).
 _AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 
@@ -70,6 +68,8 @@ def node_settings(config: Config) -> NodeSettings:
         drain_interval_s=config.inbox.drain_interval.total_seconds(),
         agent_start_warn_s=config.node.agent_start_warn.total_seconds(),
         agent_start_timeout_s=config.node.agent_start_timeout.total_seconds(),
+        agent_max_concurrency=config.node.agent_max_concurrency,
+        loop_block_threshold_s=config.node.loop_block_threshold.total_seconds(),
     )
 
 
@@ -148,7 +148,7 @@ class AgentHost:
         if config.a2a.listen is not None:
             names.append(BRIDGE_AGENT_NAME)  # config refuses [agents.a2a-bridge] then
         # One worker-thread hop for the whole roster, not one per agent.
-        keys = await asyncio.to_thread(lambda: [store.get_or_create(f"agent.{name}") for name in names])
+        keys = await asyncio.to_thread(get_or_create_all, store, [f"agent.{name}" for name in names])
         host.agent_keys.update(zip(names, keys, strict=True))
         if runs_services:
             key_dir = config.services.key_dir
@@ -183,8 +183,19 @@ class AgentHost:
             raise NotFound("the node is not running")
         return self.node
 
-    async def host(self, name: str, kind: str, settings: dict[str, Any], interaction: str | None, *, strict: bool) -> None:
-        """Start one agent; a failure is recorded, not raised (unless ``strict``)."""
+    async def host(
+        self,
+        name: str,
+        kind: str,
+        settings: dict[str, Any],
+        interaction: str | None,
+        *,
+        strict: bool,
+        max_concurrency: int | None = None,
+    ) -> None:
+        """Start one agent; a failure is recorded, not raised (unless ``strict``).
+
+        ``max_concurrency`` is ``[agents.<name>] max_concurrency`` (None: the node's default)."""
         node = self.running()
         agent_class = self.catalog.kinds.get(kind)
         key = self.agent_keys[name]
@@ -210,6 +221,7 @@ class AgentHost:
                 settings=settings,
                 key=key,
                 interaction=interaction,
+                max_concurrency=max_concurrency,
             )
         except Exception as exc:  # one agent failing never takes the node down
             self.failed_agents[name] = f"{type(exc).__name__}: {exc}"
@@ -231,12 +243,16 @@ class AgentHost:
             await self.host(BRIDGE_AGENT_NAME, "builtin:a2a-bridge", {}, None, strict=strict)
         # Agents start side by side, a bounded number at a time: each start is
         # mostly waiting (the registry's answer, the mailbox stream it creates),
-        # so one after another made a 1,000-agent node take minutes to register.
-        gate = asyncio.Semaphore(HOST_CONCURRENCY)
+        # so one after another made a 1,000-agent node take minutes to register
+        # ([node] host_concurrency; the registry bounds its side by its own setting).
+        gate = asyncio.Semaphore(config.node.host_concurrency)
 
         async def host_one(name: str, agent_cfg: AgentConfig) -> None:
             async with gate:
-                await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=strict)
+                await self.host(
+                    name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
+                    strict=strict, max_concurrency=agent_cfg.max_concurrency,
+                )
 
         await asyncio.gather(*(
             host_one(name, agent_cfg)
@@ -314,7 +330,10 @@ class AgentHost:
         self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
         self.failed_agents.pop(name, None)
         await refresh()
-        await self.host(name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction, strict=config.node.strict_plugins)
+        await self.host(
+            name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
+            strict=config.node.strict_plugins, max_concurrency=agent_cfg.max_concurrency,
+        )
         if name in self.failed_agents:
             raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
         return node.agent_status(node.agents[name])
@@ -343,9 +362,10 @@ class AgentHost:
         kind = cfg.plugin if cfg is not None else hosted.kind
         settings = cfg.settings if cfg is not None else {}
         interaction = cfg.interaction if cfg is not None else hosted.interaction
+        limit = cfg.max_concurrency if cfg is not None else None
         await node.unhost(name, deregister=False)
         self.failed_agents.pop(name, None)
-        await self.host(name, kind, settings, interaction, strict=config.node.strict_plugins)
+        await self.host(name, kind, settings, interaction, strict=config.node.strict_plugins, max_concurrency=limit)
         if name in self.failed_agents:
             raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents[name]}")
         return node.agent_status(node.agents[name])

@@ -367,6 +367,8 @@ class Daemon:
         self._shutdown.push("stop-intake", hosting.stop_intake)
         self._shutdown.push("stop-agents", hosting.stop_all)
         self._shutdown.push("final-write", sweep.stop)
+        # Before the agents: an on_start that blocks the loop is seen too.
+        node.start_watchdog()
         await hosting.host_roster(self.config)
         node.start_heartbeat()
 

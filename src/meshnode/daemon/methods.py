@@ -140,6 +140,8 @@ class CoreMethods:
             "keystore": self.d.keystore.describe() if self.d.keystore else None,
             "agents": agents,
             "agent_summary": summary,
+            # The loop-lag watchdog: lag now, worst, blocks by agent (#23).
+            "loop": self.d.node.watchdog.status() if self.d.node is not None else None,
             "services": [type(s).__name__ for s in self.d.services],
             "replicas": self.d.services[0].ctx.replicas if self.d.services else None,
             "observability": self.d.node.observability.status() if self.d.node and self.d.node.observability else None,

@@ -23,7 +23,7 @@ from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
-from meshnode.node.metrics import prometheus_text
+from meshnode.node.metrics import loop_text, prometheus_text
 from meshnode.node.runtime import Node
 from meshnode.protocol.errors import ProtocolError
 
@@ -237,7 +237,9 @@ class _Operations:
             runtime = {**runtime, **broker.gauges()}
         if fmt == "prometheus":
             agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
-            text = prometheus_text(agents, node.counters, node.refusals.by_label()) + "".join(
+            text = prometheus_text(agents, node.counters, node.refusals.by_label()) + loop_text(
+                node.watchdog.status(), {h.name: (h.in_flight, h.max_concurrency) for h in node.agents.values()}
+            ) + "".join(
                 f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
             )
             return {"content_type": "text/plain; version=0.0.4", "text": text}
@@ -248,9 +250,13 @@ class _Operations:
             "node": dict(node.counters),
             "refusals": node.refusals.as_dict(),
             "agents": {
-                h.name: {"id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict()}
+                h.name: {
+                    "id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict(),
+                    "in_flight": h.in_flight, "max_concurrency": h.max_concurrency, "active_tasks": h.active_tasks,
+                }
                 for h in node.agents.values()
             },
+            "loop": node.watchdog.status(),
             "log_records_dropped": BUFFER.dropped,
             "ts": int(time.time()),
         }

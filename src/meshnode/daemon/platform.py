@@ -23,7 +23,7 @@ from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
-from meshnode.services.registry import RegistryService
+from meshnode.services.registry import DEFAULT_REGISTRATION_CONCURRENCY, RegistryService
 from meshnode.services.tasks import TaskManagerService
 from meshnode.transport.streams import (
     DEFAULT_MAILBOX_BYTES,
@@ -104,6 +104,7 @@ class PlatformSettings:
     inbox_sweep_interval_s: float = 60.0
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
+    max_concurrent_registrations: int = DEFAULT_REGISTRATION_CONCURRENCY
 
     @classmethod
     def from_config(cls, config: Config) -> PlatformSettings:
@@ -118,6 +119,7 @@ class PlatformSettings:
             inbox_sweep_interval_s=config.inbox.buffer_sweep_interval.total_seconds(),
             artifacts=artifact_limits(config),
             max_consumers_per_agent=config.services.max_consumers_per_agent,
+            max_concurrent_registrations=config.registry.max_concurrent_registrations,
         )
 
 
@@ -197,6 +199,7 @@ async def start_platform_services(
         trusted_issuers=trusted_issuers,
         imported=imported,
         sdk_agent_of=sdk_agent_of,
+        max_concurrent_registrations=settings.max_concurrent_registrations,
     )
     presence.vouched_by = registry.vouched_by
     # The registry names its sibling services' keys in each registration reply,

@@ -43,7 +43,14 @@ from meshnode.config import is_system_service
 if TYPE_CHECKING:
     from keyring.backend import KeyringBackend
 
-from .base import KEYRING_SERVICE, KeyStore, KeyStoreError, KeyStoreUnavailable, validate_key_name
+from .base import (
+    KEYRING_SERVICE,
+    KeyStore,
+    KeyStoreError,
+    KeyStoreUnavailable,
+    get_or_create_all,
+    validate_key_name,
+)
 from .file_store import FileKeyStore
 from .os_keyring import KeyringKeyStore, detect_keyring, keyring_usable
 from .systemd_credentials import SystemdCredentialsKeyStore
@@ -57,6 +64,7 @@ __all__ = [
     "KeyringKeyStore",
     "SystemdCredentialsKeyStore",
     "detect_keyring",
+    "get_or_create_all",
     "keyring_usable",
     "open_keystore",
     "validate_key_name",

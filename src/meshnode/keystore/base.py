@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -81,6 +82,15 @@ class KeyStore(Protocol):
     def describe(self) -> str:
         """One line for status output: which backend and where."""
         ...
+
+
+def get_or_create_all(store: KeyStore, names: Sequence[str]) -> list[KeyPair]:
+    """``store.get_or_create(name)`` of every name, in order: in one batch where
+    the backend has one (the file store writes new keys side by side)."""
+    batch = getattr(store, "get_or_create_many", None)
+    if callable(batch):
+        return list(batch(names))
+    return [store.get_or_create(name) for name in names]
 
 
 def _check_role(name: str, pair: KeyPair, role: Prefix | None, where: str) -> KeyPair:

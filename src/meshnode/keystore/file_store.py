@@ -12,7 +12,8 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from meshnode.protocol.nkeys import KeyPair, NkeyError, Prefix
@@ -51,6 +52,11 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Key files written at once by :meth:`FileKeyStore.get_or_create_many` (8 measured
+#: ~8x faster than one at a time here; more did not help).
+_WRITERS = 8
 
 
 class FileKeyStore:
@@ -191,7 +197,44 @@ class FileKeyStore:
                 )
             return existing
 
-    def _write_new(self, name: str, pair: KeyPair) -> KeyPair:
+    def get_or_create_many(self, names: Sequence[str]) -> list[KeyPair]:
+        """:meth:`get_or_create` (user role) of every name, in order.
+
+        The new keys are written side by side, each file still fsync'd before
+        it is linked into place, and the directory fsync'd once before this
+        returns (nothing uses a key before then). One after another, a node's
+        first start with thousands of agents waited ~10 ms per key on its own
+        fsyncs; concurrent ones share the file system's journal commits.
+        """
+        for name in names:
+            validate_key_name(name)
+        with self._lock:
+            try:
+                self._ensure_directory()
+                found = {name: self._read(name) for name in dict.fromkeys(names)}
+                missing = [name for name, pair in found.items() if pair is None]
+
+                def create(name: str) -> KeyPair:
+                    return self._write_new(name, KeyPair.generate(Prefix.USER), sync_dir=False)
+
+                if missing:
+                    with ThreadPoolExecutor(min(_WRITERS, len(missing)), thread_name_prefix="keystore") as pool:
+                        found.update(zip(missing, pool.map(create, missing), strict=True))
+                    _fsync_dir(self.directory)
+            except KeyStoreError:
+                raise
+            except OSError as exc:
+                raise KeyStoreError(
+                    f"cannot store keys in {self.directory}: {exc.strerror or exc}", path=self.directory
+                ) from None
+        out: list[KeyPair] = []
+        for name in names:
+            pair = found[name]
+            assert pair is not None
+            out.append(pair)
+        return out
+
+    def _write_new(self, name: str, pair: KeyPair, *, sync_dir: bool = True) -> KeyPair:
         """Store ``pair`` unless a key appeared meanwhile; returns the key now stored."""
         final = self.path_for(name)
         tmp = self.directory / f".{name}.{secrets.token_hex(8)}.tmp"
@@ -231,7 +274,8 @@ class FileKeyStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(self.directory)
+        if sync_dir:
+            _fsync_dir(self.directory)
         log.info("created key %s (%s) in %s", name, pair.public_key, self.directory)
         return pair
 

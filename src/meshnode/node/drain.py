@@ -36,10 +36,12 @@ if TYPE_CHECKING:
     from meshnode.node.runtime import Node
     from meshnode.transport.jetstream import MailboxBuffer
 
-__all__ = ["FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
+__all__ = ["DEFER_S", "FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
 
 #: Node-wide budget of unconditional idle checks (JetStream calls per second).
 FULL_CHECKS_PER_S = 1.0
+#: A buffered copy whose live handler still runs is handed back for this long.
+DEFER_S = 1.0
 
 log = logging.getLogger("meshnode.drain")
 
@@ -55,6 +57,7 @@ class DrainStats:
     last_bound: int = 0
     last_error: str | None = None
     running: bool = False
+    deferred: int = 0  # copies left in the broker while their live handler ran
     idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
     quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
     purged_through: int = 0  # the last stream sequence removed from the broker buffer
@@ -156,6 +159,7 @@ class InboxDrain:
             "duplicates": st.duplicates,
             "beyond_bound": st.beyond_bound,
             "dispatched": st.dispatched,
+            "deferred": st.deferred,
             "last_bound": st.last_bound,
             "idle_skips": st.idle_skips,
             "quiet_skips": st.quiet_skips,
@@ -277,6 +281,7 @@ class InboxDrain:
             return
         self.stats.fetched += len(msgs)
         items: list[tuple[str, str, str, bytes, int | None]] = []
+        item_msgs: list[Message] = []
         unreadable = []
         refused_live = getattr(self.hosted, "refused_bytes", {})
         for m in msgs:
@@ -291,30 +296,44 @@ class InboxDrain:
                 unreadable.append(m)
                 continue
             items.append((sender, msg_id, kind, m.data, m.sequence))
+            item_msgs.append(m)
         if unreadable:
             self.hosted.signal("mailbox.unreadable", None, f"{len(unreadable)} buffered message(s) are not envelopes")
         fresh = await self.store.accept_batch(self.hosted.agent_id, items, self.node.now_ms())
+        # Copies whose live handler runs right now stay in the broker (neither
+        # acked nor dispatched): a crash before it settles must still find them.
+        deferred = {id(m) for m, f in zip(item_msgs, fresh, strict=True) if f is None}
         # Durable now: only after the commit may the broker forget (§16.4, D.3 #3).
         for m in msgs:
-            await m.ack()
+            if id(m) not in deferred:
+                await m.ack()
+            else:
+                # Handed back for a later pass, not after the whole ack wait: a
+                # process killed meanwhile finds it on its start-up pass.
+                await m.nak(delay=DEFER_S)
         new = sum(1 for f in fresh if f)
         self.stats.committed += new
-        self.stats.duplicates += len(fresh) - new
+        self.stats.deferred += len(deferred)
+        self.stats.duplicates += len(fresh) - new - len(deferred)
 
     async def dispatch_pending(self) -> None:
         """Hand committed rows to the pipeline, at most once each."""
         semaphore = asyncio.Semaphore(self.dispatch_concurrency)
         while True:
-            rows = await self.store.claim_pending(self.hosted.agent_id, 256, self.node.now_ms())
+            rows = await self.store.pending_rows(self.hosted.agent_id, 256)
             if not rows:
                 return
 
             async def one(row: Any) -> None:
                 async with semaphore:
+                    # Claimed one by one as each starts (not the whole batch up
+                    # front): a crash keeps only rows that really ran as interrupted.
+                    if not await self.store.start_row(row, self.node.now_ms()):
+                        return
+                    self.stats.dispatched += 1
                     outcome = await self.hosted.receive(
                         row.envelope, source=Path.MAILBOX, inbox_id=row.inbox_id, wait=True
                     )
                     await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
 
             await asyncio.gather(*(one(r) for r in rows))
-            self.stats.dispatched += len(rows)

@@ -31,7 +31,8 @@ from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
 from meshnode.node.commerce import declared_skus
 from meshnode.node.context import AgentContext
-from meshnode.node.inbox import InboxUnwritable
+from meshnode.node.inbox import InboxStore, InboxUnwritable
+from meshnode.node.looplag import running_for
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
@@ -65,6 +66,22 @@ REGISTRY_PROBE_OFFERING = "__registry_probe__"
 
 
 
+class _Slot:
+    """One admitted request's place in :attr:`HostedAgent.in_flight`, released once."""
+
+    __slots__ = ("held", "hosted")
+
+    def __init__(self, hosted: HostedAgent) -> None:
+        hosted.in_flight += 1
+        self.hosted = hosted
+        self.held = True
+
+    def release(self, *_: object) -> None:
+        if self.held:
+            self.held = False
+            self.hosted.in_flight -= 1
+
+
 class HostedAgent:
     """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
 
@@ -78,6 +95,7 @@ class HostedAgent:
         key: KeyPair,
         guard: InboundGuard,
         interaction: str,
+        max_concurrency: int = 64,
     ) -> None:
         self.node = node
         self.name = name
@@ -120,6 +138,10 @@ class HostedAgent:
         # running each handler so a cancel can stop it.
         self.tasks: dict[str, ResponderTask] = {}
         self._task_runners: dict[str, asyncio.Task[Any]] = {}
+        #: Requests admitted and not finished (their handlers, running or about
+        #: to), against the limit past which a request is refused busy (#23).
+        self.in_flight = 0
+        self.max_concurrency = max_concurrency
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -142,6 +164,8 @@ class HostedAgent:
             "interaction": self.interaction,
             "offerings": sorted(self.offerings),
             "active_tasks": self.active_tasks,
+            "in_flight": self.in_flight,
+            "max_concurrency": self.max_concurrency,
             "counters": dict(self.counters),
             "drain": drain,
             "subscriptions": subscriptions,
@@ -231,7 +255,8 @@ class HostedAgent:
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
-            await self.agent.on_event(ctx, event)
+            with running_for(self.name):
+                await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -260,7 +285,10 @@ class HostedAgent:
     ) -> str:
         """Route a request that passed the §22 guard: describe, the sender's vouch,
         cancel, the attended inbox, follow-ups, admission, then the handler, with
-        the first reply :func:`~meshnode.node.pipeline.first_reply` plans."""
+        the first reply :func:`~meshnode.node.pipeline.first_reply` plans.
+
+        Returns the outcome for the node inbox, or ``running`` when the handler
+        was started in the background (it settles its live pair itself)."""
         payload = normalize_request_payload(env.get("payload"))
         offering_id = payload.get("offering") if isinstance(payload, Mapping) else None
         if offering_id == DESCRIBE_OFFERING:
@@ -326,6 +354,11 @@ class HostedAgent:
                 # §19.5, in the §7.7/§22 slot: no agreement to a paid SKU, no work.
                 await commerce.check(self, env, spec.id, now_ms)
             await self._admit_budget(env, spec, handler_input)
+            if not wait:
+                # The drain (wait) runs its rows a bounded number at a time and
+                # must not turn a backlog into refusals; every other path is
+                # refused busy past the limit instead of queued without bound.
+                pipeline.check_concurrency(self.in_flight, self.max_concurrency, self.latency.average_ms)
         except ProtocolError as exc:
             # Refused at admission: the refusal is the first reply, no accept (§6.4a).
             self.count_refusal(exc.code)
@@ -340,14 +373,24 @@ class HostedAgent:
             elif framed.field is not None and isinstance(framed.payload, str):
                 text = framed.payload
         self.counters["dispatched"] += 1
+        # Counted from here (no await since the check) until the handler
+        # returns, before its answer goes out: a local requester woken by that
+        # answer may send its next request before this runner's task is done.
+        # The runner's done callback releases a slot whose handler never ran
+        # (a runner cancelled before its first step).
+        slot = _Slot(self)
         if wait:
-            if plan.accept:
-                await self._answer(env, status="accepted", path=source, accept=True)
-            await self._run_handler(env, spec, handler_input, text, source)
+            try:
+                if plan.accept:
+                    await self._answer(env, status="accepted", path=source, accept=True)
+                await self._run_handler(env, spec, handler_input, text, source, slot)
+            finally:
+                slot.release()
             return "answered"
         if not plan.accept:  # a drained request: its first reply is the substantive one
-            self.spawn(self._run_handler(env, spec, handler_input, text, source), f"{self.name}:{env['id']}")
-            return "answered"
+            runner = self.spawn(self._run_handler(env, spec, handler_input, text, source, slot), f"{self.name}:{env['id']}")
+            runner.add_done_callback(slot.release)
+            return "running"
         # Admission passed and a live handler is about to run (§6.4a): the accept
         # goes out first. The handler's task is created *before* the accept is
         # published so that its first step is scheduled ahead of the client's
@@ -359,17 +402,25 @@ class HostedAgent:
 
         async def run_after_accept() -> None:
             if not gate.done():
-                await gate
-            await self._run_handler(env, spec, handler_input, text, source)
+                try:
+                    await gate
+                except asyncio.CancelledError:
+                    # Never started: nothing is committed, so a drain (after a
+                    # restart) still runs the buffered copy, once.
+                    if self.node.inbox is not None:
+                        self.node.inbox.release(self.agent_id, env["from"], env["id"])
+                    raise
+            await self._run_handler(env, spec, handler_input, text, source, slot)
 
         runner = self.spawn(run_after_accept(), f"{self.name}:{env['id']}")
+        runner.add_done_callback(slot.release)
         try:
             await self._answer(env, status="accepted", path=source, accept=True)
         except BaseException:
             runner.cancel()  # the accept could not go out: nothing runs (as before)
             raise
         gate.set_result(None)
-        return "answered"
+        return "running"
 
     def _admit(
         self, env: Mapping[str, Any], payload: Any, offering_id: Any, now_ms: int
@@ -420,7 +471,46 @@ class HostedAgent:
         await self.agent.admit(AgentContext(self, envelope=env), spec.id, handler_input, budget)
 
     async def _run_handler(
-        self, env: dict[str, Any], spec: OfferingSpec, handler_input: Any, text: str | None, source: Path
+        self,
+        env: dict[str, Any],
+        spec: OfferingSpec,
+        handler_input: Any,
+        text: str | None,
+        source: Path,
+        slot: _Slot | None = None,
+    ) -> None:
+        """Run the handler and answer; then the live pair is settled (done) in
+        the node inbox. A handler cancelled by a stopping node is not settled:
+        after a restart its buffered copy is kept as ``interrupted``, not run."""
+        inbox = self.node.inbox if source is Path.LIVE else None
+        if inbox is not None:
+            # Committed right before the handler starts, inline (with whatever
+            # else is queued riding along): a drain of the buffered copy never
+            # runs it again, even after a kill -9 (issue #23), and a crash
+            # mid-handler leaves it interrupted. _handle runs the handler before
+            # its first await, so nothing else runs in between.
+            inbox.commit_live_now(self.agent_id, env["from"], env["id"], self.node.now_ms())
+        try:
+            await self._handle(env, spec, handler_input, text, source, slot)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._settle_live(env, inbox)
+            raise
+        self._settle_live(env, inbox)
+
+    def _settle_live(self, env: Mapping[str, Any], inbox: InboxStore | None) -> None:
+        if inbox is not None:
+            inbox.settle(self.agent_id, env["from"], env["id"], self.node.now_ms())
+
+    async def _handle(
+        self,
+        env: dict[str, Any],
+        spec: OfferingSpec,
+        handler_input: Any,
+        text: str | None,
+        source: Path,
+        slot: _Slot | None = None,
     ) -> None:
         ctx = AgentContext(self, envelope=env, text=text)
         handler = getattr(self.agent, spec.handler_name)
@@ -430,12 +520,16 @@ class HostedAgent:
         runner = asyncio.current_task()
         try:
             try:
-                if inspect.isasyncgenfunction(handler):
-                    output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
-                else:
-                    output = await handler(ctx, handler_input)
+                # The loop-lag watchdog names this agent if its handler blocks the loop.
+                with running_for(self.name):
+                    if inspect.isasyncgenfunction(handler):
+                        output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
+                    else:
+                        output = await handler(ctx, handler_input)
             finally:
                 self.latency.observe((time.perf_counter() - started) * 1000)
+                if slot is not None:
+                    slot.release()  # the handler is done; its answer is not a slot
         except ProtocolError as exc:
             self.counters["failed"] += 1
             if ctx.task is not None:
@@ -641,6 +735,15 @@ class HostedAgent:
         artifacts: list[dict[str, Any]] | None = None,
     ) -> None:
         """Sign a respond and deliver it to the requester's inbox (§6.5)."""
+        inbox = self.node.inbox
+        if (
+            not accept and path is Path.LIVE and inbox is not None
+            and inbox.taken(self.agent_id, request["from"], request["id"])
+        ):
+            # An answer without a handler (a refusal, describe, a cancel): the
+            # pair is committed before the answer goes out, so a drain of the
+            # buffered copy after a crash does not answer it a second time.
+            inbox.commit_live_now(self.agent_id, request["from"], request["id"], self.node.now_ms(), settled=True)
         payload: dict[str, Any] = {"status": status}
         if output is not None:
             payload["output"] = output

@@ -2,8 +2,7 @@
 
 Every message taken from the broker's redelivery buffer is written here and
 only then acked to JetStream, so at any instant either the broker or this
-file holds it. Commits are grouped: a drained batch is one transaction (one
-fsync in WAL mode with ``synchronous=FULL``), not one per message.
+file holds it.
 
 A message row moves through these states::
 
@@ -17,11 +16,30 @@ A message row moves through these states::
 at most once even across a crash; a row caught mid-handler by a crash is kept
 as ``interrupted`` (visible, retryable by a person), never silently re-run.
 
-The duplicate memory of §22.2 is persisted here too (table ``seen``): what the
-live path handled is remembered across a restart, so a drain after a restart
-acks the buffered copy instead of dispatching it again. Entries are written
-behind (batched) and bounded by age (the mailbox window: nothing older is
-accepted anyway) and by count per agent (first-seen eviction).
+The duplicate memory of §22.2 is persisted here too (table ``seen``), and the
+live path commits a request's pair right before the irreversible step — its
+handler starting, or an answer without a handler going out
+(:meth:`InboxStore.commit_live_now`) — so a drain of the buffered copy, in
+this process or after a kill -9, never runs it again (issue #23). Until then
+the request is only *taken* (:meth:`InboxStore.take`): the drain leaves its
+copy in the broker, and a crash before the handler starts lets the restarted
+node run the copy, once. A committed pair has ``done=0`` until the answer has
+reached the broker (:meth:`InboxStore.settle`, after the node's flush round
+trip, :attr:`InboxStore.settle_barrier`); a pair still at 0 when a new process
+opens the file was caught mid-handler, and the drain keeps its buffered copy
+as an ``interrupted`` row (never run again, never silently dropped).
+
+How it is written (why inline ``sqlite3`` and not a thread per statement):
+every statement runs on the event loop's thread — a WAL commit with
+``synchronous=NORMAL`` is a ``write()`` into the OS cache, tens of µs, and
+survives a process crash. Commits are adaptive group commits: a commit
+happens at once (no timer, no gathering window), and whatever is queued at
+that moment — settle marks, other pairs — rides in
+it; settle marks alone are committed on the next turn of the loop.
+What must survive a *power loss* is made so by a sync barrier (one ``fsync``
+of the WAL, in a worker thread so the loop does not wait on the disk) before
+the drain acks the broker and before it dispatches claimed rows. What a power
+loss can still cost is written in docs/operations/exactly-once.md.
 """
 
 from __future__ import annotations
@@ -29,14 +47,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import aiosqlite
 
 from meshnode.node.private_db import prepare_private_db, tighten_side_files
 
@@ -77,6 +94,7 @@ CREATE TABLE IF NOT EXISTS seen (
     sender   TEXT NOT NULL,
     msg_id   TEXT NOT NULL,
     seen_ms  INTEGER NOT NULL,
+    done     INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (agent, sender, msg_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS seen_by_age ON seen (agent, seen_ms);
@@ -126,7 +144,12 @@ class InboxUnwritable(RuntimeError):
 
 
 class InboxStore:
-    """The node's inbox database. One per node; shared by all hosted agents."""
+    """The node's inbox database. One per node; shared by all hosted agents.
+
+    Every method runs its SQLite statements inline on the caller's (the event
+    loop's) thread; the only waits are the sync barrier's ``fsync`` and the
+    checkpoint, both in a worker thread on their own file handles.
+    """
 
     def __init__(
         self,
@@ -136,7 +159,8 @@ class InboxStore:
         seen_max_age_ms: int = 7 * 86_400_000,
         retention_ms: int = 14 * 86_400_000,
         flush_interval: float = 0.05,
-        synchronous: str = "FULL",
+        synchronous: str = "NORMAL",
+        checkpoint_every: int = 500,
     ) -> None:
         self.path = path
         self.seen_capacity = seen_capacity
@@ -144,43 +168,82 @@ class InboxStore:
         self.retention_ms = retention_ms
         self.flush_interval = flush_interval
         self.synchronous = synchronous
-        self._db: aiosqlite.Connection | None = None
-        self._lock = asyncio.Lock()
+        self.checkpoint_every = checkpoint_every
+        self._db: sqlite3.Connection | None = None
+        # Live pairs waiting for the next group commit (agent, sender, msg_id,
+        # seen_ms, done) with the future their dispatch waits on.
+        self._live: list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]] = []
+        self._settle: list[tuple[str, str, str, int]] = []
+        self._commit_scheduled = False
+        #: Awaited before settle marks are written (the node sets it: its answers
+        #: have reached the broker). None: marks are written at once.
+        self.settle_barrier: Callable[[], Awaitable[None]] | None = None
+        # Settle marks waiting for the barrier, and the task that passes them.
+        self._unsent: list[tuple[str, str, str, int]] = []
+        self._passing: list[tuple[str, str, str, int]] = []  # marks waiting on the barrier now
+        self._settler: asyncio.Task[None] | None = None
+        # Live requests taken by the pipeline whose handler has not started yet
+        # (nothing committed for them): the drain leaves their buffered copies
+        # in the broker, neither acked nor dispatched, until the pair settles.
+        self._taken: dict[tuple[str, str, str], None] = {}
+        # Pairs remembered behind (refusals; live pairs while the inbox cannot be written).
         self._seen_pending: list[tuple[str, str, str, int]] = []
-        # Pairs taken back by forget(). A flush may hold such a pair in flight
-        # when forget() runs: re-queued after a failed write it must not come
-        # back, and written by a write that succeeded it must not make the drain
-        # take its buffered copy for a duplicate (that copy is the only one left).
+        # Pairs taken back by forget(): a pair already committed must not make the
+        # drain take its buffered copy for a duplicate (that copy is the only one left).
         self._forgotten: dict[tuple[str, str, str], None] = {}
         self._state_pending: list[tuple[str, str | None, int, int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        # The sync barrier: commits that changed the file, and how many of them
+        # an fsync of the WAL has covered.
+        self._commit_gen = 0
+        self._synced_gen = 0
+        self._syncing: asyncio.Future[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
+        self._checkpointed_at = 0
         self.commits = 0
+        self.syncs = 0
+        self.group_commits = 0
+        self.live_committed = 0
+        self.kept_interrupted = 0
+        self.deferred = 0
         #: Why writes fail now (SQLite's message), None while the inbox is writable.
         self.fault: str | None = None
         self.fault_since_ms: int | None = None
         self.failed_writes = 0
         self.dropped_behind = 0
+        self.degraded_live = 0
 
     # -- lifecycle -------------------------------------------------------------
 
     async def open(self) -> None:
         prepare_private_db(self.path)  # born 0600, so are its -wal/-shm (item 8)
-        self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit is on disk before we ack the broker (the durability rule).
-        await self._db.execute(f"PRAGMA synchronous={self.synchronous}")
-        await self._db.execute("PRAGMA busy_timeout=5000")
-        await self._db.executescript(_SCHEMA)
+        db = sqlite3.connect(self.path, isolation_level=None)
+        self._db = db
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit is in the OS's hands when it returns, so
+        # it survives a kill -9; power-loss durability comes from the sync
+        # barrier (_sync) where the §16.4 rule needs it, before any broker ack.
+        db.execute(f"PRAGMA synchronous={self.synchronous}")
+        db.execute("PRAGMA busy_timeout=5000")
+        # Checkpoints (which fsync) run in a worker thread, not inside a commit
+        # on the event loop (see _maintain).
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        db.execute("PRAGMA journal_size_limit=67108864")
+        db.executescript(_SCHEMA)
+        columns = {str(r[1]) for r in db.execute("PRAGMA table_info(seen)")}
+        if "done" not in columns:  # a file of an older version: its pairs were all handled
+            db.execute("ALTER TABLE seen ADD COLUMN done INTEGER NOT NULL DEFAULT 1")
+        # Pairs a previous process committed before dispatch and never settled:
+        # it died (or was stopped) while their handlers ran. Their buffered
+        # copies are kept as interrupted rows by the drain, never run again.
+        db.execute("UPDATE seen SET done=2 WHERE done=0")
         tighten_side_files(self.path)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="inbox-flush")
 
     async def close(self) -> None:
         if self._flusher is not None:
-            # Let the write-behind finish the batch it may be writing: cancelling
-            # it mid-transaction would roll back pairs it already took (a
-            # restart would then answer a handled request again).
             self._closing = True
             self._wake.set()
             try:
@@ -190,6 +253,28 @@ class InboxStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._flusher
             self._flusher = None
+        if self._syncer is not None:
+            with contextlib.suppress(Exception):
+                await self._syncer
+            self._syncer = None
+        if self._settler is not None:
+            self._settler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._settler
+            self._settler = None
+        marks = self._passing + self._unsent
+        self._unsent, self._passing = [], []
+        if marks and self._db is not None:
+            # The connection is still up at this stage of a stop: one last
+            # barrier, so only answers that reached the broker are settled.
+            barrier = self.settle_barrier
+            try:
+                if barrier is not None:
+                    await asyncio.wait_for(barrier(), timeout=2.0)
+                self._settle.extend(marks)
+            except Exception as exc:
+                log.warning("stopping with %d answers not confirmed at the broker (%s): after a restart their "
+                            "requests' buffered copies are kept as interrupted, not run again", len(marks), exc)
         if self._db is not None:
             try:
                 await self.flush()
@@ -197,24 +282,21 @@ class InboxStore:
                 # Only the persisted duplicate memory loses these pairs: after a
                 # restart their buffered copies may be dispatched a second time.
                 log.error("stopping with %d remembered pairs unwritten: %s", len(self._seen_pending), exc.cause)
-            # Under the lock: a write already waiting for it (a forced exit's
-            # final_write, which took its pairs off the queue) commits before
-            # the file is closed, instead of failing on a closed connection.
-            async with self._lock:
-                with contextlib.suppress(Exception):
-                    await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                await self._db.close()
-                self._db = None
+            self._resolve_live(self._take_live(), "degraded")
+            with contextlib.suppress(Exception):
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()
+            self._db = None
 
     @property
-    def db(self) -> aiosqlite.Connection:
+    def db(self) -> sqlite3.Connection:
         if self._db is None:
             raise RuntimeError("inbox store is not open")
         return self._db
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction (one commit, one fsync), under the store's lock.
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (one commit), inline.
 
         A failure anywhere, the COMMIT included, leaves no transaction open
         (SQLite rolls some back by itself on SQLITE_FULL; the rest are rolled
@@ -222,27 +304,28 @@ class InboxStore:
         SQLite error is raised as :class:`InboxUnwritable` and recorded in
         :attr:`fault` (logged once when it starts and once when it ends).
         """
-        async with self._lock:
-            db = self.db
-            changes = db.total_changes
-            try:
-                await db.execute("BEGIN IMMEDIATE")
-                yield db
-                await db.execute("COMMIT")
-            except BaseException as exc:
-                if db.in_transaction:
-                    with contextlib.suppress(Exception):
-                        await db.execute("ROLLBACK")
-                # Full, read-only, I/O error, locked, corrupt: the file cannot take
-                # the write. (A constraint or programming error is a bug: raised as is.)
-                if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
-                    self._failed(exc)
-                    raise InboxUnwritable(self.path, str(exc)) from exc
-                raise
-            self.commits += 1
-            # Only a commit that wrote something proves the disk takes writes
-            # again (a drain pass with nothing to claim commits nothing).
-            if self.fault is not None and db.total_changes != changes:
+        db = self.db
+        changes = db.total_changes
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                with contextlib.suppress(Exception):
+                    db.execute("ROLLBACK")
+            # Full, read-only, I/O error, locked, corrupt: the file cannot take
+            # the write. (A constraint or programming error is a bug: raised as is.)
+            if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
+                self._failed(exc)
+                raise InboxUnwritable(self.path, str(exc)) from exc
+            raise
+        self.commits += 1
+        # Only a commit that wrote something proves the disk takes writes
+        # again (a drain pass with nothing to claim commits nothing).
+        if db.total_changes != changes:
+            self._commit_gen += 1
+            if self.fault is not None:
                 log.warning(
                     "the node inbox %s is writable again (%d writes failed since the fault began); "
                     "buffered mail is taken on the next drain pass", self.path, self.failed_writes,
@@ -250,7 +333,7 @@ class InboxStore:
                 self.fault = None
                 self.fault_since_ms = None
 
-    def _failed(self, exc: sqlite3.Error) -> None:
+    def _failed(self, exc: BaseException) -> None:
         self.failed_writes += 1
         if self.fault is None:
             self.fault_since_ms = time.time_ns() // 1_000_000
@@ -261,11 +344,37 @@ class InboxStore:
             )
         self.fault = str(exc)
 
+    async def _sync(self) -> None:
+        """The sync barrier: every commit made so far is on disk when this
+        returns (one ``fsync`` of the WAL in a worker thread; nothing when no
+        commit changed the file since the last one). The drain calls it before
+        it acks the broker and before it dispatches claimed rows."""
+        gen = self._commit_gen
+        while gen > self._synced_gen:
+            if self._syncing is not None:
+                # One fsync at a time, shared: callers arriving meanwhile wait
+                # for it and need another only if they committed after it began.
+                await asyncio.shield(self._syncing)
+                continue
+            self._syncing = asyncio.get_running_loop().create_future()
+            target = self._commit_gen
+            wal = self.path.with_name(self.path.name + "-wal")
+            try:
+                await asyncio.to_thread(_fsync_file, wal)
+            except OSError as exc:
+                self._failed(exc)
+                raise InboxUnwritable(self.path, f"fsync of {wal.name} failed: {exc}") from exc
+            finally:
+                syncing, self._syncing = self._syncing, None
+                syncing.set_result(None)
+            self.syncs += 1
+            self._synced_gen = max(self._synced_gen, target)
+
     async def probe(self) -> None:
         """One tiny real write: clears :attr:`fault` when it commits, raises
         :class:`InboxUnwritable` while the inbox still cannot be written."""
-        async with self._write() as db:
-            await db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO probe (k, v) VALUES ('probe', ?)", (time.time_ns(),))
 
     def health(self) -> dict[str, Any]:
         """For status: whether the inbox can commit, and since when it cannot."""
@@ -276,112 +385,383 @@ class InboxStore:
             "fault_since_ms": self.fault_since_ms,
             "failed_writes": self.failed_writes,
             "commits": self.commits,
-            "write_behind_pending": len(self._seen_pending) + len(self._state_pending),
+            "group_commits": self.group_commits,
+            "live_committed": self.live_committed,
+            "live_degraded": self.degraded_live,
+            "kept_interrupted": self.kept_interrupted,
+            "drain_deferred": self.deferred,
+            "syncs": self.syncs,
+            "write_behind_pending": len(self._seen_pending) + len(self._state_pending)
+            + len(self._live) + len(self._settle) + len(self._unsent) + len(self._passing),
             "write_behind_dropped": self.dropped_behind,
         }
 
-    async def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
-        """One transaction, one commit (one fsync)."""
-        async with self._write() as db:
+    def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> int:
+        """One transaction, one commit; returns the rows changed."""
+        with self._write() as db:
+            before = db.total_changes
             for sql, params in statements:
-                await db.execute(sql, params)
+                db.execute(sql, params)
+            return db.total_changes - before
+
+    # -- the live path: commit before dispatch ------------------------------------------
+
+    def take(self, agent: str, sender: str, msg_id: str) -> None:
+        """The live pipeline took a request: until its pair is committed (its
+        handler starts, or an answer goes out) or released, a drain leaves the
+        buffered copy where it is."""
+        self._taken[(agent, sender, msg_id)] = None
+
+    def taken(self, agent: str, sender: str, msg_id: str) -> bool:
+        """Whether a live request is taken and nothing is committed for it yet."""
+        return (agent, sender, msg_id) in self._taken
+
+    def release(self, agent: str, sender: str, msg_id: str) -> None:
+        """A taken request will not run here after all (its handler was
+        cancelled before it started): nothing is written, so a drain after a
+        restart runs its buffered copy."""
+        self._taken.pop((agent, sender, msg_id), None)
+
+    async def commit_live(self, agent: str, sender: str, msg_id: str, now_ms: int, *, settled: bool = False) -> str:
+        """Commit the pair of a live message before the irreversible step: its
+        handler starting, or its answer going out.
+
+        Returns ``committed`` (the pair is in the file: a drain of the buffered
+        copy, in this process or after a crash, never runs it again) or
+        ``degraded`` (the inbox cannot be written now: the pair is written
+        behind, and only a crash before the disk recovers could run the
+        buffered copy again).
+
+        ``settled`` commits the pair as finished at once (a respond, an answer
+        without a handler); otherwise :meth:`settle` marks it finished, and a
+        pair a new process finds unfinished was caught mid-handler.
+
+        Group commit, adaptive: the first pair schedules a commit for the next
+        turn of the event loop and every pair queued until then rides in it. An
+        idle node commits at once; no timer adds latency.
+        """
+        if self._db is None:
+            self._taken.pop((agent, sender, msg_id), None)
+            return "degraded"
+        if self.fault is not None:
+            self._taken.pop((agent, sender, msg_id), None)
+            self.remember(agent, sender, msg_id, now_ms)
+            self.degraded_live += 1
+            return "degraded"
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._live.append(((agent, sender, msg_id, now_ms, 1 if settled else 0), future))
+        self._schedule_commit()
+        return await future
+
+    def commit_live_now(self, agent: str, sender: str, msg_id: str, now_ms: int, *, settled: bool = False) -> str:
+        """:meth:`commit_live` at once, inline, with everything queued riding
+        along (settle marks, other pairs): for the step right before a handler
+        runs, so nothing — not even another task's turn — lies between the
+        commit and the handler's first statement. (An awaited group commit
+        marked a whole burst "started" while the handlers then ran one by one:
+        a crash in between kept requests that never ran as interrupted.)"""
+        key = (agent, sender, msg_id)
+        if self._db is None:
+            self._taken.pop(key, None)
+            return "degraded"
+        if self.fault is not None:
+            self._taken.pop(key, None)
+            self.remember(agent, sender, msg_id, now_ms)
+            self.degraded_live += 1
+            return "degraded"
+        self._live.append(((agent, sender, msg_id, now_ms, 1 if settled else 0), None))
+        return "committed" if self._group_commit() else "degraded"
+
+    def settle(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
+        """A live request is finished (its handler answered or failed, or it
+        was answered, refused or held without one): its pair is written done,
+        in the next group commit."""
+        self._taken.pop((agent, sender, msg_id), None)
+        if (agent, sender, msg_id) in self._forgotten:
+            # Taken back (the inbox could not hold it): the buffered copy is the
+            # only one left and must stay new work for the drain.
+            return
+        mark = (agent, sender, msg_id, now_ms)
+        if self.settle_barrier is None:
+            self._settle.append(mark)
+            self._schedule_commit()
+            return
+        # Not before the answer reached the broker: until then the pair stays
+        # unfinished (a drain leaves its copy alone; a crash keeps it interrupted).
+        self._unsent.append(mark)
+        if self._settler is None or self._settler.done():
+            self._settler = asyncio.get_running_loop().create_task(self._pass_barrier(), name="inbox-settle")
+
+    async def _pass_barrier(self) -> None:
+        barrier = self.settle_barrier
+        while self._unsent and barrier is not None and not self._closing:
+            marks = self._passing = self._unsent
+            self._unsent = []
+            try:
+                await barrier()
+            except Exception as exc:  # disconnected: the marks wait for the next try
+                log.debug("settle barrier failed (%s); retrying", exc)
+                self._unsent[:0] = marks
+                self._passing = []
+                await asyncio.sleep(0.5)
+                continue
+            self._passing = []
+            self._settle.extend(marks)
+            self._schedule_commit()
+
+    def _schedule_commit(self) -> None:
+        if not self._commit_scheduled:
+            self._commit_scheduled = True
+            asyncio.get_running_loop().call_soon(self._group_commit)
+
+    def _take_live(self) -> list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]]:
+        live, self._live = self._live, []
+        return live
+
+    def _resolve_live(
+        self, live: Iterable[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]], outcome: str
+    ) -> None:
+        for pair, future in live:
+            self._taken.pop(pair[:3], None)
+            if future is not None and not future.done():
+                future.set_result(outcome)
+
+    def _write_live(
+        self, db: sqlite3.Connection, live: Sequence[tuple[tuple[str, str, str, int, int], Any]],
+        settle: Sequence[tuple[str, str, str, int]],
+    ) -> None:
+        """Inside a transaction: the queued live pairs, then the settle marks."""
+        if live:
+            db.executemany(
+                "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,?)",
+                [pair for pair, _ in live],
+            )
+        if settle:
+            db.executemany(
+                "INSERT INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,1)"
+                " ON CONFLICT (agent, sender, msg_id) DO UPDATE SET done=1",
+                settle,
+            )
+
+    def _group_commit(self) -> bool:
+        """Commit everything queued (one transaction); False when it degraded."""
+        self._commit_scheduled = False
+        live = self._take_live()
+        settle, self._settle = self._settle, []
+        if not live and not settle:
+            return True
+        if self._db is None:
+            self._resolve_live(live, "degraded")
+            return False
+        try:
+            with self._write() as db:
+                self._write_live(db, live, settle)
+        except InboxUnwritable:
+            # Availability over the strict rule while the disk is at fault: the
+            # messages are dispatched, their pairs are written behind (the
+            # in-memory §22.2 memory still refuses their buffered copies here).
+            for pair, _ in live:
+                if pair[:3] not in self._forgotten:
+                    self.remember(*pair[:4])
+            self.degraded_live += len(live)
+            self._settle[:0] = settle
+            self._resolve_live(live, "degraded")
+            return False
+        except BaseException as exc:  # a bug: never leave a dispatch waiting forever
+            for _, future in live:
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+            raise
+        self.group_commits += 1
+        self.live_committed += len(live)
+        self._resolve_live(live, "committed")
+        return True
 
     # -- the drain: durable intake -----------------------------------------------
 
     async def accept_batch(
         self, agent: str, items: Sequence[tuple[str, str, str, bytes, int | None]], now_ms: int
-    ) -> list[bool]:
+    ) -> list[bool | None]:
         """Durably record drained messages (sender, msg_id, kind, raw, stream_seq).
 
-        Returns, per item, whether it is new work (False: already held here or
-        already handled live — the caller acks it without dispatching). The
-        commit has happened when this returns: only then may the caller ack.
+        Returns, per item: True, new work (committed as a pending row); False,
+        not new (already held here, handled live, or kept as ``interrupted``
+        because a crash caught its live handler — the caller acks it without
+        dispatching); None, the live path of this process is handling it right
+        now (taken, or its handler is running): the caller leaves the copy in
+        the broker, neither acked nor dispatched, so a crash before the live
+        handler settles still finds it (redelivered after the ack wait).
+
+        The commit is on disk when this returns (the sync barrier): only then
+        may the caller ack. Copies already seen cost one primary-key look-up
+        each and no write; a batch of nothing but those costs no fsync unless
+        the live path committed since the last one.
         """
         if not items:
             return []
-        # Pairs the live path handled moments ago may still wait in the write-behind.
-        pending = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
-        fresh: list[bool] = []
+        # Live pairs waiting for their group commit ride in this transaction,
+        # so the copies acked as their duplicates are never acked before them.
+        live = self._take_live()
+        settle, self._settle = self._settle, []
+        behind = {(s, m) for a, s, m, _ in self._seen_pending if a == agent}
+        fresh: list[bool | None] = []
         taken_back: list[tuple[str, str, str]] = []
-        async with self._write() as db:
-            for sender, msg_id, kind, raw, seq in items:
-                if (sender, msg_id) in pending:
-                    fresh.append(False)
-                    continue
-                if (agent, sender, msg_id) in self._forgotten:
-                    # Taken back by the live path (it could not hold the message);
-                    # a write-behind already in flight may have written it anyway.
-                    await db.execute(
-                        "DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
+        note = "the node stopped while its live handler ran; not run again"
+        try:
+            with self._write() as db:
+                self._write_live(db, live, settle)
+                for sender, msg_id, kind, raw, seq in items:
+                    key = (agent, sender, msg_id)
+                    if key in self._taken:
+                        fresh.append(None)
+                        self.deferred += 1
+                        continue
+                    if (sender, msg_id) in behind:
+                        fresh.append(False)
+                        continue
+                    if key in self._forgotten:
+                        # Taken back by the live path (it could not hold the message).
+                        db.execute("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)
+                        taken_back.append(key)
+                    row = db.execute(
+                        "SELECT done FROM seen WHERE agent=? AND sender=? AND msg_id=?", key
+                    ).fetchone()
+                    if row is not None:
+                        if row[0] == 0:
+                            # Its live handler runs in this process: acked only once
+                            # it settled, or a crash now would leave nothing to keep.
+                            fresh.append(None)
+                            self.deferred += 1
+                            continue
+                        if row[0] == 2:
+                            # Committed live by a process that died before the handler
+                            # finished: kept for a person, never run a second time.
+                            if kind == "request":
+                                cur = db.execute(
+                                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope,"
+                                    " stream_seq, received_ms, state, state_ms, note)"
+                                    " VALUES (?,?,?,?,?,?,?,'interrupted',?,?)",
+                                    (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms, note),
+                                )
+                                self.kept_interrupted += cur.rowcount
+                            db.execute("UPDATE seen SET done=1 WHERE agent=? AND sender=? AND msg_id=?", key)
+                        fresh.append(False)
+                        continue
+                    cur = db.execute(
+                        "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
+                        " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
+                        (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
                     )
-                    taken_back.append((agent, sender, msg_id))
-                async with db.execute(
-                    "SELECT 1 FROM seen WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-                ) as cur:
-                    seen_live = await cur.fetchone() is not None
-                if seen_live:
-                    fresh.append(False)
-                    continue
-                cur2 = await db.execute(
-                    "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, stream_seq,"
-                    " received_ms, state, state_ms) VALUES (?,?,?,?,?,?,?,'pending',?)",
-                    (agent, sender, msg_id, kind, raw, seq, now_ms, now_ms),
-                )
-                fresh.append(cur2.rowcount == 1)
+                    fresh.append(cur.rowcount == 1)
+        except InboxUnwritable:
+            self._live[:0] = live  # the group commit retries them (and degrades them if it must)
+            self._settle[:0] = settle
+            if live:
+                self._schedule_commit()
+            raise
+        self._resolve_live(live, "committed")
         for pair in taken_back:  # committed: the tombstones have done their work
             self._forgotten.pop(pair, None)
+        await self._sync()
         return fresh
 
     async def claim_pending(self, agent: str, limit: int, now_ms: int) -> list[InboxRow]:
-        """Mark up to ``limit`` pending rows dispatched (committed) and return them."""
-        async with self._write() as db:
-            async with db.execute(
-                f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
-                (agent, limit),
-            ) as cur:
-                rows = [_row(r) for r in await cur.fetchall()]
+        """Mark up to ``limit`` pending rows dispatched (committed, on disk) and return them."""
+        with self._write() as db:
+            rows = [
+                _row(r)
+                for r in db.execute(
+                    f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
+                    (agent, limit),
+                )
+            ]
             if rows:
-                await db.executemany(
+                db.executemany(
                     "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=?",
                     [(now_ms, r.inbox_id) for r in rows],
                 )
                 # The claimed pairs join the persisted duplicate memory now.
-                await db.executemany(
+                db.executemany(
                     "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
                     [(agent, r.sender, r.msg_id, now_ms) for r in rows],
                 )
+        if rows:
+            # A claim lost to a power loss would put the rows back to pending
+            # and run them again: on disk before any handler runs.
+            await self._sync()
         return rows
+
+    async def pending_rows(self, agent: str, limit: int) -> list[InboxRow]:
+        """Up to ``limit`` pending rows, oldest first, without claiming them: each
+        is claimed by :meth:`start_row` right before it is dispatched."""
+        return [
+            _row(r)
+            for r in self.db.execute(
+                f"SELECT {_COLUMNS} FROM messages WHERE agent=? AND state='pending' ORDER BY inbox_id LIMIT ?",
+                (agent, limit),
+            )
+        ]
+
+    async def start_row(self, row: InboxRow, now_ms: int) -> bool:
+        """Claim one pending row right before its dispatch, inline: committed
+        before the handler runs, so a row is run at most once across a process
+        crash, and a crash keeps as interrupted only rows that really started
+        (claiming a whole batch up front, or waiting for an fsync before each
+        handler, kept rows that never ran). The fsync follows in the background
+        (one shared by the rows starting together): a power loss within those
+        milliseconds can run the row again. False: the row is no longer pending."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=? AND state='pending'",
+                (now_ms, row.inbox_id),
+            )
+            if cur.rowcount != 1:
+                return False
+            db.execute(
+                "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
+                (row.agent, row.sender, row.msg_id, now_ms),
+            )
+        self._sync_soon()
+        return True
+
+    def _sync_soon(self) -> None:
+        """The sync barrier in the background (failures are recorded in :attr:`fault`)."""
+        if self._syncer is None or self._syncer.done():
+            self._syncer = asyncio.get_running_loop().create_task(self._quiet_sync(), name="inbox-sync")
+
+    async def _quiet_sync(self) -> None:
+        # Until caught up: rows that started while this fsync ran need the next.
+        while self._commit_gen > self._synced_gen:
+            try:
+                await self._sync()
+            except InboxUnwritable:
+                return
 
     async def recover_interrupted(self, now_ms: int) -> int:
         """At start-up: rows claimed by a process that died are ``interrupted``."""
-        await self._transaction(
+        return self._transaction(
             [("UPDATE messages SET state='interrupted', state_ms=?, note='the node stopped while its handler ran'"
               " WHERE state='dispatched'", (now_ms,))]
         )
-        async with self.db.execute("SELECT changes()") as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
 
     # -- interactive: held messages --------------------------------------------------
 
     async def hold(self, agent: str, sender: str, msg_id: str, kind: str, raw: bytes, now_ms: int) -> int:
         """Keep a message for a person's live session; returns its inbox id."""
-        async with self._write() as db:
-            await db.execute(
+        with self._write() as db:
+            db.execute(
                 "INSERT OR IGNORE INTO messages (agent, sender, msg_id, kind, envelope, received_ms,"
                 " state, state_ms) VALUES (?,?,?,?,?,?,'held',?)",
                 (agent, sender, msg_id, kind, raw, now_ms, now_ms),
             )
-            async with db.execute(
+            row = db.execute(
                 "SELECT inbox_id FROM messages WHERE agent=? AND sender=? AND msg_id=?", (agent, sender, msg_id)
-            ) as cur:
-                row = await cur.fetchone()
+            ).fetchone()
         assert row is not None
         return int(row[0])
 
     async def get(self, inbox_id: int) -> InboxRow | None:
-        async with self.db.execute(f"SELECT {_COLUMNS} FROM messages WHERE inbox_id=?", (inbox_id,)) as cur:
-            row = await cur.fetchone()
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM messages WHERE inbox_id=?", (inbox_id,)).fetchone()
         return _row(row) if row else None
 
     async def rows(
@@ -400,20 +780,18 @@ class InboxStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY inbox_id DESC LIMIT ?"
         params.append(limit)
-        async with self.db.execute(sql, params) as cur:
-            return [_row(r) for r in await cur.fetchall()]
+        return [_row(r) for r in self.db.execute(sql, params)]
 
     async def counts(self) -> dict[str, int]:
-        async with self.db.execute("SELECT state, count(*) FROM messages GROUP BY state") as cur:
-            return {str(state): int(n) for state, n in await cur.fetchall()}
+        return {str(state): int(n) for state, n in self.db.execute("SELECT state, count(*) FROM messages GROUP BY state")}
 
     async def set_state(self, inbox_id: int, state: str, now_ms: int, note: str | None = None, *, durable: bool = True) -> None:
         """Record an outcome. Outcomes after dispatch are informational, so by
-        default they are durable but a caller on a hot path may write behind."""
+        default they are committed at once but a caller on a hot path may write behind."""
         if state not in STATES:
             raise ValueError(f"unknown inbox state {state!r}")
         if durable:
-            await self._transaction(
+            self._transaction(
                 [("UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
                   (state, now_ms, note, inbox_id))]
             )
@@ -424,7 +802,8 @@ class InboxStore:
     # -- the persisted duplicate memory -------------------------------------------------
 
     def remember(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
-        """Write-behind: remember a pair handled on the live path."""
+        """Write-behind: remember a pair the live path refused (nothing ran), or
+        one :meth:`commit_live` could not commit."""
         self._forgotten.pop((agent, sender, msg_id), None)
         self._seen_pending.append((agent, sender, msg_id, now_ms))
         if len(self._seen_pending) > _MAX_BEHIND:
@@ -438,67 +817,74 @@ class InboxStore:
             self._wake.set()
 
     def forget(self, agent: str, sender: str, msg_id: str) -> None:
-        """Take back a pair :meth:`remember` was given and that is not yet written:
-        the live path could not handle the message after all (the inbox could
-        not hold it), so the buffered copy must still be taken by a drain."""
-        self._seen_pending = [p for p in self._seen_pending if p[:3] != (agent, sender, msg_id)]
-        self._forgotten[(agent, sender, msg_id)] = None
+        """Take back a pair the live path gave (:meth:`remember` or
+        :meth:`commit_live`): it could not handle the message after all (the
+        inbox could not hold it), so the buffered copy must still be taken by
+        a drain."""
+        key = (agent, sender, msg_id)
+        self._seen_pending = [p for p in self._seen_pending if p[:3] != key]
+        self._settle = [p for p in self._settle if p[:3] != key]
+        self._unsent = [p for p in self._unsent if p[:3] != key]
+        self._passing[:] = [p for p in self._passing if p[:3] != key]
+        self._taken.pop(key, None)
+        self._forgotten[key] = None
         if len(self._forgotten) > _MAX_BEHIND:
             self._forgotten.pop(next(iter(self._forgotten)))
+        if self._db is not None and self.fault is None:
+            # The tombstone stays until the drain took the copy: a settle or a
+            # write-behind arriving later must not bring the pair back.
+            with contextlib.suppress(InboxUnwritable):
+                self._transaction([("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)])
 
     async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
         """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
-        async with self.db.execute(
-            "SELECT sender, msg_id FROM (SELECT sender, msg_id, seen_ms FROM seen WHERE agent=?"
-            " ORDER BY seen_ms DESC LIMIT ?) ORDER BY seen_ms ASC",
-            (agent, limit),
-        ) as cur:
-            return [(str(s), str(m)) for s, m in await cur.fetchall()]
+        return [
+            (str(s), str(m))
+            for s, m in self.db.execute(
+                "SELECT sender, msg_id FROM (SELECT sender, msg_id, seen_ms FROM seen WHERE agent=?"
+                " ORDER BY seen_ms DESC LIMIT ?) ORDER BY seen_ms ASC",
+                (agent, limit),
+            )
+        ]
 
     async def final_write(self) -> None:
         """The write a forced exit still does: every pair and outcome written
         behind, in one transaction, whether or not :meth:`close` is under way.
-
-        The write waits for the store's lock, so a write-behind batch already in
-        flight commits first; then everything still behind is written. A store
-        already closed has nothing left to write.
-        """
+        A store already closed has nothing left to write."""
         if self._db is None:
             return
-        # The write-behind may be mid-transaction with pairs it already took off
-        # the queue: the lock is free only once it committed (or failed and put
-        # them back, for the flush below to write).
-        async with self._lock:
-            pass
         await self.flush()
 
     async def flush(self) -> None:
-        """Write the behind-writes now (one transaction)."""
+        """Write everything behind now (one transaction): queued live pairs,
+        settle marks, remembered pairs and outcomes."""
+        if self._db is None:
+            return
+        live = self._take_live()
+        settle, self._settle = self._settle, []
         seen, self._seen_pending = self._seen_pending, []
         states, self._state_pending = self._state_pending, []
-        if not seen and not states:
+        if not live and not settle and not seen and not states:
             return
         try:
-            await self._write_behind(seen, states)
+            with self._write() as db:
+                self._write_live(db, live, settle)
+                if seen:
+                    db.executemany("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", seen)
+                if states:
+                    db.executemany(
+                        "UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
+                        [(state, ms, note, inbox_id) for state, note, ms, inbox_id in states],
+                    )
         except BaseException:
             # Nothing taken is dropped: the next flush (or close) writes it —
-            # except a pair forget() took back while this write was in flight.
+            # except a pair forget() took back meanwhile.
+            self._live[:0] = live
+            self._settle[:0] = settle
             self._seen_pending[:0] = [p for p in seen if p[:3] not in self._forgotten]
             self._state_pending[:0] = states
             raise
-
-    async def _write_behind(
-        self, seen: list[tuple[str, str, str, int]], states: list[tuple[str, str | None, int, int]]
-    ) -> None:
-        statements: list[tuple[str, Sequence[Any]]] = []
-        for item in seen:
-            statements.append(("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", item))
-        for state, note, ms, inbox_id in states:
-            statements.append(
-                ("UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
-                 (state, ms, note, inbox_id))
-            )
-        await self._transaction(statements)
+        self._resolve_live(live, "committed")
 
     async def _flush_loop(self) -> None:
         while not self._closing:
@@ -512,10 +898,24 @@ class InboxStore:
             self._wake.clear()
             try:
                 await self.flush()
+                await self._maintain()
             except InboxUnwritable:
                 pass  # recorded in self.fault; the next flush carries the backlog
             except Exception as exc:  # keep trying; the next flush carries the backlog
                 log.warning("inbox write-behind failed: %s", exc)
+
+    async def _maintain(self) -> None:
+        """Checkpoint the WAL into the database now and then, in a worker
+        thread on a connection of its own (a PASSIVE checkpoint never blocks
+        the loop's writes): automatic checkpoints would fsync inside a commit
+        on the event loop."""
+        if self.commits - self._checkpointed_at < self.checkpoint_every:
+            return
+        self._checkpointed_at = self.commits
+        gen = self._commit_gen
+        done = await asyncio.to_thread(_checkpoint, self.path)
+        if done:  # a complete checkpoint synced everything committed before it
+            self._synced_gen = max(self._synced_gen, gen)
 
     # -- retention -------------------------------------------------------------------
 
@@ -524,24 +924,51 @@ class InboxStore:
         horizon = now_ms - self.retention_ms
         seen_horizon = now_ms - self.seen_max_age_ms
         placeholders = ",".join("?" * len(TERMINAL_STATES))
-        await self._transaction(
+        self._transaction(
             [
                 (f"DELETE FROM messages WHERE state IN ({placeholders}) AND state_ms < ?", (*TERMINAL_STATES, horizon)),
                 ("DELETE FROM seen WHERE seen_ms < ?", (seen_horizon,)),
             ]
         )
         trimmed = 0
-        async with self.db.execute(
+        over = self.db.execute(
             "SELECT agent, count(*) FROM seen GROUP BY agent HAVING count(*) > ?", (self.seen_capacity,)
-        ) as cur:
-            over = await cur.fetchall()
+        ).fetchall()
         for agent, count in over:
             excess = int(count) - self.seen_capacity
             # First-seen eviction: the oldest remembered pairs go first.
-            await self._transaction(
+            self._transaction(
                 [("DELETE FROM seen WHERE (agent, sender, msg_id) IN (SELECT agent, sender, msg_id FROM seen"
                   " WHERE agent=? ORDER BY seen_ms LIMIT ?)", (agent, excess))]
             )
             trimmed += excess
         return {"trimmed_seen": trimmed}
 
+
+def _fsync_file(path: Path) -> None:
+    """fsync ``path`` if it exists (a WAL truncated by a checkpoint is on disk already)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoint(path: Path) -> bool:
+    """A PASSIVE checkpoint on a connection of its own; True when it was complete."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("PRAGMA busy_timeout=1000")
+        busy, log_frames, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return bool(busy == 0 and log_frames >= 0 and done == log_frames)
+    except sqlite3.Error as exc:
+        log.debug("inbox checkpoint failed: %s", exc)
+        return False
+    finally:
+        conn.close()

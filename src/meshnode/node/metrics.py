@@ -5,8 +5,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["LatencyHistogram", "prometheus_text"]
+__all__ = ["LatencyHistogram", "loop_text", "prometheus_text"]
 
 #: Histogram bucket upper bounds, in milliseconds.
 BUCKETS_MS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
@@ -97,3 +98,36 @@ def prometheus_text(
         histograms.append(f"meshnode_handler_duration_ms_sum{{{labels}}} {hist.sum_ms:.3f}")
         histograms.append(f"meshnode_handler_duration_ms_count{{{labels}}} {hist.total}")
     return "\n".join(lines + histograms) + "\n"
+
+
+def loop_text(loop: Mapping[str, Any], concurrency: Mapping[str, tuple[int, int]]) -> str:
+    """The loop-lag watchdog's figures and each agent's handlers in flight, as Prometheus text.
+
+    ``loop`` is :meth:`LoopWatchdog.status`; ``concurrency`` maps an agent's
+    name to (requests in its handlers, its limit).
+    """
+    lines = [
+        "# HELP meshnode_loop_lag_seconds How late the event loop's last periodic wakeup fired.",
+        "# TYPE meshnode_loop_lag_seconds gauge",
+        f"meshnode_loop_lag_seconds {loop['lag_s']}",
+        "# HELP meshnode_loop_lag_max_seconds The largest loop lag seen since the start.",
+        "# TYPE meshnode_loop_lag_max_seconds gauge",
+        f"meshnode_loop_lag_max_seconds {loop['max_lag_s']}",
+        "# HELP meshnode_loop_blocks_total Loop stalls past the threshold, by the agent whose handler ran.",
+        "# TYPE meshnode_loop_blocks_total counter",
+    ]
+    for agent, n in sorted(loop["blocks"].items()):
+        lines.append(f'meshnode_loop_blocks_total{{agent="{_escape(agent)}"}} {n}')
+    lines += [
+        "# HELP meshnode_agent_in_flight Requests in an agent's handlers now.",
+        "# TYPE meshnode_agent_in_flight gauge",
+    ]
+    for name, (n, _) in sorted(concurrency.items()):
+        lines.append(f'meshnode_agent_in_flight{{agent="{_escape(name)}"}} {n}')
+    lines += [
+        "# HELP meshnode_agent_max_concurrency An agent's limit of requests in its handlers.",
+        "# TYPE meshnode_agent_max_concurrency gauge",
+    ]
+    for name, (_, limit) in sorted(concurrency.items()):
+        lines.append(f'meshnode_agent_max_concurrency{{agent="{_escape(name)}"}} {limit}')
+    return "\n".join(lines) + "\n"

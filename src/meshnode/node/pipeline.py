@@ -75,6 +75,7 @@ __all__ = [
     "Path",
     "RefusalCounter",
     "Refused",
+    "check_concurrency",
     "check_kind",
     "decode",
     "decode_verified",
@@ -236,6 +237,28 @@ def guard(guard: InboundGuard, env: Mapping[str, Any], path: Path, now_ms: int) 
     raise Refused(verdict.local_signal or "refused", verdict.reason or "", envelope=env, answer=answer, verdict=verdict)
 
 
+def check_concurrency(in_flight: int, limit: int, typical_ms: float = 0.0) -> None:
+    """Admission (§7.7 slot, after the §22 guard): refuse busy past the agent's limit.
+
+    ``in_flight`` requests are in the agent's handlers; one more than ``limit``
+    is refused ``AGENT_OVERLOADED`` (retryable, §12) with a ``retry_after_ms``
+    hint in the §16 shape (the typical handler time, 100 ms to 30 s) instead
+    of being queued without bound: a handler that spawns work per request
+    could grow a node to thousands of tasks and hundreds of MB. The refusal
+    is the first reply (no accept) and counted as ``AGENT_OVERLOADED``.
+    Raised as a ProtocolError, like every admission refusal.
+    """
+    if in_flight < limit:
+        return
+    raise ProtocolError(
+        "AGENT_OVERLOADED",
+        f"the agent is at its concurrency limit ({limit} requests in its handlers); retry later, "
+        "or raise [agents.<name>] max_concurrency / [node] agent_max_concurrency",
+        {"reason": "concurrency_limit", "max_concurrency": limit, "in_flight": in_flight},
+        retry_after_ms=int(min(30_000.0, max(100.0, typical_ms))),
+    )
+
+
 # -- the first reply (§6.4a) ------------------------------------------------------
 
 _ACCEPT_PATH: Final = {
@@ -355,14 +378,39 @@ async def receive(
             # no accept precedes it; every other refusal is silent.
             await hosted.answer_refusal(refused.envelope, refused.answer, path)
         return "refused"
-    if inbox is not None and path is not Path.MAILBOX:
-        # Persist what the live path has seen, so a drain after a restart
-        # acks the buffered copy instead of running it again (§16.4).
+    kind = env["type"]
+    taken = False
+    if inbox is not None and path is Path.LIVE:
+        # The broker buffers a copy of every live message, and a drain of that
+        # copy — in this process or after a kill -9 — must never run it a second
+        # time (issue #23). A respond is committed before it is routed; a
+        # request is *taken* (the drain leaves its copy alone) and its pair is
+        # committed right before the irreversible step: its handler starting
+        # (HostedAgent._run_handler) or an answer going out (_answer). A request
+        # caught by a crash before that is simply drained and run after the
+        # restart, once. (A local delivery has no buffered copy.)
+        if kind == "request":
+            inbox.take(hosted.agent_id, env["from"], env["id"])
+            taken = True
+        else:
+            inbox.commit_live_now(hosted.agent_id, env["from"], env["id"], now_ms, settled=True)
+    elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=path.value)
-    kind = env["type"]
     if kind == "request":
-        return await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        try:
+            outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+        except BaseException:
+            if taken and inbox is not None:
+                # Failed before a handler ran (an answer that went out was
+                # committed first): a drain after a restart may still run it.
+                inbox.release(hosted.agent_id, env["from"], env["id"])
+            raise
+        if taken and inbox is not None and outcome != "running":
+            # Answered, refused or held without a background handler: the pair
+            # is finished. A running handler settles it itself.
+            inbox.settle(hosted.agent_id, env["from"], env["id"], now_ms)
+        return "answered" if outcome == "running" else outcome
     if kind == "respond":
         if node.on_respond(hosted, env):
             return "answered"

@@ -30,6 +30,7 @@ from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
+from meshnode.node.looplag import LoopWatchdog
 from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
@@ -126,10 +127,18 @@ class Node:
         self.manifest_cache = ManifestCache(self, ttl_s=settings.resolve_ttl_s)
         self.directory = AgentDirectory(self, self.manifest_cache)
         self._jobs: dict[str, PeriodicJob] = {}
+        #: A handler blocking the loop is logged, counted and followed by a beat (#23).
+        self.watchdog = LoopWatchdog(threshold_s=settings.loop_block_threshold_s, on_block=self._loop_blocked)
         # Delivery-status signals of requests in flight (§18.7): request id ->
         # (requester, whether the target has a buffer), under one subscription.
         self.watch = DeliveryWatch(connection, self.pending)
         self.inbox: InboxStore | None = inbox
+        if inbox is not None:
+            # A live request is settled only once its answer reached the broker
+            # (one PING/PONG per batch of settles): a pair settled while the answer
+            # still sat in the client's write buffer would make a drain after a
+            # kill -9 ack the copy of a request whose answer never left (#23).
+            inbox.settle_barrier = self._answers_sent
         self.pacer = SendPacer(self.now_ms)
         # Senders' vouches checked against the registry (§9.2), when configured.
         self.trust: VouchMemo | None = VouchMemo(self) if check_sender_vouch else None
@@ -215,6 +224,7 @@ class Node:
         settings: Mapping[str, Any],
         key: KeyPair,
         interaction: str | None = None,
+        max_concurrency: int | None = None,
     ) -> HostedAgent:
         """Instantiate, subscribe, start and register one agent.
 
@@ -239,6 +249,7 @@ class Node:
             key=key,
             guard=self.new_guard(key.public_key, memory),
             interaction=interaction or agent_class.interaction,
+            max_concurrency=max_concurrency or self.settings.agent_max_concurrency,
         )
         self.agents[name] = hosted
         self.by_id[hosted.agent_id] = hosted
@@ -518,6 +529,10 @@ class Node:
         return await self.manifest_cache.resolve(requester, target)
 
     # -- delivery --------------------------------------------------------------
+
+    async def _answers_sent(self) -> None:
+        """Everything published so far has reached the broker (a flush round trip)."""
+        await self.connection.flush(timeout=5)
 
     async def deliver(self, sender: HostedAgent, env: dict[str, Any], to_agent: str) -> None:
         """Send a signed envelope to an agent's inbox: locally when hosted here (§4.7)."""
@@ -822,6 +837,29 @@ class Node:
         except Exception as exc:
             log.info("could not announce going offline (%s); presence will notice the silence", exc)
 
+    def _loop_blocked(self, lag_s: float, agent: str) -> None:
+        """The watchdog saw the loop stalled ``lag_s`` (on the loop, right after)."""
+        self.counters["loop_blocks"] += 1
+        hosted = self.agents.get(agent)
+        if hosted is not None:
+            hosted.counters["loop_blocked"] += 1
+            log.warning(
+                "the event loop was blocked for %.1f s by a handler of agent %s: everything on this node "
+                "(heartbeats, other agents, the admin socket) waited; a handler must await, not block "
+                "(run blocking work with asyncio.to_thread)", lag_s, agent,
+            )
+        else:
+            log.warning("the event loop was blocked for %.1f s outside any agent's handler", lag_s)
+        # Presence judges silence (2 x heartbeat interval): beat now rather than
+        # at the next tick, so a stall is followed at once by proof of life.
+        job = self._jobs.get("heartbeat")
+        if job is not None:
+            job.trigger()
+
+    def start_watchdog(self) -> None:
+        """Start the loop-lag watchdog (idempotent); stopped by :meth:`stop_jobs`."""
+        self.watchdog.start()
+
     def start_heartbeat(self) -> None:
         job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
         self._jobs[job.name] = job
@@ -831,6 +869,7 @@ class Node:
         for job in list(self._jobs.values()):
             await job.stop()
         self._jobs.clear()
+        await self.watchdog.stop()
         for drain in self.drains.values():
             await drain.stop()
         if self.observability is not None:

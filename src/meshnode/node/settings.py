@@ -36,3 +36,7 @@ class NodeSettings:
     #: only) after agent_start_timeout_s (issue #23 item 2).
     agent_start_warn_s: float = 10.0
     agent_start_timeout_s: float = 60.0
+    #: Requests one agent may have in its handlers at once (issue #23 item 10).
+    agent_max_concurrency: int = 64
+    #: A loop stall at least this long is logged and counted (issue #23 item 2).
+    loop_block_threshold_s: float = 1.0

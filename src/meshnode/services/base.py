@@ -41,7 +41,7 @@ from typing import Any
 
 import orjson
 
-from meshnode.aio import BackgroundTasks, backoff
+from meshnode.aio import BackgroundTasks, KeyedConcurrency, backoff
 from meshnode.node.pipeline import Intake, Path, RefusalCounter, Refused, decode_verified, guard
 from meshnode.protocol.envelope import (
     IdGenerator,
@@ -305,9 +305,18 @@ class ServiceBase:
         self._subs.append(sub)
         return sub
 
-    async def serve(self, subject: str, operation: Operation) -> Subscription:
+    async def serve(
+        self, subject: str, operation: Operation, *, concurrency: KeyedConcurrency | None = None
+    ) -> Subscription:
         """Serve ``operation`` on ``subject``: intake (module docstring), then a
-        reply with its payload, or with the error it raised."""
+        reply with its payload, or with the error it raised.
+
+        A subscription hands over one message at a time, so by default each
+        operation ends before the next message is read. With ``concurrency``
+        the intake and the rate limit still run in arrival order, then the
+        operation and its reply run as a task: several at once (the gate's
+        limit), one at a time per sender (``from``), in arrival order per sender.
+        """
 
         async def handle(msg: Message) -> None:
             try:
@@ -320,6 +329,19 @@ class ServiceBase:
                 return
             if not await self.admit(msg, env):
                 return
+            if concurrency is None:
+                await answer(msg, env)
+                return
+
+            async def job() -> None:
+                try:
+                    await answer(msg, env)
+                except Exception:
+                    self.log.exception("handler for %s failed", msg.subject)
+
+            await concurrency.submit(str(env["from"]), job, self._tasks, name=f"{self.name}:{subject}")
+
+        async def answer(msg: Message, env: Envelope) -> None:
             try:
                 payload = await operation(msg, env)
             except ProtocolError as exc:

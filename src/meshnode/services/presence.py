@@ -286,8 +286,15 @@ class PresenceService(ServiceBase):
 
     async def _sweep_loop(self) -> None:
         period = max(0.05, self.heartbeat_interval_s / 4)
+        loop = asyncio.get_running_loop()
         while self.running:
+            due = loop.time() + period
             await asyncio.sleep(period)
+            if loop.time() - due > period:
+                # This process's loop stalled (a handler blocking it, #23): the
+                # beats that arrived meanwhile are still unread, so the silence
+                # measured now is our own. Read them first; judge next period.
+                continue
             try:
                 await self.sweep()
             except Exception:

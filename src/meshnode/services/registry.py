@@ -76,6 +76,7 @@ from typing import Any, Literal
 
 import orjson
 
+from meshnode.aio import KeyedConcurrency
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.envelope import build_envelope, decode_envelope, encode_envelope
@@ -99,7 +100,10 @@ from .base import Envelope, KVMirror, ServiceBase, ServiceContext
 from .presence import PresenceService
 from .query import DiscoverQuery, encode_cursor, listed_for, parse_discover_query
 
-__all__ = ["RegistryService"]
+__all__ = ["DEFAULT_REGISTRATION_CONCURRENCY", "RegistryService"]
+
+#: Registrations served at once by one registry instance ([registry] max_concurrent_registrations).
+DEFAULT_REGISTRATION_CONCURRENCY = 32
 
 #: Room left in a discover reply for the envelope around the agents.
 _ENVELOPE_SLACK = 4096
@@ -130,8 +134,15 @@ class RegistryService(ServiceBase):
         imported: Mapping[str, str] | None = None,
         sdk_agent_of: Callable[[str], str | None] | None = None,
         allow_foreign_endpoints: bool = False,
+        max_concurrent_registrations: int = DEFAULT_REGISTRATION_CONCURRENCY,
     ) -> None:
         super().__init__(ctx, name="registry", queue="mesh_registry")
+        # Registrations and deregistrations are mostly waiting on JetStream
+        # (the mailbox stream, the revision-checked KV write): served side by
+        # side, this many at once, but one at a time per agent (the sender), so
+        # one agent's register and deregister never interleave on this instance
+        # (two instances are kept apart by the compare-and-set in _store).
+        self.registrations = KeyedConcurrency(max_concurrent_registrations)
         # The one agent of a node's active sdk enrolment (None: not one), from
         # the control plane's enrolment records: the only word on who may use
         # the untokenized register subject. A claim in the credential would not
@@ -187,9 +198,10 @@ class RegistryService(ServiceBase):
             await self.stop()
             raise
         self.hook_reconnect(self._on_reconnect)
-        await self.serve("mesh.registry.register.*", self._register)
-        await self.serve(subjects.REGISTRY_REGISTER, self._register)
-        await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister)
+        gate = self.registrations
+        await self.serve("mesh.registry.register.*", self._register, concurrency=gate)
+        await self.serve(subjects.REGISTRY_REGISTER, self._register, concurrency=gate)
+        await self.serve(subjects.REGISTRY_DEREGISTER, self._deregister, concurrency=gate)
         await self.serve(subjects.REGISTRY_DISCOVER, self._discover)
         await self.serve("mesh.registry.get.*", self._get)
         await self.ctx.connection.flush()
@@ -460,8 +472,15 @@ class RegistryService(ServiceBase):
         """
         assert self._kv is not None and self._mirror is not None
         data = _dumps(stored)
-        for _ in range(_CAS_ATTEMPTS):
-            current, revision = await self._mirror.get(agent_id)
+        for attempt in range(_CAS_ATTEMPTS):
+            if attempt == 0:
+                # The watched copy first: a KV read less per registration. A stale
+                # copy costs nothing but a retry, since the write below names the
+                # revision the copy was at and fails if the bucket moved on.
+                current = self._mirror.entries.get(agent_id)
+                revision = self._mirror.revisions.get(agent_id, 0) if current is not None else 0
+            else:
+                current, revision = await self._mirror.get(agent_id)
             if current is not None and _vouch_issued(current) > _vouch_issued(stored):
                 return revision, current
             try:

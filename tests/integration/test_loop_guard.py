@@ -1,0 +1,126 @@
+"""A handler that blocks the loop, and one past its concurrency limit (issue #23 items 2, 10), with a real daemon.
+
+One embedded daemon for the module: an agent whose handler calls ``time.sleep``
+(the loop-lag watchdog must name it, count it, and the node must stay up and
+online), and agents that hold requests until released (the limit must refuse
+busy, not queue).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
+
+pytestmark = pytest.mark.integration
+
+#: A short heartbeat interval: presence's offline verdict comes after 2 x 2 s of
+#: silence, so the 5 s block below is longer than it.
+HEARTBEAT = "2s"
+BLOCK_S = 5
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[DaemonProcess]:
+    daemons = DaemonSet()
+    try:
+        yield daemons.embedded(
+            "loopguard",
+            agents={
+                "blocker": {"plugin": "test-blocking"},
+                "held": {"plugin": "test-blocking", "max_concurrency": 2},
+                "opener": {"plugin": "test-blocking"},
+                "echo": {"plugin": "echo"},
+                "watch": {"plugin": "test-presence-watch"},
+            },
+            node={"plugin_modules": ["tests.agents:plugin"], "heartbeat_interval": HEARTBEAT},
+        )
+    finally:
+        daemons.close()
+
+
+def _agent(node: DaemonProcess, name: str) -> dict[str, Any]:
+    return next(a for a in node.status()["agents"] if a["name"] == name)
+
+
+def test_a_loop_blocking_handler_is_named_counted_and_the_node_stays_online(node: DaemonProcess) -> None:
+    node_id = node.status()["node"]["id"]
+
+    def presence_events() -> list[str]:
+        seen = node.call("watch", "seen")["output"]
+        return [e["subject"].rsplit(".", 1)[-1] for e in seen if (e["data"] or {}).get("node") == node_id]
+
+    # The watcher hears presence: the node came online at start.
+    eventually(lambda: "node_online" in presence_events(), what="presence's node_online", detail=node.log_tail)
+    heartbeats_before = node.admin("Metrics")["node"].get("heartbeats", 0)
+    assert node.call("blocker", "block", BLOCK_S, timeout=60)["output"] == {"blocked": BLOCK_S}
+    # The daemon is up: the admin socket answers, the other agents serve.
+    status = node.status()
+    assert status["state"] == "serving"
+    assert node.call("echo", "echo", "after the block")["output"] == {"ok": "after the block"}
+    # Logged with the agent's name, counted for it (status, metrics).
+    logged = re.compile(r"event loop was blocked for (\d+\.\d) s by a handler of agent blocker")
+    eventually(lambda: logged.search(node.log_text()), what="the block logged with the agent's name", detail=node.log_tail)
+    match = logged.search(node.log_text())
+    # The lag is measured from the watchdog's last wakeup, up to 0.25 s before the block began.
+    assert match is not None and float(match.group(1)) >= BLOCK_S - 1
+    loop = node.status()["loop"]
+    assert loop["blocks"].get("blocker", 0) >= 1 and loop["max_lag_s"] >= BLOCK_S - 1, loop
+    assert _agent(node, "blocker")["counters"]["loop_blocked"] >= 1
+    shown = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "status", "--config", str(node.config_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert shown.returncode == 0 and "BLOCKED by handlers: blocker 1x" in shown.stdout, shown.stdout + shown.stderr
+    prom = node.admin("Metrics", {"format": "prometheus"})["text"]
+    assert re.search(r'meshnode_loop_blocks_total\{agent="blocker"\} [1-9]', prom), prom
+    # A beat went out right after the stall (not a full interval later), and
+    # presence, whose own sweep stalled too, still has the node online.
+    eventually(
+        lambda: node.admin("Metrics")["node"].get("heartbeats", 0) > heartbeats_before,
+        what="a heartbeat after the block", detail=node.log_tail,
+    )
+    assert node.admin("Presence", {"node": node_id})["availability"] == "online"
+    # Past the sweep after the stall (a sweep every interval / 4 = 0.5 s), with
+    # a beat sent since: presence never called the node offline.
+    beats = node.admin("Metrics")["node"]["heartbeats"]
+    eventually(lambda: node.admin("Metrics")["node"]["heartbeats"] > beats, what="the next beat", timeout=30)
+    assert presence_events() == ["node_online"], presence_events()
+
+
+def test_a_handler_past_its_concurrency_limit_is_refused_busy(node: DaemonProcess) -> None:
+    assert _agent(node, "held")["max_concurrency"] == 2
+    assert _agent(node, "echo")["max_concurrency"] == 64  # [node] agent_max_concurrency's default
+    answers: list[dict[str, Any]] = []
+
+    def hold(i: int) -> None:
+        answers.append(node.call("held", "hold", i, timeout=60))
+
+    holders = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
+    for t in holders:
+        t.start()
+    try:
+        eventually(lambda: _agent(node, "held")["in_flight"] == 2, what="two requests held", detail=node.log_tail)
+        refused = node.call("held", "hold", "third")
+        assert refused["status"] == "failed", refused
+        error = refused["error"]
+        assert error["code"] == "AGENT_OVERLOADED" and error["retryable"] is True, error
+        assert error["details"]["max_concurrency"] == 2 and "retry_after_ms" in error, error
+        assert "max_concurrency" in error["message"]  # names the key that lifts it
+        assert node.admin("Metrics")["refusals"]["inbox"]["AGENT_OVERLOADED"] >= 1
+        # Another agent is not affected by this one's limit.
+        assert node.call("echo", "echo", "free")["output"] == {"ok": "free"}
+    finally:
+        node.call("opener", "release")
+        for t in holders:
+            t.join(timeout=60)
+    assert sorted(a["output"]["held"] for a in answers) == [0, 1]
+    eventually(lambda: _agent(node, "held")["in_flight"] == 0, what="the slots freed", detail=node.log_tail)
+    assert node.call("held", "release")["output"] == {"released": True}  # served again below the limit
