@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from meshnode.agent import Agent, AgentSettings, Context, Refusal, offering
+from meshnode.agent import Agent, AgentSettings, Context, NotReady, Refusal, offering
 from meshnode.plugins import hookimpl
 
 
@@ -27,6 +28,29 @@ class HangOnStart(Agent):
 
     async def on_start(self, ctx: Context) -> None:
         await asyncio.Event().wait()
+
+
+class NotReadyYet(Agent):
+    """Raises NotReady until it has done so twice and its gate file exists (issue #23 item 2)."""
+
+    description = "starts once its gate file exists"
+
+    class Settings(AgentSettings):
+        gate: str
+
+    def __init__(self, name: str, settings: NotReadyYet.Settings) -> None:
+        super().__init__(name, settings)
+        self.gate = Path(settings.gate)
+        self.attempts = 0
+
+    async def on_start(self, ctx: Context) -> None:
+        self.attempts += 1
+        if self.attempts <= 2 or not self.gate.exists():
+            raise NotReady(f"waiting for {self.gate.name} (attempt {self.attempts})", retry_after=0.2)
+
+    @offering("ready")
+    async def ready(self, ctx: Context, input: Any) -> Any:
+        return {"attempts": self.attempts}
 
 
 class Faulty(Agent):
@@ -116,6 +140,7 @@ class TestAgents:
         register("test-crash-on-start", CrashOnStart)
         register("test-hang-on-start", HangOnStart)
         register("test-faulty", Faulty)
+        register("test-not-ready", NotReadyYet)
         register("test-blocking", Blocking)
         register("test-presence-watch", PresenceWatch)
         register("test-tier", TierProbe)

@@ -83,6 +83,6 @@ def test_status_shows_the_lifecycle_state(tmp_path: Path) -> None:
 
 
 def test_agent_states_are_the_strings_the_admin_api_always_showed() -> None:
-    assert [s.value for s in AgentState] == ["starting", "running", "failed", "stopped"]
+    assert [s.value for s in AgentState] == ["starting", "running", "retrying", "failed", "stopped"]
     assert AgentState.FAILED == "failed"
     assert orjson.dumps({"state": AgentState.RUNNING}) == b'{"state":"running"}'

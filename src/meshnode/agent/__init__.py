@@ -77,6 +77,7 @@ __all__ = [
     "FileAttachment",
     "FollowUp",
     "InputTimeout",
+    "NotReady",
     "OfferingSpec",
     "Refusal",
     "RemoteError",
@@ -89,6 +90,23 @@ __all__ = [
     "StreamBroken",
     "offering",
 ]
+
+
+class NotReady(Exception):
+    """Raised from ``on_start`` to mean "not yet, try me again later".
+
+    For an agent that depends on something still coming up (a database, a
+    model server, another agent): the node retries its start with a doubling
+    delay (capped), shows the agent as ``retrying`` with ``reason`` in Status
+    meanwhile, and fails it only once ``[node] agent_start_timeout`` has passed
+    since the first attempt. Other agents are not held up. ``retry_after``
+    (seconds) asks for a specific delay before the next attempt instead.
+    """
+
+    def __init__(self, reason: str = "not ready", *, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 class Refusal(ProtocolError):

@@ -162,6 +162,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     node, mesh = status["node"], status["mesh"]
     print(f"node      {node['name']}  {node['id']}")
     state = "connected" if mesh["connected"] else "DISCONNECTED"
+    broker = mesh.get("broker") or {}
+    if broker.get("state") == "unresponsive":
+        state += f", broker UNRESPONSIVE since {broker.get('unresponsive_since')} ({broker.get('reason')})"
     print(f"mesh      {mesh['mode']}, {state} to {mesh.get('connected_url') or ', '.join(mesh['urls'])}")
     if mesh.get("control_plane"):
         print(f"control   {mesh['control_plane']}")

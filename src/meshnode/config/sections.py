@@ -254,6 +254,15 @@ class MeshConfig(BaseModel):
     """PEM CA bundle that verifies the mesh's TLS certificates (``tls://`` NATS URLs and
     an ``https://`` control plane) when they are not signed by a system-trusted CA."""
     embedded: EmbeddedMeshConfig = Field(default_factory=EmbeddedMeshConfig)
+    broker_check_interval: Duration = timedelta(seconds=5)
+    """How often the daemon checks that its broker still answers (a PING/PONG on its
+    connection; on the embedded mesh also the nats-server process itself)."""
+    broker_check_timeout: Duration = timedelta(seconds=3)
+    """The deadline of each check; a broker that misses it is reported unresponsive."""
+    broker_restart_after: Duration = timedelta(seconds=20)
+    """An unresponsive broker is dealt with after this long: the embedded mesh kills and
+    restarts its nats-server (same ports and store); a joined node drops the connection
+    and fails over to another of ``servers``. Repeated at this interval while it lasts."""
 
     @property
     def is_embedded(self) -> bool:

@@ -33,6 +33,7 @@ from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.artifacts import register_artifact_methods
+from meshnode.daemon.broker import broker_watch
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
 from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed, run_stage
@@ -61,6 +62,7 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import NodeBudget, ServiceBase, ServiceContext
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, imported_agents
+from meshnode.transport.liveness import BrokerWatch
 
 __all__ = ["RELAUNCH", "Daemon", "credential_profile", "relaunch_process", "run_daemon"]
 
@@ -93,6 +95,8 @@ class Daemon:
         self._shutdown = Shutdown()
         self._failed_agents: dict[str, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        #: Is the broker still answering (issue #23 item 11); from the connect stage on.
+        self.broker_watch: BrokerWatch | None = None
         self._stop = asyncio.Event()
         self._signal_tasks = BackgroundTasks()
         #: The store reading of a service node (None elsewhere), issue #22.3.
@@ -227,10 +231,13 @@ class Daemon:
 
     async def _stage_connect(self) -> None:
         mesh = self._mesh()
-        await mesh.connect(self._shutdown, self._on_connection_lost)
+        connection = await mesh.connect(self._shutdown, self._on_connection_lost)
         job = mesh.renewal_job(self._renew_credential)
         job.start()
         self._shutdown.push("close-connection", job.stop)
+        self.broker_watch = broker_watch(self.config.mesh, connection, mesh.embedded)
+        self.broker_watch.start()
+        self._shutdown.push("close-connection", self.broker_watch.stop)
 
     async def _stage_services(self) -> None:
         if not self.runs_services:

@@ -129,6 +129,8 @@ class CoreMethods:
                 "connected_url": self.d.connection.connected_url if self.d.connection else None,
                 "known_servers": self.d.connection.known_servers if self.d.connection else [],
                 "last_error": self.d.connection.last_error if self.d.connection else None,
+                # Does the broker still answer (a frozen one keeps "connected" true)?
+                "broker": self.broker_status(),
             },
             "credential": self.d.credential_status(),
             # writable false: disk full or read-only; nothing is acked until it clears.
@@ -145,6 +147,17 @@ class CoreMethods:
             "observability": self.d.node.observability.status() if self.d.node and self.d.node.observability else None,
             "a2a": self.d.gateways.status(),
         }
+
+    def broker_status(self) -> dict[str, Any] | None:
+        watch = self.d.broker_watch
+        if watch is None:
+            return None
+        status = watch.status()
+        embedded = self.d.embedded
+        if embedded is not None:
+            status["pid"] = embedded.pid
+            status["process_restarts"] = embedded.restarts
+        return status
 
     async def status(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         listed = params.get("agents", True)

@@ -229,9 +229,12 @@ class _Operations:
         node = self._node()
         fmt = params.get("format", "json")
         runtime = runtime_gauges()
-        watch = self.daemon.store_watch
-        if watch is not None:
-            runtime = {**runtime, **watch.gauges()}
+        store = self.daemon.store_watch
+        if store is not None:
+            runtime = {**runtime, **store.gauges()}
+        broker = self.daemon.broker_watch
+        if broker is not None:  # issue #23 item 11: a frozen broker shows here too
+            runtime = {**runtime, **broker.gauges()}
         if fmt == "prometheus":
             agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
             text = prometheus_text(agents, node.counters, node.refusals.by_label()) + loop_text(

@@ -121,6 +121,8 @@ class HostedAgent:
         self.registered = False
         self.registration_error: str | None = None
         self.state: AgentState = AgentState.STARTING
+        #: While on_start raises NotReady: {reason, attempts, next_in_s} (None otherwise).
+        self.not_ready: dict[str, Any] | None = None
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self._signal_logged: dict[str, float] = {}
@@ -155,6 +157,7 @@ class HostedAgent:
             "id": self.agent_id,
             "plugin": self.kind,
             "state": self.state,
+            "not_ready": self.not_ready,
             "registered": self.registered,
             "registration_error": self.registration_error,
             "vouch_expires_at": self.vouch.get("expires_at"),

@@ -40,7 +40,7 @@ from meshnode.node.pubsub import PubSub
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
-from meshnode.node.supervise import supervise_start
+from meshnode.node.supervise import supervise_retrying
 from meshnode.node.tasks import RequesterTask, cancel_task
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
@@ -257,12 +257,18 @@ class Node:
             hosted.vouch = self._vouch(hosted.agent_id)
             hosted.manifest = self.build_manifest(hosted)
             await self._subscribe_inbox(hosted)
-            await supervise_start(
-                agent.on_start(AgentContext(hosted, trace=new_root_trace())),
+            def retrying(attempt: int, reason: str, delay: float) -> None:
+                hosted.state = AgentState.RETRYING
+                hosted.not_ready = {"reason": reason, "attempts": attempt, "next_in_s": delay}
+
+            await supervise_retrying(
+                lambda: agent.on_start(AgentContext(hosted, trace=new_root_trace())),
                 name=name,
                 warn_s=self.settings.agent_start_warn_s,
                 timeout_s=self.settings.agent_start_timeout_s,
+                on_retry=retrying,
             )
+            hosted.not_ready = None
             for pattern in agent_class.accepts:
                 # The manifest's accepts are the patterns the agent subscribes to.
                 tail = pattern.removeprefix("mesh.event.")

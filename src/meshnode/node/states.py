@@ -9,7 +9,9 @@ __all__ = ["AgentState"]
 
 class AgentState(enum.StrEnum):
     """A hosted agent's life: ``starting`` until ``on_start`` returned, then
-    ``running``; ``failed`` when it did not start; ``stopped`` once unhosted.
+    ``running``; ``retrying`` between attempts while its ``on_start`` raises
+    :class:`~meshnode.agent.NotReady`; ``failed`` when it did not start;
+    ``stopped`` once unhosted.
 
     A :class:`~enum.StrEnum`, so it compares equal to (and serialises as) its
     value: what the admin API has always shown.
@@ -17,5 +19,6 @@ class AgentState(enum.StrEnum):
 
     STARTING = "starting"
     RUNNING = "running"
+    RETRYING = "retrying"
     FAILED = "failed"
     STOPPED = "stopped"

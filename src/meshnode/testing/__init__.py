@@ -239,10 +239,12 @@ class DaemonSet:
         node: dict[str, Any] | None = None,
         start: bool = True,
         invite_args: Sequence[str] = (),
+        extra: dict[str, dict[str, Any]] | None = None,
     ) -> DaemonProcess:
         """A daemon that joins ``via``'s mesh with an invite, as a person would.
 
-        ``invite_args`` go to ``meshnode mesh invite`` (``--tenant``, ``--trust-tier``).
+        ``invite_args`` go to ``meshnode mesh invite`` (``--tenant``, ``--trust-tier``);
+        ``extra`` adds to the configuration's tables (as for :meth:`embedded`).
         """
         workdir = self._workdir(name)
         invite = workdir / "invite.creds"
@@ -252,6 +254,8 @@ class DaemonSet:
         config["mesh"] = {"servers": info["nats_urls"], "control_plane": info["control_plane"]}
         data_dir = Path(config["node"]["data_dir"])
         run_cli("join", str(invite), "--data-dir", str(data_dir), "--config-out", str(workdir / "joined.toml"))
+        for table, values in (extra or {}).items():
+            config.setdefault(table, {}).update(values)
         daemon = DaemonProcess(workdir, name, config)
         self.daemons.append(daemon)
         return daemon.start() if start else daemon

@@ -251,6 +251,26 @@ class MeshConnection:
     def new_inbox(self) -> str:
         return str(self.nc.new_inbox())
 
+    async def ping(self, timeout: float) -> None:
+        """One PING/PONG round trip with the broker within ``timeout`` seconds.
+
+        Raises :class:`~.errors.TransportTimeout` when no PONG came (a frozen
+        broker keeps the TCP connection open, so only this tells), and
+        ConnectionError while the client is between servers.
+        """
+        if not self.is_connected:
+            raise ConnectionError("not connected (the client is reconnecting)")
+        with translated():
+            # nats-py types the timeout as int but waits with asyncio.wait_for.
+            await self.nc.flush(timeout=timeout)  # type: ignore[arg-type]
+
+    async def fail_over(self) -> None:
+        """Drop a connection whose broker stopped answering: the client reconnects,
+        trying the other servers it knows first if it has any. Unlike
+        :meth:`reconnect` this is not a planned reconnect (logged as a lost mesh)."""
+        if self.is_connected:
+            await self.nc.force_reconnect()
+
     async def flush(self, timeout: int = 5) -> None:
         with translated():
             await self.nc.flush(timeout=timeout)

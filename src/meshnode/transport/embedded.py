@@ -281,6 +281,7 @@ class EmbeddedNatsServer(AsyncService):
         self._log_start = 0  # offset in the broker log where the current start began
         self.restarts = 0
         """How many times the broker was restarted after an unexpected exit."""
+        self._killed_pid: int | None = None  # the process kill_unresponsive() ended
 
     # -- identity and addresses --
 
@@ -738,6 +739,46 @@ class EmbeddedNatsServer(AsyncService):
             return False
         return bool(info.get("jetstream"))
 
+    async def probe(self, timeout: float) -> None:
+        """Raise unless the running broker answers within ``timeout`` seconds.
+
+        With monitoring on, ``GET /healthz`` must answer 200; otherwise a fresh
+        client connection must be greeted with INFO. A stopped (SIGSTOP) or
+        hung server accepts the TCP connection (the kernel does that) and then
+        says nothing, which is what this catches.
+        """
+        if self._process is None or self._process.returncode is not None or self._port is None:
+            raise EmbeddedMeshError("the nats-server process is not running")
+        port = self._ports.monitoring if self._ports is not None else None
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(self.host, port if port is not None else self._port)
+            try:
+                if port is not None:
+                    writer.write(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                    await writer.drain()
+                    line = await reader.readline()
+                    if b" 200 " not in line:
+                        raise EmbeddedMeshError(f"/healthz answered {line.decode('latin-1').strip()!r}")
+                else:
+                    line = await reader.readline()
+                    if not line.startswith(b"INFO "):
+                        raise EmbeddedMeshError("the client port did not greet with INFO")
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async def kill_unresponsive(self) -> None:
+        """SIGKILL a broker that stopped answering (works on a stopped process too);
+        the supervisor sees it exit and starts it again on the same ports and store."""
+        process = self._process
+        if process is None or process.returncode is not None or self._stopping:
+            return
+        log.error("killing the unresponsive nats-server pid %d; it is restarted on the same ports", process.pid)
+        self._killed_pid = process.pid
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+
     async def _supervise(self, binary: Path) -> None:
         delays = backoff(*self.restart_backoff_s)
         delay = next(delays)
@@ -752,10 +793,13 @@ class EmbeddedNatsServer(AsyncService):
                 if time.monotonic() - self._started_at >= self.stable_after_s:
                     delays = backoff(*self.restart_backoff_s)  # a stable run starts the delays over
                     delay = next(delays)
-                log.error(
-                    "nats-server pid %d exited unexpectedly with status %s; restarting in %.1fs",
-                    process.pid, status, delay,
-                )
+                if self._killed_pid == process.pid:
+                    log.warning("nats-server pid %d killed as unresponsive; restarting in %.1fs", process.pid, delay)
+                else:
+                    log.error(
+                        "nats-server pid %d exited unexpectedly with status %s; restarting in %.1fs",
+                        process.pid, status, delay,
+                    )
                 while True:
                     await asyncio.sleep(delay)
                     delay = next(delays)
