@@ -277,3 +277,45 @@ async def test_a_request_settles_only_after_its_answer_reached_the_broker(tmp_pa
         assert await store.accept_batch(A, items, 103) == [False, False]
     finally:
         await store.close()
+
+
+async def test_a_claimed_row_runs_once_after_a_crash_and_a_started_one_is_interrupted(tmp_path: Path) -> None:
+    """Issue #23: a drained row is claimed before the pipeline (whose awaits,
+    e.g. the sender's vouch, come before the handler) and marked started only
+    right before its handler. A kill -9 in between must not keep a row that
+    never ran as interrupted: it is pending again, and its pair is not in the
+    duplicate memory (or the re-dispatch would be refused as a duplicate of
+    itself). A row whose handler started is interrupted, never run again."""
+    path = tmp_path / "i.sqlite3"
+    store = InboxStore(path)
+    await store.open()
+    items = [("s", "claimed", "request", b"{}", 1), ("s", "started", "request", b"{}", 2)]
+    assert await store.accept_batch(A, items, 100) == [True, True]
+    claimed, started = await store.pending_rows(A, 10)
+    assert await store.start_row(claimed, 101) and await store.start_row(started, 101)
+    assert not await store.start_row(claimed, 102)  # handed to the pipeline at most once
+    store.mark_started(A, "s", "started", 103)
+    store.mark_started(A, "s", "started", 104)  # a second mark (the handler's answer) changes nothing
+    assert {r.msg_id: r.state for r in await store.rows()} == {"claimed": "claimed", "started": "dispatched"}
+    # A kill -9 here: nothing is closed, nothing more is written.
+    assert store._flusher is not None
+    store._flusher.cancel()
+    await asyncio.gather(store._flusher, return_exceptions=True)
+    if store._syncer is not None:
+        await asyncio.gather(store._syncer, return_exceptions=True)
+    store._db.close()  # type: ignore[union-attr]
+    store._db = None
+    reopened = InboxStore(path)
+    await reopened.open()
+    try:
+        assert await reopened.recover_interrupted(200) == 1
+        assert {r.msg_id: r.state for r in await reopened.rows()} == {"claimed": "pending", "started": "interrupted"}
+        assert await reopened.load_seen(A, 10) == [("s", "started")]
+        # The buffered copies drained again add nothing; the claimed row runs once.
+        assert await reopened.accept_batch(A, items, 201) == [False, False]
+        (again,) = await reopened.pending_rows(A, 10)
+        assert again.msg_id == "claimed" and await reopened.start_row(again, 202)
+        reopened.mark_started(A, "s", "claimed", 203)
+        assert (await reopened.get(again.inbox_id)).state == "dispatched"  # type: ignore[union-attr]
+    finally:
+        await reopened.close()

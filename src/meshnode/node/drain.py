@@ -326,14 +326,20 @@ class InboxDrain:
 
             async def one(row: Any) -> None:
                 async with semaphore:
-                    # Claimed one by one as each starts (not the whole batch up
-                    # front): a crash keeps only rows that really ran as interrupted.
+                    # Claimed one by one as each enters the pipeline, and marked
+                    # started inline right before its handler (or an answer) —
+                    # HostedAgent._mark_started: a crash keeps only rows that
+                    # really started as interrupted; merely claimed ones run once
+                    # after the restart (InboxStore.recover_interrupted).
                     if not await self.store.start_row(row, self.node.now_ms()):
                         return
                     self.stats.dispatched += 1
-                    outcome = await self.hosted.receive(
-                        row.envelope, source=Path.MAILBOX, inbox_id=row.inbox_id, wait=True
-                    )
+                    try:
+                        outcome = await self.hosted.receive(
+                            row.envelope, source=Path.MAILBOX, inbox_id=row.inbox_id, wait=True
+                        )
+                    finally:
+                        self.store.unclaim(row.agent, row.sender, row.msg_id)
                     await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
 
             await asyncio.gather(*(one(r) for r in rows))

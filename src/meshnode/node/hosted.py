@@ -490,6 +490,7 @@ class HostedAgent:
             # mid-handler leaves it interrupted. _handle runs the handler before
             # its first await, so nothing else runs in between.
             inbox.commit_live_now(self.agent_id, env["from"], env["id"], self.node.now_ms())
+        self._mark_started(env, source)
         try:
             await self._handle(env, spec, handler_input, text, source, slot)
         except asyncio.CancelledError:
@@ -498,6 +499,15 @@ class HostedAgent:
             self._settle_live(env, inbox)
             raise
         self._settle_live(env, inbox)
+
+    def _mark_started(self, request: Mapping[str, Any], source: Path) -> None:
+        """A drained request reaches its irreversible step (its handler, an
+        answer, a cancel, a follow-up): its inbox row is committed as started,
+        inline, so a crash from here on keeps it interrupted, and a crash
+        before (in the pipeline's awaits) lets it run once after the restart."""
+        inbox = self.node.inbox
+        if source is Path.MAILBOX and inbox is not None:
+            inbox.mark_started(self.agent_id, request["from"], request["id"], self.node.now_ms())
 
     def _settle_live(self, env: Mapping[str, Any], inbox: InboxStore | None) -> None:
         if inbox is not None:
@@ -650,6 +660,7 @@ class HostedAgent:
             return
         stop = request.stop
         extra = stop.members()
+        self._mark_started(env, source)
         try:
             await task._send("canceled", extra=extra)
         except ProtocolError as exc:
@@ -691,6 +702,7 @@ class HostedAgent:
             spec = self.offerings.get(str(offering_id_of(task.request.get("payload"))))
             if spec is not None and spec.framing:
                 handler_input = frame_payload(handler_input, FrameProvenance.from_envelope(env, now_ms)).payload
+            self._mark_started(env, source)
             await task.take_follow_up(env, handler_input)
         except ProtocolError as exc:
             self.count_refusal(f"follow_up.{exc.code}")
@@ -744,6 +756,9 @@ class HostedAgent:
             # pair is committed before the answer goes out, so a drain of the
             # buffered copy after a crash does not answer it a second time.
             inbox.commit_live_now(self.agent_id, request["from"], request["id"], self.node.now_ms(), settled=True)
+        # The same for a drained request answered without a handler: its row is
+        # started before the answer goes out, so a crash does not answer it twice.
+        self._mark_started(request, path)
         payload: dict[str, Any] = {"status": status}
         if output is not None:
             payload["output"] = output

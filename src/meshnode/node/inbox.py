@@ -6,15 +6,23 @@ file holds it.
 
 A message row moves through these states::
 
-    pending ──claim──► dispatched ──► answered | refused
-       │                   │
-       │                   └─(process died while its handler ran)─► interrupted
+    pending ──claim──► claimed ──start──► dispatched ──► answered | refused
+       │   ▲              │                    │
+       │   └─(process died before its handler started: run once after the restart)
+       │                  └──────────► answered | refused (nothing ever started)
+       │                                       └─(process died while its handler ran)─► interrupted
        └─(interactive agent)─► held ──► replied | dismissed
     any ──(older than the retention)──► deleted by the sweep
 
-``claim`` is committed before a handler runs, so a row is handed to a handler
-at most once even across a crash; a row caught mid-handler by a crash is kept
-as ``interrupted`` (visible, retryable by a person), never silently re-run.
+``claim`` (:meth:`InboxStore.start_row`) is committed before the row enters
+the pipeline, so a row is handed to the pipeline at most once per process;
+``start`` (:meth:`InboxStore.mark_started`) is committed inline right before
+the irreversible step — its handler starting, or an answer without a handler
+going out — so across a crash a row is run at most once: a row still merely
+``claimed`` (caught in the pipeline's awaits, e.g. the sender's vouch check)
+goes back to ``pending`` and runs once after the restart, and a row caught
+mid-handler is kept as ``interrupted`` (visible, retryable by a person), never
+silently re-run.
 
 The duplicate memory of §22.2 is persisted here too (table ``seen``), and the
 live path commits a request's pair right before the irreversible step — its
@@ -63,6 +71,7 @@ log = logging.getLogger("meshnode.inbox")
 
 STATES = (
     "pending",
+    "claimed",
     "dispatched",
     "answered",
     "refused",
@@ -186,6 +195,9 @@ class InboxStore:
         # (nothing committed for them): the drain leaves their buffered copies
         # in the broker, neither acked nor dispatched, until the pair settles.
         self._taken: dict[tuple[str, str, str], None] = {}
+        # Drained rows claimed by start_row whose handler has not started yet
+        # (key: agent, sender, msg_id; value: the inbox id), see mark_started.
+        self._claimed: dict[tuple[str, str, str], int] = {}
         # Pairs remembered behind (refusals; live pairs while the inbox cannot be written).
         self._seen_pending: list[tuple[str, str, str, int]] = []
         # Pairs taken back by forget(): a pair already committed must not make the
@@ -703,26 +715,64 @@ class InboxStore:
         ]
 
     async def start_row(self, row: InboxRow, now_ms: int) -> bool:
-        """Claim one pending row right before its dispatch, inline: committed
-        before the handler runs, so a row is run at most once across a process
-        crash, and a crash keeps as interrupted only rows that really started
-        (claiming a whole batch up front, or waiting for an fsync before each
-        handler, kept rows that never ran). The fsync follows in the background
-        (one shared by the rows starting together): a power loss within those
-        milliseconds can run the row again. False: the row is no longer pending."""
+        """Claim one pending row right before it enters the pipeline, inline:
+        a row is handed to the pipeline at most once. The claim is only
+        ``claimed``: the pipeline awaits before the handler (the sender's vouch
+        check), and a crash there must not keep a row that never ran as
+        interrupted. :meth:`mark_started` commits ``dispatched`` right before
+        the handler (or an answer) really starts; :meth:`recover_interrupted`
+        puts rows still ``claimed`` back to ``pending``. The fsync follows in the
+        background (one shared by the rows starting together). False: the row
+        is no longer pending."""
         with self._write() as db:
             cur = db.execute(
-                "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=? AND state='pending'",
+                "UPDATE messages SET state='claimed', state_ms=? WHERE inbox_id=? AND state='pending'",
                 (now_ms, row.inbox_id),
             )
             if cur.rowcount != 1:
                 return False
-            db.execute(
-                "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
-                (row.agent, row.sender, row.msg_id, now_ms),
-            )
+        # The pair joins the persisted duplicate memory only when the row starts
+        # (mark_started): a claimed row put back to pending after a crash must
+        # not be refused as a duplicate of itself. In this process the §22.2
+        # memory holds it from the pipeline's guard on.
+        self._claimed[(row.agent, row.sender, row.msg_id)] = row.inbox_id
         self._sync_soon()
         return True
+
+    def mark_started(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
+        """A claimed drained row reaches its irreversible step — its handler
+        starting, an answer without a handler going out, a cancel or a
+        follow-up acting: ``dispatched`` and its pair are committed inline, so
+        nothing lies between the commit and that step, and a crash from here on
+        keeps the row as ``interrupted`` (never run again). A no-op for a row
+        already marked (the handler's own answers) or not claimed here.
+
+        Raises :class:`InboxUnwritable` when the commit fails: the step must not
+        happen then (the row stays ``claimed`` and runs once after a restart)."""
+        key = (agent, sender, msg_id)
+        inbox_id = self._claimed.pop(key, None)
+        if inbox_id is None or self._db is None:
+            return
+        try:
+            with self._write() as db:
+                db.execute(
+                    "UPDATE messages SET state='dispatched', state_ms=? WHERE inbox_id=? AND state='claimed'",
+                    (now_ms, inbox_id),
+                )
+                db.execute(
+                    "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
+                    (agent, sender, msg_id, now_ms),
+                )
+        except InboxUnwritable:
+            log.error("drained message %d was not started: the inbox cannot record it; it runs after a restart",
+                      inbox_id)
+            raise
+        self._sync_soon()
+
+    def unclaim(self, agent: str, sender: str, msg_id: str) -> None:
+        """The pipeline is done with a drained row (its outcome follows in
+        :meth:`set_state`): forget the in-memory claim."""
+        self._claimed.pop((agent, sender, msg_id), None)
 
     def _sync_soon(self) -> None:
         """The sync barrier in the background (failures are recorded in :attr:`fault`)."""
@@ -738,11 +788,22 @@ class InboxStore:
                 return
 
     async def recover_interrupted(self, now_ms: int) -> int:
-        """At start-up: rows claimed by a process that died are ``interrupted``."""
-        return self._transaction(
-            [("UPDATE messages SET state='interrupted', state_ms=?, note='the node stopped while its handler ran'"
-              " WHERE state='dispatched'", (now_ms,))]
-        )
+        """At start-up: rows whose handler a process that died had started
+        (``dispatched``) are ``interrupted``; rows it had only claimed
+        (``claimed``: caught in the pipeline before the handler) are ``pending``
+        again and run once. Returns the number kept as interrupted."""
+        with self._write() as db:
+            interrupted = db.execute(
+                "UPDATE messages SET state='interrupted', state_ms=?, note='the node stopped while its handler ran'"
+                " WHERE state='dispatched'", (now_ms,),
+            ).rowcount
+            again = db.execute(
+                "UPDATE messages SET state='pending', state_ms=? WHERE state='claimed'", (now_ms,)
+            ).rowcount
+        if again:
+            log.info("%d drained inbox message(s) were claimed but not started when the node last stopped; "
+                     "they run now", again)
+        return int(interrupted)
 
     # -- interactive: held messages --------------------------------------------------
 
