@@ -147,6 +147,15 @@ class ConsumerService(ServiceBase):
         super().__init__(ctx, name="consumers", queue="mesh_consumers")
         self.max_per_agent = max_per_agent
 
+    async def admit(self, msg: Message, env: Envelope) -> bool:
+        """Not charged to the sender's or node's service budget: these requests
+        are the platform's own bookkeeping of the agent's task and event traffic
+        (two per task), so a 60-per-minute budget would fail busy requesters
+        with RATE_LIMITED for work they never asked the platform for. What
+        bounds them instead is the per-agent consumer quota above, and every
+        request is still verified (signature, addressing, agent of this node)."""
+        return True
+
     async def start(self) -> None:
         if self.running:
             return
