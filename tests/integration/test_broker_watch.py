@@ -110,7 +110,7 @@ def test_an_agent_not_ready_is_retried_while_the_others_serve(meshnode_daemons: 
                                                                    "input": "meanwhile", "timeout": 10}, timeout=20)
                     observed["echo"] = answer.get("output")
                     gate.touch()
-            time.sleep(0.05)
+            done.wait(0.05)  # polls Status until the condition above, or the test ends
 
     watcher = threading.Thread(target=watch)
     watcher.start()

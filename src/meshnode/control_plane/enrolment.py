@@ -665,16 +665,7 @@ class Enrolment:
             return CredentialRequestError(403, "node is not enrolled in this mesh", "node_unknown")
         if node.retired:
             return CredentialRequestError(403, "node was retired", "node_retired")
-        for agent_id in agent_ids:
-            record = state.agents.get(agent_id)
-            if record is None or record.status == "active":
-                continue
-            if record.status == "retired":
-                return CredentialRequestError(
-                    403, f"agent {agent_id} was retired", "agent_terminated"
-                )
-            return CredentialRequestError(403, f"agent {agent_id} is paused", "agent_paused")
-        return None
+        return Enrolment._refusal_for_agents(state, agent_ids)
 
 
 
