@@ -223,3 +223,32 @@ async def test_a_declined_hold_ends_refused_with_the_estimate(env: Env) -> None:
     assert info.value.code == "BUDGET_INSUFFICIENT"
     assert info.value.details == {"estimate": {"amount_micro": 4000, "currency": "USD"}}
     assert task.state == "exhausted"
+
+
+async def test_a_bare_request_paused_mid_task_keeps_its_spend_in_one_place(env: Env) -> None:
+    env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 1000), mode=OnExhausted.ASK_OWNER))
+    request = env.request("fixed", rid="bare")
+    opened: list[ResponderTask] = []
+
+    async def open_task() -> ResponderTask:
+        task = ResponderTask(env.hosted, request, "t2")
+        await task._send("working", first=True)
+        opened.append(task)
+        return task
+
+    await env.keeper.report(env.hosted, request, None, open_task, tokens=800)
+    waiting = asyncio.ensure_future(env.keeper.report(env.hosted, request, None, open_task, tokens=800))
+    for _ in range(50):
+        if env.keeper.holds.get(env.hosted.agent_id):
+            break
+        await asyncio.sleep(0)
+    assert opened[0].state == "input_required"
+    # 1600 spent on this request (recorded before its Task existed): 1500 is not enough.
+    env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 1500), mode=OnExhausted.ASK_OWNER, at=NOW + 1))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 1600), mode=OnExhausted.ASK_OWNER, at=NOW + 2))
+    await asyncio.wait_for(waiting, 5)
+    assert opened[0].state == "working"
+    assert env.keeper.show(env.hosted)["spend"]["by_task"] == {"bare": 1600}
+    assert [e["outcome"] for e in env.events()] == ["paused"]

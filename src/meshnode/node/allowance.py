@@ -259,6 +259,10 @@ class AllowanceKeeper:
         # Cumulative token reports per (agent, task): a later report supersedes
         # an earlier one (§13.5), so only the growth is new spend.
         self._reported: dict[tuple[str, str], int] = {}
+        # The key a request's spend is accounted under, fixed at its first
+        # report: its Task's id, or the request id while it has none (a bare
+        # request that opens a Task later keeps its spend in one place).
+        self._keys: dict[tuple[str, str], str] = {}
         self.holds: dict[str, dict[str, Hold]] = {}
         # Admission holds waiting for their handler to start, by request id.
         self._pending: dict[tuple[str, str], Hold] = {}
@@ -506,7 +510,7 @@ class AllowanceKeeper:
         policy = self.policy(hosted)
         if policy is None:
             return
-        task_id = task.task_id if task is not None else str(env["id"])
+        task_id = self._work_key(hosted, env, task)
         context_id = env.get("context_id") if isinstance(env.get("context_id"), str) else None
         if cumulative_tokens is not None:
             key = (hosted.agent_id, task_id)
@@ -542,13 +546,21 @@ class AllowanceKeeper:
             task = await open_task()
         hold = Hold(hosted.agent_id, task.task_id, context_id, "mid_task", 0, self.now_ms(),
                     crossed.scope.value if policy.valid else None, asyncio.get_running_loop().create_future())
-        current = task
 
         def fits() -> bool:
             now_policy = self.policy(hosted)
-            return now_policy is None or self._crossed(hosted, now_policy, current.task_id, context_id) is None
+            return now_policy is None or self._crossed(hosted, now_policy, task_id, context_id) is None
 
         await self._pause(hosted, task, hold, fits, spent_micro=self.ledger(hosted).by_task.get(task_id, 0))
+
+    def _work_key(self, hosted: HostedAgent, env: Mapping[str, Any], task: ResponderTask | None) -> str:
+        request = (hosted.agent_id, str(env["id"]))
+        key = self._keys.get(request)
+        if key is None:
+            key = self._keys[request] = task.task_id if task is not None else request[1]
+            if len(self._keys) > 10_000:
+                self._keys.pop(next(iter(self._keys)))
+        return key
 
     def _crossed(self, hosted: HostedAgent, policy: AllowancePolicy, task_id: str,
                  context_id: str | None) -> CeilingStanding | None:
