@@ -50,6 +50,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.agreement_lookup import PlatformAgreements
 from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
@@ -352,6 +353,13 @@ class Daemon:
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
             usage=UsageLog(self.data_dir / "usage.jsonl"),
         )
+        if c.platform_agreements:
+            # ... and those owners registered with the platform (§19.5), asked
+            # once per (owner, seller, SKU) and remembered, dropped on its events.
+            platform_agreements = PlatformAgreements(node, ttl_s=c.agreement_cache_ttl.total_seconds())
+            await platform_agreements.start()
+            self._shutdown.push("stop-intake", platform_agreements.close)
+            node.commerce.platform = platform_agreements
         self.node = hosting.node = node
         # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
         node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
