@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ import pytest
 
 from meshnode.admin.exitcodes import EX_NOPERM
 from meshnode.admin.protocol import PermissionDenied
+from meshnode.protocol.commerce.revocation import sign_revocation
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
 
 pytestmark = pytest.mark.integration
@@ -168,6 +171,12 @@ def test_the_platform_carries_agreements_and_revocations_to_the_seller(
     assert stranger.returncode == EX_NOPERM, stranger
     assert "not_the_owner" in stranger.stderr or "only the owner" in stranger.stderr, stranger.stderr
     assert provider.admin("Agreements.Revoke", {"sku": "summarize"})["platform_revoked"] == []
+    forged = sign_revocation(KeyPair.generate(), seller_agent=seller, sku="summarize", revoked_at_ms=time.time_ns() // 10**6)
+    forged["consumer_owner"] = owner  # claims the owner; signed by another key
+    with pytest.raises(PermissionDenied) as denied:
+        provider.admin("Agreements.Revoke", {"revocation": forged})
+    assert denied.value.params["code"] == "UNAUTHORIZED", denied.value.params
+    assert denied.value.params["details"]["reason"] == "bad_signature"
     assert consumer.admin("Agreements.List")["registered"] == mine
     assert _summarize(consumer, seller)["status"] == "completed"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
+from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
 from .output import emit_json
 
 
@@ -49,7 +49,11 @@ def register(commands: Any) -> None:
     revoke = sub.add_parser(
         "revoke", help="revoke agreements to a SKU from now on (prospective), here and, for this node's own, at the platform"
     )
-    revoke.add_argument("sku", help="the SKU id")
+    revoke.add_argument("sku", nargs="?", help="the SKU id (required unless --document)")
+    revoke.add_argument(
+        "--document", type=Path, metavar="FILE",
+        help="send this revocation, signed elsewhere by the owner key, to the platform instead",
+    )
     revoke.add_argument("--owner", help="only this consumer owner's (U...)")
     revoke.add_argument("--seller", help="only to this seller (a local name or an id)")
     _client_args(revoke)
@@ -178,6 +182,21 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
+    if args.document is not None:
+        code, document = _read_document(args.document)
+        if code != EX_OK:
+            return code
+        code, result = _admin(args, "Agreements.Revoke", {"revocation": document})
+        if code != EX_OK:
+            return code
+        if args.json:
+            emit_json(result)
+        else:
+            print(f"revoked {len(result['platform_revoked'])} agreement(s) at the platform")
+        return EX_OK
+    if not args.sku:
+        print("meshnode: agreements revoke: name the SKU (or --document FILE)", file=sys.stderr)
+        return EX_USAGE
     params: dict[str, Any] = {"sku": args.sku}
     if args.owner:
         params["owner"] = args.owner

@@ -107,8 +107,9 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
-        doc="params {sku, owner?, seller?} -> {revoked: [...], platform_revoked: [...], platform_error}: revoke from "
-        "now on (prospective, §19.5) in this node's store and, for this node's own agreements, at the platform",
+        doc="params {sku, owner?, seller?} | {revocation} -> {revoked: [...], platform_revoked: [...], platform_error}: "
+        "revoke from now on (prospective, §19.5) in this node's store and, for this node's own agreements, at the "
+        "platform; or send a revocation document signed elsewhere to the platform",
     )
 
 
@@ -227,6 +228,20 @@ class _AgreementMethods:
             registered, error = False, f"{exc.code}: {exc.message}"
         return {"agreement": signed, "stored": stored, "registered": registered, "registration_error": error}
 
+    async def _revoke_document(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Send a revocation signed elsewhere (an owner key this node does not
+        hold) to the platform; the service takes it only from (an agent of) its signer."""
+        try:
+            answer = await self._service(self._cli(), subjects.AGREEMENTS_REVOKE, {"revocation": document})
+        except ProtocolError as exc:
+            raise _admin_error(exc, "the agreement service refused the revocation") from None
+        agreement = answer.get("agreement")
+        return {
+            "revoked": [],
+            "platform_revoked": [agreement] if answer.get("revoked") and isinstance(agreement, dict) else [],
+            "platform_error": None,
+        }
+
     async def register(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         document = param(params, "agreement", dict)
         try:
@@ -294,6 +309,9 @@ class _AgreementMethods:
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()
+        document = param(params, "revocation", dict, None)
+        if document is not None:
+            return await self._revoke_document(document)
         sku = param(params, "sku", str)
         owner = param(params, "owner", str, None)
         seller = param(params, "seller", str, None)
