@@ -135,9 +135,20 @@ class _AgreementMethods:
         assert node is not None
         return await node.service_call(hosted, subject, "request", payload)
 
+    def _asker_for(self, owner: object) -> HostedAgent:
+        """Who sends an owner's request: an agent here that ``owner`` owns by
+        attestation (its manifest names it), else the CLI agent (owned by this node)."""
+        node = self.d.node
+        assert node is not None
+        for hosted in node.agents.values():
+            if owner is not None and hosted.manifest.get("owner") == owner:
+                return hosted
+        return self._cli()
+
     async def _register(self, document: dict[str, Any]) -> dict[str, Any]:
         """Register ``document`` with the platform; ProtocolError as the service refused."""
-        return await self._service(self._cli(), subjects.AGREEMENTS_REGISTER, {"agreement": document})
+        asker = self._asker_for(document.get("consumer_owner"))
+        return await self._service(asker, subjects.AGREEMENTS_REGISTER, {"agreement": document})
 
     async def _seller_skus(self, seller: str) -> tuple[str, list[Mapping[str, Any]]]:
         """The seller's id and its SKUs ({sku, covers?, digest}) as currently declared."""
@@ -232,7 +243,8 @@ class _AgreementMethods:
         """Send a revocation signed elsewhere (an owner key this node does not
         hold) to the platform; the service takes it only from (an agent of) its signer."""
         try:
-            answer = await self._service(self._cli(), subjects.AGREEMENTS_REVOKE, {"revocation": document})
+            asker = self._asker_for(document.get("consumer_owner"))
+            answer = await self._service(asker, subjects.AGREEMENTS_REVOKE, {"revocation": document})
         except ProtocolError as exc:
             raise _admin_error(exc, "the agreement service refused the revocation") from None
         agreement = answer.get("agreement")
