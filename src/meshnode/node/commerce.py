@@ -313,16 +313,17 @@ class AgreementGate:
         if not gated:
             return self._admit(env, sku, None)  # free: nothing to agree to, nothing to attribute
         owner = await self.owner_of(hosted, requester)
-        if find_agreement(
+        agreement = find_agreement(
             self.store.records(), consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms
-        ) is not None:
-            return self._admit(env, sku, owner)
-        # Not in this node's store: the agreements the owner registered with the
-        # platform (cached and single-flight, :mod:`meshnode.node.agreement_lookup`).
-        if owner is not None and self.platform is not None and find_agreement(
-            await self.platform.records(hosted, owner, sku.sku),
-            consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
-        ) is not None:
+        )
+        if agreement is None and owner is not None and self.platform is not None:
+            # Not in this node's store: the agreements the owner registered with the
+            # platform (cached and single-flight, :mod:`meshnode.node.agreement_lookup`).
+            agreement = find_agreement(
+                await self.platform.records(hosted, owner, sku.sku),
+                consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
+            )
+        if agreement is not None:
             return self._admit(env, sku, owner)
         self._record(hosted, env, sku, owner, offering, now_ms, refusal_code="AGREEMENT_REQUIRED")
         try:
