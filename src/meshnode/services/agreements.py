@@ -55,7 +55,7 @@ from typing import Any
 import orjson
 
 from meshnode.protocol import subjects
-from meshnode.protocol.commerce import Agreement, parse_agreement, verify_agreement
+from meshnode.protocol.commerce import Agreement, AgreementRecord, parse_agreement, verify_agreement
 from meshnode.protocol.commerce.revocation import Revocation, verify_revocation
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import is_valid_public
@@ -358,6 +358,20 @@ class AgreementService(ServiceBase):
                 break
             found.append(record_out(record))
         return {"agreements": found, "truncated": truncated}
+
+    def records(self) -> list[AgreementRecord]:
+        """Every registered agreement with its revocation, from the mirror (an
+        agreement source for the rating service); a record that no longer
+        verifies is left out."""
+        out: list[AgreementRecord] = []
+        for record in (self._mirror.entries.values() if self._mirror is not None else ()):
+            try:
+                agreement = verify_agreement(record.get("agreement"))
+            except ProtocolError:
+                continue
+            revoked_ms = record.get("revoked_at_ms")
+            out.append(AgreementRecord(agreement, revoked_ms if isinstance(revoked_ms, int) else None))
+        return out
 
     async def stop(self) -> None:
         await super().stop()
