@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_MAILBOX_MSGS",
     "DEFAULT_STREAM_LIMITS",
     "StreamLimits",
+    "agreements_bucket_config",
     "artifact_buckets",
     "ensure_object_store",
     "DUPLICATE_WINDOW_S",
@@ -106,7 +107,7 @@ class StreamLimits:
     account's JetStream store (module docstring); :meth:`platform_total` is
     what one account's platform objects reserve before the first mailbox.
     ``max_msg_size`` bounds one message on the participant-writable streams.
-    Configured under ``[storage]``; the defaults total 784 MiB.
+    Configured under ``[storage]``; the defaults total 792 MiB.
     """
 
     tasks: int = 64 * _MIB
@@ -129,6 +130,8 @@ class StreamLimits:
     """The artifact object store (all owners together; each owner also has its quota)."""
     artifact_index: int = 8 * _MIB
     artifact_uploads: int = 8 * _MIB
+    agreements: int = 8 * _MIB
+    """KV ``mesh_agreements``: the agreements registered with the platform (§19.5)."""
     max_msg_size: int = 1 * _MIB
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``."""
 
@@ -288,6 +291,23 @@ def feed_state_bucket_config(
         history=1,
         ttl=None,
         max_bytes=limits.feed_state,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+
+
+def agreements_bucket_config(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> KeyValueConfig:
+    """KV ``mesh_agreements``: one record per (consumer owner, seller agent, SKU),
+    latest only, no TTL (an agreement lasts until it expires or is revoked; the
+    agreement service bounds how many one owner holds)."""
+    return KeyValueConfig(
+        bucket=subjects.KV_AGREEMENTS,
+        description="Agreements registered with the platform (AgentMesh §19.5)",
+        history=1,
+        ttl=None,
+        max_bytes=limits.agreements,
         storage=StorageType.FILE,
         replicas=replicas,
     )
