@@ -9,6 +9,7 @@ as in spec §14.3's example grants ``_INBOX.>`` and both register forms.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any, cast
 
 import pytest
@@ -34,6 +35,7 @@ from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.transport.errors import NoResponders, TransportTimeout
 from meshnode.transport.grants import (
     Grants,
+    PatternSet,
     check_inbox_prefix,
     choose_inbox_prefix,
     covers,
@@ -90,6 +92,32 @@ def _example(node: str, agent: str) -> Grants:
 )
 def test_covers_is_subset_matching(pattern: str, subject: str, expected: bool) -> None:
     assert covers(pattern, subject) is expected
+
+
+def test_a_pattern_set_answers_exactly_as_covers_does() -> None:
+    # The indexed set (issue #21: one check per hosted agent, many grants per
+    # agent) must say what trying every pattern with covers() says, for every
+    # combination of literal, "*" and ">" tokens on either side.
+    tokens = ("a", "b", "*", ">")
+    shapes = [".".join(t) for n in (1, 2, 3) for t in itertools.product(tokens, repeat=n)]
+    shapes = [s for s in shapes if ">" not in s[:-1]]  # ">" only last, as NATS allows
+    for i, pattern in enumerate(shapes):
+        group = (pattern, shapes[(i * 7) % len(shapes)], shapes[(i * 13) % len(shapes)])
+        indexed = PatternSet(group)
+        for subject in shapes:
+            assert indexed.covers(subject) is any(covers(p, subject) for p in group), (group, subject)
+    assert not PatternSet(()).covers("a")
+
+
+def test_many_agents_grants_are_checked_without_scanning_them() -> None:
+    node = KeyPair.generate().public_key
+    agents = [KeyPair.generate().public_key for _ in range(300)]
+    perms = node_permissions(node, agents, role="participant")
+    grants = Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow))
+    for agent in agents[::37]:
+        assert grants.can_publish(JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(agent)))
+    stranger = KeyPair.generate().public_key
+    assert not grants.can_publish(JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(stranger)))
 
 
 def test_meshnodes_own_credentials_keep_the_private_prefix_and_the_bound_subject() -> None:
