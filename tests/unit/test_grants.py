@@ -252,6 +252,26 @@ async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
     assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
 
 
+async def test_a_failed_registration_is_retried_soon_then_backing_off() -> None:
+    # Issue #21: a start of thousands of agents can time a registration out in
+    # the registry's queue; the retry comes after seconds, not a flat minute.
+    node, hosted, _ = _node(Grants.unrestricted())
+    hosted.vouch = node._vouch(hosted.agent_id)
+    node._schedule_vouch_renewal(hosted)
+    job = node._jobs[f"vouch:{hosted.name}"]
+    try:
+        # The first wait is the job's first delay; then the job re-reads the interval after each run.
+        delays = [job._first_delay or 0.0, *(job._next_interval() for _ in range(5))]
+        for delay, (low, high) in zip(delays, [(5, 7.5), (10, 15), (20, 30), (40, 60), (60, 60), (60, 60)], strict=True):
+            assert low <= delay <= high, delays
+        hosted.registered = True
+        assert job._next_interval() == 600.0  # registered: the renewal point, woken every 10 minutes
+        hosted.registered = False
+        assert 5 <= job._next_interval() <= 7.5  # a new failure starts again at 5 s
+    finally:
+        await job.stop()
+
+
 async def test_a_service_subject_the_credential_does_not_grant_fails_at_once() -> None:
     node_key = KeyPair.generate()
     node, hosted, conn = _node(_example(node_key.public_key, node_key.public_key))

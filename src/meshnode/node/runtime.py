@@ -387,14 +387,14 @@ class Node:
             # and also every 10 minutes so a missed registration is retried.
             # A registration that failed (a registry that timed out under a
             # start of thousands of agents, issue #21) is retried after 5 s,
-            # then 10, 20, 40, 60 s, each spread by up to half, so the agents
-            # that failed together do not all come back together.
+            # then 10, 20, 40, 60 s, each stretched by up to half (never past
+            # 60 s), so the agents that failed together do not all come back together.
             nonlocal misses
             due = (renew_at_ms(hosted.vouch) - self.now_ms()) / 1000
             if hosted.registered:
                 misses = 0
             else:
-                retry = min(60.0, 5.0 * 2**misses) * random.uniform(1.0, 1.5)
+                retry = min(60.0, 5.0 * 2**misses * random.uniform(1.0, 1.5))
                 misses = min(misses + 1, 8)
                 due = min(due, retry)
             return max(5.0, min(due, 600.0))
