@@ -407,19 +407,37 @@ def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
     return diffs
 
 
-async def ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
+async def ensure_stream(
+    jetstream: JetStream, config: StreamConfig, *, create_first: bool = False
+) -> EnsureOutcome:
     """Create ``config``'s stream, or bring the fields it owns up to date.
 
     Returns ``"created"``, ``"updated"``, ``"unchanged"``, or ``"mismatch:
     <fields>"`` when the server refused the update (logged).
+
+    ``create_first`` is for a stream the caller expects not to exist yet (a
+    new agent's mailbox): the create is sent without looking the stream up
+    first, one JetStream call instead of two. A stream that does exist with
+    exactly this configuration is then reported ``"created"`` too (the server
+    accepts an identical create); one that differs is looked up and updated
+    as usual.
     """
     with translated():
-        return await _ensure_stream(jetstream, config)
+        return await _ensure_stream(jetstream, config, create_first=create_first)
 
 
-async def _ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
+async def _ensure_stream(
+    jetstream: JetStream, config: StreamConfig, *, create_first: bool = False
+) -> EnsureOutcome:
     js = jetstream.native
     assert config.name is not None
+    if create_first:
+        try:
+            await js.add_stream(config)
+            return "created"
+        except APIError as exc:
+            if exc.err_code != 10058:  # "already in use" with another configuration
+                raise
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
@@ -526,8 +544,12 @@ async def ensure_inbox_stream(
     max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
     discard: Literal["new", "old"] = "new",
+    fresh: bool = False,
 ) -> EnsureOutcome:
-    """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`)."""
+    """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`).
+
+    ``fresh``: the caller knows of no such mailbox (a first registration), so
+    the create goes first (:func:`ensure_stream` ``create_first``)."""
     return await ensure_stream(
         js,
         inbox_stream_config(
@@ -538,6 +560,7 @@ async def ensure_inbox_stream(
             replicas=replicas,
             discard=discard,
         ),
+        create_first=fresh,
     )
 
 
