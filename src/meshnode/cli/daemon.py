@@ -217,6 +217,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     code, status = _status_or_blocked(args, {"agents": False} if args.brief else None)
     if code not in (EX_OK, EX_LOOP_BLOCKED):
         return code
+    if code == EX_LOOP_BLOCKED and args.brief:
+        status["agents"] = []  # the snapshot may hold the list; --brief asked for counts
     if args.json:
         emit_json(status)
         return code

@@ -28,8 +28,10 @@ log = logging.getLogger("meshnode.daemon")
 
 #: How often the loop refreshes the snapshot (seconds): the age a blocked answer's figures have at most, before the block.
 PUBLISH_INTERVAL_S = 5.0
-#: Above this many agents the periodic snapshot leaves out the per-agent list (``status --brief``'s shape).
-LISTED_AGENTS_MAX = 1000
+#: Above this many agents the periodic snapshot leaves out the per-agent list
+#: (``status --brief``'s shape): a few ms of the loop every 5 s at most. A
+#: ``Status`` call still publishes the list it answered.
+LISTED_AGENTS_MAX = 100
 
 
 class StatusBoard:
