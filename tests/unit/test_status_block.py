@@ -252,3 +252,49 @@ async def test_the_board_publishes_periodically_until_stopped() -> None:
         await eventually_async(lambda: orjson.loads(board.answer()).get("n", 0) >= 3, what="three publications")
     finally:
         await board.stop()
+
+
+# ------------------------------------------------------------------ meshnode status
+
+
+def test_status_prints_the_status_sockets_answer_while_the_loop_is_blocked(
+    sock_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from meshnode.cli import daemon as cli_daemon
+    from meshnode.cli.exitcodes import EX_LOOP_BLOCKED
+
+    monkeypatch.setattr(cli_daemon, "STATUS_SOCKET_AFTER_S", 0.2)
+    release, serving = threading.Event(), threading.Event()
+
+    async def stuck_status(params: dict[str, Any], call: Any) -> Any:
+        release.wait(60)  # blocks the server's loop, as a plugin's time.sleep would
+        return {"state": "serving"}
+
+    answer = orjson.dumps({
+        "state": "serving", "blocked": {"for_s": 3.0, "agent": "blocker", "threshold_s": 1.0},
+        "snapshot_age_s": 1.5,
+    })
+
+    async def serve() -> None:
+        registry = MethodRegistry()
+        registry.add("Status", stuck_status)
+        async with AdminServer(sock_path, methods=registry, status_answer=lambda: answer):
+            serving.set()
+            await asyncio.to_thread(release.wait, 60)
+
+    server = threading.Thread(target=lambda: asyncio.run(serve()))
+    server.start()
+    try:
+        assert serving.wait(30)
+        args = argparse.Namespace(socket=str(sock_path), config=None, json=False, brief=False)
+        assert cli_daemon.cmd_status(args) == EX_LOOP_BLOCKED
+        out = capsys.readouterr().out
+        assert "BLOCKED now, for 3.0 s, by a handler of agent blocker" in out and "1.5 s old" in out, out
+        args.json = True
+        assert cli_daemon.cmd_status(args) == EX_LOOP_BLOCKED
+        assert orjson.loads(capsys.readouterr().out)["blocked"]["agent"] == "blocker"
+    finally:
+        release.set()
+        server.join(timeout=30)
