@@ -297,6 +297,12 @@ def test_a_document_signed_by_another_key_than_the_agents_owner_is_refused_namin
     assert shown["document"]["owner_key"] == stranger.public_key
     lenient.set(env.hosted, dict(doc))  # `allowance add` of it is accepted too
     lenient.close()
+    # allowance_any_owner off again: the stored document signed by the stranger fails closed.
+    strict = env.new_keeper()
+    shown = strict.show(env.hosted)
+    assert shown["valid"] is False and shown["source"].startswith("stored ")
+    assert "wrong_owner" in shown["errors"][0]
+    strict.close()
 
 
 def test_the_agents_owner_is_the_attested_manifest_owner_else_the_hosting_node(env: Env) -> None:

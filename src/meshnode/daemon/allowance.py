@@ -176,8 +176,8 @@ class _AllowanceMethods:
         assert node is not None
         hosted = node.by_id.get(agent) if isinstance(agent, str) else None
         if hosted is None or hosted.name == CLI_AGENT_NAME:
-            # Checked first only so a well-formed document for another node's
-            # agent is told so; a malformed one is refused by its shape below.
+            # A document that does not verify is refused for that (naming the
+            # member); only a sound one for an agent not hosted here is NotFound.
             try:
                 verify_allowance(document)
             except ProtocolError as exc:
