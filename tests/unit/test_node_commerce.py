@@ -195,8 +195,8 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
     gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
     for rid in ("r2", "r3"):
         await gate.check(shop, _env(caller, rid), "Summarize.Text", NOW + 1)
-        gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
-    gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
+        await gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
+    await gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
     charges = usage.rate(gate.store.records())
     assert [(c.envelope_id, c.outcome.value, c.amount_micro) for c in charges] == [
         ("r1", "refused", 0), ("r2", "charged", 2000), ("r3", "charged", 2000)]

@@ -403,6 +403,20 @@ class Context(Protocol):
         handle.cancel(reason)`` cancels it (:class:`meshnode.a2a.outbound.A2AStreamTask`).
         """
 
+    def report_usage(self, meter: str, quantity: int) -> None:
+        """Report how much of a declared meter (§13.5) this request consumed so far,
+        e.g. ``ctx.report_usage("tokens_out", 4210)``.
+
+        Cumulative and superseding: a later report of the same meter replaces
+        the earlier one (report the running total, not increments). The node
+        sends the report as ``payload.usage`` of the answer (covered by its
+        signature) and, for an offering a SKU prices on that meter, records and
+        publishes the meter event the rating service charges (§19.6). Raises
+        ValueError for a meter name outside ``[a-z0-9_]{1,64}``, an observed
+        meter's name (``requests``, ``bytes_out``, ...: the platform counts
+        those) or a quantity that is not a non-negative integer.
+        """
+
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
         """Publish an event on ``mesh.event.{domain}.{event_type}`` (§6.6).
 

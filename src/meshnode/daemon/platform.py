@@ -23,6 +23,7 @@ from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
+from meshnode.services.rating import AgreementSource, RatingService
 from meshnode.services.registry import DEFAULT_REGISTRATION_CONCURRENCY, RegistryService
 from meshnode.services.tasks import TaskManagerService
 from meshnode.transport.streams import (
@@ -46,7 +47,8 @@ log = logging.getLogger("meshnode.daemon")
 
 
 _S = TypeVar(
-    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService
+    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService,
+    RatingService,
 )
 
 
@@ -54,7 +56,7 @@ def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "rating")
 
 
 def stream_limits(config: Config) -> StreamLimits:
@@ -66,6 +68,7 @@ def stream_limits(config: Config) -> StreamLimits:
         feed=s.feed_max_bytes,
         heartbeat=s.heartbeat_max_bytes,
         registry_events=s.registry_events_max_bytes,
+        metering=s.metering_max_bytes,
         registry=s.registry_max_bytes,
         task_records=s.task_records_max_bytes,
         feed_state=s.feed_state_max_bytes,
@@ -133,9 +136,10 @@ class PlatformServices:
     tasks: TaskManagerService
     feeds: FeedService
     consumers: ConsumerService
+    rating: RatingService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers]
+        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.rating]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -161,6 +165,7 @@ async def start_platform_services(
     imported: Mapping[str, str] | None = None,
     wait_ready: bool = False,
     sdk_agent_of: Callable[[str], str | None] | None = None,
+    agreements: AgreementSource | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start every platform service of one account.
 
@@ -172,6 +177,8 @@ async def start_platform_services(
     maps agents other tenants exported here to where their registry answers.
     ``sdk_agent_of`` (control plane) names the one agent of a node's sdk
     enrolment: the registry accepts untokenized registrations from those only.
+    ``agreements`` is an agreement store the rating service reads beside the
+    agreements the meter events carry (None: those alone).
     ``wait_ready`` waits for the streams to have leaders first: a cluster
     (re)started moments ago answers before they do.
     """
@@ -219,6 +226,11 @@ async def start_platform_services(
         owner = manifest.get("owner") if manifest is not None else None
         return owner if isinstance(owner, str) and owner else None
 
+    def registry_owner(agent_id: str) -> str | None:
+        manifest = registry.manifest(agent_id)
+        owner = manifest.get("owner") if manifest is not None else None
+        return owner if isinstance(owner, str) and owner else None
+
     started: list[ServiceBase] = []
 
     async def start(service: _S) -> _S:
@@ -241,7 +253,11 @@ async def start_platform_services(
         consumers = await start(
             ConsumerService(contexts("registry"), max_per_agent=settings.max_consumers_per_agent)
         )
+        # Rating (§19.6) folds MESH_METERING into a ledger; it signs with the task
+        # manager's key (the other metering emitter), so no deployment needs a
+        # new service key file. Owners resolve from the registry's cache.
+        rating = await start(RatingService(contexts("tasks"), owner_of=registry_owner, agreements=agreements))
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, rating)
