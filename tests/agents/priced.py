@@ -35,7 +35,7 @@ class Priced(Agent):
     async def generate(self, ctx: Context, input: Any) -> Any:
         # The plugin's whole economics: report the declared meter (§13.5).
         tokens = int((input or {}).get("tokens", 0))
-        ctx.report_usage("tokens_out", tokens)
+        await ctx.report_usage("tokens_out", tokens)
         return {"tokens": tokens}
 
     @offering("ping", framing=False)

@@ -110,16 +110,16 @@ def _fold(envelopes: list[dict[str, Any]]) -> Ledger:
     return ledger
 
 
-def test_report_usage_is_cumulative_and_refuses_observed_or_bad_meters(shop: Any) -> None:
+async def test_report_usage_is_cumulative_and_refuses_observed_or_bad_meters(shop: Any) -> None:
     _, seller, _, _, _ = shop
     ctx = AgentContext(seller, envelope={"from": "x", "id": "r"})
-    ctx.report_usage("tokens_out", 10)
-    ctx.report_usage("tokens_out", 25)  # supersedes: the running total
-    ctx.report_usage("tool_calls", 0)
+    await ctx.report_usage("tokens_out", 10)
+    await ctx.report_usage("tokens_out", 25)  # supersedes: the running total
+    await ctx.report_usage("tool_calls", 0)
     assert ctx.usage_report == [{"meter": "tokens_out", "quantity": 25}, {"meter": "tool_calls", "quantity": 0}]
-    for meter, quantity in (("requests", 1), ("Tokens", 1), ("tokens_out", -1), ("tokens_out", 1.5)):
+    for meter, quantity in (("requests", 1), ("Tokens", 1), ("tokens_out", -1), ("tokens_out", 1.5), (None, 3)):
         with pytest.raises(ValueError, match="report_usage"):
-            ctx.report_usage(meter, cast(int, quantity))
+            await ctx.report_usage(meter, cast(int, quantity))
 
 
 async def test_declared_usage_is_published_with_what_rating_needs(shop: Any) -> None:

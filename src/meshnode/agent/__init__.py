@@ -157,6 +157,10 @@ class OfferingSpec:
     sku: str | None = None
     #: §19.4: who bills for it; defaults to ``{"id": "internal"}``.
     billing_provider: Mapping[str, Any] | None = None
+    #: EXT-8: what one request costs the owner's allowance, judged at admission:
+    #: ``{"tokens": N}`` or ``{"cost_micro": N}``, or a callable of the input
+    #: returning one; None = the sender text's length / 4, in tokens.
+    allowance_estimate: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
 
     def manifest_entry(self) -> dict[str, Any]:
         """The offering as it appears in the manifest (absent fields omitted)."""
@@ -210,6 +214,7 @@ def offering(
     price: Mapping[str, Any] | None = None,
     sku: str | None = None,
     billing_provider: Mapping[str, Any] | None = None,
+    allowance_estimate: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None,
 ) -> Callable[[F], F]:
     """Declare an async method as the handler of offering ``id``.
 
@@ -229,6 +234,15 @@ def offering(
     SKU (default: the offering id, lower-cased, other characters as ``-``);
     ``billing_provider`` is who bills (§19.4, default ``{"id": "internal"}``).
     Agent-wide SKUs go in :attr:`Agent.skus`.
+
+    ``allowance_estimate`` (EXT-8, only read when the owner set an allowance
+    on this agent) is what one request will cost: ``{"tokens": N}`` (converted
+    through the allowance's cost model) or ``{"cost_micro": N}``, or a
+    callable of the input returning one. A request whose estimate exceeds
+    what the allowance has left is refused BUDGET_INSUFFICIENT with the
+    estimate before the handler runs. Undeclared: the sender text's length
+    in characters / 4, in tokens. Report what the work really used with
+    ``await ctx.report_usage(tokens=...)``.
     """
 
     def decorate(fn: F) -> F:
@@ -251,6 +265,7 @@ def offering(
             price=price,
             sku=sku,
             billing_provider=billing_provider,
+            allowance_estimate=allowance_estimate,
         )
         return fn
 
@@ -403,18 +418,36 @@ class Context(Protocol):
         handle.cancel(reason)`` cancels it (:class:`meshnode.a2a.outbound.A2AStreamTask`).
         """
 
-    def report_usage(self, meter: str, quantity: int) -> None:
-        """Report how much of a declared meter (§13.5) this request consumed so far,
-        e.g. ``ctx.report_usage("tokens_out", 4210)``.
+    async def report_usage(
+        self,
+        meter: str | None = None,
+        quantity: int | None = None,
+        *,
+        tokens: int | None = None,
+        cost_micro: int | None = None,
+    ) -> None:
+        """Report what this piece of work used. Two independent reports share the call:
 
-        Cumulative and superseding: a later report of the same meter replaces
-        the earlier one (report the running total, not increments). The node
-        sends the report as ``payload.usage`` of the answer (covered by its
-        signature) and, for an offering a SKU prices on that meter, records and
-        publishes the meter event the rating service charges (§19.6). Raises
-        ValueError for a meter name outside ``[a-z0-9_]{1,64}``, an observed
-        meter's name (``requests``, ``bytes_out``, ...: the platform counts
-        those) or a quantity that is not a non-negative integer.
+        * ``meter, quantity`` — a declared meter (§13.5) for the **buyer's bill**,
+          e.g. ``await ctx.report_usage("tokens_out", 4210)``. Cumulative and
+          superseding: a later report of the same meter replaces the earlier
+          one (report the running total). The node sends it as ``payload.usage``
+          of the answer (covered by its signature) and, for an offering a SKU
+          prices on that meter, records and publishes the meter event the
+          rating service charges (§19.6). ValueError for a meter name outside
+          ``[a-z0-9_]{1,64}``, an observed meter's name (``requests``,
+          ``bytes_out``, ...: the platform counts those) or a quantity that is
+          not a non-negative integer.
+        * ``tokens`` / ``cost_micro`` — this agent's own **spend** against its
+          owner's allowance (EXT-8 metering): ``tokens`` converted through the
+          owner's allowance cost model (floor-rounded), or ``cost_micro`` (money,
+          micro-units of the allowance's currency). Each call adds to the spend
+          of this request's Task, context and UTC day. Without an allowance on
+          this agent it does nothing. When the spend crosses one of the owner's
+          ceilings this raises ``ProtocolError`` BUDGET_EXHAUSTED (``on_exhausted:
+          refuse``: let it propagate, the work stops), or waits with the Task
+          paused in ``input_required`` until the owner raises the allowance
+          (``ask_owner``; a declined hold raises BUDGET_INSUFFICIENT).
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:

@@ -529,7 +529,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file")
 
 
 def _plugin_name(value: object) -> str:
@@ -563,6 +563,12 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
+    allowance_file: Path | None = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    node verifies its signature against its ``owner_key``; one that does not
+    verify fails closed (every ceiling exhausted, new work refused) and is
+    named in the log and in ``meshnode allowance show``. ``meshnode allowance
+    set`` documents take precedence when their ``updated_at`` is later."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

@@ -32,6 +32,7 @@ from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
+from meshnode.daemon.allowance import open_allowances, register_allowance_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.broker import broker_watch
 from meshnode.daemon.gateways import A2AGateways
@@ -356,6 +357,14 @@ class Daemon:
         )
         if c.publish_usage:
             self.gateways.publish_charges(node)  # A2A charges land in the same ledger (§19.6)
+        # EXT-8: the owners' allowances of the hosted agents, their spend persisted.
+        node.allowance = open_allowances(self.config, self.data_dir, node.now_ms)
+        keeper = node.allowance
+
+        async def close_allowances() -> None:
+            keeper.close()
+
+        self._shutdown.push("final-write", close_allowances)
         self.node = hosting.node = node
         # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
         node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
@@ -393,6 +402,7 @@ class Daemon:
         register_operations(self, methods)
         register_artifact_methods(self, methods)
         register_agreement_methods(self, methods)
+        register_allowance_methods(self, methods)
         register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(

@@ -197,6 +197,25 @@ class AgentContext:
             self._hosted, pattern, durable=durable, replay=replay
         )
 
+    async def report_usage(
+        self,
+        meter: str | None = None,
+        quantity: int | None = None,
+        *,
+        tokens: int | None = None,
+        cost_micro: int | None = None,
+    ) -> None:
+        if meter is not None or quantity is not None:
+            self._report_meter(meter, quantity)
+        for name, value in (("tokens", tokens), ("cost_micro", cost_micro)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"report_usage: {name} is a non-negative integer")
+        allowance = self._hosted.node.allowance
+        if allowance is None or not self._envelope or (tokens is None and cost_micro is None):
+            return
+        await allowance.report(self._hosted, self._envelope, self.task, self.defer,
+                               tokens=tokens, cost_micro=cost_micro)
+
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
         await self._hosted.node.emit(self._hosted, domain, event_type, data, trace=self._child_trace())
 
@@ -264,9 +283,11 @@ class AgentContext:
     async def stat_artifact(self, ref: str | Mapping[str, Any] | FileAttachment) -> dict[str, Any]:
         return await self._store().stat(ref)
 
-    def report_usage(self, meter: str, quantity: int) -> None:
+    def _report_meter(self, meter: str | None, quantity: int | None) -> None:
+        """The declared-meter half of :meth:`report_usage` (§13.5)."""
         if not is_meter_name(meter):
             raise ValueError(f"report_usage: meter {meter!r} is not a meter name ([a-z0-9_]{{1,64}})")
+        assert isinstance(meter, str)
         if meter in OBSERVED_METERS:
             raise ValueError(f"report_usage: {meter!r} is an observed meter (the platform counts it, §13.5)")
         if type(quantity) is not int or quantity < 0:

@@ -22,6 +22,7 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
@@ -156,6 +157,8 @@ class Node:
         self.a2a: OutboundGateway | None = a2a
         #: The §19.5 agreement check (the daemon plugs it in); None gates nothing.
         self.commerce: AgreementGate | None = None
+        #: The owners' allowances (EXT-8; the daemon plugs it in); None meters nothing.
+        self.allowance: AllowanceKeeper | None = None
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -881,7 +884,11 @@ class Node:
     # -- status ----------------------------------------------------------------
 
     def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
-        return hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        entry = hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        if self.allowance is not None:
+            # EXT-8: Tasks held for the owner (ask_owner) until the allowance is raised.
+            entry["allowance_held"] = sorted(self.allowance.holds.get(hosted.agent_id, {}))
+        return entry
 
     def drain_status(self, name: str) -> dict[str, Any] | None:
         """The mailbox drain of agent ``name`` for status, or None without one."""
