@@ -322,6 +322,10 @@ class ServicesConfig(BaseModel):
     """Consumers one agent may hold on each shared stream (MESH_EVENTS, MESH_FEED,
     MESH_TASKS), made for it by the consumer service; one more is refused
     QUOTA_EXCEEDED. Raise it for an agent with that many durable subscriptions."""
+    max_agreements_per_owner: Annotated[int, Field(ge=1)] = 1000
+    """Agreements one owner may hold registered with the platform agreement service
+    (one per seller and SKU, revoked and expired ones included); one more is
+    refused QUOTA_EXCEEDED."""
 
 
 class AdminConfig(BaseModel):
@@ -389,7 +393,7 @@ class StorageConfig(BaseModel):
     """``[storage]``: the bound (``max_bytes``) of every stream and bucket the platform
     services create, each reserved in the account's JetStream store (issue #22.3).
 
-    Read by the node that runs the services; the total (800 MiB by default) plus
+    Read by the node that runs the services; the total (808 MiB by default) plus
     one ``inbox.buffer_max_bytes`` per agent must fit in the account's limit
     (``[mesh.embedded] account_max_store``). See docs/security-quotas.md.
     """
@@ -419,6 +423,8 @@ class StorageConfig(BaseModel):
     """The artifact object store, all owners together (``[artifacts]`` has the per-owner quota)."""
     artifact_index_max_bytes: ByteSize = 8 * 1024**2
     artifact_uploads_max_bytes: ByteSize = 8 * 1024**2
+    agreements_max_bytes: ByteSize = 8 * 1024**2
+    """KV ``mesh_agreements``: the agreements registered with the platform (§19.5)."""
     max_msg_size: ByteSize | None = None
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``;
     None (absent) is ``[mesh.embedded] max_payload`` (1 MiB by default), so a raised
@@ -443,6 +449,13 @@ class CommerceConfig(BaseModel):
     gate_free_terms: bool = False
     """Also require an agreement for a free SKU that carries a terms_url
     (§19.5: agreement without money is a terms gate)."""
+    platform_agreements: bool = True
+    """Consult the platform agreement service at admission, beside this node's own
+    store (``agreements add``). Off: only the local store admits."""
+    agreement_cache_ttl: Duration = timedelta(seconds=30)
+    """How long the seller's node remembers the platform's answer for one (owner,
+    seller, SKU). A revocation or registration event drops it at once; this is
+    the bound when that event is missed (a revoked agreement admits at most this long)."""
     publish_usage: bool = True
     """Publish the meter events of priced offerings (and A2A charges) on
     ``mesh.event.metering.*`` for the rating service (§13.5, §19.6). Off: they

@@ -51,6 +51,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.agreement_lookup import PlatformAgreements
 from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog, publish_meter_event
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
@@ -357,6 +358,13 @@ class Daemon:
         )
         if c.publish_usage:
             self.gateways.publish_charges(node)  # A2A charges land in the same ledger (§19.6)
+        if c.platform_agreements:
+            # ... and those owners registered with the platform (§19.5), asked
+            # once per (owner, seller, SKU) and remembered, dropped on its events.
+            platform_agreements = PlatformAgreements(node, ttl_s=c.agreement_cache_ttl.total_seconds())
+            await platform_agreements.start()
+            self._shutdown.push("stop-intake", platform_agreements.close)
+            node.commerce.platform = platform_agreements
         # EXT-8: the owners' allowances of the hosted agents, their spend persisted.
         node.allowance = open_allowances(self.config, self.data_dir, node.now_ms)
         keeper = node.allowance

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from meshnode.config import Config
+from meshnode.services.agreements import DEFAULT_MAX_PER_OWNER, AgreementService
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
 from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
@@ -48,6 +49,7 @@ log = logging.getLogger("meshnode.daemon")
 
 _S = TypeVar(
     "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService,
+    AgreementService,
     RatingService,
 )
 
@@ -56,7 +58,7 @@ def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "rating")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "agreements", "rating")
 
 
 def stream_limits(config: Config) -> StreamLimits:
@@ -75,6 +77,7 @@ def stream_limits(config: Config) -> StreamLimits:
         artifacts=s.artifacts_max_bytes,
         artifact_index=s.artifact_index_max_bytes,
         artifact_uploads=s.artifact_uploads_max_bytes,
+        agreements=s.agreements_max_bytes,
         max_msg_size=s.max_msg_size if s.max_msg_size is not None else config.mesh.embedded.max_payload,
     )
 
@@ -108,6 +111,7 @@ class PlatformSettings:
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
     max_concurrent_registrations: int = DEFAULT_REGISTRATION_CONCURRENCY
+    max_agreements_per_owner: int = DEFAULT_MAX_PER_OWNER
 
     @classmethod
     def from_config(cls, config: Config) -> PlatformSettings:
@@ -123,6 +127,7 @@ class PlatformSettings:
             artifacts=artifact_limits(config),
             max_consumers_per_agent=config.services.max_consumers_per_agent,
             max_concurrent_registrations=config.registry.max_concurrent_registrations,
+            max_agreements_per_owner=config.services.max_agreements_per_owner,
         )
 
 
@@ -136,10 +141,14 @@ class PlatformServices:
     tasks: TaskManagerService
     feeds: FeedService
     consumers: ConsumerService
+    agreements: AgreementService
     rating: RatingService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.rating]
+        return [
+            self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.agreements,
+            self.rating,
+        ]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -165,7 +174,7 @@ async def start_platform_services(
     imported: Mapping[str, str] | None = None,
     wait_ready: bool = False,
     sdk_agent_of: Callable[[str], str | None] | None = None,
-    agreements: AgreementSource | None = None,
+    agreement_source: AgreementSource | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start every platform service of one account.
 
@@ -177,8 +186,8 @@ async def start_platform_services(
     maps agents other tenants exported here to where their registry answers.
     ``sdk_agent_of`` (control plane) names the one agent of a node's sdk
     enrolment: the registry accepts untokenized registrations from those only.
-    ``agreements`` is an agreement store the rating service reads beside the
-    agreements the meter events carry (None: those alone).
+    ``agreement_source`` is an agreement store the rating service reads beside
+    the agreements the meter events carry (None: those alone).
     ``wait_ready`` waits for the streams to have leaders first: a cluster
     (re)started moments ago answers before they do.
     """
@@ -226,11 +235,6 @@ async def start_platform_services(
         owner = manifest.get("owner") if manifest is not None else None
         return owner if isinstance(owner, str) and owner else None
 
-    def registry_owner(agent_id: str) -> str | None:
-        manifest = registry.manifest(agent_id)
-        owner = manifest.get("owner") if manifest is not None else None
-        return owner if isinstance(owner, str) and owner else None
-
     started: list[ServiceBase] = []
 
     async def start(service: _S) -> _S:
@@ -253,11 +257,30 @@ async def start_platform_services(
         consumers = await start(
             ConsumerService(contexts("registry"), max_per_agent=settings.max_consumers_per_agent)
         )
+        # Agreements registered with the platform (§19.5): who owns a requesting
+        # agent is the registry's answer; signed with the registry's key, like
+        # the consumer service (no new service key file for a deployment).
+        agreements = await start(
+            AgreementService(
+                contexts("registry"),
+                owner_of=lambda agent: _owner(registry.manifest(agent)),
+                max_per_owner=settings.max_agreements_per_owner,
+            )
+        )
         # Rating (§19.6) folds MESH_METERING into a ledger; it signs with the task
         # manager's key (the other metering emitter), so no deployment needs a
         # new service key file. Owners resolve from the registry's cache.
-        rating = await start(RatingService(contexts("tasks"), owner_of=registry_owner, agreements=agreements))
+        rating = await start(
+            RatingService(
+                contexts("tasks"), owner_of=lambda agent: _owner(registry.manifest(agent)), agreements=agreement_source
+            )
+        )
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, rating)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, agreements, rating)
+
+
+def _owner(manifest: Mapping[str, object] | None) -> str | None:
+    owner = manifest.get("owner") if manifest is not None else None
+    return owner if isinstance(owner, str) and owner else None

@@ -13,13 +13,11 @@ Three jobs, each small:
   unexpired agreement at the SKU's current digest, is refused with
   AGREEMENT_REQUIRED before any work.
 
-Why a node-local store and not a platform service: admission needs the
-agreement on the provider's node at the instant of the request, and a
-registered-on-the-mesh store (the §19.5 "registered with the platform"
-posture) needs a new service subject, its permissions and its replication.
-The local store gives the same admission semantics now; an agreement signed
-on another node is carried to the provider's node as a file
-(``meshnode agreements add``). See docs/guides/pricing.md for the limitation.
+Two sources of agreements, asked in order: this node's own store (what the
+seller's operator added, ``meshnode agreements add``: it works without any
+platform), then the platform agreement service (what owners registered,
+§19.5 "registered with the platform"), through the cached, single-flight
+:class:`~meshnode.node.agreement_lookup.PlatformAgreements`.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.metering import MeterClass, meter_event
 
 if TYPE_CHECKING:
+    from meshnode.node.agreement_lookup import PlatformAgreements
     from meshnode.node.hosted import HostedAgent
 
 __all__ = [
@@ -188,7 +187,8 @@ class UsageLog:
     Each line is ``{"event": <§13.5 meter event>, "sku": <the SKU as declared
     when the event happened>, "consumer_owner": <resolved at admission>}``, plus
     the request's ``cost_ceiling`` (§19.3) and ``interaction`` (the request
-    envelope id the ceiling binds) when it carried a budget, so a replay rates
+    envelope id the ceiling binds) when it carried a budget, and the
+    ``agreement`` that admitted it, so a replay rates
     each event under the terms current at its ts, whatever the agent declares
     now. Recorded: one observed ``requests`` event per completed request of an
     offering a SKU covers, one declared event per meter the handler reported
@@ -202,7 +202,7 @@ class UsageLog:
     def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None,
                context: Mapping[str, Any] | None = None) -> None:
         record: dict[str, Any] = {"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner}
-        for name in ("cost_ceiling", "interaction"):
+        for name in ("cost_ceiling", "interaction", "agreement"):
             if context is not None and context.get(name) is not None:
                 record[name] = context[name]
         line = json.dumps(record, separators=(",", ":"))
@@ -231,10 +231,22 @@ class UsageLog:
         """The §19.6 fold of the recorded events × the agreements: a fresh
         :class:`~meshnode.protocol.commerce.Rater`, so the same log and
         agreements always give the same charges to the micro-unit. A request's
-        ``cost_ceiling`` clamps what its events are charged together."""
+        ``cost_ceiling`` clamps what its events are charged together. The
+        agreement that admitted a request (from this store or the platform's)
+        is kept on its line and counts too, once its signature verifies."""
         rater = Rater(list(agreements))
+        carried: set[str] = set()
         charges: list[Charge] = []
         for record in self.read():
+            document = record.get("agreement")
+            if document is not None:
+                try:
+                    held = verify_agreement(document)
+                except ProtocolError:
+                    held = None
+                if held is not None and held.sig not in carried:
+                    carried.add(held.sig)
+                    rater.agreements.append(held)
             try:
                 sku = parse_sku(record.get("sku"))
                 ceiling = parse_money(record["cost_ceiling"]) if "cost_ceiling" in record else None
@@ -323,6 +335,9 @@ class AgreementGate:
         self.gate_free_terms = gate_free_terms
         self.usage = usage
         self.publisher = publisher
+        #: The platform agreement service, asked when the local store holds no
+        #: agreement (None: the local store alone, ``[commerce] platform_agreements = false``).
+        self.platform: PlatformAgreements | None = None
         # Request id -> (SKU, owner, the agreement that admitted it) from
         # admission to completion (FIFO-bounded: a request whose handler never
         # completes must not grow it forever).
@@ -428,6 +443,13 @@ class AgreementGate:
         agreement = find_agreement(
             self.store.records(), consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms
         )
+        if agreement is None and owner is not None and self.platform is not None:
+            # Not in this node's store: the agreements the owner registered with the
+            # platform (cached and single-flight, :mod:`meshnode.node.agreement_lookup`).
+            agreement = find_agreement(
+                await self.platform.records(hosted, owner, sku.sku),
+                consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
+            )
         if agreement is not None:
             return self._admit(env, sku, owner, agreement)
         try:

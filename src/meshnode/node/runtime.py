@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -382,12 +383,23 @@ class Node:
                 return
             await self.revouch(hosted)
 
+        misses = 0  # checks in a row that found the agent unregistered
+
         def next_check() -> float:
             # Wake at the renewal point (two thirds of the vouch's own life),
             # and also every 10 minutes so a missed registration is retried.
+            # A registration that failed (a registry that timed out under a
+            # start of thousands of agents, issue #21) is retried after 5 s,
+            # then 10, 20, 40, 60 s, each stretched by up to half (never past
+            # 60 s), so the agents that failed together do not all come back together.
+            nonlocal misses
             due = (renew_at_ms(hosted.vouch) - self.now_ms()) / 1000
-            if not hosted.registered:
-                due = min(due, 60.0)
+            if hosted.registered:
+                misses = 0
+            else:
+                retry = min(60.0, 5.0 * 2**misses * random.uniform(1.0, 1.5))
+                misses = min(misses + 1, 8)
+                due = min(due, retry)
             return max(5.0, min(due, 600.0))
 
         job = PeriodicJob(f"vouch:{hosted.name}", renew, next_check, jitter=0.05, first_delay=next_check())

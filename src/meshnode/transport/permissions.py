@@ -145,6 +145,10 @@ CONSUMERS_DELETE = "mesh.consumers.delete.{node}"
 ALL_CONSUMERS = "mesh.consumers.>"
 RATING_LEDGER = "mesh.rating.ledger"
 ALL_RATING = "mesh.rating.>"
+AGREEMENTS_REGISTER = "mesh.agreements.register"
+AGREEMENTS_REVOKE = "mesh.agreements.revoke"
+AGREEMENTS_LOOKUP = "mesh.agreements.lookup"
+ALL_AGREEMENTS = "mesh.agreements.>"
 
 ALL_REGISTRY = "mesh.registry.>"
 ALL_PRESENCE = "mesh.presence.>"
@@ -382,6 +386,13 @@ def node_permissions(
         # this node's inbox prefix.
         CONSUMERS_ENSURE.format(node=node_id),
         CONSUMERS_DELETE.format(node=node_id),
+        # Agreements registered with the platform (§19.5): requests to the
+        # agreement service, which takes a document only from (an agent of)
+        # its signing owner and answers look-ups to the parties only. Its state
+        # is a KV bucket no participant can write ($KV.> is the services').
+        AGREEMENTS_REGISTER,
+        AGREEMENTS_REVOKE,
+        AGREEMENTS_LOOKUP,
     ]
     # The untokenized subject, so that the registry can answer UNAUTHORIZED
     # (§4.4) instead of the broker dropping it: see the module note. Kept for
@@ -461,6 +472,8 @@ def node_permissions(
             ALL_CONSUMERS,
             # The rating service's ledger lookups (§19.6).
             ALL_RATING,
+            # The agreement service's requests (§19.5).
+            ALL_AGREEMENTS,
         ]
     else:
         # A participant binds consumers on its own agents' mailboxes, and binds
