@@ -542,7 +542,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file", "allowance_any_owner")
 
 
 def _plugin_name(value: object) -> str:
@@ -581,7 +581,15 @@ class AgentConfig(BaseModel):
     node verifies its signature against its ``owner_key``; one that does not
     verify fails closed (every ceiling exhausted, new work refused) and is
     named in the log and in ``meshnode allowance show``. ``meshnode allowance
-    set`` documents take precedence when their ``updated_at`` is later."""
+    set`` documents take precedence when their ``updated_at`` is later.
+    ``meshnode reload`` reads it again (no restart needed)."""
+    allowance_any_owner: bool | None = None
+    """``true``: accept allowance documents (``allowance_file``, ``meshnode allowance
+    add``) signed by any owner key. Off, a document must be signed by the
+    agent's owner as this node knows it (its manifest ``owner``, else this
+    node's key, §8.6); one signed by another key is refused naming both keys
+    (a file fails closed). Turn on when the owner signs with a key the
+    manifest does not name. Unset means false."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 
