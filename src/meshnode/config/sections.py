@@ -576,8 +576,9 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
-    allowance_file: Path | None = None
-    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    allowance_file: OptionalFilePath = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent; a
+    relative path is relative to the config file, like every path. The
     node verifies its signature against its ``owner_key``; one that does not
     verify fails closed (every ceiling exhausted, new work refused) and is
     named in the log and in ``meshnode allowance show``. ``meshnode allowance
