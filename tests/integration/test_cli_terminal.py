@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from meshnode.cli import exitcodes
-from meshnode.cli import main as cli_main
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from tests.integration.cli_here import cli_here
 
 pytestmark = pytest.mark.integration
 
@@ -177,25 +177,13 @@ def _json_commands(a: DaemonProcess, tmp_path: Path) -> list[list[str]]:
     ]
 
 
-def _cli_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI's ``main`` run in this process, its output read back like :func:`_cli`'s.
-
-    A fresh interpreter per command spent ~0.8 s each on imports alone (24 s for
-    the table below); the subprocess path itself is covered by every other test here."""
-    capfd.readouterr()
-    try:
-        code = cli_main(list(args))
-    except SystemExit as exc:  # argparse and --help leave this way
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(list(args), code, out, err)
-
-
-def test_json_on_every_command(node: DaemonProcess, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_json_on_every_command(node: DaemonProcess, tmp_path: Path) -> None:
+    # In this process (tests/integration/cli_here.py): 29 fresh interpreters spent ~0.8 s
+    # each on imports; the subprocess path is covered by every other test here.
     a = node
     for command in _json_commands(a, tmp_path):
         extra = [] if "--config" in command or command[0] in ("envelope", "completion") else ["--socket", a.socket_path]
-        proc = _cli_here(capfd, *command, "--json", *extra)
+        proc = cli_here(*command, "--json", *extra)
         assert proc.returncode == 0, (command, proc.stderr)
         try:
             json.loads(proc.stdout)
@@ -206,10 +194,10 @@ def test_json_on_every_command(node: DaemonProcess, tmp_path: Path, capfd: pytes
             status = json.loads(proc.stdout)
             # Instants in JSON are RFC 3339 UTC.
             assert str(status["credential"]["expires_at"]).endswith("Z"), status["credential"]
-    ref = json.loads(_cli_here(capfd, "artifacts", "put", str(tmp_path / "note.txt"), "--json",
-                               "--socket", a.socket_path).stdout)["ref"]
+    ref = json.loads(cli_here("artifacts", "put", str(tmp_path / "note.txt"), "--json",
+                          "--socket", a.socket_path).stdout)["ref"]
     for command in (["artifacts", "stat", ref], ["artifacts", "rm", ref]):
-        proc = _cli_here(capfd, *command, "--json", "--socket", a.socket_path)
+        proc = cli_here(*command, "--json", "--socket", a.socket_path)
         assert proc.returncode == 0 and json.loads(proc.stdout), (command, proc.stderr)
 
 
