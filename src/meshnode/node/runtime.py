@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +23,8 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node import tasktally
+from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
@@ -30,7 +33,7 @@ from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
-from meshnode.node.looplag import LoopWatchdog
+from meshnode.node.looplag import LoopWatchdog, running_for
 from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
@@ -156,6 +159,8 @@ class Node:
         self.a2a: OutboundGateway | None = a2a
         #: The §19.5 agreement check (the daemon plugs it in); None gates nothing.
         self.commerce: AgreementGate | None = None
+        #: The owners' allowances (EXT-8; the daemon plugs it in); None meters nothing.
+        self.allowance: AllowanceKeeper | None = None
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -261,8 +266,14 @@ class Node:
                 hosted.state = AgentState.RETRYING
                 hosted.not_ready = {"reason": reason, "attempts": attempt, "next_in_s": delay}
 
+            async def on_start() -> None:
+                # Tasks on_start leaves running (a plugin's background loop) are
+                # the agent's, and so is a block of the loop while it runs.
+                with running_for(hosted.name, hosted.spawned):
+                    await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+
             await supervise_retrying(
-                lambda: agent.on_start(AgentContext(hosted, trace=new_root_trace())),
+                on_start,
                 name=name,
                 warn_s=self.settings.agent_start_warn_s,
                 timeout_s=self.settings.agent_start_timeout_s,
@@ -379,12 +390,23 @@ class Node:
                 return
             await self.revouch(hosted)
 
+        misses = 0  # checks in a row that found the agent unregistered
+
         def next_check() -> float:
             # Wake at the renewal point (two thirds of the vouch's own life),
             # and also every 10 minutes so a missed registration is retried.
+            # A registration that failed (a registry that timed out under a
+            # start of thousands of agents, issue #21) is retried after 5 s,
+            # then 10, 20, 40, 60 s, each stretched by up to half (never past
+            # 60 s), so the agents that failed together do not all come back together.
+            nonlocal misses
             due = (renew_at_ms(hosted.vouch) - self.now_ms()) / 1000
-            if not hosted.registered:
-                due = min(due, 60.0)
+            if hosted.registered:
+                misses = 0
+            else:
+                retry = min(60.0, 5.0 * 2**misses * random.uniform(1.0, 1.5))
+                misses = min(misses + 1, 8)
+                due = min(due, retry)
             return max(5.0, min(due, 600.0))
 
         job = PeriodicJob(f"vouch:{hosted.name}", renew, next_check, jitter=0.05, first_delay=next_check())
@@ -857,8 +879,10 @@ class Node:
             job.trigger()
 
     def start_watchdog(self) -> None:
-        """Start the loop-lag watchdog (idempotent); stopped by :meth:`stop_jobs`."""
+        """Start the loop-lag watchdog and the per-agent task tally (idempotent);
+        stopped by :meth:`stop_jobs`."""
         self.watchdog.start()
+        tasktally.install()
 
     def start_heartbeat(self) -> None:
         job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
@@ -870,6 +894,7 @@ class Node:
             await job.stop()
         self._jobs.clear()
         await self.watchdog.stop()
+        tasktally.uninstall()
         for drain in self.drains.values():
             await drain.stop()
         if self.observability is not None:
@@ -881,7 +906,11 @@ class Node:
     # -- status ----------------------------------------------------------------
 
     def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
-        return hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        entry = hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        if self.allowance is not None:
+            # EXT-8: Tasks held for the owner (ask_owner) until the allowance is raised.
+            entry["allowance_held"] = sorted(self.allowance.holds.get(hosted.agent_id, {}))
+        return entry
 
     def drain_status(self, name: str) -> dict[str, Any] | None:
         """The mailbox drain of agent ``name`` for status, or None without one."""
