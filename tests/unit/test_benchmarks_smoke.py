@@ -63,3 +63,11 @@ def test_summary_lists_every_issue21_target_measured_or_not() -> None:
     assert met["10,000 agents on one node registered < 60 s"] is False
     assert met["drain of an already-seen copy ≤ 30 µs"] is True
     assert met["local delivery p50 ≤ 1.3x raw nats-py"] is None  # `roundtrip` not run
+
+
+def test_task_tally_benchmark_reports_its_overhead() -> None:
+    from benchmarks import bench_tasktally
+
+    result = bench_tasktally.run(quick=True)
+    assert result["plain_us_per_task"] > 0 and result["budget_us"] == bench_tasktally.BUDGET_US
+    assert "tally_overhead_us" in result
