@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from meshnode.admin.client import call_sync
-from meshnode.testing import DaemonSet, eventually, render_toml
+from meshnode.testing import DaemonSet, eventually, render_toml, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +58,8 @@ def test_sigterm_while_agents_start_exits_promptly_and_restarts_clean() -> None:
 
         eventually(starting, timeout=120, what="the daemon in its agents stage, 'hang' starting",
                    detail=node.log_tail)
+        # The operator sees where it is (the CLI's human form; --json has state and stage).
+        assert "state     starting (stage agents)" in run_cli("status", "--brief", "--socket", node.socket_path).stdout
         sent = time.monotonic()
         node.process.send_signal(signal.SIGTERM)
         code = node.process.wait(timeout=STOP_BOUND_S + 30)
