@@ -395,7 +395,7 @@ class StorageConfig(BaseModel):
     """``[storage]``: the bound (``max_bytes``) of every stream and bucket the platform
     services create, each reserved in the account's JetStream store (issue #22.3).
 
-    Read by the node that runs the services; the total (792 MiB by default) plus
+    Read by the node that runs the services; the total (808 MiB by default) plus
     one ``inbox.buffer_max_bytes`` per agent must fit in the account's limit
     (``[mesh.embedded] account_max_store``). See docs/security-quotas.md.
     """
@@ -412,6 +412,9 @@ class StorageConfig(BaseModel):
     """``MESH_HEARTBEAT``."""
     registry_events_max_bytes: ByteSize = 8 * 1024**2
     """``MESH_REGISTRY``."""
+    metering_max_bytes: ByteSize = 16 * 1024**2
+    """``MESH_METERING``: the meter events the rating service folds into its ledger
+    (the oldest are discarded at the bound, and the ledger forgets them)."""
     registry_max_bytes: ByteSize = 32 * 1024**2
     """KV ``mesh_registry`` (manifests)."""
     task_records_max_bytes: ByteSize = 64 * 1024**2
@@ -455,6 +458,10 @@ class CommerceConfig(BaseModel):
     """How long the seller's node remembers the platform's answer for one (owner,
     seller, SKU). A revocation or registration event drops it at once; this is
     the bound when that event is missed (a revoked agreement admits at most this long)."""
+    publish_usage: bool = True
+    """Publish the meter events of priced offerings (and A2A charges) on
+    ``mesh.event.metering.*`` for the rating service (§13.5, §19.6). Off: they
+    stay in this node's ``usage.jsonl`` (``meshnode usage`` rates them locally)."""
 
 
 class ArtifactsConfig(BaseModel):
