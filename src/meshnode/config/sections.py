@@ -386,7 +386,9 @@ class InboxConfig(BaseModel):
     ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
     drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
     buffer_sweep_interval: Duration = timedelta(seconds=60)
-    """How often the registry purges every mailbox up to what its drain consumer acked."""
+    """How often the registry sweeps the next page (256 streams) of the stream listing,
+    purging each mailbox up to what its drain consumer acked; a full pass takes one
+    interval per 256 streams."""
 
 
 class StorageConfig(BaseModel):
