@@ -319,3 +319,24 @@ async def test_a_claimed_row_runs_once_after_a_crash_and_a_started_one_is_interr
         assert (await reopened.get(again.inbox_id)).state == "dispatched"  # type: ignore[union-attr]
     finally:
         await reopened.close()
+
+
+async def test_live_responds_ride_one_group_commit(tmp_path: Path) -> None:
+    """Issue #21: a live respond's pair is queued, not committed inline: every
+    respond of one loop turn rides in one commit, and a drained copy judged
+    before that commit is still known (accept_batch writes queued pairs first)."""
+    store = InboxStore(tmp_path / "i.sqlite3")
+    await store.open()
+    try:
+        before = store.commits
+        for i in range(10):
+            store.commit_live_soon(A, "s", f"r{i}", 100)
+        assert store.commits == before, "nothing committed inline"
+        await eventually_async(lambda: store.commits == before + 1, what="one group commit for ten responds")
+        assert store.live_committed == 10
+        store.commit_live_soon(A, "s", "late", 101)
+        # The drain judges the copy before the loop turn ends: still a duplicate.
+        assert await store.accept_batch(A, [("s", "late", "respond", b"{}", 1)], 102) == [False]
+        assert await store.accept_batch(A, [("s", "r3", "respond", b"{}", 2)], 102) == [False]
+    finally:
+        await store.close()
