@@ -15,9 +15,10 @@ floor, and figures are medians over the rounds: on a shared machine a busy
 neighbour hits every series alike. CPU targets (issue #21) are stated against
 (crypto floor + raw nats-py transport CPU), see :func:`issue21_figures`.
 
-Two nodes are two Node instances with their own connections in one process (the
-target's manifest is pre-resolved, so no registry lookup is timed); "local" is
-one node delivering between its own agents without the broker.
+Two nodes are two Node instances with their own connections and their own SQLite
+node inboxes in one process (the target's manifest is pre-resolved, so no
+registry lookup is timed); "local" is one node delivering between its own agents
+without the broker.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import nacl.signing
 import nats
 
 from meshnode.node.context import AgentContext
+from meshnode.node.inbox import InboxStore
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.nkeys import KeyPair
@@ -48,12 +50,18 @@ PAYLOAD = {"text": "x" * 200, "n": 42}
 CONCURRENCY = 64
 
 
-async def _node(mesh: EmbeddedNatsServer, agents: list[KeyPair]) -> Node:
+async def _node(mesh: EmbeddedNatsServer, agents: list[KeyPair], inbox_path: Path) -> Node:
+    """A node as the daemon builds one, its SQLite node inbox included: the live
+    path commits each request's pair before its handler and each respond's in
+    the loop turn's group commit (issue #23), and a benchmark without the
+    inbox would leave that cost out of every figure."""
     key = KeyPair.generate()
     jwt = mesh.mint_node_credential(key.public_key, [a.public_key for a in agents], 3600, role="service")
     conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, inbox_prefix=node_inbox_prefix(key.public_key))
     await conn.connect()
-    node = Node(settings=NodeSettings(name="bench", registry_timeout_s=0.2), node_key=key, connection=conn)
+    inbox = InboxStore(inbox_path)
+    await inbox.open()
+    node = Node(settings=NodeSettings(name="bench", registry_timeout_s=0.2), node_key=key, connection=conn, inbox=inbox)
     node.trust = None
     return node
 
@@ -212,8 +220,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                     await nc.request("bench.raw", body, timeout=5)
 
                 caller_key, echo_key, local_echo_key = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
-                node_a = await _node(mesh, [caller_key, local_echo_key])
-                node_b = await _node(mesh, [echo_key])
+                node_a = await _node(mesh, [caller_key, local_echo_key], Path(tmp) / "a-inbox.sqlite3")
+                node_b = await _node(mesh, [echo_key], Path(tmp) / "b-inbox.sqlite3")
                 await ensure_mesh_streams(node_a.connection.jetstream, 1)
                 caller = await node_a.host(name="caller", kind="echo", agent_class=EchoAgent, settings={}, key=caller_key)
                 local_echo = await node_a.host(name="echo_local", kind="echo", agent_class=EchoAgent, settings={}, key=local_echo_key)
@@ -236,6 +244,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 floor = _median(floors)
                 await nc.close()
                 for node in (node_a, node_b):
+                    if node.inbox is not None:
+                        await node.inbox.close()
                     await node.connection.close()
             finally:
                 await mesh.stop()
