@@ -11,6 +11,7 @@ services), so it is what an operator waits for. Targets: 1,000 agents < 5 s,
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .bench_scale import BUFFER_BYTES, measure
@@ -23,17 +24,20 @@ TARGETS_S = {1000: 5.0, 10000: 60.0}
 def run(quick: bool = False, agents: tuple[int, ...] | None = None) -> dict[str, Any]:
     counts = agents or ((1000,) if quick else tuple(TARGETS_S))
     results = [measure(n, settle_s=0, window_s=0, idle=False) for n in counts]
-    rows: list[tuple[str, ...]] = [("agents", "registered after s", "agents/s", "daemon RSS MB", "target", "met")]
+    rows: list[tuple[str, ...]] = [("agents", "registered after s", "agents/s", "daemon CPU ms/agent",
+                                    "nats-server CPU ms/agent", "load 1m", "daemon RSS MB", "target", "met")]
     for r in results:
         n, secs = r["agents"], r["startup_s"]
         target = TARGETS_S.get(n)
         r["target_s"] = target
         r["met"] = None if target is None else secs < target
-        rows.append((f"{n:,}", f"{secs:.1f}", f"{n / secs:,.0f}", f"{r['rss_mb']:.0f}",
+        rows.append((f"{n:,}", f"{secs:.1f}", f"{n / secs:,.0f}", f"{1000 * r['daemon_cpu_s'] / n:.1f}",
+                     f"{1000 * r['nats_server_cpu_s'] / n:.1f}", f"{r['loadavg_1m']:.1f}", f"{r['rss_mb']:.0f}",
                      "—" if target is None else f"< {target:.0f} s",
                      "—" if target is None else ("yes" if r["met"] else "NO")))
     print_table("register N agents on one node: spawn → every agent registered (embedded mesh)", rows)
-    print(f"mailbox buffer {BUFFER_BYTES} per agent; the figure includes the daemon's own start")
+    print(f"mailbox buffer {BUFFER_BYTES} per agent; the figure and the CPU include the daemon's own start; "
+          f"{os.cpu_count()} cores, load average at the end of each run (other work on the machine counts)")
     result = {"results": results, "buffer_max_bytes": BUFFER_BYTES}
     print(f"written {write_result('register', result)}")
     return result

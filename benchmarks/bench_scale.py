@@ -24,7 +24,9 @@ import time
 import urllib.request
 from typing import Any
 
+from meshnode.config.values import parse_size
 from meshnode.testing import DaemonSet
+from meshnode.transport.streams import DEFAULT_STREAM_LIMITS
 
 from .harness import print_table, write_result
 
@@ -61,6 +63,13 @@ def _jsz_api_total(monitor_url: str) -> int:
     return int(data.get("api", {}).get("total", 0))
 
 
+def _store_for(n: int) -> int:
+    """The embedded store that fits the platform's reservations and ``n`` mailboxes of
+    BUFFER_BYTES, with 1 GiB to spare (never below the 4 GiB default)."""
+    gib = 1024**3
+    return max(4 * gib, DEFAULT_STREAM_LIMITS.platform_total() + n * parse_size(BUFFER_BYTES) + gib)
+
+
 def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> dict[str, Any]:
     """One daemon hosting ``n`` agents: start-up until all are registered, then
     (``idle``) RSS, idle CPU and idle JetStream API rate."""
@@ -72,7 +81,11 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             agents=agents,
             # Every mailbox stream reserves its max_bytes in the JetStream store:
             # 10,000 x the 25 MiB default is more disk than this machine has.
-            extra={"mesh.embedded": {"monitor_port": 0}, "inbox": {"buffer_max_bytes": BUFFER_BYTES}},
+            # And each reserves it out of the embedded server's store (default
+            # 4 GiB): sized here for the platform's objects plus n mailboxes, as an
+            # operator hosting this many agents would size it (docs/performance.md).
+            extra={"mesh.embedded": {"monitor_port": 0, "jetstream_max_store": _store_for(n)},
+                   "inbox": {"buffer_max_bytes": BUFFER_BYTES}},
             start=False,
         )
         t0 = time.monotonic()
@@ -89,7 +102,18 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
         pid = daemon.pid
         assert pid is not None
         if not idle:
-            return {"agents": n, "startup_s": startup_s, "rss_mb": _proc_rss_mb(pid)}
+            # CPU spent by the daemon (keys, vouches, manifests, the registry's
+            # checks) and by its nats-server (mailbox streams, KV writes) until
+            # every agent was registered, start-up included: where the time goes.
+            servers = _children(pid)
+            return {
+                "agents": n,
+                "startup_s": startup_s,
+                "rss_mb": _proc_rss_mb(pid),
+                "daemon_cpu_s": _proc_cpu_s(pid),
+                "nats_server_cpu_s": sum(_proc_cpu_s(c) for c in servers),
+                "loadavg_1m": os.getloadavg()[0],
+            }
         monitor = daemon.admin("Mesh.Info")["monitor_url"]
         time.sleep(settle_s)
         cpu0, api0, w0 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()

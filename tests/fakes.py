@@ -102,6 +102,7 @@ class FakeNode:
     trust: Any = None
     a2a: Any = None
     commerce: Any = None
+    allowance: Any = None
 
     def __init__(
         self,

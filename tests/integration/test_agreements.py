@@ -15,12 +15,19 @@ the served request at the price agreed, the same on every replay.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from meshnode.admin.exitcodes import EX_NOPERM
+from meshnode.admin.protocol import PermissionDenied
+from meshnode.protocol.commerce.revocation import sign_revocation
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
 
 pytestmark = pytest.mark.integration
@@ -113,3 +120,76 @@ def test_paid_offering_needs_an_agreement_at_the_current_digest(
         (owner, seller, "USD", 2000)
     ]
     assert json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout) == rated
+
+
+def _cli_json(daemon: DaemonProcess, *args: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(run_cli(*args, "--socket", daemon.socket_path, "--json").stdout)
+    return result
+
+
+def test_the_platform_carries_agreements_and_revocations_to_the_seller(
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
+) -> None:
+    """§19.5 "registered with the platform": the consumer signs on its node and
+    the seller's node admits without any `agreements add`; the signer revokes
+    from its own node and the seller refuses; a stranger (the seller's node,
+    holding a copy of the document) can neither register nor revoke it.
+
+    Runs after the test above on the same mesh (its usage assertions count
+    every meter event); it starts from "no live agreement at the current
+    digest", which holds both after that test and on a fresh mesh."""
+    consumer, provider = nodes
+    seller = provider.agent_id("priced")
+    owner = consumer.status()["node"]["id"]
+    refused = _summarize(consumer, seller)
+    assert refused["error"]["code"] == "AGREEMENT_REQUIRED", refused
+
+    doc = tmp_path / "agreement.json"
+    signed = _cli_json(consumer, "agreements", "sign", seller, "--offering", "summarize", "--out", str(doc))
+    assert signed["registered"] is True and signed["stored"] is False, signed
+    digest = signed["agreement"]["sku_digest"]
+    assert digest == refused["error"]["details"]["sku_digest"]
+    # No `agreements add` on the seller's node: the platform's copy admits
+    # (its registration event dropped the seller's cached "none").
+    served = eventually(
+        lambda: (r := _summarize(consumer, seller))["status"] == "completed" and r, what="served after sign"
+    )
+    assert served["output"]["runs"] >= 1
+    mine = consumer.admin("Agreements.List")["registered"]
+    assert [(a["consumer_owner"], a["seller_agent"], a["sku_digest"], a["revoked_at"]) for a in mine] == [
+        (owner, seller, digest, None)
+    ]
+    theirs = provider.admin("Agreements.List")["registered"]
+    assert [(a["consumer_owner"], a["sku_digest"]) for a in theirs] == [(owner, digest)]
+
+    # A stranger holding the document cannot register it (it does not own the
+    # signer's key), nor revoke it; the platform's record is unchanged.
+    stranger = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "agreements", "register", str(doc), "--socket", provider.socket_path],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert stranger.returncode == EX_NOPERM, stranger
+    assert "not_the_owner" in stranger.stderr or "only the owner" in stranger.stderr, stranger.stderr
+    assert provider.admin("Agreements.Revoke", {"sku": "summarize"})["platform_revoked"] == []
+    forged = sign_revocation(KeyPair.generate(), seller_agent=seller, sku="summarize", revoked_at_ms=time.time_ns() // 10**6)
+    forged["consumer_owner"] = owner  # claims the owner; signed by another key
+    with pytest.raises(PermissionDenied) as denied:
+        provider.admin("Agreements.Revoke", {"revocation": forged})
+    assert denied.value.params["code"] == "UNAUTHORIZED", denied.value.params
+    assert denied.value.params["details"]["reason"] == "bad_signature"
+    assert consumer.admin("Agreements.List")["registered"] == mine
+    assert _summarize(consumer, seller)["status"] == "completed"
+
+    # The signer revokes from its own node: the seller's node refuses again.
+    revoked = _cli_json(consumer, "agreements", "revoke", "summarize")
+    assert [a["sku_digest"] for a in revoked["platform_revoked"]] == [digest], revoked
+    again = eventually(
+        lambda: (r := _summarize(consumer, seller))["status"] == "failed" and r, what="refused after revoke"
+    )
+    assert again["error"]["code"] == "AGREEMENT_REQUIRED", again
+    listed = consumer.admin("Agreements.List")["registered"]
+    assert [a["revoked_at"] is not None for a in listed] == [True]
+    # Re-registering the revoked document is refused: a replay cannot undo a revocation.
+    with pytest.raises(PermissionDenied) as replay:
+        consumer.admin("Agreements.Register", {"agreement": json.loads(doc.read_text())})
+    assert replay.value.params["details"]["reason"] == "revoked", replay.value.params

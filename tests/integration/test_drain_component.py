@@ -175,3 +175,26 @@ async def test_periodic_passes_skip_the_broker_until_mail_is_seen(mesh: Embedded
     finally:
         await store.close()
         await conn.close()
+
+
+async def test_a_mailbox_created_without_a_look_up_is_still_brought_up_to_date(mesh: EmbeddedNatsServer) -> None:
+    # The registry creates a new agent's mailbox straight away (issue #21: one
+    # JetStream call, not two); when the agent did have one, the same call
+    # must leave it as it would have been left by the look-up-first path.
+    node_key, agent = KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
+                          inbox_prefix=node_inbox_prefix(node_key.public_key))
+    await conn.connect()
+    stream = subjects.inbox_stream_name(agent.public_key)
+    try:
+        assert await ensure_inbox_stream(conn.jetstream, agent.public_key, max_msgs=10, fresh=True) == "created"
+        # Existing and identical: accepted as it is.
+        assert await ensure_inbox_stream(conn.jetstream, agent.public_key, max_msgs=10, fresh=True) == "created"
+        # Existing and different: looked up and updated in place.
+        assert await ensure_inbox_stream(conn.jetstream, agent.public_key, max_msgs=20, fresh=True) == "updated"
+        assert (await conn.jetstream.native.stream_info(stream)).config.max_msgs == 20
+        assert await ensure_inbox_stream(conn.jetstream, agent.public_key, max_msgs=20) == "unchanged"
+    finally:
+        await conn.jetstream.native.delete_stream(stream)
+        await conn.close()

@@ -9,6 +9,7 @@ as in spec §14.3's example grants ``_INBOX.>`` and both register forms.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any, cast
 
 import pytest
@@ -34,6 +35,7 @@ from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.transport.errors import NoResponders, TransportTimeout
 from meshnode.transport.grants import (
     Grants,
+    PatternSet,
     check_inbox_prefix,
     choose_inbox_prefix,
     covers,
@@ -90,6 +92,32 @@ def _example(node: str, agent: str) -> Grants:
 )
 def test_covers_is_subset_matching(pattern: str, subject: str, expected: bool) -> None:
     assert covers(pattern, subject) is expected
+
+
+def test_a_pattern_set_answers_exactly_as_covers_does() -> None:
+    # The indexed set (issue #21: one check per hosted agent, many grants per
+    # agent) must say what trying every pattern with covers() says, for every
+    # combination of literal, "*" and ">" tokens on either side.
+    tokens = ("a", "b", "*", ">")
+    shapes = [".".join(t) for n in (1, 2, 3) for t in itertools.product(tokens, repeat=n)]
+    shapes = [s for s in shapes if ">" not in s[:-1]]  # ">" only last, as NATS allows
+    for i, pattern in enumerate(shapes):
+        group = (pattern, shapes[(i * 7) % len(shapes)], shapes[(i * 13) % len(shapes)])
+        indexed = PatternSet(group)
+        for subject in shapes:
+            assert indexed.covers(subject) is any(covers(p, subject) for p in group), (group, subject)
+    assert not PatternSet(()).covers("a")
+
+
+def test_many_agents_grants_are_checked_without_scanning_them() -> None:
+    node = KeyPair.generate().public_key
+    agents = [KeyPair.generate().public_key for _ in range(300)]
+    perms = node_permissions(node, agents, role="participant")
+    grants = Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow))
+    for agent in agents[::37]:
+        assert grants.can_publish(JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(agent)))
+    stranger = KeyPair.generate().public_key
+    assert not grants.can_publish(JS_STREAM_INFO.format(stream=subjects.inbox_stream_name(stranger)))
 
 
 def test_meshnodes_own_credentials_keep_the_private_prefix_and_the_bound_subject() -> None:
@@ -222,6 +250,26 @@ async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
     await node.register(hosted)
     assert not hosted.registered and tried == ["bound"]
     assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
+
+
+async def test_a_failed_registration_is_retried_soon_then_backing_off() -> None:
+    # Issue #21: a start of thousands of agents can time a registration out in
+    # the registry's queue; the retry comes after seconds, not a flat minute.
+    node, hosted, _ = _node(Grants.unrestricted())
+    hosted.vouch = node._vouch(hosted.agent_id)
+    node._schedule_vouch_renewal(hosted)
+    job = node._jobs[f"vouch:{hosted.name}"]
+    try:
+        # The first wait is the job's first delay; then the job re-reads the interval after each run.
+        delays = [job._first_delay or 0.0, *(job._next_interval() for _ in range(5))]
+        for delay, (low, high) in zip(delays, [(5, 7.5), (10, 15), (20, 30), (40, 60), (60, 60), (60, 60)], strict=True):
+            assert low <= delay <= high, delays
+        hosted.registered = True
+        assert job._next_interval() == 600.0  # registered: the renewal point, woken every 10 minutes
+        hosted.registered = False
+        assert 5 <= job._next_interval() <= 7.5  # a new failure starts again at 5 s
+    finally:
+        await job.stop()
 
 
 async def test_a_service_subject_the_credential_does_not_grant_fails_at_once() -> None:

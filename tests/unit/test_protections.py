@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnode.protocol.errors import ERROR_CODES
+from meshnode.protocol.js_json import _careful_json
 from meshnode.protocol.protections import (
     ABSENT,
     DEFAULT_DEDUP_CAPACITY,
@@ -489,6 +490,29 @@ class TestCompactJson:
         ),
         max_leaves=20,
     )
+
+    number_like_text = st.sampled_from(["2026-12-02T06:00:05.123Z", "0.3", "1e5", "12345678901234567", "x"])
+    mixed_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | number_like_text | st.text(max_size=5),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.tuples(children, children)
+            | st.dictionaries(st.text(max_size=5), children, max_size=4)
+        ),
+        max_leaves=20,
+    )
+
+    @given(mixed_values)
+    def test_the_fast_path_writes_what_the_careful_path_writes(self, value: Any) -> None:
+        # Strings that look like numbers (timestamps, versions) no longer send a
+        # value to the careful serializer (issue #21): whichever path a value
+        # takes, the text must be the careful path's.
+        assert compact_json(value) == _careful_json(value)
+
+    def test_a_manifest_with_timestamps_measures_as_json_stringify_writes_it(self) -> None:
+        value = {"protocol_version": "0.3", "node": {"attestation": {"issued_at": "2026-12-02T06:00:05.123Z"}},
+                 "limits": {"n": 2**53 - 1}}
+        assert compact_json(value) == json.dumps(value, separators=(",", ":"))
 
     @given(json_values)
     def test_round_trips_and_matches_the_stdlib_length(self, value: Any) -> None:

@@ -16,6 +16,7 @@ from meshnode.transport.storeusage import BoundedStream, StoreUsage
 from meshnode.transport.streams import (
     DEFAULT_STREAM_LIMITS,
     StreamLimits,
+    agreements_bucket_config,
     artifact_buckets,
     feed_state_bucket_config,
     feed_stream_config,
@@ -40,10 +41,10 @@ def test_every_platform_stream_and_bucket_is_bounded_and_reserves_its_share() ->
         assert streams[name].max_msg_size == 4096, name  # participant-writable
     store, index, uploads = artifact_buckets(1, limits)
     buckets = [registry_bucket_config(1, limits), tasks_bucket_config(1, limits),
-               feed_state_bucket_config(1, limits), index, uploads]
+               feed_state_bucket_config(1, limits), agreements_bucket_config(1, limits), index, uploads]
     assert all(b.max_bytes and b.max_bytes > 0 for b in buckets)
     assert store.max_bytes == limits.artifacts
-    assert DEFAULT_STREAM_LIMITS.platform_total() == 784 * MIB
+    assert DEFAULT_STREAM_LIMITS.platform_total() == 792 * MIB
 
 
 def test_a_mailbox_refuses_new_mail_at_its_bound_instead_of_evicting() -> None:

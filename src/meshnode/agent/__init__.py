@@ -157,6 +157,10 @@ class OfferingSpec:
     sku: str | None = None
     #: §19.4: who bills for it; defaults to ``{"id": "internal"}``.
     billing_provider: Mapping[str, Any] | None = None
+    #: EXT-8: what one request costs the owner's allowance, judged at admission:
+    #: ``{"tokens": N}`` or ``{"cost_micro": N}``, or a callable of the input
+    #: returning one; None = the sender text's length / 4, in tokens.
+    allowance_estimate: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
 
     def manifest_entry(self) -> dict[str, Any]:
         """The offering as it appears in the manifest (absent fields omitted)."""
@@ -210,6 +214,7 @@ def offering(
     price: Mapping[str, Any] | None = None,
     sku: str | None = None,
     billing_provider: Mapping[str, Any] | None = None,
+    allowance_estimate: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None,
 ) -> Callable[[F], F]:
     """Declare an async method as the handler of offering ``id``.
 
@@ -229,6 +234,15 @@ def offering(
     SKU (default: the offering id, lower-cased, other characters as ``-``);
     ``billing_provider`` is who bills (§19.4, default ``{"id": "internal"}``).
     Agent-wide SKUs go in :attr:`Agent.skus`.
+
+    ``allowance_estimate`` (EXT-8, only read when the owner set an allowance
+    on this agent) is what one request will cost: ``{"tokens": N}`` (converted
+    through the allowance's cost model) or ``{"cost_micro": N}``, or a
+    callable of the input returning one. A request whose estimate exceeds
+    what the allowance has left is refused BUDGET_INSUFFICIENT with the
+    estimate before the handler runs. Undeclared: the sender text's length
+    in characters / 4, in tokens. Report what the work really used with
+    ``await ctx.report_usage(tokens=...)``.
     """
 
     def decorate(fn: F) -> F:
@@ -251,6 +265,7 @@ def offering(
             price=price,
             sku=sku,
             billing_provider=billing_provider,
+            allowance_estimate=allowance_estimate,
         )
         return fn
 
@@ -401,6 +416,20 @@ class Context(Protocol):
         ``details.task_id``): followed by GetTask for up to ``timeout`` seconds;
         ``await handle.result()`` is its closing envelope, ``await
         handle.cancel(reason)`` cancels it (:class:`meshnode.a2a.outbound.A2AStreamTask`).
+        """
+
+    async def report_usage(self, *, tokens: int | None = None, cost_micro: int | None = None) -> None:
+        """Report what this piece of work just used (EXT-8 metering): ``tokens``
+        (converted through the owner's allowance cost model, floor-rounded)
+        or ``cost_micro`` (money, micro-units of the allowance's currency).
+        Each call adds to the spend of this request's Task, context and UTC
+        day. Without an allowance on this agent it does nothing.
+
+        When the spend crosses one of the owner's ceilings this raises
+        ``ProtocolError`` BUDGET_EXHAUSTED (``on_exhausted: refuse``: let it
+        propagate, the work stops), or waits with the Task paused in
+        ``input_required`` until the owner raises the allowance
+        (``ask_owner``; a declined hold raises BUDGET_INSUFFICIENT).
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:

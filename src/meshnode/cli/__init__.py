@@ -72,6 +72,11 @@ EXAMPLES: dict[str, list[str]] = {
     "agreements list": ["meshnode agreements list --json"],
     "usage": ["meshnode usage --charges", "meshnode usage --owner Uowner... --json"],
     "agreements revoke": ["meshnode agreements revoke caselaw-metered --owner Uowner..."],
+    "allowance set": ["meshnode allowance set summarizer --per-task 500000 --per-day 10000000 --cost-model 1500:USD",
+                      "meshnode allowance set summarizer --per-day 20000000 --on-exhaustion ask_owner"],
+    "allowance show": ["meshnode allowance show summarizer --json"],
+    "allowance clear": ["meshnode allowance clear summarizer"],
+    "allowance decline": ["meshnode allowance decline summarizer --task t01HZX..."],
     "pub": ["meshnode pub billing invoice_ready '{\"invoice\": 42}'"],
     "sub": ["meshnode sub 'billing.*' --json", "meshnode sub --feed echo --count 1"],
     "new-agent": ["meshnode new-agent greeter --dir ~/src && pip install -e ~/src/greeter"],
@@ -100,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import (
         a2a,
         agreements,
+        allowance,
         artifacts,
         completion,
         daemon,
@@ -128,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     a2a.register(commands)
     agreements.register(commands)
     agreements.register_usage(commands)
+    allowance.register(commands)
     events.register(commands)
     scaffold.register(commands)
     service.register(commands)

@@ -1,4 +1,9 @@
-"""``meshnode agreements``: sign, add, list and revoke §19.5 agreements (Economics extension).
+"""``meshnode agreements``: sign, register, add, list and revoke §19.5 agreements (Economics extension).
+
+``sign`` registers the agreement with the platform agreement service (so the
+seller's node admits this owner's agents without anyone carrying a file) and
+``revoke`` revokes there too; ``add`` is the local-store path for a seller on
+a mesh without the service.
 
 The signing key is the node's own (the default owner of every agent it hosts,
 §8.3), held by the daemon from the keystore: the CLI never reads a key.
@@ -13,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
+from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
 from .output import emit_json
 
 
@@ -28,15 +33,27 @@ def register(commands: Any) -> None:
     sign.add_argument("--out", type=Path, help="also write the signed document here (to `agreements add` on the seller's node)")
     _client_args(sign)
     sign.set_defaults(handler=cmd_sign)
+    reg = sub.add_parser(
+        "register", help="register an agreement signed elsewhere (a JSON file) with the platform; its signer must own this node"
+    )
+    reg.add_argument("file", type=Path, help="the signed agreement document (JSON)")
+    _client_args(reg)
+    reg.set_defaults(handler=cmd_register)
     add = sub.add_parser("add", help="keep an agreement signed elsewhere (a JSON file) in this node's store")
     add.add_argument("file", type=Path, help="the signed agreement document (JSON)")
     _client_args(add)
     add.set_defaults(handler=cmd_add)
-    lst = sub.add_parser("list", help="the agreements this node enforces")
+    lst = sub.add_parser("list", help="the agreements this node holds, and those registered with the platform")
     _client_args(lst)
     lst.set_defaults(handler=cmd_list)
-    revoke = sub.add_parser("revoke", help="revoke agreements to a SKU from now on (prospective)")
-    revoke.add_argument("sku", help="the SKU id")
+    revoke = sub.add_parser(
+        "revoke", help="revoke agreements to a SKU from now on (prospective), here and, for this node's own, at the platform"
+    )
+    revoke.add_argument("sku", nargs="?", help="the SKU id (required unless --document)")
+    revoke.add_argument(
+        "--document", type=Path, metavar="FILE",
+        help="send this revocation, signed elsewhere by the owner key, to the platform instead",
+    )
     revoke.add_argument("--owner", help="only this consumer owner's (U...)")
     revoke.add_argument("--seller", help="only to this seller (a local name or an id)")
     _client_args(revoke)
@@ -94,21 +111,46 @@ def cmd_sign(args: argparse.Namespace) -> int:
     print(f"signed {a['sku']} ({a['sku_digest']}) for {a['seller_agent']} as {a['consumer_owner']}")
     if result["stored"]:
         print("stored: the seller is hosted here and admits this owner's agents now")
+    if result.get("registered"):
+        print("registered with the platform: the seller's node admits this owner's agents now")
     else:
-        where = f" {args.out}" if args.out else " (use --out FILE)"
-        print(f"not stored here: hand{where} to the seller's operator for `meshnode agreements add`")
+        print(f"not registered with the platform ({result.get('registration_error')})", file=sys.stderr)
+        if not result["stored"]:
+            where = f" {args.out}" if args.out else " (use --out FILE)"
+            print(f"hand{where} to the seller's operator for `meshnode agreements add`")
+    return EX_OK
+
+
+def _read_document(path: Path) -> tuple[int, Any]:
+    try:
+        return EX_OK, json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        print(f"meshnode: {path}: no such file", file=sys.stderr)
+        return EX_NOINPUT, None
+    except ValueError as exc:
+        print(f"meshnode: {path}: not JSON: {exc}", file=sys.stderr)
+        return EX_DATAERR, None
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    code, document = _read_document(args.file)
+    if code != EX_OK:
+        return code
+    code, result = _admin(args, "Agreements.Register", {"agreement": document})
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    a = result["agreement"]
+    print(f"registered {a['sku']} ({a['sku_digest']}) of {a['consumer_owner']} for {a['seller_agent']}")
     return EX_OK
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    try:
-        document = json.loads(args.file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        print(f"meshnode: {args.file}: no such file", file=sys.stderr)
-        return EX_NOINPUT
-    except ValueError as exc:
-        print(f"meshnode: {args.file}: not JSON: {exc}", file=sys.stderr)
-        return EX_DATAERR
+    code, document = _read_document(args.file)
+    if code != EX_OK:
+        return code
     code, result = _admin(args, "Agreements.Add", {"agreement": document})
     if code != EX_OK:
         return code
@@ -127,15 +169,34 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
         return EX_OK
-    if not result["agreements"]:
+    if not result["agreements"] and not result.get("registered"):
         print("no agreements held")
-    for a in result["agreements"]:
-        state = f"revoked {a['revoked_at']}" if a["revoked_at"] else f"expires {a['expires_at']}" if a["expires_at"] else "live"
-        print(f"{a['sku']:<20} {a['sku_digest']}  owner {a['consumer_owner']}  seller {a['seller_agent']}  {state}")
+    for where, items in (("local", result["agreements"]), ("platform", result.get("registered") or [])):
+        for a in items:
+            state = f"revoked {a['revoked_at']}" if a["revoked_at"] else f"expires {a['expires_at']}" if a["expires_at"] else "live"
+            print(f"{where:<8} {a['sku']:<20} {a['sku_digest']}  owner {a['consumer_owner']}  "
+                  f"seller {a['seller_agent']}  {state}")
+    if result.get("registered_error"):
+        print(f"platform agreements not shown: {result['registered_error']}", file=sys.stderr)
     return EX_OK
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
+    if args.document is not None:
+        code, document = _read_document(args.document)
+        if code != EX_OK:
+            return code
+        code, result = _admin(args, "Agreements.Revoke", {"revocation": document})
+        if code != EX_OK:
+            return code
+        if args.json:
+            emit_json(result)
+        else:
+            print(f"revoked {len(result['platform_revoked'])} agreement(s) at the platform")
+        return EX_OK
+    if not args.sku:
+        print("meshnode: agreements revoke: name the SKU (or --document FILE)", file=sys.stderr)
+        return EX_USAGE
     params: dict[str, Any] = {"sku": args.sku}
     if args.owner:
         params["owner"] = args.owner
@@ -147,5 +208,8 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
         return EX_OK
-    print(f"revoked {len(result['revoked'])} agreement(s) to {args.sku}")
+    print(f"revoked {len(result['revoked'])} agreement(s) to {args.sku} here, "
+          f"{len(result.get('platform_revoked') or [])} at the platform")
+    if result.get("platform_error"):
+        print(f"not revoked at the platform: {result['platform_error']}", file=sys.stderr)
     return EX_OK

@@ -322,6 +322,10 @@ class ServicesConfig(BaseModel):
     """Consumers one agent may hold on each shared stream (MESH_EVENTS, MESH_FEED,
     MESH_TASKS), made for it by the consumer service; one more is refused
     QUOTA_EXCEEDED. Raise it for an agent with that many durable subscriptions."""
+    max_agreements_per_owner: Annotated[int, Field(ge=1)] = 1000
+    """Agreements one owner may hold registered with the platform agreement service
+    (one per seller and SKU, revoked and expired ones included); one more is
+    refused QUOTA_EXCEEDED."""
 
 
 class AdminConfig(BaseModel):
@@ -389,7 +393,7 @@ class StorageConfig(BaseModel):
     """``[storage]``: the bound (``max_bytes``) of every stream and bucket the platform
     services create, each reserved in the account's JetStream store (issue #22.3).
 
-    Read by the node that runs the services; the total (784 MiB by default) plus
+    Read by the node that runs the services; the total (792 MiB by default) plus
     one ``inbox.buffer_max_bytes`` per agent must fit in the account's limit
     (``[mesh.embedded] account_max_store``). See docs/security-quotas.md.
     """
@@ -416,6 +420,8 @@ class StorageConfig(BaseModel):
     """The artifact object store, all owners together (``[artifacts]`` has the per-owner quota)."""
     artifact_index_max_bytes: ByteSize = 8 * 1024**2
     artifact_uploads_max_bytes: ByteSize = 8 * 1024**2
+    agreements_max_bytes: ByteSize = 8 * 1024**2
+    """KV ``mesh_agreements``: the agreements registered with the platform (§19.5)."""
     max_msg_size: ByteSize | None = None
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``;
     None (absent) is ``[mesh.embedded] max_payload`` (1 MiB by default), so a raised
@@ -440,6 +446,13 @@ class CommerceConfig(BaseModel):
     gate_free_terms: bool = False
     """Also require an agreement for a free SKU that carries a terms_url
     (§19.5: agreement without money is a terms gate)."""
+    platform_agreements: bool = True
+    """Consult the platform agreement service at admission, beside this node's own
+    store (``agreements add``). Off: only the local store admits."""
+    agreement_cache_ttl: Duration = timedelta(seconds=30)
+    """How long the seller's node remembers the platform's answer for one (owner,
+    seller, SKU). A revocation or registration event drops it at once; this is
+    the bound when that event is missed (a revoked agreement admits at most this long)."""
 
 
 class ArtifactsConfig(BaseModel):
@@ -522,7 +535,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file")
 
 
 def _plugin_name(value: object) -> str:
@@ -556,6 +569,12 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
+    allowance_file: Path | None = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    node verifies its signature against its ``owner_key``; one that does not
+    verify fails closed (every ceiling exhausted, new work refused) and is
+    named in the log and in ``meshnode allowance show``. ``meshnode allowance
+    set`` documents take precedence when their ``updated_at`` is later."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

@@ -5,10 +5,17 @@ The owner key is this node's key (read from the keystore at start): the node
 is the default owner of every agent it hosts (§8.3), so it is the account
 whose agreements cover requests from those agents. ``Agreements.Sign`` signs
 an agreement to a seller's SKU at the digest the seller currently declares
-(its own manifest when the seller is hosted here, else the registry's copy)
-and keeps it in this node's store when the seller is hosted here;
+(its own manifest when the seller is hosted here, else the registry's copy),
+registers it with the platform agreement service (§19.5, as this node's CLI
+agent, which the node owns) and keeps it in this node's store when the seller
+is hosted here; ``Agreements.Register`` registers a document signed
+elsewhere (the service takes it only when this node is owned by its signer);
 ``Agreements.Add`` takes an agreement signed elsewhere (a file the consumer's
-operator hands over) into the store, verifying the owner's signature.
+operator hands over) into the local store, verifying the owner's signature:
+the path for a seller on a mesh without the agreement service.
+``Agreements.Revoke`` revokes in the local store and, for this node's own
+agreements, at the platform with a revocation signed by the owner key, which
+reaches every seller's node through the service's event.
 """
 
 from __future__ import annotations
@@ -18,12 +25,23 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshnode.admin.methods import param
-from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.protocol import (
+    AdminError,
+    InvalidParameter,
+    NotFound,
+    PermissionDenied,
+    Refused,
+)
 from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.node.agreement_lookup import parse_records
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.commerce import AgreementGate
+from meshnode.node.hosted import HostedAgent
+from meshnode.protocol import subjects
 from meshnode.protocol.commerce import AgreementRecord, ledger_totals, parse_skus, sign_agreement
+from meshnode.protocol.commerce.revocation import sign_revocation
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts
 
 if TYPE_CHECKING:
@@ -51,19 +69,36 @@ def record_summary(record: AgreementRecord) -> dict[str, Any]:
     }
 
 
+def _admin_error(exc: ProtocolError, what: str) -> AdminError:
+    """The admin error for a refusal of the agreement service (the §12 object in params)."""
+    if exc.code == "UNAUTHORIZED":
+        return PermissionDenied(f"{what}: {exc.message}", exc.to_object())
+    return Refused(f"{what}: {exc.code}: {exc.message}", exc.to_object())
+
+
 def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     """Add the ``Agreements.*`` admin methods (module docstring)."""
     ops = _AgreementMethods(daemon)
     methods.add(
         "Agreements.Sign", ops.sign, level="admin",
-        doc="params {seller, sku?, offering?, expires_in_s?} -> {agreement, stored}: this node's key (the owner of "
-        "its agents) signs an agreement to the seller's SKU at its current digest; stored when the seller is hosted here",
+        doc="params {seller, sku?, offering?, expires_in_s?} -> {agreement, stored, registered, registration_error}: "
+        "this node's key (the owner of its agents) signs an agreement to the seller's SKU at its current digest, "
+        "registers it with the platform agreement service and stores it when the seller is hosted here",
+    )
+    methods.add(
+        "Agreements.Register", ops.register, level="admin",
+        doc="params {agreement} -> {agreement}: register an owner-signed agreement with the platform (§19.5); "
+        "refused UNAUTHORIZED unless this node is owned by its signer",
     )
     methods.add(
         "Agreements.Add", ops.add, level="admin",
         doc="params {agreement} -> {agreement}: keep an owner-signed agreement (§19.5) in this node's store (verified)",
     )
-    methods.add("Agreements.List", ops.list, level="operator", doc="-> {owner, agreements: [...]} the agreements this node enforces")
+    methods.add(
+        "Agreements.List", ops.list, level="operator",
+        doc="-> {owner, agreements: [...], registered: [...], registered_error}: the agreements of this node's store, "
+        "and those registered with the platform by this node's owner or to its agents",
+    )
     methods.add(
         "Usage.Rated", ops.usage, level="operator",
         doc="params {owner?, seller?} -> {events, charges: [...], totals: [{consumer_owner, seller_agent, currency, "
@@ -72,7 +107,9 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
-        doc="params {sku, owner?, seller?} -> {revoked: [...]}: revoke from now on (prospective, §19.5)",
+        doc="params {sku, owner?, seller?} | {revocation} -> {revoked: [...], platform_revoked: [...], platform_error}: "
+        "revoke from now on (prospective, §19.5) in this node's store and, for this node's own agreements, at the "
+        "platform; or send a revocation document signed elsewhere to the platform",
     )
 
 
@@ -85,6 +122,33 @@ class _AgreementMethods:
         if node is None or node.commerce is None:
             raise NotFound("the node is not running")
         return node.commerce
+
+    def _cli(self) -> HostedAgent:
+        """The node's CLI agent: owned by this node, so the service takes this owner's requests from it."""
+        node = self.d.node
+        if node is None or CLI_AGENT_NAME not in node.agents:
+            raise NotFound("the node is not running")
+        return node.agents[CLI_AGENT_NAME]
+
+    async def _service(self, hosted: HostedAgent, subject: str, payload: dict[str, Any]) -> dict[str, Any]:
+        node = self.d.node
+        assert node is not None
+        return await node.service_call(hosted, subject, "request", payload)
+
+    def _asker_for(self, owner: object) -> HostedAgent:
+        """Who sends an owner's request: an agent here that ``owner`` owns by
+        attestation (its manifest names it), else the CLI agent (owned by this node)."""
+        node = self.d.node
+        assert node is not None
+        for hosted in node.agents.values():
+            if owner is not None and hosted.manifest.get("owner") == owner:
+                return hosted
+        return self._cli()
+
+    async def _register(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Register ``document`` with the platform; ProtocolError as the service refused."""
+        asker = self._asker_for(document.get("consumer_owner"))
+        return await self._service(asker, subjects.AGREEMENTS_REGISTER, {"agreement": document})
 
     async def _seller_skus(self, seller: str) -> tuple[str, list[Mapping[str, Any]]]:
         """The seller's id and its SKUs ({sku, covers?, digest}) as currently declared."""
@@ -101,6 +165,17 @@ class _AgreementMethods:
         except ProtocolError as exc:
             raise NotFound(f"seller {seller!r}: {exc.message}") from None
         manifest = info.manifest
+        try:
+            # Fresh from the registry, not the node's manifest cache: signing
+            # agrees to the digest declared *now*, and a cached copy may predate
+            # a price change (the agreement would be stale at once).
+            manifest = await node.service_call(
+                node.agents[CLI_AGENT_NAME], subjects.registry_get(info.id), "discover", {"agent_id": info.id}
+            )
+        except ProtocolError as exc:
+            if exc.code == "NOT_FOUND":
+                raise NotFound(f"seller {seller!r}: {exc.message}") from None
+            # Another answer (a credential granting discovery only): the copy resolved above.
         if isinstance(manifest.get("skus"), list):
             try:
                 skus = parse_skus(manifest["skus"])
@@ -156,7 +231,36 @@ class _AgreementMethods:
         stored = seller_id in self.d.node.by_id if self.d.node is not None else False
         if stored:
             gate.store.add(signed)
-        return {"agreement": signed, "stored": stored}
+        registered, error = True, None
+        try:
+            await self._register(signed)
+        except ProtocolError as exc:
+            # Signed all the same: the document (--out) and the local store still work.
+            registered, error = False, f"{exc.code}: {exc.message}"
+        return {"agreement": signed, "stored": stored, "registered": registered, "registration_error": error}
+
+    async def _revoke_document(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Send a revocation signed elsewhere (an owner key this node does not
+        hold) to the platform; the service takes it only from (an agent of) its signer."""
+        try:
+            asker = self._asker_for(document.get("consumer_owner"))
+            answer = await self._service(asker, subjects.AGREEMENTS_REVOKE, {"revocation": document})
+        except ProtocolError as exc:
+            raise _admin_error(exc, "the agreement service refused the revocation") from None
+        agreement = answer.get("agreement")
+        return {
+            "revoked": [],
+            "platform_revoked": [agreement] if answer.get("revoked") and isinstance(agreement, dict) else [],
+            "platform_error": None,
+        }
+
+    async def register(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        document = param(params, "agreement", dict)
+        try:
+            answer = await self._register(document)
+        except ProtocolError as exc:
+            raise _admin_error(exc, "the agreement service refused the registration") from None
+        return {"agreement": answer.get("agreement", document)}
 
     async def add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()
@@ -170,9 +274,29 @@ class _AgreementMethods:
     async def list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()
         key = self.d.node_key
+        node = self.d.node
+        assert node is not None
+        registered: dict[tuple[str, str, str], AgreementRecord] = {}
+        error: str | None = None
+        # This owner's agreements (as its CLI agent), then those to each seller hosted here (as that seller).
+        askers: list[tuple[HostedAgent, dict[str, Any]]] = []
+        if key is not None:
+            askers.append((self._cli(), {"consumer_owner": key.public_key}))
+        askers += [(h, {"seller_agent": h.agent_id}) for h in node.agents.values() if h.skus]
+        for hosted, query in askers:
+            try:
+                answer = await self._service(hosted, subjects.AGREEMENTS_LOOKUP, query)
+            except ProtocolError as exc:
+                error = f"{exc.code}: {exc.message}"
+                break
+            for record in parse_records(answer):
+                a = record.agreement
+                registered[(a.consumer_owner, a.seller_agent, a.sku)] = record
         return {
             "owner": key.public_key if key is not None else None,
             "agreements": [record_summary(r) for r in gate.store.records()],
+            "registered": [record_summary(r) for r in registered.values()],
+            "registered_error": error,
         }
 
     async def usage(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -197,6 +321,9 @@ class _AgreementMethods:
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()
+        document = param(params, "revocation", dict, None)
+        if document is not None:
+            return await self._revoke_document(document)
         sku = param(params, "sku", str)
         owner = param(params, "owner", str, None)
         seller = param(params, "seller", str, None)
@@ -204,5 +331,32 @@ class _AgreementMethods:
         if seller is not None and node is not None:
             local = node.agents.get(seller)
             seller = local.agent_id if local is not None else seller
-        revoked = gate.store.revoke(sku=sku, consumer_owner=owner, seller_agent=seller, now_ms=_now_ms())
-        return {"revoked": [a.to_object() for a in revoked]}
+        if seller is not None and not is_valid_public(seller):
+            seller, _ = await self._seller_skus(seller)  # a registry name
+        now = _now_ms()
+        revoked = gate.store.revoke(sku=sku, consumer_owner=owner, seller_agent=seller, now_ms=now)
+        key = self.d.node_key
+        platform_revoked: list[dict[str, Any]] = []
+        error: str | None = None
+        if key is not None and owner in (None, key.public_key):
+            # This owner's registered agreements to the SKU, revoked by a
+            # revocation its key signs; the service tells the sellers' nodes.
+            try:
+                answer = await self._service(
+                    self._cli(), subjects.AGREEMENTS_LOOKUP, {"consumer_owner": key.public_key, "sku": sku}
+                )
+                for record in parse_records(answer):
+                    a = record.agreement
+                    if record.revoked_at_ms is not None or (seller is not None and a.seller_agent != seller):
+                        continue
+                    revocation = sign_revocation(key, seller_agent=a.seller_agent, sku=a.sku, revoked_at_ms=now)
+                    result = await self._service(self._cli(), subjects.AGREEMENTS_REVOKE, {"revocation": revocation})
+                    if result.get("revoked"):
+                        platform_revoked.append(a.to_object())
+            except ProtocolError as exc:
+                error = f"{exc.code}: {exc.message}"
+        return {
+            "revoked": [a.to_object() for a in revoked],
+            "platform_revoked": platform_revoked,
+            "platform_error": error,
+        }

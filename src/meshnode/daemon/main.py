@@ -32,6 +32,7 @@ from meshnode.aio import BackgroundTasks
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
+from meshnode.daemon.allowance import open_allowances, register_allowance_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.broker import broker_watch
 from meshnode.daemon.gateways import A2AGateways
@@ -50,6 +51,7 @@ from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
+from meshnode.node.agreement_lookup import PlatformAgreements
 from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
@@ -352,6 +354,21 @@ class Daemon:
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
             usage=UsageLog(self.data_dir / "usage.jsonl"),
         )
+        if c.platform_agreements:
+            # ... and those owners registered with the platform (§19.5), asked
+            # once per (owner, seller, SKU) and remembered, dropped on its events.
+            platform_agreements = PlatformAgreements(node, ttl_s=c.agreement_cache_ttl.total_seconds())
+            await platform_agreements.start()
+            self._shutdown.push("stop-intake", platform_agreements.close)
+            node.commerce.platform = platform_agreements
+        # EXT-8: the owners' allowances of the hosted agents, their spend persisted.
+        node.allowance = open_allowances(self.config, self.data_dir, node.now_ms)
+        keeper = node.allowance
+
+        async def close_allowances() -> None:
+            keeper.close()
+
+        self._shutdown.push("final-write", close_allowances)
         self.node = hosting.node = node
         # The services this daemon runs emit platform events (§5.3 step 2 exempts them).
         node.platform_keys.update(k.public_key for n, k in hosting.agent_keys.items() if n.startswith("service."))
@@ -389,6 +406,7 @@ class Daemon:
         register_operations(self, methods)
         register_artifact_methods(self, methods)
         register_agreement_methods(self, methods)
+        register_allowance_methods(self, methods)
         register_terminal_methods(self, methods)  # #18: Tasks.Follow, Events.*
         self.plugin_manager.add_admin_methods(methods, self)
         admin = AdminServer(

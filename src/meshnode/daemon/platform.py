@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from meshnode.config import Config
+from meshnode.services.agreements import DEFAULT_MAX_PER_OWNER, AgreementService
 from meshnode.services.artifacts import ArtifactLimits, ArtifactService
 from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
@@ -46,7 +47,8 @@ log = logging.getLogger("meshnode.daemon")
 
 
 _S = TypeVar(
-    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService
+    "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService,
+    AgreementService,
 )
 
 
@@ -54,7 +56,7 @@ def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "agreements")
 
 
 def stream_limits(config: Config) -> StreamLimits:
@@ -72,6 +74,7 @@ def stream_limits(config: Config) -> StreamLimits:
         artifacts=s.artifacts_max_bytes,
         artifact_index=s.artifact_index_max_bytes,
         artifact_uploads=s.artifact_uploads_max_bytes,
+        agreements=s.agreements_max_bytes,
         max_msg_size=s.max_msg_size if s.max_msg_size is not None else config.mesh.embedded.max_payload,
     )
 
@@ -105,6 +108,7 @@ class PlatformSettings:
     artifacts: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_consumers_per_agent: int = DEFAULT_MAX_PER_AGENT
     max_concurrent_registrations: int = DEFAULT_REGISTRATION_CONCURRENCY
+    max_agreements_per_owner: int = DEFAULT_MAX_PER_OWNER
 
     @classmethod
     def from_config(cls, config: Config) -> PlatformSettings:
@@ -120,6 +124,7 @@ class PlatformSettings:
             artifacts=artifact_limits(config),
             max_consumers_per_agent=config.services.max_consumers_per_agent,
             max_concurrent_registrations=config.registry.max_concurrent_registrations,
+            max_agreements_per_owner=config.services.max_agreements_per_owner,
         )
 
 
@@ -133,9 +138,10 @@ class PlatformServices:
     tasks: TaskManagerService
     feeds: FeedService
     consumers: ConsumerService
+    agreements: AgreementService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers]
+        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.agreements]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -241,7 +247,22 @@ async def start_platform_services(
         consumers = await start(
             ConsumerService(contexts("registry"), max_per_agent=settings.max_consumers_per_agent)
         )
+        # Agreements registered with the platform (§19.5): who owns a requesting
+        # agent is the registry's answer; signed with the registry's key, like
+        # the consumer service (no new service key file for a deployment).
+        agreements = await start(
+            AgreementService(
+                contexts("registry"),
+                owner_of=lambda agent: _owner(registry.manifest(agent)),
+                max_per_owner=settings.max_agreements_per_owner,
+            )
+        )
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, agreements)
+
+
+def _owner(manifest: Mapping[str, object] | None) -> str | None:
+    owner = manifest.get("owner") if manifest is not None else None
+    return owner if isinstance(owner, str) and owner else None

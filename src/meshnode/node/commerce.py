@@ -13,13 +13,11 @@ Three jobs, each small:
   unexpired agreement at the SKU's current digest, is refused with
   AGREEMENT_REQUIRED before any work.
 
-Why a node-local store and not a platform service: admission needs the
-agreement on the provider's node at the instant of the request, and a
-registered-on-the-mesh store (the §19.5 "registered with the platform"
-posture) needs a new service subject, its permissions and its replication.
-The local store gives the same admission semantics now; an agreement signed
-on another node is carried to the provider's node as a file
-(``meshnode agreements add``). See docs/guides/pricing.md for the limitation.
+Two sources of agreements, asked in order: this node's own store (what the
+seller's operator added, ``meshnode agreements add``: it works without any
+platform), then the platform agreement service (what owners registered,
+§19.5 "registered with the platform"), through the cached, single-flight
+:class:`~meshnode.node.agreement_lookup.PlatformAgreements`.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.metering import MeterClass, meter_event
 
 if TYPE_CHECKING:
+    from meshnode.node.agreement_lookup import PlatformAgreements
     from meshnode.node.hosted import HostedAgent
 
 __all__ = ["AgreementGate", "AgreementStore", "UsageLog", "declared_skus", "default_sku_id"]
@@ -245,6 +244,9 @@ class AgreementGate:
         self.approval_surface = approval_surface
         self.gate_free_terms = gate_free_terms
         self.usage = usage
+        #: The platform agreement service, asked when the local store holds no
+        #: agreement (None: the local store alone, ``[commerce] platform_agreements = false``).
+        self.platform: PlatformAgreements | None = None
         # Request id -> (SKU, owner) from admission to completion (FIFO-bounded:
         # a request whose handler never completes must not grow it forever).
         self._admitted: dict[str, tuple[Sku, str | None]] = {}
@@ -311,9 +313,17 @@ class AgreementGate:
         if not gated:
             return self._admit(env, sku, None)  # free: nothing to agree to, nothing to attribute
         owner = await self.owner_of(hosted, requester)
-        if find_agreement(
+        agreement = find_agreement(
             self.store.records(), consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms
-        ) is not None:
+        )
+        if agreement is None and owner is not None and self.platform is not None:
+            # Not in this node's store: the agreements the owner registered with the
+            # platform (cached and single-flight, :mod:`meshnode.node.agreement_lookup`).
+            agreement = find_agreement(
+                await self.platform.records(hosted, owner, sku.sku),
+                consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
+            )
+        if agreement is not None:
             return self._admit(env, sku, owner)
         self._record(hosted, env, sku, owner, offering, now_ms, refusal_code="AGREEMENT_REQUIRED")
         try:

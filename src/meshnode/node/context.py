@@ -195,6 +195,16 @@ class AgentContext:
             self._hosted, pattern, durable=durable, replay=replay
         )
 
+    async def report_usage(self, *, tokens: int | None = None, cost_micro: int | None = None) -> None:
+        for name, value in (("tokens", tokens), ("cost_micro", cost_micro)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"report_usage: {name} is a non-negative integer")
+        allowance = self._hosted.node.allowance
+        if allowance is None or not self._envelope or (tokens is None and cost_micro is None):
+            return
+        await allowance.report(self._hosted, self._envelope, self.task, self.defer,
+                               tokens=tokens, cost_micro=cost_micro)
+
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:
         await self._hosted.node.emit(self._hosted, domain, event_type, data, trace=self._child_trace())
 

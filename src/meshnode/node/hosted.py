@@ -353,6 +353,9 @@ class HostedAgent:
             if commerce is not None and self.skus:
                 # §19.5, in the §7.7/§22 slot: no agreement to a paid SKU, no work.
                 await commerce.check(self, env, spec.id, now_ms)
+            if self.node.allowance is not None:
+                # EXT-8 through §7.7: the owner's allowance, before any work.
+                await self.node.allowance.admit(self, env, spec, handler_input)
             await self._admit_budget(env, spec, handler_input)
             if not wait:
                 # The drain (wait) runs its rows a bounded number at a time and
@@ -532,6 +535,9 @@ class HostedAgent:
             try:
                 # The loop-lag watchdog names this agent if its handler blocks the loop.
                 with running_for(self.name):
+                    if self.node.allowance is not None:
+                        # Held for the owner at admission (ask_owner): waits here, unstarted.
+                        await self.node.allowance.before_handler(self, env, lambda: self.open_task(ctx, "working"))
                     if inspect.isasyncgenfunction(handler):
                         output = await self._run_streaming(ctx, handler, handler_input, wants_stream, config)
                     else:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from meshnode.agent import Reply
+    from meshnode.node.allowance import AllowanceKeeper
     from meshnode.node.commerce import AgreementGate
     from meshnode.node.directory import AgentDirectory
     from meshnode.node.gateway import OutboundGateway
@@ -83,6 +84,9 @@ class NodePort(Protocol):
     @property
     def commerce(self) -> AgreementGate | None:
         """The §19.5 agreement check at admission, or None (nothing is gated)."""
+    @property
+    def allowance(self) -> AllowanceKeeper | None:
+        """The owners' allowances (EXT-8) of the hosted agents, or None."""
     @property
     def trusted_operators(self) -> frozenset[str]: ...
     @property

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
@@ -156,6 +158,8 @@ class Node:
         self.a2a: OutboundGateway | None = a2a
         #: The §19.5 agreement check (the daemon plugs it in); None gates nothing.
         self.commerce: AgreementGate | None = None
+        #: The owners' allowances (EXT-8; the daemon plugs it in); None meters nothing.
+        self.allowance: AllowanceKeeper | None = None
         connection.on_reconnect(self._on_reconnect)
         connection.on_error(self._on_connection_error)
 
@@ -379,12 +383,23 @@ class Node:
                 return
             await self.revouch(hosted)
 
+        misses = 0  # checks in a row that found the agent unregistered
+
         def next_check() -> float:
             # Wake at the renewal point (two thirds of the vouch's own life),
             # and also every 10 minutes so a missed registration is retried.
+            # A registration that failed (a registry that timed out under a
+            # start of thousands of agents, issue #21) is retried after 5 s,
+            # then 10, 20, 40, 60 s, each stretched by up to half (never past
+            # 60 s), so the agents that failed together do not all come back together.
+            nonlocal misses
             due = (renew_at_ms(hosted.vouch) - self.now_ms()) / 1000
-            if not hosted.registered:
-                due = min(due, 60.0)
+            if hosted.registered:
+                misses = 0
+            else:
+                retry = min(60.0, 5.0 * 2**misses * random.uniform(1.0, 1.5))
+                misses = min(misses + 1, 8)
+                due = min(due, retry)
             return max(5.0, min(due, 600.0))
 
         job = PeriodicJob(f"vouch:{hosted.name}", renew, next_check, jitter=0.05, first_delay=next_check())
@@ -881,7 +896,11 @@ class Node:
     # -- status ----------------------------------------------------------------
 
     def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
-        return hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        entry = hosted.status(self.drain_status(hosted.name), self.pubsub.subscriptions(hosted))
+        if self.allowance is not None:
+            # EXT-8: Tasks held for the owner (ask_owner) until the allowance is raised.
+            entry["allowance_held"] = sorted(self.allowance.holds.get(hosted.agent_id, {}))
+        return entry
 
     def drain_status(self, name: str) -> dict[str, Any] | None:
         """The mailbox drain of agent ``name`` for status, or None without one."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from meshnode.agent import FollowUp, InputTimeout, StreamBroken
+from meshnode.node.allowance import tokens_of_usage
 from meshnode.node.consumers import bind_shared, release_shared, request_for
 from meshnode.node.pipeline import Intake, Refused, decode_verified
 from meshnode.protocol import subjects
@@ -171,6 +172,11 @@ class ResponderTask:
         if cost is not None:
             extra["cost"] = cost.to_object()
         await self._send("working", message=message, extra=extra or None)
+        allowance = self.hosted.node.allowance
+        if usage and allowance is not None:
+            # EXT-8: the report's token meters are the agent's spend (cumulative).
+            await allowance.report(self.hosted, self.request, self, None,
+                                   cumulative_tokens=tokens_of_usage(usage))
 
     async def require_input(
         self,

@@ -30,6 +30,10 @@ from .nkeys import is_valid_public
 from .tasks import is_valid_task_id
 
 __all__ = [
+    "AGREEMENTS_EVENT_DOMAIN",
+    "AGREEMENTS_LOOKUP",
+    "AGREEMENTS_REGISTER",
+    "AGREEMENTS_REVOKE",
     "ARTIFACTS_FETCH",
     "ARTIFACTS_PUT",
     "ARTIFACTS_REMOVE",
@@ -38,6 +42,7 @@ __all__ = [
     "FEED_GET",
     "FEED_GRAMMAR",
     "FEED_STREAM",
+    "KV_AGREEMENTS",
     "KV_FEED_STATE",
     "KV_REGISTRY",
     "KV_TASKS",
@@ -89,6 +94,7 @@ __all__ = [
     "registry_eval_get",
     "registry_get",
     "registry_register",
+    "agreement_key",
     "consumers_ensure",
     "consumers_delete",
     "session_all",
@@ -174,6 +180,22 @@ PRESENCE_GET = "mesh.presence.get"
 
 CONSUMERS_ENSURE = "mesh.consumers.ensure"
 CONSUMERS_DELETE = "mesh.consumers.delete"
+
+# The platform agreement service (§19.5 "registered with the platform";
+# meshnode's subjects, not §14.1's: see :mod:`meshnode.services.agreements`).
+AGREEMENTS_REGISTER = "mesh.agreements.register"
+AGREEMENTS_REVOKE = "mesh.agreements.revoke"
+AGREEMENTS_LOOKUP = "mesh.agreements.lookup"
+AGREEMENTS_EVENT_DOMAIN = "agreements"
+"""Its events: ``mesh.event.agreements.{registered,revoked}``."""
+
+
+def agreement_key(consumer_owner: str, seller_agent: str, sku: str) -> str:
+    """``{owner}.{seller}.{sku}``: the KV key of one agreement record (the SKU id
+    is ``[a-z0-9-]{1,64}``, so it can neither add a token nor a wildcard)."""
+    if not re.fullmatch(r"[a-z0-9-]{1,64}", sku or ""):
+        raise SubjectError(f"sku must match [a-z0-9-]{{1,64}}, got {sku!r}")
+    return f"{_key(consumer_owner, 'consumer owner')}.{_key(seller_agent, 'seller agent')}.{sku}"
 
 
 def consumers_ensure(node_id: str) -> str:
@@ -371,6 +393,7 @@ FEED_STREAM = "MESH_FEED"
 KV_REGISTRY = "mesh_registry"
 KV_TASKS = "mesh_tasks"
 KV_FEED_STATE = "mesh_feed_state"
+KV_AGREEMENTS = "mesh_agreements"
 FEED_GRAMMAR = "mesh.feed.*.*"
 
 

@@ -400,6 +400,9 @@ class RegistryService(ServiceBase):
                     max_msgs=self.inbox_max_msgs,
                     discard=self.inbox_discard,
                     replicas=self.ctx.replicas,
+                    # An agent the registry does not hold has (almost always) no
+                    # mailbox yet: create it without the look-up first (issue #21).
+                    fresh=agent_id not in self._cache,
                 )
             except StoreFull as exc:
                 # Name the store that is full: the mailbox's reservation did not fit.

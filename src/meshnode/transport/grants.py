@@ -20,7 +20,7 @@ Pure: no I/O; decoding is :func:`meshnode.transport.jwt.decode_jwt`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from .permissions import LEGACY_INBOX_PREFIX, REGISTER_UNBOUND, node_inbox_prefi
 __all__ = [
     "Grants",
     "InboxChoice",
+    "PatternSet",
     "check_inbox_prefix",
     "choose_inbox_prefix",
     "covers",
@@ -55,25 +56,77 @@ def covers(pattern: str, subject: str) -> bool:
     return len(p) == len(s)
 
 
+class PatternSet:
+    """Many NATS patterns, asked "does any of them cover this subject?" at once.
+
+    The answer is exactly ``any(covers(p, subject) for p in patterns)``, found
+    by walking a token trie instead of trying every pattern: a node credential
+    lists a dozen grants per hosted agent, so at 1,000 agents the scan was
+    ~15,000 pattern matches per check, and the node checks a grant for every
+    agent it hosts (issue #21: 4.6 s of CPU in a 1,000-agent start).
+    """
+
+    __slots__ = ("_root", "patterns")
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.patterns = tuple(patterns)
+        # token -> child node; the key None marks "a pattern ends here".
+        self._root: dict[str | None, Any] = {}
+        for pattern in self.patterns:
+            node = self._root
+            for token in pattern.split("."):
+                node = node.setdefault(token, {})
+            node[None] = True
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.patterns)
+
+    def covers(self, subject: str) -> bool:
+        """Whether some pattern of the set covers ``subject`` (see :func:`covers`)."""
+        tokens = subject.split(".")
+        frontier = [self._root]
+        for token in tokens:
+            following: list[dict[str | None, Any]] = []
+            for node in frontier:
+                if ">" in node:
+                    return True  # ">" covers this token and everything after it
+                if token == ">":
+                    continue  # only a ">" of the pattern covers a ">" of the subject
+                star = node.get("*")
+                if star is not None:
+                    following.append(star)  # "*" covers a literal or a "*"
+                if token != "*":
+                    literal = node.get(token)
+                    if literal is not None:
+                        following.append(literal)
+            if not following:
+                return False
+            frontier = following
+        return any(None in node for node in frontier)
+
+
 @dataclass(frozen=True, slots=True)
 class _Direction:
     #: None: no allow list (everything not denied is allowed).
-    allow: tuple[str, ...] | None
-    deny: tuple[str, ...]
+    allow: PatternSet | None
+    deny: PatternSet
 
     @classmethod
     def from_claim(cls, block: object) -> _Direction:
         if not isinstance(block, Mapping):
-            return cls(None, ())
+            return cls(None, PatternSet(()))
         allow, deny = block.get("allow"), block.get("deny")
         allowed = tuple(s for s in allow if isinstance(s, str)) if isinstance(allow, list) else ()
         denied = tuple(s for s in deny if isinstance(s, str)) if isinstance(deny, list) else ()
-        return cls(allowed or None, denied)
+        return cls(PatternSet(allowed) if allowed else None, PatternSet(denied))
 
     def permits(self, subject: str) -> bool:
-        if any(covers(d, subject) for d in self.deny):
+        if self.deny.covers(subject):
             return False
-        return self.allow is None or any(covers(a, subject) for a in self.allow)
+        return self.allow is None or self.allow.covers(subject)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +146,7 @@ class Grants:
     @classmethod
     def unrestricted(cls) -> Grants:
         """No credential (a plain nats-server without auth): everything is allowed."""
-        return cls(_Direction(None, ()), _Direction(None, ()))
+        return cls(_Direction(None, PatternSet(())), _Direction(None, PatternSet(())))
 
     def can_publish(self, subject: str) -> bool:
         return self.pub.permits(subject)

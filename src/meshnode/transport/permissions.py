@@ -143,6 +143,10 @@ ARTIFACTS = "mesh.artifacts.>"
 CONSUMERS_ENSURE = "mesh.consumers.ensure.{node}"
 CONSUMERS_DELETE = "mesh.consumers.delete.{node}"
 ALL_CONSUMERS = "mesh.consumers.>"
+AGREEMENTS_REGISTER = "mesh.agreements.register"
+AGREEMENTS_REVOKE = "mesh.agreements.revoke"
+AGREEMENTS_LOOKUP = "mesh.agreements.lookup"
+ALL_AGREEMENTS = "mesh.agreements.>"
 
 ALL_REGISTRY = "mesh.registry.>"
 ALL_PRESENCE = "mesh.presence.>"
@@ -377,6 +381,13 @@ def node_permissions(
         # this node's inbox prefix.
         CONSUMERS_ENSURE.format(node=node_id),
         CONSUMERS_DELETE.format(node=node_id),
+        # Agreements registered with the platform (§19.5): requests to the
+        # agreement service, which takes a document only from (an agent of)
+        # its signing owner and answers look-ups to the parties only. Its state
+        # is a KV bucket no participant can write ($KV.> is the services').
+        AGREEMENTS_REGISTER,
+        AGREEMENTS_REVOKE,
+        AGREEMENTS_LOOKUP,
     ]
     # The untokenized subject, so that the registry can answer UNAUTHORIZED
     # (§4.4) instead of the broker dropping it: see the module note. Kept for
@@ -454,6 +465,8 @@ def node_permissions(
             FEED_GET,
             # The consumer service's requests (module note).
             ALL_CONSUMERS,
+            # The agreement service's requests (§19.5).
+            ALL_AGREEMENTS,
         ]
     else:
         # A participant binds consumers on its own agents' mailboxes, and binds

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_MAILBOX_MSGS",
     "DEFAULT_STREAM_LIMITS",
     "StreamLimits",
+    "agreements_bucket_config",
     "artifact_buckets",
     "ensure_object_store",
     "DUPLICATE_WINDOW_S",
@@ -106,7 +107,7 @@ class StreamLimits:
     account's JetStream store (module docstring); :meth:`platform_total` is
     what one account's platform objects reserve before the first mailbox.
     ``max_msg_size`` bounds one message on the participant-writable streams.
-    Configured under ``[storage]``; the defaults total 784 MiB.
+    Configured under ``[storage]``; the defaults total 792 MiB.
     """
 
     tasks: int = 64 * _MIB
@@ -129,6 +130,8 @@ class StreamLimits:
     """The artifact object store (all owners together; each owner also has its quota)."""
     artifact_index: int = 8 * _MIB
     artifact_uploads: int = 8 * _MIB
+    agreements: int = 8 * _MIB
+    """KV ``mesh_agreements``: the agreements registered with the platform (§19.5)."""
     max_msg_size: int = 1 * _MIB
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``."""
 
@@ -293,6 +296,23 @@ def feed_state_bucket_config(
     )
 
 
+def agreements_bucket_config(
+    replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS
+) -> KeyValueConfig:
+    """KV ``mesh_agreements``: one record per (consumer owner, seller agent, SKU),
+    latest only, no TTL (an agreement lasts until it expires or is revoked; the
+    agreement service bounds how many one owner holds)."""
+    return KeyValueConfig(
+        bucket=subjects.KV_AGREEMENTS,
+        description="Agreements registered with the platform (AgentMesh §19.5)",
+        history=1,
+        ttl=None,
+        max_bytes=limits.agreements,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
+
+
 _MAILBOX_PREFIX = "MESH_INBOX_"
 DEFAULT_MAILBOX_BYTES = 8 * _MIB
 DEFAULT_MAILBOX_MSGS = 2000
@@ -387,19 +407,37 @@ def _differences(want: StreamConfig, have: StreamConfig) -> list[str]:
     return diffs
 
 
-async def ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
+async def ensure_stream(
+    jetstream: JetStream, config: StreamConfig, *, create_first: bool = False
+) -> EnsureOutcome:
     """Create ``config``'s stream, or bring the fields it owns up to date.
 
     Returns ``"created"``, ``"updated"``, ``"unchanged"``, or ``"mismatch:
     <fields>"`` when the server refused the update (logged).
+
+    ``create_first`` is for a stream the caller expects not to exist yet (a
+    new agent's mailbox): the create is sent without looking the stream up
+    first, one JetStream call instead of two. A stream that does exist with
+    exactly this configuration is then reported ``"created"`` too (the server
+    accepts an identical create); one that differs is looked up and updated
+    as usual.
     """
     with translated():
-        return await _ensure_stream(jetstream, config)
+        return await _ensure_stream(jetstream, config, create_first=create_first)
 
 
-async def _ensure_stream(jetstream: JetStream, config: StreamConfig) -> EnsureOutcome:
+async def _ensure_stream(
+    jetstream: JetStream, config: StreamConfig, *, create_first: bool = False
+) -> EnsureOutcome:
     js = jetstream.native
     assert config.name is not None
+    if create_first:
+        try:
+            await js.add_stream(config)
+            return "created"
+        except APIError as exc:
+            if exc.err_code != 10058:  # "already in use" with another configuration
+                raise
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
@@ -506,8 +544,12 @@ async def ensure_inbox_stream(
     max_msgs: int = DEFAULT_MAILBOX_MSGS,
     replicas: int = 1,
     discard: Literal["new", "old"] = "new",
+    fresh: bool = False,
 ) -> EnsureOutcome:
-    """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`)."""
+    """Create or update ``MESH_INBOX_{agent_id}`` (see :func:`inbox_stream_config`).
+
+    ``fresh``: the caller knows of no such mailbox (a first registration), so
+    the create goes first (:func:`ensure_stream` ``create_first``)."""
     return await ensure_stream(
         js,
         inbox_stream_config(
@@ -518,6 +560,7 @@ async def ensure_inbox_stream(
             replicas=replicas,
             discard=discard,
         ),
+        create_first=fresh,
     )
 
 
