@@ -26,6 +26,7 @@ from . import (
     bench_roundtrip2,
     bench_scale,
     bench_stream,
+    bench_tasktally,
 )
 from .harness import print_table, write_result
 
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "register": bench_register.run,
     "residual": bench_residual.run,
     "inbox": bench_inbox.run,
+    "tasktally": bench_tasktally.run,
 }
 
 
@@ -107,6 +109,10 @@ def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         r = results["residual"]
         add("run twice after kill -9 = 0 (#23)", r["dispatched_twice"], 0, at_most=True,
             shown=f"{r['dispatched_twice']} of {r['live_handled']}")
+    if "tasktally" in results:
+        r = results["tasktally"]
+        add("per-agent task tally ≤ 3 µs per task (#23)", r["tally_overhead_us"], r["budget_us"], at_most=True,
+            issue=23, shown=f"{r['tally_overhead_us']:+.2f} µs")
     return rows
 
 

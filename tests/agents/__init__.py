@@ -106,6 +106,43 @@ class Blocking(Agent):
         time.sleep(float(input or 1))  # the bug under test: a blocking call in a handler
         return {"blocked": input}
 
+    @offering("block_until")
+    async def block_until(self, ctx: Context, input: Any) -> Any:
+        # Blocks the loop until the test creates the file (a deadline bounds a forgotten one).
+        path, deadline = Path(input["file"]), time.monotonic() + float(input.get("max_s", 60))
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"released": path.exists()}
+
+    #: Tasks the spawn offering left waiting, until spawned_release.
+    _spawned_release: asyncio.Event | None = None
+
+    @offering("spawn")
+    async def spawn(self, ctx: Context, input: Any) -> Any:
+        # Per-request work left running (issue #23 item 10): N tasks, each with a child of its own.
+        if Blocking._spawned_release is None:
+            Blocking._spawned_release = asyncio.Event()
+        release = Blocking._spawned_release
+
+        async def child() -> None:
+            await release.wait()
+
+        async def worker() -> None:
+            grandchild = asyncio.create_task(child())
+            await release.wait()
+            await grandchild
+
+        for _ in range(int(input)):
+            asyncio.create_task(worker())  # noqa: RUF006 - the misuse under test
+        return {"spawned": int(input)}
+
+    @offering("spawned_release")
+    async def spawned_release(self, ctx: Context, input: Any) -> Any:
+        if Blocking._spawned_release is not None:
+            Blocking._spawned_release.set()
+            Blocking._spawned_release = None
+        return {"released": True}
+
     @offering("hold")
     async def hold(self, ctx: Context, input: Any) -> Any:
         await self.released().wait()

@@ -2,21 +2,26 @@
 
 One embedded daemon for the module: an agent whose handler calls ``time.sleep``
 (the loop-lag watchdog must name it, count it, and the node must stay up and
-online), and agents that hold requests until released (the limit must refuse
-busy, not queue).
+online; ``meshnode status`` must answer *while* it blocks), agents that hold
+requests until released (the limit must refuse busy, not queue), and one that
+leaves tasks running per request (counted for it in status).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from meshnode.admin.exitcodes import EX_LOOP_BLOCKED, EX_OK
+from meshnode.admin.offloop import read_status_socket
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
@@ -37,6 +42,7 @@ def node() -> Iterator[DaemonProcess]:
                 "blocker": {"plugin": "test-blocking"},
                 "held": {"plugin": "test-blocking", "max_concurrency": 2},
                 "opener": {"plugin": "test-blocking"},
+                "spawner": {"plugin": "test-blocking"},
                 "echo": {"plugin": "echo"},
                 "watch": {"plugin": "test-presence-watch"},
             },
@@ -124,3 +130,65 @@ def test_a_handler_past_its_concurrency_limit_is_refused_busy(node: DaemonProces
     assert sorted(a["output"]["held"] for a in answers) == [0, 1]
     eventually(lambda: _agent(node, "held")["in_flight"] == 0, what="the slots freed", detail=node.log_tail)
     assert node.call("held", "release")["output"] == {"released": True}  # served again below the limit
+
+
+def _cli_status(node: DaemonProcess, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "status", "--config", str(node.config_path), *extra],
+        capture_output=True, text=True, timeout=90, check=False,
+    )
+
+
+def test_status_answers_while_a_handler_blocks_the_loop(node: DaemonProcess, tmp_path: Any) -> None:
+    release = tmp_path / "release"
+    answers: list[dict[str, Any]] = []
+    blocking = threading.Thread(target=lambda: answers.append(
+        node.call("blocker", "block_until", {"file": str(release), "max_s": 120}, timeout=150)
+    ))
+    blocking.start()
+    try:
+        # Blocked once the status socket says so (its thread answers; the loop cannot).
+        eventually(
+            lambda: (read_status_socket(node.socket_path) or {}).get("blocked") is not None,
+            what="the loop blocked by the handler", timeout=60, detail=node.log_tail,
+        )
+        started = time.monotonic()
+        shown = _cli_status(node)
+        took = time.monotonic() - started
+        assert shown.returncode == EX_LOOP_BLOCKED, shown.stdout + shown.stderr
+        assert re.search(r"BLOCKED now, for [\d.]+ s, by a handler of agent blocker", shown.stdout), shown.stdout
+        assert "last snapshot" in shown.stdout and "node      loopguard" in shown.stdout, shown.stdout
+        # Seconds (a Python start and the 2 s grace), not the admin call's 30 s timeout.
+        assert took < 20, took
+        as_json = _cli_status(node, "--json")
+        assert as_json.returncode == EX_LOOP_BLOCKED, as_json.stderr
+        status = json.loads(as_json.stdout)
+        assert status["blocked"]["agent"] == "blocker" and status["blocked"]["for_s"] >= 1, status["blocked"]
+        assert status["node"]["name"] == "loopguard" and status["snapshot_age_s"] is not None
+    finally:
+        release.touch()
+        blocking.join(timeout=150)
+    assert answers and answers[0]["output"] == {"released": True}, answers
+    # The loop is back: status answers from it, with nothing blocked.
+    shown = _cli_status(node, "--json")
+    assert shown.returncode == EX_OK and json.loads(shown.stdout)["blocked"] is None, shown.stdout + shown.stderr
+
+
+def test_tasks_an_agents_handlers_leave_running_are_counted_for_it(node: DaemonProcess) -> None:
+    assert node.call("spawner", "spawn", 5)["output"] == {"spawned": 5}
+    # Five workers, each with a child task: ten, all the spawner's.
+    eventually(lambda: _agent(node, "spawner")["spawned_tasks"] == 10, what="ten tasks counted", detail=node.log_tail)
+    assert _agent(node, "echo")["spawned_tasks"] == 0
+    status = node.status()
+    assert status["process"]["rss_bytes"] > 0 and status["process"]["asyncio_tasks"] >= 10, status["process"]
+    shown = _cli_status(node)
+    assert shown.returncode == EX_OK, shown.stderr
+    assert re.search(r"load\s+0 of 64 requests in handlers, 10 spawned tasks running", shown.stdout), shown.stdout
+    assert "process   RSS" in shown.stdout
+    metrics = node.admin("Metrics")
+    assert metrics["agents"]["spawner"]["spawned_tasks"] == 10
+    prom = node.admin("Metrics", {"format": "prometheus"})["text"]
+    assert 'meshnode_agent_spawned_tasks{agent="spawner"} 10' in prom, prom
+    assert node.call("spawner", "spawned_release")["output"] == {"released": True}
+    eventually(lambda: _agent(node, "spawner")["spawned_tasks"] == 0, what="the tasks ended and uncounted")
+    assert _agent(node, "spawner")["spawned_tasks_total"] == 10

@@ -237,7 +237,8 @@ def test_check_config_and_tasks_commands(meshnode_daemons: DaemonSet, tmp_path: 
     assert any("node.nmae" in str(p) for p in problems) and str(bad) in proc.stdout
 
     node = meshnode_daemons.embedded("t", agents={"counter": {"plugin": "longtask"}})
-    opened = cli(node, "call", "counter", "count", '{"to": 50, "every": 0.2}', "--no-wait", "--json")
+    # Long enough (~30 min) that it is still running whatever the machine's load: the test cancels it.
+    opened = cli(node, "call", "counter", "count", '{"to": 9000, "every": 0.2}', "--no-wait", "--json")
     assert opened.returncode == 0, opened.stderr
     task_id = json.loads(opened.stdout)["task_id"]
     listed = ok_json(node, "tasks", "list")["tasks"]

@@ -81,3 +81,11 @@ def test_latency_targets_show_what_the_signatures_alone_imply() -> None:
     }})}
     assert rows["local delivery p50 ≤ 1.3x raw nats-py"]["shown"] == "2.34x (signatures alone: ≥ 1.33x)"
     assert rows["two-node p50 ≤ 2x raw nats-py (1 process)"]["shown"].endswith("(signatures alone: ≥ 2.33x)")
+
+
+def test_task_tally_benchmark_reports_its_overhead() -> None:
+    from benchmarks import bench_tasktally
+
+    result = bench_tasktally.run(quick=True)
+    assert result["plain_us_per_task"] > 0 and result["budget_us"] == bench_tasktally.BUDGET_US
+    assert "tally_overhead_us" in result

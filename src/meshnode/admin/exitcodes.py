@@ -19,6 +19,9 @@ One table, from sysexits(3), used by every command::
     76    EX_API_MISMATCH   the daemon speaks another admin API version (or the method is unknown)
     77    EX_NOPERM         not allowed: cannot open the admin socket, or the call needs a higher level
     78    EX_CONFIG         the configuration is invalid (systemd: RestartPreventExitStatus=78)
+    79    EX_LOOP_BLOCKED   meshnode's own, past sysexits: the daemon runs but its event loop is
+                            blocked now (a handler that does not yield); ``status`` printed the
+                            last snapshot and who blocks, from the status socket
     130                     interrupted (Ctrl-C) while following something
 
 :func:`meshnode.admin.client.exit_code_for` maps each admin failure to its row.
@@ -48,6 +51,8 @@ EX_TEMPFAIL = 75
 EX_API_MISMATCH = 76
 #: Not allowed: cannot open the admin socket, or the call needs a higher level.
 EX_NOPERM = 77
+#: The daemon's event loop is blocked now (``status`` answered from the status socket).
+EX_LOOP_BLOCKED = 79
 EX_CANTCREAT = 73
 """An output file could not be created."""
 #: Interrupted by the user (128 + SIGINT) while following a task or a subscription.

@@ -43,6 +43,7 @@ from meshnode.protocol.canonical import CanonicalJSONError
 from meshnode.protocol.errors import ProtocolError
 
 from .methods import CallContext, Method, MethodFn, MethodRegistry, param
+from .offloop import StatusResponder, status_socket_path
 from .peers import PeerCredentials, PeerCredentialsFn, peer_in_group, so_peercred
 from .protocol import (
     API_VERSION,
@@ -176,6 +177,9 @@ class AdminServer:
     bit is refused. ``info``: extra members for ``GetInfo`` (called per call;
     cannot override the standard members). ``peer_credentials``: replaces the
     ``SO_PEERCRED`` lookup (tests). ``shutdown_timeout``: :meth:`close`'s budget.
+    ``status_answer``: the encoded ``result`` the status socket beside this one
+    answers from a thread, when the loop cannot (:mod:`.offloop`); it runs in
+    that thread, so it may only read what the loop publishes whole.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class AdminServer:
         peer_credentials: PeerCredentialsFn | None = None,
         max_line: int = MAX_LINE_BYTES,
         shutdown_timeout: float = 5.0,
+        status_answer: Callable[[], bytes] | None = None,
     ) -> None:
         if mode is None:
             mode = 0o660 if group else 0o600
@@ -212,6 +217,9 @@ class AdminServer:
         self._socket_id: tuple[int, int] | None = None
         self._connections: set[_Connection] = set()
         self._closing = False
+        self._status_answer = status_answer
+        self._status: StatusResponder | None = None
+        self._status_id: tuple[int, int] | None = None
         self.methods.add(
             "GetInfo",
             self._get_info,
@@ -273,6 +281,55 @@ class AdminServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
         _log.info("admin API listening on %s (mode %#o, group %s)", final, self.mode, self.group)
+        if self._status_answer is not None:
+            self._start_status_socket(self._status_answer)
+
+    def _start_status_socket(self, answer: Callable[[], bytes]) -> None:
+        """Bind the status socket as privately as the admin socket; a failure only warns.
+
+        The admin socket is ours by now, so whatever socket sits at the status
+        path is a dead daemon's: it is replaced (a file that is no socket is not).
+        """
+        final = status_socket_path(self.path)
+        temp = final.parent / f".~{secrets.token_hex(4)}"
+        if len(os.fsencode(final)) > _MAX_SOCKET_PATH:
+            _log.warning("no status socket: %s is longer than %d bytes (AF_UNIX limit); "
+                         "meshnode status waits on the admin socket alone", final, _MAX_SOCKET_PATH)
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISSOCK(os.lstat(final).st_mode):
+                    raise AdminSocketError(f"{final} exists and is not a socket; not replacing it")
+            sock = self._bind_private(temp)
+            try:
+                os.replace(temp, final)
+                st = os.lstat(final)
+            except OSError:
+                sock.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+                raise
+        except (AdminSocketError, OSError) as exc:
+            _log.warning("no status socket (meshnode status waits on the admin socket alone): %s", exc)
+            return
+        self._status_id = (st.st_dev, st.st_ino)
+        self._status = StatusResponder(
+            sock, answer, daemon_uid=self._daemon_uid, group_gid=self._group_gid,
+            peer_credentials=self._peer_credentials,
+        )
+        self._status.start()
+
+    def _stop_status_socket(self) -> None:
+        responder, self._status = self._status, None
+        if responder is None:
+            return
+        path = status_socket_path(self.path)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == self._status_id:
+                os.unlink(path)
+        self._status_id = None
+        responder.stop()
 
     async def close(self, timeout: float | None = None) -> None:
         """Stop accepting, end calls in progress, and remove the socket file.
@@ -289,6 +346,8 @@ class AdminServer:
         # The name goes first: a client that starts now sees "not running"
         # rather than a socket that never answers.
         self._unlink_own_socket()
+        # Quick (the thread looks every 0.5 s) and off the loop.
+        await asyncio.to_thread(self._stop_status_socket)
         for conn in list(self._connections):
             if conn.call is None:
                 conn.task.cancel()

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
+from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, format_size, load_config
 from meshnode.daemon.hosting import scan_plugins
@@ -22,7 +23,15 @@ from meshnode.daemon.plugin_check import (
     unused_failures,
 )
 
-from .exitcodes import EX_CHECK_FAILED, EX_CONFIG, EX_DATAERR, EX_INTERRUPTED, EX_OK, EX_USAGE
+from .exitcodes import (
+    EX_CHECK_FAILED,
+    EX_CONFIG,
+    EX_DATAERR,
+    EX_INTERRUPTED,
+    EX_LOOP_BLOCKED,
+    EX_OK,
+    EX_USAGE,
+)
 from .output import emit_json, emit_json_line, human_time
 
 
@@ -152,13 +161,76 @@ def _admin(args: argparse.Namespace, method: str, params: dict[str, Any] | None 
         return exit_code_for(exc), None
 
 
+#: How long ``status`` waits on the admin socket before it asks the status
+#: socket whether the loop is blocked (a busy loop answers within this).
+STATUS_SOCKET_AFTER_S = 2.0
+
+
+def _status_or_blocked(args: argparse.Namespace, params: dict[str, Any] | None) -> tuple[int, Any]:
+    """``Status`` from the admin socket; or, while the daemon's loop is blocked,
+    the status socket's answer (its last snapshot and who blocks) with
+    :data:`EX_LOOP_BLOCKED` — at once, not after the admin call's 30 s timeout."""
+    socket = _socket(args)
+    if socket is None:
+        return EX_CONFIG, None
+
+    async def ask() -> tuple[int, Any]:
+        client = AdminClient(socket, timeout=30.0)
+        call = asyncio.create_task(client.call("Status", params))
+        try:
+            done, _ = await asyncio.wait({call}, timeout=STATUS_SOCKET_AFTER_S)
+            while not done:
+                # The admin socket is slow: a blocked loop, or only a busy one?
+                side = await asyncio.to_thread(read_status_socket, socket)
+                if side is not None and side.get("blocked"):
+                    return EX_LOOP_BLOCKED, side
+                done, _ = await asyncio.wait({call}, timeout=1.0)
+            return EX_OK, call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.wait({call})
+            await client.close()
+
+    try:
+        return asyncio.run(ask())
+    except (AdminClientError, AdminError) as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return exit_code_for(exc), None
+
+
+def _blocked_lines(status: dict[str, Any]) -> list[str]:
+    blocked = status["blocked"]
+    agent = blocked.get("agent")
+    who = f"a handler of agent {agent}" if agent and agent != "(none)" else "code outside any agent's handler"
+    lines = [f"loop      BLOCKED now, for {blocked.get('for_s')} s, by {who}: nothing on this node "
+             "answers until it returns (fix: await, or asyncio.to_thread for blocking calls)"]
+    age = status.get("snapshot_age_s")
+    if age is not None:
+        lines.append(f"          the figures below are the last snapshot, {age} s old")
+    else:
+        lines.append("          no snapshot was published yet")
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    code, status = _admin(args, "Status", {"agents": False} if args.brief else None)
-    if code != EX_OK:
+    code, status = _status_or_blocked(args, {"agents": False} if args.brief else None)
+    if code not in (EX_OK, EX_LOOP_BLOCKED):
         return code
+    if code == EX_LOOP_BLOCKED and args.brief:
+        status["agents"] = []  # the snapshot may hold the list; --brief asked for counts
     if args.json:
         emit_json(status)
-        return EX_OK
+        return code
+    if code == EX_LOOP_BLOCKED:
+        print("\n".join(_blocked_lines(status)))
+        if "node" not in status:
+            return code
+    _print_status(status)
+    return code
+
+
+def _print_status(status: dict[str, Any]) -> None:
     node, mesh = status["node"], status["mesh"]
     print(f"node      {node['name']}  {node['id']}")
     state = "connected" if mesh["connected"] else "DISCONNECTED"
@@ -197,10 +269,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         reg = "registered" if agent.get("registered") else f"NOT registered ({agent.get('registration_error')})"
         print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {_when(agent.get('vouch_expires_at'))}")
+        if agent.get("in_flight") or agent.get("spawned_tasks"):
+            # Work in progress per agent (#23): requests in its handlers, tasks they left running.
+            print(f"    load      {agent.get('in_flight', 0)} of {agent.get('max_concurrency', '?')} requests in "
+                  f"handlers, {agent.get('spawned_tasks', 0)} spawned tasks running")
         for sub in agent.get("subscriptions") or []:
             # Interest retention (§18.3): a durable subscription's history starts at its consumer.
             kept = f"durable, capturing since {sub.get('capturing_since')}" if sub.get("durable") else "live only"
             print(f"    {sub['kind']:<9} {sub['subject']}  ({kept})")
+    process = status.get("process")
+    if process:
+        rss, peak = process.get("rss_bytes"), process.get("max_rss_bytes")
+        memory = f"RSS {rss / 2**20:.1f} MiB" if isinstance(rss, int) else "RSS unknown"
+        if isinstance(peak, int):
+            memory += f" (peak {peak / 2**20:.1f} MiB)"
+        print(f"process   {memory}, {process.get('asyncio_tasks')} asyncio tasks, {process.get('threads')} threads"
+              " (memory is the whole process's: it cannot be split by agent)")
     loop = status.get("loop")
     if loop and loop.get("blocks"):
         # A handler blocked the event loop (#23): name who, so the plugin can be fixed.
@@ -215,7 +299,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if a2a:
         print(f"a2a       {a2a['url']}  exposing {', '.join(a2a['expose']) or 'nothing'} as {a2a['application']!r}")
         print(f"          run reports signed by {a2a['report_key']}")
-    return EX_OK
 
 
 def _store_line(storage: dict[str, Any]) -> str:

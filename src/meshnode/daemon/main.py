@@ -48,6 +48,7 @@ from meshnode.daemon.platform import (
     stream_limits,
 )
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.statusboard import LISTED_AGENTS_MAX, StatusBoard
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
@@ -94,6 +95,8 @@ class Daemon:
         self.inbox: InboxStore | None = None
         self.gateways = A2AGateways()
         self.methods = CoreMethods(self)
+        #: What the status socket answers from while the loop is blocked (#23 item 10).
+        self.status_board = StatusBoard(lambda: self.node.watchdog if self.node is not None else None)
         self._shutdown = Shutdown()
         self._failed_agents: dict[str, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -415,10 +418,18 @@ class Daemon:
             mode=self.config.admin.effective_mode,
             methods=methods,
             info=lambda: {"node_id": self.node_key.public_key if self.node_key else None},
+            status_answer=self.status_board.answer,
         )
         self.admin = admin
         self._shutdown.push("stop-intake", lambda: admin.close(timeout=2.0))
         await admin.start()
+        board = self.status_board
+        self._shutdown.push("stop-intake", board.stop)
+        board.start(self._board_snapshot)
+
+    def _board_snapshot(self) -> dict[str, Any]:
+        listed = self.node is None or len(self.node.agents) <= LISTED_AGENTS_MAX
+        return self.status(agents_listed=listed)
 
     def _hosting(self) -> AgentHost:
         assert self.hosting is not None, "the keys stage runs first"

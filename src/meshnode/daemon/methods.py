@@ -21,6 +21,7 @@ from meshnode.agent import RemoteError, RequestQueued
 from meshnode.config import AgentConfig
 from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
+from meshnode.daemon.operations import process_figures
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
@@ -142,6 +143,11 @@ class CoreMethods:
             "agent_summary": summary,
             # The loop-lag watchdog: lag now, worst, blocks by agent (#23).
             "loop": self.d.node.watchdog.status() if self.d.node is not None else None,
+            # Set only in the status socket's answer: the loop is stuck now,
+            # {for_s, agent, threshold_s}, and the rest is snapshot_age_s old.
+            "blocked": None,
+            # The process as a whole: memory cannot be told apart by agent (one heap).
+            "process": process_figures(),
             "services": [type(s).__name__ for s in self.d.services],
             "replicas": self.d.services[0].ctx.replicas if self.d.services else None,
             "observability": self.d.node.observability.status() if self.d.node and self.d.node.observability else None,
@@ -163,7 +169,10 @@ class CoreMethods:
         listed = params.get("agents", True)
         if not isinstance(listed, bool):
             raise InvalidParameter("agents must be true or false")
-        return self.snapshot(agents_listed=listed)
+        status = self.snapshot(agents_listed=listed)
+        if listed:
+            self.d.status_board.publish(status)  # the freshest figures for a later block
+        return status
 
     async def call(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.d.node is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -238,7 +239,8 @@ class _Operations:
         if fmt == "prometheus":
             agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
             text = prometheus_text(agents, node.counters, node.refusals.by_label()) + loop_text(
-                node.watchdog.status(), {h.name: (h.in_flight, h.max_concurrency) for h in node.agents.values()}
+                node.watchdog.status(), {h.name: (h.in_flight, h.max_concurrency) for h in node.agents.values()},
+                {h.name: (h.spawned.live, h.spawned.total) for h in node.agents.values()},
             ) + "".join(
                 f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
             )
@@ -253,6 +255,7 @@ class _Operations:
                 h.name: {
                     "id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict(),
                     "in_flight": h.in_flight, "max_concurrency": h.max_concurrency, "active_tasks": h.active_tasks,
+                    "spawned_tasks": h.spawned.live, "spawned_tasks_total": h.spawned.total,
                 }
                 for h in node.agents.values()
             },
@@ -342,6 +345,22 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     return report
 
 
+def process_figures() -> dict[str, int | None]:
+    """The process in Status: :func:`runtime_gauges` and the peak RSS.
+
+    Per-agent memory is not among them: every agent shares the process's one
+    heap, and Python cannot say which agent an object belongs to; the
+    per-agent figures are tasks (``spawned_tasks``) and requests (``in_flight``).
+    """
+    peak: int | None
+    try:
+        # ru_maxrss is in KiB on Linux.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (OSError, ValueError):
+        peak = None
+    return {**runtime_gauges(), "max_rss_bytes": peak}
+
+
 def runtime_gauges() -> dict[str, int | None]:
     """The process's own resource gauges, for leak watching (soak runs):
     asyncio tasks alive, open file descriptors, resident memory and threads.
@@ -357,8 +376,13 @@ def runtime_gauges() -> dict[str, int | None]:
             rss = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
+    tasks: int | None
+    try:
+        tasks = len(asyncio.all_tasks())
+    except RuntimeError:  # no running loop (a status read before the daemon runs)
+        tasks = None
     return {
-        "asyncio_tasks": len(asyncio.all_tasks()),
+        "asyncio_tasks": tasks,
         "open_fds": fds,
         "rss_bytes": rss,
         "threads": threading.active_count(),

@@ -38,6 +38,7 @@ from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
 from meshnode.node.states import AgentState
 from meshnode.node.tasks import ResponderTask, cancel_task, new_task_id, propagated
+from meshnode.node.tasktally import TaskCount
 from meshnode.protocol.accept import FirstReply, InboundOutcome, build_queued_ack
 from meshnode.protocol.artifacts import parse_files, parse_resources
 from meshnode.protocol.budget import check_admission, parse_budget
@@ -142,6 +143,9 @@ class HostedAgent:
         #: to), against the limit past which a request is refused busy (#23).
         self.in_flight = 0
         self.max_concurrency = max_concurrency
+        #: The asyncio tasks this agent's handlers made (and those made in
+        #: turn), counted by the loop's task factory (issue #23 item 10).
+        self.spawned = TaskCount()
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -166,6 +170,10 @@ class HostedAgent:
             "active_tasks": self.active_tasks,
             "in_flight": self.in_flight,
             "max_concurrency": self.max_concurrency,
+            # Tasks its handlers spawned that still run (the handlers' own
+            # tasks are active_tasks; memory is only the process's, see Status).
+            "spawned_tasks": self.spawned.live,
+            "spawned_tasks_total": self.spawned.total,
             "counters": dict(self.counters),
             "drain": drain,
             "subscriptions": subscriptions,
@@ -255,7 +263,7 @@ class HostedAgent:
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
-            with running_for(self.name):
+            with running_for(self.name, self.spawned):
                 await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
@@ -534,7 +542,7 @@ class HostedAgent:
         try:
             try:
                 # The loop-lag watchdog names this agent if its handler blocks the loop.
-                with running_for(self.name):
+                with running_for(self.name, self.spawned):
                     if self.node.allowance is not None:
                         # Held for the owner at admission (ask_owner): waits here, unstarted.
                         await self.node.allowance.before_handler(self, env, lambda: self.open_task(ctx, "working"))

@@ -31,6 +31,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from meshnode.node import tasktally
+
 __all__ = ["UNATTRIBUTED", "LoopWatchdog", "running_for"]
 
 log = logging.getLogger("meshnode.node")
@@ -43,9 +45,11 @@ _owners: dict[asyncio.Task[Any], str] = {}
 
 
 @contextlib.contextmanager
-def running_for(name: str) -> Iterator[None]:
+def running_for(name: str, tasks: tasktally.TaskCount | None = None) -> Iterator[None]:
     """Attribute the current task to agent ``name`` while the block runs.
 
+    ``tasks``: the agent's count of the asyncio tasks its handlers spawn
+    (:mod:`.tasktally`); a task made inside the block is counted there.
     Nested uses (a drain running a handler in its own task) restore the outer
     owner; costs one dict write and one pop per handler.
     """
@@ -55,9 +59,12 @@ def running_for(name: str) -> Iterator[None]:
         return
     outer = _owners.get(task)
     _owners[task] = name
+    token = tasktally.CURRENT.set(tasks) if tasks is not None else None
     try:
         yield
     finally:
+        if token is not None:
+            tasktally.CURRENT.reset(token)
         if outer is None:
             _owners.pop(task, None)
         else:
@@ -93,6 +100,7 @@ class LoopWatchdog:
         # (beat, agent): the thread's sample of the task that stalled the wakeup at ``beat``.
         self._sample: tuple[float, str] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
@@ -106,6 +114,7 @@ class LoopWatchdog:
         loop = asyncio.get_running_loop()
         self._stopped.clear()
         self._beat = time.monotonic()
+        self._loop = loop
         self._task = loop.create_task(self._tick(), name="loop-watchdog")
         self._thread = threading.Thread(target=self._watch, args=(loop,), name="meshnode-loop-watchdog", daemon=True)
         self._thread.start()
@@ -129,6 +138,26 @@ class LoopWatchdog:
             "block_threshold_s": self.threshold_s,
             "blocks": dict(self.blocks),
         }
+
+    def blocked_now(self) -> dict[str, Any] | None:
+        """Is the loop stuck right now? Safe to call from any thread.
+
+        None while the loop keeps its wakeups (or the watchdog is stopped);
+        otherwise ``{"for_s", "agent", "threshold_s"}``: how long the due
+        wakeup is overdue (at least the threshold) and the agent whose
+        handler the loop is running (:data:`UNATTRIBUTED` for the node's own
+        code). Reads only what the loop publishes (the last wakeup's time, the
+        running task and its owner), like the watchdog's thread.
+        """
+        loop = self._loop
+        if loop is None or self._stopped.is_set() or self._thread is None:
+            return None
+        overdue = time.monotonic() - self._beat - self.interval_s
+        if overdue < self.threshold_s:
+            return None
+        task = asyncio.current_task(loop)
+        agent = _owners.get(task, UNATTRIBUTED) if task is not None else UNATTRIBUTED
+        return {"for_s": round(overdue, 1), "agent": agent, "threshold_s": self.threshold_s}
 
     # -- on the loop -------------------------------------------------------------
 

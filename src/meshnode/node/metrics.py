@@ -100,11 +100,16 @@ def prometheus_text(
     return "\n".join(lines + histograms) + "\n"
 
 
-def loop_text(loop: Mapping[str, Any], concurrency: Mapping[str, tuple[int, int]]) -> str:
+def loop_text(
+    loop: Mapping[str, Any],
+    concurrency: Mapping[str, tuple[int, int]],
+    spawned: Mapping[str, tuple[int, int]] | None = None,
+) -> str:
     """The loop-lag watchdog's figures and each agent's handlers in flight, as Prometheus text.
 
     ``loop`` is :meth:`LoopWatchdog.status`; ``concurrency`` maps an agent's
-    name to (requests in its handlers, its limit).
+    name to (requests in its handlers, its limit); ``spawned`` to (tasks its
+    handlers spawned that still run, tasks they spawned in all).
     """
     lines = [
         "# HELP meshnode_loop_lag_seconds How late the event loop's last periodic wakeup fired.",
@@ -130,4 +135,17 @@ def loop_text(loop: Mapping[str, Any], concurrency: Mapping[str, tuple[int, int]
     ]
     for name, (_, limit) in sorted(concurrency.items()):
         lines.append(f'meshnode_agent_max_concurrency{{agent="{_escape(name)}"}} {limit}')
+    if spawned:
+        lines += [
+            "# HELP meshnode_agent_spawned_tasks asyncio tasks an agent's handlers spawned that still run.",
+            "# TYPE meshnode_agent_spawned_tasks gauge",
+        ]
+        for name, (live, _) in sorted(spawned.items()):
+            lines.append(f'meshnode_agent_spawned_tasks{{agent="{_escape(name)}"}} {live}')
+        lines += [
+            "# HELP meshnode_agent_spawned_tasks_total asyncio tasks an agent's handlers spawned since its start.",
+            "# TYPE meshnode_agent_spawned_tasks_total counter",
+        ]
+        for name, (_, total) in sorted(spawned.items()):
+            lines.append(f'meshnode_agent_spawned_tasks_total{{agent="{_escape(name)}"}} {total}')
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
 from meshnode.aio import backoff
+from meshnode.node import tasktally
 from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
@@ -32,7 +33,7 @@ from meshnode.node.drain import InboxDrain
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
-from meshnode.node.looplag import LoopWatchdog
+from meshnode.node.looplag import LoopWatchdog, running_for
 from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
@@ -265,8 +266,14 @@ class Node:
                 hosted.state = AgentState.RETRYING
                 hosted.not_ready = {"reason": reason, "attempts": attempt, "next_in_s": delay}
 
+            async def on_start() -> None:
+                # Tasks on_start leaves running (a plugin's background loop) are
+                # the agent's, and so is a block of the loop while it runs.
+                with running_for(hosted.name, hosted.spawned):
+                    await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+
             await supervise_retrying(
-                lambda: agent.on_start(AgentContext(hosted, trace=new_root_trace())),
+                on_start,
                 name=name,
                 warn_s=self.settings.agent_start_warn_s,
                 timeout_s=self.settings.agent_start_timeout_s,
@@ -872,8 +879,10 @@ class Node:
             job.trigger()
 
     def start_watchdog(self) -> None:
-        """Start the loop-lag watchdog (idempotent); stopped by :meth:`stop_jobs`."""
+        """Start the loop-lag watchdog and the per-agent task tally (idempotent);
+        stopped by :meth:`stop_jobs`."""
         self.watchdog.start()
+        tasktally.install()
 
     def start_heartbeat(self) -> None:
         job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
@@ -885,6 +894,7 @@ class Node:
             await job.stop()
         self._jobs.clear()
         await self.watchdog.stop()
+        tasktally.uninstall()
         for drain in self.drains.values():
             await drain.stop()
         if self.observability is not None:
