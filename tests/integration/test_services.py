@@ -228,7 +228,8 @@ async def test_mesh_streams_are_created_once_with_the_spec_settings(net: Mesh) -
     again = await ensure_mesh_streams(net.service_conn.jetstream, 1)
     assert set(again.values()) == {"unchanged"}, again
     assert set(again) == {
-        "MESH_REGISTRY", "MESH_TASKS", "MESH_EVENTS", "MESH_HEARTBEAT", "mesh_registry", "mesh_tasks",
+        "MESH_REGISTRY", "MESH_TASKS", "MESH_EVENTS", "MESH_HEARTBEAT", "MESH_METERING", "mesh_registry",
+        "mesh_tasks",
     }
     registry = (await js.stream_info("MESH_REGISTRY")).config
     assert registry.subjects == ["mesh.registry.>"] and registry.no_ack is True
@@ -238,6 +239,10 @@ async def test_mesh_streams_are_created_once_with_the_spec_settings(net: Mesh) -
     assert tasks.max_age == 7 * 86400 and tasks.duplicate_window >= 120
     heartbeat = (await js.stream_info("MESH_HEARTBEAT")).config
     assert heartbeat.max_age == 300 and heartbeat.no_ack is True
+    # The rating service's replay source: a limits-retention copy of the metering events.
+    metering = (await js.stream_info("MESH_METERING")).config
+    assert metering.retention == RetentionPolicy.LIMITS and not metering.subjects
+    assert [(s.name, s.filter_subject) for s in metering.sources or []] == [("MESH_EVENTS", "mesh.event.metering.>")]
     kv_registry = (await js.stream_info("KV_mesh_registry")).config
     assert kv_registry.max_msgs_per_subject == 1 and not kv_registry.max_age
     kv_tasks = (await js.stream_info("KV_mesh_tasks")).config

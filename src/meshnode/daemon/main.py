@@ -53,7 +53,7 @@ from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.agreement_lookup import PlatformAgreements
-from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
+from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog, publish_meter_event
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -356,7 +356,11 @@ class Daemon:
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
             usage=UsageLog(self.data_dir / "usage.jsonl"),
+            # §13.5: the meter events also go on the mesh, for the rating service.
+            publisher=publish_meter_event if c.publish_usage else None,
         )
+        if c.publish_usage:
+            self.gateways.publish_charges(node)  # A2A charges land in the same ledger (§19.6)
         if c.platform_agreements:
             # ... and those owners registered with the platform (§19.5), asked
             # once per (owner, seller, SKU) and remembered, dropped on its events.

@@ -56,6 +56,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
 
@@ -67,6 +68,7 @@ from .jetstream import JetStream
 
 __all__ = [
     "DAY_S",
+    "METERING_MAX_AGE_S",
     "DEFAULT_MAILBOX_BYTES",
     "DEFAULT_MAILBOX_MSGS",
     "DEFAULT_STREAM_LIMITS",
@@ -85,6 +87,7 @@ __all__ = [
     "feed_stream_config",
     "inbox_stream_config",
     "mesh_stream_configs",
+    "metering_stream_config",
     "registry_bucket_config",
     "tasks_bucket_config",
     "wait_jetstream_ready",
@@ -107,7 +110,7 @@ class StreamLimits:
     account's JetStream store (module docstring); :meth:`platform_total` is
     what one account's platform objects reserve before the first mailbox.
     ``max_msg_size`` bounds one message on the participant-writable streams.
-    Configured under ``[storage]``; the defaults total 792 MiB.
+    Configured under ``[storage]``; the defaults total 808 MiB.
     """
 
     tasks: int = 64 * _MIB
@@ -120,6 +123,8 @@ class StreamLimits:
     """``MESH_HEARTBEAT`` (each node its own subject)."""
     registry_events: int = 8 * _MIB
     """``MESH_REGISTRY`` (written by the registry service)."""
+    metering: int = 16 * _MIB
+    """``MESH_METERING``: the meter events the rating service folds (sourced from MESH_EVENTS)."""
     registry: int = 32 * _MIB
     """KV ``mesh_registry``: manifests."""
     task_records: int = 64 * _MIB
@@ -223,7 +228,38 @@ def mesh_stream_configs(
             num_replicas=1,
             no_ack=True,
         ),
+        metering_stream_config(replicas, limits),
     ]
+
+
+#: How long MESH_METERING keeps a meter event (its byte bound may evict sooner).
+METERING_MAX_AGE_S = 90 * DAY_S
+
+
+def metering_stream_config(replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS) -> StreamConfig:
+    """``MESH_METERING`` (§13.5 "persist events durably"): the ``mesh.event.metering.>``
+    messages of ``MESH_EVENTS``, copied by the server (a stream source) into a
+    stream with *limits* retention, so the rating service can read it from the
+    first sequence on every start and fold the same ledger each time.
+
+    Why a sourced stream and not a second subject binding: JetStream refuses two
+    streams on overlapping subjects, and MESH_EVENTS (interest retention) drops
+    a message once its consumers have acked it, which makes it no replay source.
+    The copy is bounded like every platform object (``[storage] metering_max_bytes``)
+    and discards the oldest events first; the ledger spans what it holds.
+    """
+    return StreamConfig(
+        name=subjects.MESH_METERING,
+        description="Meter events, receipts and charges for rating (AgentMesh §13.5, §19.6)",
+        sources=[StreamSource(name=subjects.MESH_EVENTS, filter_subject=subjects.METERING_EVENTS)],
+        retention=RetentionPolicy.LIMITS,
+        max_age=METERING_MAX_AGE_S,
+        max_bytes=limits.metering,
+        max_msg_size=limits.max_msg_size,
+        discard=DiscardPolicy.OLD,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+    )
 
 
 def registry_bucket_config(
