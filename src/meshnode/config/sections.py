@@ -386,7 +386,9 @@ class InboxConfig(BaseModel):
     ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
     drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
     buffer_sweep_interval: Duration = timedelta(seconds=60)
-    """How often the registry purges every mailbox up to what its drain consumer acked."""
+    """How often the registry sweeps the next page (256 streams) of the stream listing,
+    purging each mailbox up to what its drain consumer acked; a full pass takes one
+    interval per 256 streams."""
 
 
 class StorageConfig(BaseModel):
@@ -576,8 +578,9 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
-    allowance_file: Path | None = None
-    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    allowance_file: OptionalFilePath = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent; a
+    relative path is relative to the config file, like every path. The
     node verifies its signature against its ``owner_key``; one that does not
     verify fails closed (every ceiling exhausted, new work refused) and is
     named in the log and in ``meshnode allowance show``. ``meshnode allowance
