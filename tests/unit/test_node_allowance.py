@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from meshnode.admin.protocol import NotFound
 from meshnode.agent import Agent, AgentSettings, Context, offering
+from meshnode.daemon.allowance import _AllowanceMethods
 from meshnode.node.allowance import AllowanceKeeper, SpendStore, estimate_of, tokens_of_usage
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.tasks import ResponderTask
@@ -252,3 +255,16 @@ async def test_a_bare_request_paused_mid_task_keeps_its_spend_in_one_place(env: 
     assert opened[0].state == "working"
     assert env.keeper.show(env.hosted)["spend"]["by_task"] == {"bare": 1600}
     assert [e["outcome"] for e in env.events()] == ["paused"]
+
+
+async def test_declining_a_task_that_is_not_held_is_not_found(env: Env) -> None:
+    # `meshnode allowance decline AGENT --task T` for a T nothing holds (a typo, or
+    # already resumed) must fail (NotFound, exit 65) naming what is held, not print
+    # "declined 0" and exit 0.
+    await _hold_at_admission(env)
+    methods = _AllowanceMethods(cast(Any, SimpleNamespace(node=env.node)))
+    with pytest.raises(NotFound) as info:
+        await methods.decline({"agent": "worker", "task_id": "t-typo"}, cast(Any, None))
+    assert "'t-typo'" in str(info.value) and "held: t1" in str(info.value)
+    assert env.keeper.holds[env.hosted.agent_id]  # nothing was declined
+    assert await methods.decline({"agent": "worker", "task_id": "t1"}, cast(Any, None)) == {"declined": ["t1"]}
