@@ -11,6 +11,8 @@ from typing import Any, ClassVar, cast
 import pytest
 
 from meshnode.agent import Agent, AgentSettings, Context, offering
+from meshnode.cli import agreements as cli_agreements
+from meshnode.cli import build_parser
 from meshnode.node.commerce import (
     AgreementGate,
     AgreementStore,
@@ -203,3 +205,18 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
     assert [c.to_object() for c in usage.rate(gate.store.records())] == [c.to_object() for c in charges]
     # Without the agreement, the same log rates to zero: no agreement, no charge.
     assert {c.amount_micro for c in usage.rate([])} == {0}
+
+
+def test_agreements_sign_refuses_an_unwritable_out_before_signing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `sign` registers with the platform: an --out it cannot write must stop it
+    # before anything is signed (exit 73, naming the path), not traceback after.
+    def no_admin(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("signed although --out cannot be written")
+
+    monkeypatch.setattr(cli_agreements, "_admin", no_admin)
+    out = tmp_path / "missing-dir" / "agreement.json"
+    args = build_parser().parse_args(["agreements", "sign", "summarizer", "--out", str(out)])
+    assert args.handler(args) == 73
+    assert f"--out {out}" in capsys.readouterr().err
