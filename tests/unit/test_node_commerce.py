@@ -101,6 +101,17 @@ def test_a_malformed_price_is_refused_naming_the_member() -> None:
     with pytest.raises(ProtocolError) as info:
         declared_skus((), Bad.offerings().values())
     assert info.value.code == "INVALID_MANIFEST"
+    # Named as the author wrote it (a priced offering, not an index into skus).
+    assert info.value.details["member"] == '@offering("x") price.currency'
+    assert info.value.message.startswith('@offering("x") price.currency: ')
+
+    class BadWhole(Agent):
+        skus: ClassVar[list[dict[str, Any]]] = [
+            {"sku": "w", "covers": {"agent": True}, "price": {"model": "flat", "currency": "usd", "amount_micro": 1}},
+        ]
+
+    with pytest.raises(ProtocolError) as info:
+        declared_skus(BadWhole.skus, BadWhole.offerings().values())
     assert str(info.value.details["member"]).startswith("skus[0].")
 
 
