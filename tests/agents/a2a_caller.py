@@ -88,3 +88,6 @@ class A2ACallerPlugin:
 
 
 plugin = A2ACallerPlugin()
+#: The same plugin under another name, for a node that also loads another
+#: module's ``plugin`` (plugin_modules are registered by attribute name).
+caller_plugin = plugin

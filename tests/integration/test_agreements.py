@@ -8,8 +8,9 @@ the handler runs; served once the consumer signs an agreement
 (``meshnode agreements sign``) and the provider's operator adds it
 (``meshnode agreements add``); refused again after the provider restarts with
 another price (the SKU's digest moved, so the standing agreement is stale).
-``meshnode usage`` then rates the recorded meter events: refusals at zero,
-the served request at the price agreed, the same on every replay.
+``meshnode usage --source local`` then rates the node's recorded meter events:
+refusals at zero, the served request at the price agreed, the same on every
+replay (the mesh's ledger is tests/integration/test_rating.py's).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def test_paid_offering_needs_an_agreement_at_the_current_digest(
 
     # The recorded meter events, rated (§19.6): both refusals rate to zero,
     # the served request is charged at the terms agreed then; a replay is identical.
-    rated = json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout)
+    rated = json.loads(run_cli("usage", "--source", "local", "--socket", provider.socket_path, "--json").stdout)
     outcomes = [(c["outcome"], c["amount_micro"], c["sku_digest"]) for c in rated["charges"]]
     assert outcomes == [("refused", 0, first_digest), ("charged", 2000, first_digest),
                         ("refused", 0, again["error"]["details"]["sku_digest"])]
@@ -119,7 +120,7 @@ def test_paid_offering_needs_an_agreement_at_the_current_digest(
     assert [(t["consumer_owner"], t["seller_agent"], t["currency"], t["amount_micro"]) for t in rated["totals"]] == [
         (owner, seller, "USD", 2000)
     ]
-    assert json.loads(run_cli("usage", "--socket", provider.socket_path, "--json").stdout) == rated
+    assert json.loads(run_cli("usage", "--source", "local", "--socket", provider.socket_path, "--json").stdout) == rated
 
 
 def _cli_json(daemon: DaemonProcess, *args: str) -> dict[str, Any]:

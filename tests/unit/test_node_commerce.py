@@ -208,13 +208,20 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
     gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
     for rid in ("r2", "r3"):
         await gate.check(shop, _env(caller, rid), "Summarize.Text", NOW + 1)
-        gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
-    gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
+        await gate.delivered(shop, _env(caller, rid), "Summarize.Text", NOW + 2)
+    await gate.delivered(shop, _env(caller, "r3"), "Summarize.Text", NOW + 3)  # once only
     charges = usage.rate(gate.store.records())
     assert [(c.envelope_id, c.outcome.value, c.amount_micro) for c in charges] == [
         ("r1", "refused", 0), ("r2", "charged", 2000), ("r3", "charged", 2000)]
     assert [c.to_object() for c in usage.rate(gate.store.records())] == [c.to_object() for c in charges]
-    # Without the agreement, the same log rates to zero: no agreement, no charge.
+    # Each line carries the agreement that admitted it: the same charges without the store...
+    assert [c.amount_micro for c in usage.rate([])] == [0, 2000, 2000]
+    # ... and a line whose agreement no longer verifies rates to zero: no agreement, no charge.
+    lines = [json.loads(line) for line in usage.path.read_text().splitlines()]
+    for line in lines:
+        if "agreement" in line:
+            line["agreement"]["sku_digest"] = "A" * len(line["agreement"]["sku_digest"])
+    usage.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert {c.amount_micro for c in usage.rate([])} == {0}
 
 

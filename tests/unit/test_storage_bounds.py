@@ -44,7 +44,7 @@ def test_every_platform_stream_and_bucket_is_bounded_and_reserves_its_share() ->
                feed_state_bucket_config(1, limits), agreements_bucket_config(1, limits), index, uploads]
     assert all(b.max_bytes and b.max_bytes > 0 for b in buckets)
     assert store.max_bytes == limits.artifacts
-    assert DEFAULT_STREAM_LIMITS.platform_total() == 792 * MIB
+    assert DEFAULT_STREAM_LIMITS.platform_total() == 808 * MIB
 
 
 def test_a_mailbox_refuses_new_mail_at_its_bound_instead_of_evicting() -> None:

@@ -21,8 +21,9 @@ from typing import Any
 import aiosqlite
 
 from meshnode.node.private_db import prepare_private_db, tighten_side_files
+from meshnode.protocol.timeutil import format_ts
 
-__all__ = ["Charge", "ChargeStore", "REPORT_STATES"]
+__all__ = ["Charge", "ChargeStore", "REPORT_STATES", "charge_event"]
 
 #: What became of the run report of a charged call.
 #: ``verified``: signature, bodyHash and task id all checked (spend counted);
@@ -77,6 +78,28 @@ class Charge:
 
     def to_object(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def charge_event(charge: Charge, consumer_owner: str | None) -> dict[str, Any]:
+    """``data`` of the ``mesh.event.metering.a2a_charge`` event that puts ``charge``
+    in the mesh's ledger (:mod:`meshnode.services.rating`): the calling agent's
+    own record of what the peer charged it, keyed ``(peer, task_key)`` there too."""
+    data: dict[str, Any] = {
+        "peer": charge.peer,
+        "task_key": charge.task_key,
+        "message_id": charge.message_id,
+        "agent": charge.agent,
+        "report": charge.report,
+        "contract_price": charge.contract_price,
+        "charged": charge.charged,
+        "currency": charge.currency,
+        "ts": format_ts(charge.charged_at_ms),
+    }
+    if charge.task_id is not None:
+        data["task_id"] = charge.task_id
+    if consumer_owner is not None:
+        data["consumer_owner"] = consumer_owner
+    return data
 
 
 def charge_amount(contract_price: Decimal, verified_spend: Decimal | None) -> Decimal:

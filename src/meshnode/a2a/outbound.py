@@ -164,6 +164,9 @@ class A2AOutbound:
     _open_tasks: dict[tuple[str, str], Sent] = field(default_factory=dict)
     #: Cancels in flight, held so the loop does not collect them mid-send.
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: Told of every charge recorded for the first time (the daemon publishes it
+    #: for the mesh's ledger, §19.6); a failure is logged, the charge stands.
+    on_charge: Callable[[Charge], Awaitable[None]] | None = None
 
     @classmethod
     def from_config(cls, config: A2AConfig, *, default_application: str, charges: ChargeStore,
@@ -516,6 +519,7 @@ class A2AOutbound:
                             "charging the contract price", sent.name, task_id, exc)
         charge = self._charge_row(sent, report, spend, charge_amount(sent.settings.contract_price, spend), note)
         if await self.charges.record(charge):
+            await self._announce(charge)
             return charge
         stands = await self.charges.get(sent.name, charge.task_key)
         return stands if stands is not None else charge
@@ -630,9 +634,19 @@ class A2AOutbound:
         """A canceled call is recorded at zero: the extension's run report (and so
         any spend the caller could verify) belongs to completed tasks only."""
         try:
-            await self.charges.record(self._charge_row(sent, "canceled", None, Decimal(0), note))
+            row = self._charge_row(sent, "canceled", None, Decimal(0), note)
+            if await self.charges.record(row):
+                await self._announce(row)
         except Exception:
             log.exception("recording the canceled A2A call %s failed", sent.message_id)
+
+    async def _announce(self, charge: Charge) -> None:
+        if self.on_charge is None:
+            return
+        try:
+            await self.on_charge(charge)
+        except Exception as exc:  # the ledger misses it; the local table keeps it
+            log.warning("A2A charge %s/%s not published for the ledger: %s", charge.peer, charge.task_key, exc)
 
     # -- streaming (SendStreamingMessage) ---------------------------------------------------
 

@@ -418,18 +418,36 @@ class Context(Protocol):
         handle.cancel(reason)`` cancels it (:class:`meshnode.a2a.outbound.A2AStreamTask`).
         """
 
-    async def report_usage(self, *, tokens: int | None = None, cost_micro: int | None = None) -> None:
-        """Report what this piece of work just used (EXT-8 metering): ``tokens``
-        (converted through the owner's allowance cost model, floor-rounded)
-        or ``cost_micro`` (money, micro-units of the allowance's currency).
-        Each call adds to the spend of this request's Task, context and UTC
-        day. Without an allowance on this agent it does nothing.
+    async def report_usage(
+        self,
+        meter: str | None = None,
+        quantity: int | None = None,
+        *,
+        tokens: int | None = None,
+        cost_micro: int | None = None,
+    ) -> None:
+        """Report what this piece of work used. Two independent reports share the call:
 
-        When the spend crosses one of the owner's ceilings this raises
-        ``ProtocolError`` BUDGET_EXHAUSTED (``on_exhausted: refuse``: let it
-        propagate, the work stops), or waits with the Task paused in
-        ``input_required`` until the owner raises the allowance
-        (``ask_owner``; a declined hold raises BUDGET_INSUFFICIENT).
+        * ``meter, quantity`` — a declared meter (§13.5) for the **buyer's bill**,
+          e.g. ``await ctx.report_usage("tokens_out", 4210)``. Cumulative and
+          superseding: a later report of the same meter replaces the earlier
+          one (report the running total). The node sends it as ``payload.usage``
+          of the answer (covered by its signature) and, for an offering a SKU
+          prices on that meter, records and publishes the meter event the
+          rating service charges (§19.6). ValueError for a meter name outside
+          ``[a-z0-9_]{1,64}``, an observed meter's name (``requests``,
+          ``bytes_out``, ...: the platform counts those) or a quantity that is
+          not a non-negative integer.
+        * ``tokens`` / ``cost_micro`` — this agent's own **spend** against its
+          owner's allowance (EXT-8 metering): ``tokens`` converted through the
+          owner's allowance cost model (floor-rounded), or ``cost_micro`` (money,
+          micro-units of the allowance's currency). Each call adds to the spend
+          of this request's Task, context and UTC day. Without an allowance on
+          this agent it does nothing. When the spend crosses one of the owner's
+          ceilings this raises ``ProtocolError`` BUDGET_EXHAUSTED (``on_exhausted:
+          refuse``: let it propagate, the work stops), or waits with the Task
+          paused in ``input_required`` until the owner raises the allowance
+          (``ask_owner``; a declined hold raises BUDGET_INSUFFICIENT).
         """
 
     async def emit(self, domain: str, event_type: str, data: Any = None) -> None:

@@ -62,9 +62,15 @@ def register(commands: Any) -> None:
 
 
 def register_usage(commands: Any) -> None:
-    usage = commands.add_parser("usage", help="meter events of priced offerings, rated against the agreements (§19.6)")
+    usage = commands.add_parser(
+        "usage", help="receipts and rated charges per counterparty and period, from the mesh's ledger (§19.6)"
+    )
     usage.add_argument("--owner", help="only this consumer owner (U...)")
     usage.add_argument("--seller", help="only this seller (a local name or an id)")
+    usage.add_argument("--period", help="only this UTC period: YYYY, YYYY-MM or YYYY-MM-DD")
+    usage.add_argument("--source", choices=("auto", "ledger", "local"), default="auto",
+                       help="the mesh's rating service (ledger), this node's usage log (local), "
+                       "or the ledger falling back to the log (auto, the default)")
     usage.add_argument("--charges", action="store_true", help="list every rated event, not only the totals")
     _client_args(usage)
     usage.set_defaults(handler=cmd_usage)
@@ -76,15 +82,21 @@ def cmd_usage(args: argparse.Namespace) -> int:
         params["owner"] = args.owner
     if args.seller:
         params["seller"] = args.seller
+    if args.period:
+        params["period"] = args.period
+    if args.source != "auto":
+        params["source"] = args.source
     code, result = _admin(args, "Usage.Rated", params)
     if code != EX_OK:
         return code
     if args.json:
         emit_json(result)
         return EX_OK
+    where = "the mesh's ledger" if result.get("source") == "ledger" else "this node's usage log"
     if not result["charges"]:
-        print("no usage recorded")
+        print(f"no usage recorded ({where})")
         return EX_OK
+    print(f"from {where}:")
     if args.charges:
         for c in result["charges"]:
             print(f"{c['ts']}  {c['sku']:<16} {c['meter']:<10} {c['quantity']:>6}  {c['amount_micro']:>10} "

@@ -386,14 +386,16 @@ class InboxConfig(BaseModel):
     ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
     drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
     buffer_sweep_interval: Duration = timedelta(seconds=60)
-    """How often the registry purges every mailbox up to what its drain consumer acked."""
+    """How often the registry sweeps the next page (256 streams) of the stream listing,
+    purging each mailbox up to what its drain consumer acked; a full pass takes one
+    interval per 256 streams."""
 
 
 class StorageConfig(BaseModel):
     """``[storage]``: the bound (``max_bytes``) of every stream and bucket the platform
     services create, each reserved in the account's JetStream store (issue #22.3).
 
-    Read by the node that runs the services; the total (792 MiB by default) plus
+    Read by the node that runs the services; the total (808 MiB by default) plus
     one ``inbox.buffer_max_bytes`` per agent must fit in the account's limit
     (``[mesh.embedded] account_max_store``). See docs/security-quotas.md.
     """
@@ -410,6 +412,9 @@ class StorageConfig(BaseModel):
     """``MESH_HEARTBEAT``."""
     registry_events_max_bytes: ByteSize = 8 * 1024**2
     """``MESH_REGISTRY``."""
+    metering_max_bytes: ByteSize = 16 * 1024**2
+    """``MESH_METERING``: the meter events the rating service folds into its ledger
+    (the oldest are discarded at the bound, and the ledger forgets them)."""
     registry_max_bytes: ByteSize = 32 * 1024**2
     """KV ``mesh_registry`` (manifests)."""
     task_records_max_bytes: ByteSize = 64 * 1024**2
@@ -453,6 +458,10 @@ class CommerceConfig(BaseModel):
     """How long the seller's node remembers the platform's answer for one (owner,
     seller, SKU). A revocation or registration event drops it at once; this is
     the bound when that event is missed (a revoked agreement admits at most this long)."""
+    publish_usage: bool = True
+    """Publish the meter events of priced offerings (and A2A charges) on
+    ``mesh.event.metering.*`` for the rating service (§13.5, §19.6). Off: they
+    stay in this node's ``usage.jsonl`` (``meshnode usage`` rates them locally)."""
 
 
 class ArtifactsConfig(BaseModel):
@@ -535,7 +544,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file", "allowance_any_owner")
 
 
 def _plugin_name(value: object) -> str:
@@ -569,12 +578,21 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
-    allowance_file: Path | None = None
-    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    allowance_file: OptionalFilePath = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent; a
+    relative path is relative to the config file, like every path. The
     node verifies its signature against its ``owner_key``; one that does not
     verify fails closed (every ceiling exhausted, new work refused) and is
     named in the log and in ``meshnode allowance show``. ``meshnode allowance
-    set`` documents take precedence when their ``updated_at`` is later."""
+    set`` documents take precedence when their ``updated_at`` is later.
+    ``meshnode reload`` reads it again (no restart needed)."""
+    allowance_any_owner: bool | None = None
+    """``true``: accept allowance documents (``allowance_file``, ``meshnode allowance
+    add``) signed by any owner key. Off, a document must be signed by the
+    agent's owner as this node knows it (its manifest ``owner``, else this
+    node's key, §8.6); one signed by another key is refused naming both keys
+    (a file fails closed). Turn on when the owner signs with a key the
+    manifest does not name. Unset means false."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

@@ -33,16 +33,18 @@ from meshnode.admin.protocol import (
     Refused,
 )
 from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.agent.replies import RemoteError
 from meshnode.node.agreement_lookup import parse_records
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.commerce import AgreementGate
 from meshnode.node.hosted import HostedAgent
 from meshnode.protocol import subjects
-from meshnode.protocol.commerce import AgreementRecord, ledger_totals, parse_skus, sign_agreement
+from meshnode.protocol.commerce import AgreementRecord, parse_skus, sign_agreement
 from meshnode.protocol.commerce.revocation import sign_revocation
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts
+from meshnode.services.rating import ledger_view
 
 if TYPE_CHECKING:
     from meshnode.daemon.main import Daemon
@@ -101,9 +103,10 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     )
     methods.add(
         "Usage.Rated", ops.usage, level="operator",
-        doc="params {owner?, seller?} -> {events, charges: [...], totals: [{consumer_owner, seller_agent, currency, "
-        "period, amount_micro}]}: the recorded meter events of priced offerings rated (§19.6) against the held "
-        "agreements, replayed from the log (the same log gives the same charges)",
+        doc="params {owner?, seller?, period?, source?: auto|ledger|local} -> {events, charges: [...], totals: "
+        "[{consumer_owner, seller_agent, currency, period, amount_micro}], source}: rated charges (§19.6) from the "
+        "mesh's rating service (source ledger), else this node's usage log replayed against the held agreements "
+        "(source local)",
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
@@ -303,21 +306,27 @@ class _AgreementMethods:
         gate = self._gate()
         owner = param(params, "owner", str, None)
         seller = param(params, "seller", str, None)
+        period = param(params, "period", str, None)
+        source = param(params, "source", str, "auto")
+        if source not in ("auto", "ledger", "local"):
+            raise InvalidParameter("source must be auto, ledger or local", {"parameter": "source"})
         node = self.d.node
         if seller is not None and node is not None:
             local = node.agents.get(seller)
             seller = local.agent_id if local is not None else seller
+        filters = {k: v for k, v in (("owner", owner), ("seller", seller), ("period", period)) if v is not None}
+        if source != "local" and node is not None and CLI_AGENT_NAME in node.agents:
+            # The mesh's ledger first (§19.6): every seller's events, A2A charges too.
+            try:
+                answer = await node.service_call(node.agents[CLI_AGENT_NAME], subjects.RATING_LEDGER, "request", filters)
+                return {**answer, "source": "ledger"}
+            except (ProtocolError, RemoteError) as exc:
+                if source == "ledger":
+                    raise NotFound(f"no rating service answered on {subjects.RATING_LEDGER}: {exc}") from None
+        # Fallback: this node's own usage.jsonl replayed against the agreements it holds.
         if gate.usage is None:
-            return {"events": 0, "charges": [], "totals": []}
-        charges = [
-            c for c in gate.usage.rate(gate.store.records())
-            if (owner is None or c.consumer_owner == owner) and (seller is None or c.seller_agent == seller)
-        ]
-        totals = [
-            {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
-            for k, v in sorted(ledger_totals(charges).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
-        ]
-        return {"events": len(charges), "charges": [c.to_object() for c in charges], "totals": totals}
+            return {"events": 0, "charges": [], "totals": [], "source": "local"}
+        return {**ledger_view(gate.usage.rate(gate.store.records()), **filters), "source": "local"}
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()

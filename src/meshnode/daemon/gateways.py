@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshnode.a2a.charges import ChargeStore
+from meshnode.a2a.charges import Charge, ChargeStore, charge_event
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
+from meshnode.node.commerce import publish_meter_event
 from meshnode.node.runtime import Node
 from meshnode.protocol.a2a_extension import IssuerTrust, parse_verify_key
 from meshnode.protocol.nkeys import KeyPair
@@ -56,6 +57,22 @@ class A2AGateways:
         self.outbound = A2AOutbound.from_config(
             cfg, default_application=config.node.name, charges=charges, node_key=node_key
         )
+
+    def publish_charges(self, node: Node) -> None:
+        """Put every new A2A charge in the mesh's ledger (§19.6): published as
+        ``mesh.event.metering.a2a_charge``, signed by the calling agent, its
+        owner the node (the default owner of its agents, §8.3)."""
+        outbound = self.outbound
+        if outbound is None:
+            return
+
+        async def on_charge(charge: Charge) -> None:
+            hosted = node.by_id.get(charge.agent)
+            if hosted is None:
+                raise RuntimeError(f"the calling agent {charge.agent} is not hosted here any more")
+            await publish_meter_event(hosted, charge_event(charge, node.node_id), "a2a_charge")
+
+        outbound.on_charge = on_charge
 
     async def start_bridge(
         self, config: Config, node: Node, failed_agents: dict[str, str], data_dir: Path, shutdown: Shutdown

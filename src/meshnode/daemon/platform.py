@@ -24,6 +24,7 @@ from meshnode.services.base import ServiceBase, ServiceContext
 from meshnode.services.consumers import DEFAULT_MAX_PER_AGENT, ConsumerService
 from meshnode.services.feeds import FeedService
 from meshnode.services.presence import PresenceService
+from meshnode.services.rating import AgreementSource, RatingService
 from meshnode.services.registry import DEFAULT_REGISTRATION_CONCURRENCY, RegistryService
 from meshnode.services.tasks import TaskManagerService
 from meshnode.transport.streams import (
@@ -49,6 +50,7 @@ log = logging.getLogger("meshnode.daemon")
 _S = TypeVar(
     "_S", RegistryService, PresenceService, ArtifactService, TaskManagerService, FeedService, ConsumerService,
     AgreementService,
+    RatingService,
 )
 
 
@@ -56,7 +58,7 @@ def _same(ctx: ServiceContext) -> Callable[[str], ServiceContext]:
     return lambda _name: ctx
 
 #: The services in start order (each stops in reverse).
-SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "agreements")
+SERVICE_ORDER = ("registry", "presence", "artifacts", "tasks", "feeds", "consumers", "agreements", "rating")
 
 
 def stream_limits(config: Config) -> StreamLimits:
@@ -68,6 +70,7 @@ def stream_limits(config: Config) -> StreamLimits:
         feed=s.feed_max_bytes,
         heartbeat=s.heartbeat_max_bytes,
         registry_events=s.registry_events_max_bytes,
+        metering=s.metering_max_bytes,
         registry=s.registry_max_bytes,
         task_records=s.task_records_max_bytes,
         feed_state=s.feed_state_max_bytes,
@@ -139,9 +142,13 @@ class PlatformServices:
     feeds: FeedService
     consumers: ConsumerService
     agreements: AgreementService
+    rating: RatingService
 
     def all(self) -> list[ServiceBase]:
-        return [self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.agreements]
+        return [
+            self.registry, self.presence, self.artifacts, self.tasks, self.feeds, self.consumers, self.agreements,
+            self.rating,
+        ]
 
     async def stop(self) -> None:
         """Stop every service, last started first."""
@@ -167,6 +174,7 @@ async def start_platform_services(
     imported: Mapping[str, str] | None = None,
     wait_ready: bool = False,
     sdk_agent_of: Callable[[str], str | None] | None = None,
+    agreement_source: AgreementSource | None = None,
 ) -> PlatformServices:
     """Ensure the mesh streams, then start every platform service of one account.
 
@@ -178,6 +186,8 @@ async def start_platform_services(
     maps agents other tenants exported here to where their registry answers.
     ``sdk_agent_of`` (control plane) names the one agent of a node's sdk
     enrolment: the registry accepts untokenized registrations from those only.
+    ``agreement_source`` is an agreement store the rating service reads beside
+    the agreements the meter events carry (None: those alone).
     ``wait_ready`` waits for the streams to have leaders first: a cluster
     (re)started moments ago answers before they do.
     """
@@ -257,10 +267,18 @@ async def start_platform_services(
                 max_per_owner=settings.max_agreements_per_owner,
             )
         )
+        # Rating (§19.6) folds MESH_METERING into a ledger; it signs with the task
+        # manager's key (the other metering emitter), so no deployment needs a
+        # new service key file. Owners resolve from the registry's cache.
+        rating = await start(
+            RatingService(
+                contexts("tasks"), owner_of=lambda agent: _owner(registry.manifest(agent)), agreements=agreement_source
+            )
+        )
     except BaseException:
         await PlatformServices.stop_all(started)
         raise
-    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, agreements)
+    return PlatformServices(registry, presence, artifacts, tasks, feeds, consumers, agreements, rating)
 
 
 def _owner(manifest: Mapping[str, object] | None) -> str | None:

@@ -26,11 +26,13 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import OfferingSpec
+from meshnode.protocol import subjects
+from meshnode.protocol.budget import parse_money
 from meshnode.protocol.commerce import (
     Agreement,
     AgreementRecord,
@@ -45,6 +47,7 @@ from meshnode.protocol.commerce import (
     sku_for,
     verify_agreement,
 )
+from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.metering import MeterClass, meter_event
 
@@ -52,7 +55,16 @@ if TYPE_CHECKING:
     from meshnode.node.agreement_lookup import PlatformAgreements
     from meshnode.node.hosted import HostedAgent
 
-__all__ = ["AgreementGate", "AgreementStore", "UsageLog", "declared_skus", "default_sku_id"]
+__all__ = [
+    "AgreementGate",
+    "AgreementStore",
+    "MeterPublisher",
+    "UsageLog",
+    "declared_skus",
+    "default_sku_id",
+    "publish_meter_event",
+    "rating_context",
+]
 
 log = logging.getLogger("meshnode.commerce")
 
@@ -184,19 +196,27 @@ class UsageLog:
     """The meter events of priced offerings this node recorded, in ``path`` (JSON lines).
 
     Each line is ``{"event": <§13.5 meter event>, "sku": <the SKU as declared
-    when the event happened>, "consumer_owner": <resolved at admission>}``, so a
-    replay rates each event under the terms current at its ts, whatever the
-    agent declares now. Recorded: one observed ``requests`` event per
-    completed request of an offering a SKU covers, and one refusal event
-    (quantity 0, ``refused: true``) per AGREEMENT_REQUIRED.
+    when the event happened>, "consumer_owner": <resolved at admission>}``, plus
+    the request's ``cost_ceiling`` (§19.3) and ``interaction`` (the request
+    envelope id the ceiling binds) when it carried a budget, and the
+    ``agreement`` that admitted it, so a replay rates
+    each event under the terms current at its ts, whatever the agent declares
+    now. Recorded: one observed ``requests`` event per completed request of an
+    offering a SKU covers, one declared event per meter the handler reported
+    (``ctx.report_usage``), and one refusal event (quantity 0, ``refused:
+    true``) per AGREEMENT_REQUIRED.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None) -> None:
-        line = json.dumps({"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner},
-                          separators=(",", ":"))
+    def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None,
+               context: Mapping[str, Any] | None = None) -> None:
+        record: dict[str, Any] = {"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner}
+        for name in ("cost_ceiling", "interaction", "agreement"):
+            if context is not None and context.get(name) is not None:
+                record[name] = context[name]
+        line = json.dumps(record, separators=(",", ":"))
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as f:
@@ -221,19 +241,83 @@ class UsageLog:
     def rate(self, agreements: Iterable[Agreement | AgreementRecord]) -> list[Charge]:
         """The §19.6 fold of the recorded events × the agreements: a fresh
         :class:`~meshnode.protocol.commerce.Rater`, so the same log and
-        agreements always give the same charges to the micro-unit."""
+        agreements always give the same charges to the micro-unit. A request's
+        ``cost_ceiling`` clamps what its events are charged together. The
+        agreement that admitted a request (from this store or the platform's)
+        is kept on its line and counts too, once its signature verifies."""
         rater = Rater(list(agreements))
+        carried: set[str] = set()
         charges: list[Charge] = []
         for record in self.read():
+            document = record.get("agreement")
+            if document is not None:
+                try:
+                    held = verify_agreement(document)
+                except ProtocolError:
+                    held = None
+                if held is not None and held.sig not in carried:
+                    carried.add(held.sig)
+                    rater.agreements.append(held)
             try:
                 sku = parse_sku(record.get("sku"))
+                ceiling = parse_money(record["cost_ceiling"]) if "cost_ceiling" in record else None
             except ProtocolError:
                 continue
             owner = record.get("consumer_owner")
-            charge = rater.rate(record["event"], sku=sku, consumer_owner=owner if isinstance(owner, str) else None)
+            interaction = record.get("interaction")
+            charge = rater.rate(
+                record["event"], sku=sku, consumer_owner=owner if isinstance(owner, str) else None,
+                ceiling=ceiling, interaction=interaction if isinstance(interaction, str) else None,
+            )
             if charge is not None:
                 charges.append(charge)
         return charges
+
+
+#: ``(hosted, data)`` -> publish one meter event; see :func:`publish_meter_event`.
+MeterPublisher = Callable[["HostedAgent", Mapping[str, Any]], Awaitable[None]]
+
+
+async def publish_meter_event(hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> None:
+    """Publish ``data`` (a §13.5 meter event with its ``rating`` context) on
+    ``mesh.event.metering.usage`` as an ``emit`` signed by the responder
+    (§13.5: a declared meter is the responder's claim, attributable because it
+    arrives under the responder's signature). JetStream-acked, ``Nats-Msg-Id``
+    = the envelope id, so a retried publish is stored once; MESH_METERING keeps
+    it for the rating service (:mod:`meshnode.services.rating`). ``event_type``
+    ``a2a_charge``: ``data`` is an A2A charge (:func:`meshnode.a2a.charges.charge_event`),
+    signed by the calling agent, whose debt it is.
+
+    Not through the agent's ``emit``: receipts are the node's bookkeeping, not
+    the plugin's events, and must not spend the agent's per-subject emit budget.
+    """
+    node = hosted.node
+    env = build_envelope(
+        "emit", hosted.agent_id, now_ms=node.now_ms(), ids=node.ids,
+        payload={"domain": "metering", "event_type": event_type, "data": dict(data)},
+    )
+    sign_envelope(env, hosted.key)
+    await node.connection.jetstream.publish(
+        subjects.event_subject("metering", event_type), encode_envelope(env),
+        headers={"Nats-Msg-Id": str(env["id"])}, timeout=5.0,
+    )
+
+
+def rating_context(sku: Sku, owner: str | None, agreement: Agreement | None,
+                   env: Mapping[str, Any]) -> dict[str, Any]:
+    """What the rating service needs beside a meter event to rate it alone (§19.6):
+    the SKU as declared at the event (its digest is recomputed by the rater), the
+    consumer's owner resolved at admission, the owner-signed agreement that
+    admitted it (the rater verifies its signature, so a seller cannot invent
+    one), and the request's ``cost_ceiling`` with the interaction it binds."""
+    context: dict[str, Any] = {"sku": sku.to_object(), "consumer_owner": owner}
+    if agreement is not None:
+        context["agreement"] = agreement.to_object()
+    budget = env.get("budget")
+    if isinstance(budget, Mapping) and isinstance(budget.get("cost_ceiling"), Mapping):
+        context["cost_ceiling"] = dict(budget["cost_ceiling"])
+    context["interaction"] = str(env.get("id"))
+    return context
 
 
 #: Admitted requests awaiting their completion's meter event, at most this many.
@@ -241,7 +325,12 @@ _ADMITTED_CAP = 10_000
 
 
 class AgreementGate:
-    """The §19.5 admission check, with the node's store and ``[commerce]`` settings."""
+    """The §19.5 admission check, with the node's store and ``[commerce]`` settings.
+
+    It also keeps the seller's meter of priced offerings (§13.5): each event is
+    appended to ``usage`` and, with ``publisher`` set (the daemon sets
+    :func:`publish_meter_event`), published for the rating service.
+    """
 
     def __init__(
         self,
@@ -250,38 +339,76 @@ class AgreementGate:
         approval_surface: str | None,
         gate_free_terms: bool,
         usage: UsageLog | None = None,
+        publisher: MeterPublisher | None = None,
     ) -> None:
         self.store = store
         self.approval_surface = approval_surface
         self.gate_free_terms = gate_free_terms
         self.usage = usage
+        self.publisher = publisher
         #: The platform agreement service, asked when the local store holds no
         #: agreement (None: the local store alone, ``[commerce] platform_agreements = false``).
         self.platform: PlatformAgreements | None = None
-        # Request id -> (SKU, owner) from admission to completion (FIFO-bounded:
-        # a request whose handler never completes must not grow it forever).
-        self._admitted: dict[str, tuple[Sku, str | None]] = {}
+        # Request id -> (SKU, owner, the agreement that admitted it) from
+        # admission to completion (FIFO-bounded: a request whose handler never
+        # completes must not grow it forever).
+        self._admitted: dict[str, tuple[Sku, str | None, Agreement | None]] = {}
 
-    def _record(self, hosted: HostedAgent, env: Mapping[str, Any], sku: Sku, owner: str | None,
-                offering: str, now_ms: int, refusal_code: str | None = None) -> None:
-        if self.usage is None:
-            return
-        try:
-            event = meter_event(
-                "requests", MeterClass.OBSERVED, 0 if refusal_code else 1, provider=hosted.agent_id,
-                consumer=str(env["from"]), envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering,
-                refusal_code=refusal_code,
-            )
-            self.usage.append(event, sku, owner)
-        except (OSError, ValueError) as exc:
-            # Usage is a record, not a gate: losing a line never refuses work.
-            log.warning("%s: meter event not recorded: %s", self.usage.path, exc)
+    @property
+    def metering(self) -> bool:
+        return self.usage is not None or self.publisher is not None
 
-    def delivered(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> None:
-        """A request admitted by :meth:`check` completed: record its ``requests`` event."""
+    async def _record(self, hosted: HostedAgent, env: Mapping[str, Any], sku: Sku, owner: str | None,
+                      agreement: Agreement | None, events: Sequence[Mapping[str, Any]]) -> None:
+        context = rating_context(sku, owner, agreement, env)
+        for event in events:
+            if self.usage is not None:
+                try:
+                    self.usage.append(event, sku, owner, context)
+                except OSError as exc:
+                    # Usage is a record, not a gate: losing a line never refuses work.
+                    log.warning("%s: meter event not recorded: %s", self.usage.path, exc)
+            if self.publisher is not None:
+                try:
+                    await self.publisher(hosted, {**event, "rating": context})
+                except Exception as exc:  # the transport, a full store: logged, the work stands
+                    hosted.counters["metering.unpublished"] += 1
+                    log.warning("meter event %s/%s not published on %s: %s", event.get("meter"),
+                                event.get("envelope_id"), subjects.METERING_USAGE, exc)
+
+    async def delivered(
+        self,
+        hosted: HostedAgent,
+        env: Mapping[str, Any],
+        offering: str,
+        now_ms: int,
+        *,
+        usage: Sequence[Mapping[str, Any]] | None = None,
+        receipt_id: str | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        """A request admitted by :meth:`check` completed: record its ``requests``
+        event (under the request's id) and one declared event per ``usage`` entry
+        (under ``receipt_id``, the respond that carried the report, §13.5)."""
         admitted = self._admitted.pop(str(env.get("id")), None)
-        if admitted is not None:
-            self._record(hosted, env, admitted[0], admitted[1], offering, now_ms)
+        if admitted is None:
+            return
+        sku, owner, agreement = admitted
+        common: dict[str, Any] = {
+            "provider": hosted.agent_id, "consumer": str(env["from"]), "ts_ms": now_ms, "offering": offering,
+            "task_id": task_id,
+        }
+        try:
+            events = [meter_event("requests", MeterClass.OBSERVED, 1, envelope_id=str(env["id"]), **common)]
+            for line in usage or ():
+                events.append(meter_event(
+                    str(line["meter"]), MeterClass.DECLARED, int(line["quantity"]),
+                    envelope_id=receipt_id or str(env["id"]), **common,
+                ))
+        except ValueError as exc:
+            log.warning("%s: meter events of %s not recorded: %s", hosted.name, env.get("id"), exc)
+            return
+        await self._record(hosted, env, sku, owner, agreement, events)
 
     async def owner_of(self, hosted: HostedAgent, requester: str) -> str | None:
         """The requester's owner the way EXT-2 §7.1 resolves it: the owner of its
@@ -303,9 +430,9 @@ class AgreementGate:
         node_id = node.get("id") if isinstance(node, Mapping) else None
         return node_id if isinstance(node_id, str) else None
 
-    def _admit(self, env: Mapping[str, Any], sku: Sku, owner: str | None) -> Sku:
-        if self.usage is not None:
-            self._admitted[str(env.get("id"))] = (sku, owner)
+    def _admit(self, env: Mapping[str, Any], sku: Sku, owner: str | None, agreement: Agreement | None = None) -> Sku:
+        if self.metering:
+            self._admitted[str(env.get("id"))] = (sku, owner, agreement)
             if len(self._admitted) > _ADMITTED_CAP:
                 self._admitted.pop(next(iter(self._admitted)))
         return sku
@@ -335,8 +462,16 @@ class AgreementGate:
                 consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
             )
         if agreement is not None:
-            return self._admit(env, sku, owner)
-        self._record(hosted, env, sku, owner, offering, now_ms, refusal_code="AGREEMENT_REQUIRED")
+            return self._admit(env, sku, owner, agreement)
+        try:
+            refusal = meter_event(
+                "requests", MeterClass.OBSERVED, 0, provider=hosted.agent_id, consumer=requester,
+                envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering, refusal_code="AGREEMENT_REQUIRED",
+            )
+        except ValueError as exc:
+            log.warning("%s: refusal event of %s not recorded: %s", hosted.name, env.get("id"), exc)
+        else:
+            await self._record(hosted, env, sku, owner, None, [refusal])
         try:
             url = approval_url(sku, self.approval_surface)
         except ValueError:

@@ -15,6 +15,7 @@ from meshnode.protocol.a2a_extension import EXTENSION_URI, chain_meta_of, peer_n
 from meshnode.protocol.artifacts import FileAttachment, Resource, parse_files, parse_resources
 from meshnode.protocol.envelope import child_trace
 from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.metering import OBSERVED_METERS, is_meter_name
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.rests_on import Verdict
 
@@ -52,6 +53,7 @@ class AgentContext:
         #: The Task this request became, once the handler deferred or streamed.
         self.task: ResponderTask | None = None
         self._artifacts: list[dict[str, Any]] = []
+        self._usage: dict[str, int] = {}
 
     @property
     def agent_id(self) -> str:
@@ -195,7 +197,16 @@ class AgentContext:
             self._hosted, pattern, durable=durable, replay=replay
         )
 
-    async def report_usage(self, *, tokens: int | None = None, cost_micro: int | None = None) -> None:
+    async def report_usage(
+        self,
+        meter: str | None = None,
+        quantity: int | None = None,
+        *,
+        tokens: int | None = None,
+        cost_micro: int | None = None,
+    ) -> None:
+        if meter is not None or quantity is not None:
+            self._report_meter(meter, quantity)
         for name, value in (("tokens", tokens), ("cost_micro", cost_micro)):
             if value is not None and (type(value) is not int or value < 0):
                 raise ValueError(f"report_usage: {name} is a non-negative integer")
@@ -271,6 +282,22 @@ class AgentContext:
 
     async def stat_artifact(self, ref: str | Mapping[str, Any] | FileAttachment) -> dict[str, Any]:
         return await self._store().stat(ref)
+
+    def _report_meter(self, meter: str | None, quantity: int | None) -> None:
+        """The declared-meter half of :meth:`report_usage` (§13.5)."""
+        if not is_meter_name(meter):
+            raise ValueError(f"report_usage: meter {meter!r} is not a meter name ([a-z0-9_]{{1,64}})")
+        assert isinstance(meter, str)
+        if meter in OBSERVED_METERS:
+            raise ValueError(f"report_usage: {meter!r} is an observed meter (the platform counts it, §13.5)")
+        if type(quantity) is not int or quantity < 0:
+            raise ValueError(f"report_usage: quantity of {meter!r} must be a non-negative integer")
+        self._usage[meter] = quantity  # cumulative: the latest report supersedes (§13.5)
+
+    @property
+    def usage_report(self) -> list[dict[str, Any]]:
+        """The declared usage reported so far, as ``payload.usage`` (§13.5)."""
+        return [{"meter": m, "quantity": q} for m, q in self._usage.items()]
 
     def add_artifact(
         self,

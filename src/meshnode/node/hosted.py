@@ -574,8 +574,7 @@ class HostedAgent:
                 await self._answer(env, status="failed", error=error, path=source)
         else:
             self.counters["completed"] += 1
-            if self.node.commerce is not None and self.skus:
-                self.node.commerce.delivered(self, env, spec.id, self.node.now_ms())  # §13.5 requests meter
+            usage = ctx.usage_report or None  # declared meters the handler reported (§13.5)
             try:
                 # Artifacts the handler attached, and the output itself stored
                 # as one when the answer would not fit the transport (§18.9).
@@ -593,9 +592,16 @@ class HostedAgent:
                     await self._answer(env, status="failed", error=error, path=source)
                 return
             if ctx.task is not None:
-                await self._finish_task(ctx.task, "completed", output=output, artifacts=artifacts)
+                receipt = await self._finish_task(ctx.task, "completed", output=output, artifacts=artifacts,
+                                                  usage=usage)
             else:
-                await self._answer(env, status="completed", output=output, artifacts=artifacts, path=source)
+                receipt = await self._answer(env, status="completed", output=output, artifacts=artifacts,
+                                             path=source, usage=usage)
+            if self.node.commerce is not None and self.skus:
+                # §13.5: the requests meter, and the declared meters under the id
+                # of the respond whose signature covers their report.
+                await self.node.commerce.delivered(self, env, spec.id, self.node.now_ms(), usage=usage,
+                                                   receipt_id=receipt, task_id=ctx.task.task_id if ctx.task else None)
         finally:
             if ctx.task is not None:
                 self.tasks.pop(ctx.task.task_id, None)
@@ -627,16 +633,21 @@ class HostedAgent:
         output: Any = None,
         error: Mapping[str, Any] | None = None,
         artifacts: list[dict[str, Any]] | None = None,
-    ) -> None:
+        usage: list[dict[str, Any]] | None = None,
+    ) -> str | None:
+        """End ``task`` in ``state``; the id of the terminal update, None when none went out."""
         if task.state in TERMINAL_STATES:
-            return
+            return None
         try:
-            await task._send(state, output=output, error=error, artifacts=artifacts)
+            sent = await task._send(state, output=output, error=error, artifacts=artifacts,
+                                    extra={"usage": usage} if usage else None)
+            return str(sent["id"])
         except ProtocolError as exc:
             self.agent.log.warning("task %s could not end as %s: %s", task.task_id, state, exc)
         except Exception as exc:  # the transport: logged here, never an unretrieved task exception
             self.agent.log.error("task %s could not publish its %s update: %s: %s",
                                  task.task_id, state, type(exc).__name__, exc)
+        return None
 
     async def _run_streaming(
         self, ctx: AgentContext, handler: Any, handler_input: Any, wants_stream: bool, config: Any
@@ -759,8 +770,10 @@ class HostedAgent:
         path: Path,
         accept: bool = False,
         artifacts: list[dict[str, Any]] | None = None,
-    ) -> None:
-        """Sign a respond and deliver it to the requester's inbox (§6.5)."""
+        usage: list[dict[str, Any]] | None = None,
+    ) -> str | None:
+        """Sign a respond and deliver it to the requester's inbox (§6.5); its id
+        (None when it could not be delivered). ``usage`` is the §13.5 usage report."""
         inbox = self.node.inbox
         if (
             not accept and path is Path.LIVE and inbox is not None
@@ -776,6 +789,8 @@ class HostedAgent:
         payload: dict[str, Any] = {"status": status}
         if output is not None:
             payload["output"] = output
+        if usage:
+            payload["usage"] = usage
         env = build_envelope(
             "respond",
             self.agent_id,
@@ -795,7 +810,9 @@ class HostedAgent:
         except ProtocolError as exc:
             if accept or status == "failed":
                 self.agent.log.warning("could not deliver a respond to %s: %s", request["from"], exc)
-                return
+                return None
             # The answer itself cannot travel (e.g. larger than the transport
             # carries): tell the requester so instead of leaving it waiting.
             await self._answer(request, status="failed", error=exc.to_object(), path=path)
+            return None
+        return str(env["id"])

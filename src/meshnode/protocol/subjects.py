@@ -49,12 +49,17 @@ __all__ = [
     "MESH_EVENTS",
     "MESH_HEARTBEAT",
     "MESH_LOG",
+    "MESH_METERING",
+    "METERING_A2A_CHARGE",
+    "METERING_EVENTS",
+    "METERING_USAGE",
     "MESH_METRICS",
     "MESH_REGISTRY",
     "MESH_TASKS",
     "MESH_TRACE",
     "PEER_PREFIX",
     "PRESENCE_GET",
+    "RATING_LEDGER",
     "REGISTRY_DEREGISTER",
     "REGISTRY_DESCRIPTOR_PUT",
     "REGISTRY_DISCOVER",
@@ -379,6 +384,17 @@ ARTIFACTS_STAT = "mesh.artifacts.stat"
 ARTIFACTS_REMOVE = "mesh.artifacts.remove"
 ARTIFACTS_USAGE = "mesh.artifacts.usage"
 
+# --- metering and rating (§13.5, §19.6) ------------------------------------------
+
+#: §13.5 meter events, one per emit (``data`` = the meter event).
+METERING_USAGE = "mesh.event.metering.usage"
+#: A charge an external A2A agent made for a call (meshnode's own event type).
+METERING_A2A_CHARGE = "mesh.event.metering.a2a_charge"
+#: What ``MESH_METERING`` keeps of ``MESH_EVENTS``: receipts, meter events, charges.
+METERING_EVENTS = "mesh.event.metering.>"
+#: The rating service's ledger lookup (request-reply).
+RATING_LEDGER = "mesh.rating.ledger"
+
 
 # --- JetStream streams, consumers, KV ---------------------------------------------
 
@@ -389,6 +405,7 @@ MESH_HEARTBEAT = "MESH_HEARTBEAT"
 MESH_TRACE = "MESH_TRACE"
 MESH_METRICS = "MESH_METRICS"
 MESH_LOG = "MESH_LOG"
+MESH_METERING = "MESH_METERING"
 FEED_STREAM = "MESH_FEED"
 KV_REGISTRY = "mesh_registry"
 KV_TASKS = "mesh_tasks"

@@ -143,6 +143,8 @@ ARTIFACTS = "mesh.artifacts.>"
 CONSUMERS_ENSURE = "mesh.consumers.ensure.{node}"
 CONSUMERS_DELETE = "mesh.consumers.delete.{node}"
 ALL_CONSUMERS = "mesh.consumers.>"
+RATING_LEDGER = "mesh.rating.ledger"
+ALL_RATING = "mesh.rating.>"
 AGREEMENTS_REGISTER = "mesh.agreements.register"
 AGREEMENTS_REVOKE = "mesh.agreements.revoke"
 AGREEMENTS_LOOKUP = "mesh.agreements.lookup"
@@ -375,6 +377,9 @@ def node_permissions(
         EVENTS,
         # State-feed lookups are requests to the platform.
         FEED_GET,
+        # Ledger lookups are requests to the rating service, which answers an
+        # agent only about its own owner's and its own agents' charges (§19.6).
+        RATING_LEDGER,
         # The node's consumers on the shared streams, made and deleted by the
         # consumer service for the agent that signs the request (module note);
         # connection-bound, so the deliver subject it names is checked against
@@ -465,6 +470,8 @@ def node_permissions(
             FEED_GET,
             # The consumer service's requests (module note).
             ALL_CONSUMERS,
+            # The rating service's ledger lookups (§19.6).
+            ALL_RATING,
             # The agreement service's requests (§19.5).
             ALL_AGREEMENTS,
         ]

@@ -56,6 +56,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
 
@@ -67,8 +68,11 @@ from .jetstream import JetStream
 
 __all__ = [
     "DAY_S",
+    "METERING_MAX_AGE_S",
     "DEFAULT_MAILBOX_BYTES",
     "DEFAULT_MAILBOX_MSGS",
+    "STREAM_LIST_PAGE",
+    "SweepCursor",
     "DEFAULT_STREAM_LIMITS",
     "StreamLimits",
     "agreements_bucket_config",
@@ -81,10 +85,12 @@ __all__ = [
     "ensure_mesh_streams",
     "ensure_stream",
     "purge_acked_mailboxes",
+    "purge_acked_page",
     "feed_state_bucket_config",
     "feed_stream_config",
     "inbox_stream_config",
     "mesh_stream_configs",
+    "metering_stream_config",
     "registry_bucket_config",
     "tasks_bucket_config",
     "wait_jetstream_ready",
@@ -107,7 +113,7 @@ class StreamLimits:
     account's JetStream store (module docstring); :meth:`platform_total` is
     what one account's platform objects reserve before the first mailbox.
     ``max_msg_size`` bounds one message on the participant-writable streams.
-    Configured under ``[storage]``; the defaults total 792 MiB.
+    Configured under ``[storage]``; the defaults total 808 MiB.
     """
 
     tasks: int = 64 * _MIB
@@ -120,6 +126,8 @@ class StreamLimits:
     """``MESH_HEARTBEAT`` (each node its own subject)."""
     registry_events: int = 8 * _MIB
     """``MESH_REGISTRY`` (written by the registry service)."""
+    metering: int = 16 * _MIB
+    """``MESH_METERING``: the meter events the rating service folds (sourced from MESH_EVENTS)."""
     registry: int = 32 * _MIB
     """KV ``mesh_registry``: manifests."""
     task_records: int = 64 * _MIB
@@ -223,7 +231,38 @@ def mesh_stream_configs(
             num_replicas=1,
             no_ack=True,
         ),
+        metering_stream_config(replicas, limits),
     ]
+
+
+#: How long MESH_METERING keeps a meter event (its byte bound may evict sooner).
+METERING_MAX_AGE_S = 90 * DAY_S
+
+
+def metering_stream_config(replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMITS) -> StreamConfig:
+    """``MESH_METERING`` (§13.5 "persist events durably"): the ``mesh.event.metering.>``
+    messages of ``MESH_EVENTS``, copied by the server (a stream source) into a
+    stream with *limits* retention, so the rating service can read it from the
+    first sequence on every start and fold the same ledger each time.
+
+    Why a sourced stream and not a second subject binding: JetStream refuses two
+    streams on overlapping subjects, and MESH_EVENTS (interest retention) drops
+    a message once its consumers have acked it, which makes it no replay source.
+    The copy is bounded like every platform object (``[storage] metering_max_bytes``)
+    and discards the oldest events first; the ledger spans what it holds.
+    """
+    return StreamConfig(
+        name=subjects.MESH_METERING,
+        description="Meter events, receipts and charges for rating (AgentMesh §13.5, §19.6)",
+        sources=[StreamSource(name=subjects.MESH_EVENTS, filter_subject=subjects.METERING_EVENTS)],
+        retention=RetentionPolicy.LIMITS,
+        max_age=METERING_MAX_AGE_S,
+        max_bytes=limits.metering,
+        max_msg_size=limits.max_msg_size,
+        discard=DiscardPolicy.OLD,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+    )
 
 
 def registry_bucket_config(
@@ -564,40 +603,81 @@ async def ensure_inbox_stream(
     )
 
 
-async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
-    """Purge every mailbox up to what its drain consumer has acked; returns the
-    purged mailboxes with the sequence each was purged through.
+#: Stream infos in one page of the JetStream API's STREAM.LIST (fixed by the server).
+STREAM_LIST_PAGE = 256
+
+
+class SweepCursor:
+    """Where the mailbox sweep is in the stream listing (issue #21).
+
+    The sweep reads one page of STREAM.LIST per tick instead of the whole
+    listing: at 10,000 agents the full listing was 40 pages a minute, most of
+    the registry's idle cost and a source of timeouts under load. ``offset`` is
+    the next page's start; a short (or empty) page was the last, so the next
+    tick starts over and ``passes`` counts one more complete pass.
+
+    Streams created or deleted between two pages shift the listing (it is
+    ordered by name): a mailbox may then be seen twice or skipped for one pass.
+    Both are harmless: a purge up to the ack floor is idempotent, and the next
+    pass sees a skipped one.
+    """
+
+    def __init__(self, page_size: int = STREAM_LIST_PAGE) -> None:
+        self.page_size = page_size
+        self.offset = 0
+        self.passes = 0
+
+    def advance(self, listed: int) -> None:
+        """Move past a page that listed ``listed`` streams."""
+        if listed < self.page_size:
+            self.offset = 0
+            self.passes += 1
+        else:
+            self.offset += listed
+
+
+async def purge_acked_page(jetstream: JetStream, offset: int = 0) -> tuple[dict[str, int], int]:
+    """Purge the mailboxes of one page of the stream listing (from ``offset``) up
+    to what their drain consumer has acked; returns the purged mailboxes with
+    the sequence each was purged through, and how many streams the page listed
+    (fewer than :data:`STREAM_LIST_PAGE`: it was the last page).
 
     The platform's half of the discard-new mailbox (issue #22.4): a meshnode
     node purges its own mailbox after a drain, but any client that drains
     through the §18.6 durable (``inbox_{agent}``) and acks gets the same room
     back here, without a purge grant. A mailbox without that consumer, or
-    with nothing acked past its first message, is left alone.
+    with nothing acked past its first message, is left alone; so is an empty
+    one (no consumer look-up at all: the listing carries each stream's state).
     """
     js = jetstream.native
     purged: dict[str, int] = {}
     with translated():
-        offset = 0
-        while True:
-            page = await js.streams_info(offset=offset)
-            if not page:
-                break
-            offset += len(page)
-            for info in page:
-                name = str(info.config.name)
-                if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
-                    continue
-                try:
-                    durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
-                    consumer = await js.consumer_info(name, durable)
-                except (NotFoundError, ValueError):
-                    continue  # nobody drains it through the §18.6 durable (or not an agent's)
-                floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
-                if floor >= int(info.state.first_seq or 0):
-                    await js.purge_stream(name, seq=floor + 1)
-                    purged[name] = floor
-            if len(page) < 256:  # the JetStream API's page size: this was the last page
-                break
+        page = await js.streams_info(offset=offset)
+        for info in page:
+            name = str(info.config.name)
+            if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
+                continue
+            try:
+                durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
+                consumer = await js.consumer_info(name, durable)
+            except (NotFoundError, ValueError):
+                continue  # nobody drains it through the §18.6 durable (or not an agent's)
+            floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
+            if floor >= int(info.state.first_seq or 0):
+                await js.purge_stream(name, seq=floor + 1)
+                purged[name] = floor
+    return purged, len(page)
+
+
+async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
+    """:func:`purge_acked_page` over the whole listing, page after page (one
+    complete pass; the registry's sweep takes one page per tick instead)."""
+    purged: dict[str, int] = {}
+    cursor = SweepCursor()
+    while cursor.passes == 0:
+        page, listed = await purge_acked_page(jetstream, cursor.offset)
+        purged.update(page)
+        cursor.advance(listed)
     return purged
 
 

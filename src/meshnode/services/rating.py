@@ -1,0 +1,336 @@
+"""The rating service (§19.6): meter events × agreed prices, folded into a ledger.
+
+Rating's contract is normative (§19.6): a pure function of the event stream,
+the SKUs and the agreements, integer arithmetic, refusals and unagreed usage
+rate to zero, a budget's ``cost_ceiling`` binds. This service is that fold
+over the mesh's durable meter stream, and nothing else: it settles nothing
+(§1.3) and never blocks work.
+
+Intake: ``MESH_METERING`` (:func:`meshnode.transport.streams.metering_stream_config`),
+the server's copy of every ``mesh.event.metering.>`` message, read by stream
+sequence from the first one on every start. The ledger is therefore *derived*,
+never stored: every instance folds the same messages in the same order and
+holds the same ledger to the micro-unit (redundant service nodes agree
+without coordinating), and a restart rebuilds it by replaying. Its horizon is
+the stream's bounds (``[storage] metering_max_bytes``, 90 days).
+
+What is rated (:class:`Ledger`):
+
+``mesh.event.metering.usage`` from a seller's node (:mod:`meshnode.node.commerce`)
+    An ``emit`` signed by the responder, ``data`` a §13.5 meter event whose
+    ``provider`` is the signer, plus ``data.rating``: the SKU as declared at the
+    event (its digest recomputed here), the consumer's owner resolved at
+    admission, the owner-signed agreement that admitted it (its signature is
+    verified here, so a seller cannot invent one), the request's
+    ``cost_ceiling`` and the ``interaction`` it binds (the request id). Meter
+    events without ``rating`` (the task manager's, for receipts and analytics)
+    are not charged: a price is the seller's to state.
+``mesh.event.metering.a2a_charge`` from a calling node (:mod:`meshnode.a2a`)
+    What an external A2A agent charged a mesh agent for one call
+    (``max(verified spend, contract price)``, already decided by the bridge):
+    signed by the calling agent, which thereby records its own debt; kept as a
+    ledger line as stated (sku ``a2a:<peer>``, meter ``a2a_calls``).
+
+Idempotent on the deriving envelope: a redelivered or republished meter event
+(same ``(meter, envelope_id)``) and a repeated A2A charge (same ``(peer,
+task_key)``) are charged once.
+
+Subject (the contract):
+
+``mesh.rating.ledger`` (request-reply, queue group ``mesh_rating``)
+    Request payload ``{owner?, seller?, period?, charges?}``; reply ``{events,
+    charges: [...], totals: [{consumer_owner, seller_agent, currency, period,
+    amount_micro}], ledger: {seq, lines}}``. A requester sees the lines whose
+    consumer owner is its owner (the registry's ``owner`` of its manifest, or
+    the requester itself when it is an owner key, e.g. a node) and the lines
+    of sellers it owns: "who did I serve" and "whom did I consume" from one
+    ledger, nothing of third parties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Protocol
+
+from meshnode.protocol import subjects
+from meshnode.protocol.budget import Money, parse_money
+from meshnode.protocol.commerce import (
+    Agreement,
+    AgreementRecord,
+    Charge,
+    ChargeOutcome,
+    Rater,
+    ledger_totals,
+    parse_sku,
+    verify_agreement,
+)
+from meshnode.protocol.envelope import decode_envelope, verify_envelope
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.metering import meter_event_problems
+from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
+from meshnode.transport.connection import Message
+from meshnode.transport.errors import NotFound
+
+from .base import Envelope, ServiceBase, ServiceContext
+
+__all__ = ["A2A_METER", "AgreementSource", "Ledger", "RatingService", "ledger_view"]
+
+#: The meter name of an A2A charge line (one call = one unit).
+A2A_METER = "a2a_calls"
+#: How often the service reads what MESH_METERING gained while nobody asked.
+_CATCH_UP_S = 2.0
+
+
+class AgreementSource(Protocol):
+    """Agreements the ledger may rate against beyond those the events carry
+    (e.g. a platform agreement store): read once per fold."""
+
+    def records(self) -> Iterable[Agreement | AgreementRecord]: ...
+
+
+def _micro_usd(text: object) -> int | None:
+    """A USD decimal string (the A2A charge table's unit) as integer micro-units, floored."""
+    try:
+        value = Decimal(str(text))
+    except (InvalidOperation, ValueError):
+        return None
+    if not value.is_finite() or value < 0:
+        return None
+    return int((value * 1_000_000).to_integral_value(rounding="ROUND_FLOOR"))
+
+
+@dataclass
+class Ledger:
+    """The pure fold of metering envelopes, in stream order, into charge lines.
+
+    :meth:`fold` takes one envelope (decoded, not yet verified) and returns the
+    line it added, or None (a duplicate, or nothing to rate). A fresh Ledger
+    fed the same envelopes holds the same lines: that is the replay.
+    """
+
+    agreements: Iterable[Agreement | AgreementRecord] = ()
+    lines: list[Charge] = field(default_factory=list)
+    stats: Counter[str] = field(default_factory=Counter)
+    _rater: Rater = field(init=False)
+    _a2a_seen: set[tuple[str, str]] = field(default_factory=set)
+    _carried: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._rater = Rater(list(self.agreements))
+
+    def fold(self, env: Mapping[str, Any]) -> Charge | None:
+        try:
+            verify_envelope(env)
+        except ProtocolError:
+            self.stats["refused.signature"] += 1
+            return None
+        payload = env.get("payload")
+        if env.get("type") != "emit" or not isinstance(payload, Mapping) or payload.get("domain") != "metering":
+            self.stats["ignored"] += 1
+            return None
+        data = payload.get("data")
+        if not isinstance(data, Mapping):
+            self.stats["refused.shape"] += 1
+            return None
+        if payload.get("event_type") == "usage":
+            return self._usage(env, data)
+        if payload.get("event_type") == "a2a_charge":
+            return self._a2a(env, data)
+        self.stats["ignored"] += 1  # receipts (task_completed, ...) are not charges
+        return None
+
+    def _usage(self, env: Mapping[str, Any], event: Mapping[str, Any]) -> Charge | None:
+        context = event.get("rating")
+        if not isinstance(context, Mapping):
+            self.stats["unpriced"] += 1  # the task manager's events: no price stated
+            return None
+        if meter_event_problems(event) or event.get("provider") != env.get("from"):
+            # A declared meter is the responder's claim: only its own signature states it (§13.5).
+            self.stats["refused.event"] += 1
+            return None
+        try:
+            sku = parse_sku(context.get("sku"))
+            ceiling: Money | None = (
+                parse_money(context["cost_ceiling"]) if context.get("cost_ceiling") is not None else None
+            )
+        except ProtocolError:
+            self.stats["refused.rating"] += 1
+            return None
+        carried = context.get("agreement")
+        if carried is not None:
+            self._carry(carried, str(event["provider"]))
+        owner = context.get("consumer_owner")
+        interaction = context.get("interaction")
+        charge = self._rater.rate(
+            event, sku=sku, consumer_owner=owner if isinstance(owner, str) else None,
+            seller_agent=str(event["provider"]), ceiling=ceiling,
+            interaction=interaction if isinstance(interaction, str) else None,
+        )
+        if charge is None:
+            self.stats["duplicate"] += 1
+            return None
+        self.stats[f"rated.{charge.outcome.value}"] += 1
+        self.lines.append(charge)
+        return charge
+
+    def _carry(self, document: object, seller: str) -> None:
+        """Hold an agreement an event carried, once its owner's signature verifies."""
+        try:
+            agreement = verify_agreement(document)
+        except ProtocolError:
+            self.stats["refused.agreement"] += 1
+            return
+        if agreement.seller_agent != seller or agreement.sig in self._carried:
+            return
+        self._carried.add(agreement.sig)
+        self._rater.agreements.append(agreement)
+
+    def _a2a(self, env: Mapping[str, Any], data: Mapping[str, Any]) -> Charge | None:
+        peer, task_key, agent = data.get("peer"), data.get("task_key"), data.get("agent")
+        if not (isinstance(peer, str) and isinstance(task_key, str) and agent == env.get("from")):
+            # The calling agent states its own debt; nobody else's word counts.
+            self.stats["refused.a2a"] += 1
+            return None
+        amount = _micro_usd(data.get("charged"))
+        currency = data.get("currency")
+        at_us = try_parse_rfc3339(data.get("ts"))
+        if amount is None or not isinstance(currency, str) or at_us is None:
+            self.stats["refused.a2a"] += 1
+            return None
+        key = (peer, task_key)
+        if key in self._a2a_seen:
+            self.stats["duplicate"] += 1
+            return None
+        self._a2a_seen.add(key)
+        owner = data.get("consumer_owner")
+        message_id = data.get("message_id")
+        charge = Charge(
+            envelope_id=str(message_id) if isinstance(message_id, str) else task_key,
+            meter=A2A_METER, quantity=1, sku=f"a2a:{peer}", sku_digest="",
+            consumer_owner=owner if isinstance(owner, str) else None, seller_agent=f"a2a:{peer}",
+            amount_micro=amount, currency=currency, outcome=ChargeOutcome.CHARGED, computed_micro=amount,
+            interaction=task_key, ts_ms=at_us // 1000,
+        )
+        self.stats["rated.a2a"] += 1
+        self.lines.append(charge)
+        return charge
+
+
+def ledger_view(
+    lines: Iterable[Charge],
+    *,
+    visible: Callable[[Charge], bool] = lambda _c: True,
+    owner: str | None = None,
+    seller: str | None = None,
+    period: str | None = None,
+) -> dict[str, Any]:
+    """The ``usage`` answer over ledger ``lines``: the charges (filtered by
+    consumer owner, seller and UTC period prefix ``YYYY``/``YYYY-MM``/``YYYY-MM-DD``)
+    and their totals per consumer owner, seller, currency and UTC month."""
+    charges = [
+        c for c in lines
+        if visible(c)
+        and (owner is None or c.consumer_owner == owner)
+        and (seller is None or c.seller_agent == seller)
+        and (period is None or format_ts(c.ts_ms).startswith(period))
+    ]
+    totals = [
+        {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
+        for k, v in sorted(ledger_totals(charges).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+    ]
+    return {"events": len(charges), "charges": [c.to_object() for c in charges], "totals": totals}
+
+
+class RatingService(ServiceBase):
+    """The ledger over ``MESH_METERING``; see the module docstring.
+
+    ``owner_of`` maps an agent id to its owner as the registry records it
+    (None: unknown); ``agreements`` is an optional further agreement source.
+    """
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        *,
+        owner_of: Callable[[str], str | None] | None = None,
+        agreements: AgreementSource | None = None,
+    ) -> None:
+        super().__init__(ctx, name="rating", queue="mesh_rating")
+        self.owner_of = owner_of or (lambda _agent: None)
+        self.agreement_source = agreements
+        self.ledger = Ledger()
+        self._next_seq = 1
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        # The stream itself is ensured with the mesh's streams (ensure_mesh_streams).
+        self.ledger = Ledger(list(self.agreement_source.records()) if self.agreement_source else ())
+        self._next_seq = 1
+        self._running = True
+        await self.catch_up()
+        self.spawn(self._follow, "follow")
+        await self.serve(subjects.RATING_LEDGER, self._query)
+        await self.ctx.connection.flush()
+
+    async def catch_up(self) -> int:
+        """Fold every MESH_METERING message not folded yet, in sequence order;
+        returns how many were read. Safe to call concurrently (one reader)."""
+        js = self.ctx.connection.jetstream
+        read = 0
+        async with self._lock:
+            while self.running:
+                try:
+                    stored = await js.message(subjects.MESH_METERING, seq=self._next_seq, next=True)
+                except NotFound:
+                    break  # nothing at or after the cursor yet
+                self._next_seq = stored.seq + 1
+                read += 1
+                try:
+                    env = decode_envelope(stored.data)
+                except ProtocolError:
+                    self.ledger.stats["refused.garbage"] += 1
+                    continue
+                self.ledger.fold(env)
+        return read
+
+    async def _follow(self) -> None:
+        while self.running:
+            try:
+                await self.catch_up()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a disconnect, a leaderless stream: retried
+                self.log.warning("reading %s failed: %s", subjects.MESH_METERING, exc)
+            await asyncio.sleep(_CATCH_UP_S)
+
+    def _visible_to(self, requester: str) -> Callable[[Charge], bool]:
+        owner = self.owner_of(requester) or requester
+
+        def visible(c: Charge) -> bool:
+            if c.consumer_owner == owner or c.seller_agent == requester:
+                return True
+            return not c.seller_agent.startswith("a2a:") and self.owner_of(c.seller_agent) == owner
+
+        return visible
+
+    async def _query(self, msg: Message, env: Envelope) -> Mapping[str, Any]:
+        payload = env.get("payload")
+        params = payload if isinstance(payload, Mapping) else {}
+        filters: dict[str, str | None] = {}
+        for name in ("owner", "seller", "period"):
+            value = params.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ProtocolError("INVALID_ENVELOPE", f"payload.{name} must be a string", {"member": name})
+            filters[name] = value
+        with contextlib.suppress(Exception):  # answer from what is folded if the stream is unreadable now
+            await self.catch_up()
+        view = ledger_view(self.ledger.lines, visible=self._visible_to(str(env["from"])), **filters)
+        view["ledger"] = {"seq": self._next_seq - 1, "lines": len(self.ledger.lines)}
+        return view

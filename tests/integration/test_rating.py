@@ -1,0 +1,132 @@
+"""Rating (§19.6) over a real daemon: meter events on the mesh, folded into the ledger.
+
+One embedded-mesh daemon (it runs the rating service) hosts ``priced``
+(``tests.agents.priced``: ``generate`` is priced per ``tokens_out`` token, a
+meter its handler reports with ``ctx.report_usage``; ``summarize`` is flat) and
+``caller`` (``tests.agents.a2a_caller``), which calls an in-process A2A peer.
+The daemon's CLI identity (owned by the node, §8.3) buys; its owner signs an
+agreement to ``generate`` only. ``meshnode usage`` then reads the mesh's
+ledger: the reported tokens charged at the agreed unit price, a refusal at
+zero, a budget's ceiling clamping the charge, the A2A call's charge beside
+them, and, after a restart (the rating service folds ``MESH_METERING`` again
+from its first message), the very same charges.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
+from tests.integration.a2a_peer import Behaviour, Peer
+
+pytestmark = pytest.mark.integration
+
+PRICE_PER_TOKEN = 3  # tests/agents/priced.py: generate
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    started = Peer(Behaviour()).start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(peer: Peer) -> Iterator[DaemonProcess]:
+    daemons = DaemonSet()
+    try:
+        yield daemons.embedded(
+            "rating",
+            agents={"priced": {"plugin": "priced"}, "caller": {"plugin": "test-a2a-caller"}},
+            node={"plugin_modules": ["tests.agents.priced:plugin", "tests.agents.a2a_caller:caller_plugin"]},
+            extra={
+                "commerce": {"approval_url": "https://billing.example/approve"},
+                "a2a.peers.weather": {"url": peer.url, "contract_price": "0.10", "issuer_key": peer.issuer_key,
+                                      "timeout": "5s"},
+            },
+        )
+    finally:
+        daemons.close()
+
+
+def _ledger(daemon: DaemonProcess) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(
+        run_cli("usage", "--source", "ledger", "--json", "--socket", daemon.socket_path).stdout
+    )
+    return result
+
+
+def _lines(daemon: DaemonProcess, count: int) -> dict[str, Any]:
+    """The ledger once it holds ``count`` lines (the server copies events into
+    MESH_METERING asynchronously)."""
+    seen: dict[str, Any] = {}
+
+    def ready() -> bool:
+        seen.update(_ledger(daemon))
+        return len(seen["charges"]) >= count
+
+    eventually(ready, what=f"{count} ledger lines", timeout=30)
+    return seen
+
+
+def test_usage_is_rated_into_the_ledger_and_replays_identically(daemon: DaemonProcess) -> None:
+    owner = daemon.status()["node"]["id"]
+    seller = daemon.agent_id("priced")
+    run_cli("agreements", "sign", "priced", "--offering", "generate", "--socket", daemon.socket_path)
+
+    # The handler reports 1000 tokens_out: charged 1000 × the agreed unit price.
+    served = daemon.call("priced", "generate", {"tokens": 1000})
+    assert served["status"] == "completed", served
+    # No agreement to summarize: refused, and the refusal rates to zero.
+    refused = daemon.call("priced", "summarize", "text")
+    assert refused["error"]["code"] == "AGREEMENT_REQUIRED", refused
+    # A budget ceiling of 1000 micro-USD: 500 tokens cost 1500, only 1000 are charged.
+    capped = daemon.admin("Call", {
+        "agent": "priced", "offering": "generate", "input": {"tokens": 500}, "timeout": 30,
+        "budget": {"revision": 1, "cost_ceiling": {"amount_micro": 1000, "currency": "USD"}},
+    }, timeout=40)
+    assert capped["status"] == "completed", capped
+
+    # requests + tokens_out for each generate, one refusal.
+    ledger = _lines(daemon, 5)
+    assert ledger["source"] == "ledger"
+    rated = [(c["meter"], c["quantity"], c["outcome"], c["amount_micro"]) for c in ledger["charges"]]
+    assert rated == [
+        ("requests", 1, "unrated_meter", 0),
+        ("tokens_out", 1000, "charged", 1000 * PRICE_PER_TOKEN),
+        ("requests", 0, "refused", 0),
+        ("requests", 1, "unrated_meter", 0),
+        ("tokens_out", 500, "clamped", 1000),
+    ]
+    assert ledger["charges"][4]["computed_micro"] == 500 * PRICE_PER_TOKEN  # past the ceiling: not charged
+    assert all(c["consumer_owner"] == owner and c["seller_agent"] == seller for c in ledger["charges"])
+    assert ledger["totals"][0]["amount_micro"] == 4000
+    # The declared event derives from the respond that carried the report (§13.5).
+    assert ledger["charges"][1]["envelope_id"] != ledger["charges"][0]["envelope_id"]
+
+    # The node's own log, replayed locally, agrees to the micro-unit.
+    local = json.loads(run_cli("usage", "--source", "local", "--json", "--socket", daemon.socket_path).stdout)
+    assert [c["amount_micro"] for c in local["charges"]] == [c["amount_micro"] for c in ledger["charges"]]
+
+    # A2A: the bridge's charge for a call lands in the same ledger.
+    out = daemon.call("caller", "call", {"peer": "weather", "input": {"city": "Oslo"}}, timeout=60)
+    assert out["status"] == "completed", out
+    charged = out["output"]["a2a"]["charge"]["charged"]
+    ledger = _lines(daemon, 6)
+    a2a = ledger["charges"][5]
+    assert (a2a["sku"], a2a["seller_agent"], a2a["consumer_owner"]) == ("a2a:weather", "a2a:weather", owner)
+    assert a2a["amount_micro"] == int(Decimal(charged) * 1_000_000)
+
+    # Replay: a restarted rating service folds the recorded stream again.
+    daemon.stop()
+    daemon.start()
+    again = _lines(daemon, 6)
+    assert again["charges"] == ledger["charges"]
+    assert again["totals"] == ledger["totals"]

@@ -1,0 +1,206 @@
+"""Usage reports and the rating ledger (meshnode.node.commerce metering,
+meshnode.services.rating.Ledger): what the seller's node publishes for a
+priced offering, and the pure fold of those envelopes into charges (§13.5, §19.6)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import pytest
+
+from meshnode.a2a.charges import Charge as A2ACharge
+from meshnode.a2a.charges import charge_event
+from meshnode.agent import Agent, AgentSettings, Context, offering
+from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
+from meshnode.node.context import AgentContext
+from meshnode.node.hosted import HostedAgent
+from meshnode.node.manifests import build_manifest
+from meshnode.node.runtime import Node, NodeSettings
+from meshnode.protocol.commerce import make_agreement
+from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
+from meshnode.protocol.errors import ProtocolError
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.services.rating import Ledger, ledger_view
+from tests.fakes import FakeConnection
+
+NOW = 1_800_000_000_000
+PER_TOKEN = {"model": "per_unit", "currency": "USD", "meter": "tokens_out", "amount_micro": 3}
+PACKAGE = {"model": "package", "currency": "USD", "meter": "tool_calls", "size": 10, "amount_micro": 500,
+           "period": "month"}
+
+
+class Shop(Agent):
+    skus: ClassVar[list[dict[str, Any]]] = []
+
+    @offering("generate", price=PER_TOKEN)
+    async def generate(self, ctx: Context, input: Any) -> Any:
+        return None
+
+    @offering("tools", price=PACKAGE)
+    async def tools(self, ctx: Context, input: Any) -> Any:
+        return None
+
+
+class Caller(Agent):
+    @offering("noop")
+    async def noop(self, ctx: Context, input: Any) -> Any:
+        return None
+
+
+def _host(node: Node, name: str, agent: Agent) -> HostedAgent:
+    key = KeyPair.generate()
+    hosted = HostedAgent(node, name=name, kind="test", agent=agent, key=key,
+                         guard=node.new_guard(key.public_key), interaction="service")
+    node.agents[name] = hosted
+    node.by_id[hosted.agent_id] = hosted
+    hosted.manifest = build_manifest(hosted, {"id": node.node_id}, 65536)
+    return hosted
+
+
+class Published:
+    """What the gate's publisher was handed: the signed emits a real node sends."""
+
+    def __init__(self) -> None:
+        self.envelopes: list[dict[str, Any]] = []
+        self.ids = IdGenerator()
+
+    async def __call__(self, hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> None:
+        env = build_envelope("emit", hosted.agent_id, now_ms=NOW, ids=self.ids,
+                             payload={"domain": "metering", "event_type": event_type, "data": dict(data)})
+        self.envelopes.append(sign_envelope(env, hosted.key))
+
+
+@pytest.fixture
+def shop(tmp_path: Path) -> tuple[Node, HostedAgent, HostedAgent, AgreementGate, Published]:
+    node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
+                connection=cast(Any, FakeConnection()), clock=lambda: NOW)
+    published = Published()
+    gate = AgreementGate(AgreementStore(tmp_path / "agreements.json"), approval_surface="https://a.example",
+                         gate_free_terms=False, usage=UsageLog(tmp_path / "usage.jsonl"), publisher=published)
+    node.commerce = gate
+    seller = _host(node, "shop", Shop("shop", AgentSettings()))
+    buyer = _host(node, "caller", Caller("caller", AgentSettings()))
+    return node, seller, buyer, gate, published
+
+
+def _request(buyer: HostedAgent, rid: str, ceiling: int | None = None) -> dict[str, Any]:
+    env: dict[str, Any] = {"from": buyer.agent_id, "id": rid}
+    if ceiling is not None:
+        env["budget"] = {"cost_ceiling": {"amount_micro": ceiling, "currency": "USD"}}
+    return env
+
+
+async def _serve(gate: AgreementGate, seller: HostedAgent, env: dict[str, Any], offering: str,
+                 usage: list[dict[str, Any]]) -> None:
+    await gate.check(seller, env, offering, NOW)
+    await gate.delivered(seller, env, offering, NOW + 1, usage=usage, receipt_id=f"resp-{env['id']}")
+
+
+def _agree(node: Node, gate: AgreementGate, seller: HostedAgent, sku_id: str) -> None:
+    sku = next(s for s in seller.skus if s.sku == sku_id)
+    gate.store.add(make_agreement(node.key, seller_agent=seller.agent_id, sku=sku, agreed_at_ms=NOW - 1))
+
+
+def _fold(envelopes: list[dict[str, Any]]) -> Ledger:
+    ledger = Ledger()
+    for env in envelopes:
+        ledger.fold(env)
+    return ledger
+
+
+async def test_report_usage_is_cumulative_and_refuses_observed_or_bad_meters(shop: Any) -> None:
+    _, seller, _, _, _ = shop
+    ctx = AgentContext(seller, envelope={"from": "x", "id": "r"})
+    await ctx.report_usage("tokens_out", 10)
+    await ctx.report_usage("tokens_out", 25)  # supersedes: the running total
+    await ctx.report_usage("tool_calls", 0)
+    assert ctx.usage_report == [{"meter": "tokens_out", "quantity": 25}, {"meter": "tool_calls", "quantity": 0}]
+    for meter, quantity in (("requests", 1), ("Tokens", 1), ("tokens_out", -1), ("tokens_out", 1.5), (None, 3)):
+        with pytest.raises(ValueError, match="report_usage"):
+            await ctx.report_usage(meter, cast(int, quantity))
+
+
+async def test_declared_usage_is_published_with_what_rating_needs(shop: Any) -> None:
+    node, seller, buyer, gate, published = shop
+    _agree(node, gate, seller, "generate")
+    await _serve(gate, seller, _request(buyer, "r1", ceiling=900), "generate", [{"meter": "tokens_out", "quantity": 400}])
+    requests, tokens = (env["payload"]["data"] for env in published.envelopes)
+    assert (requests["meter"], requests["class"], requests["envelope_id"]) == ("requests", "observed", "r1")
+    assert (tokens["meter"], tokens["class"], tokens["quantity"], tokens["envelope_id"]) == (
+        "tokens_out", "declared", 400, "resp-r1")
+    rating = tokens["rating"]
+    assert rating["consumer_owner"] == node.node_id and rating["interaction"] == "r1"
+    assert rating["cost_ceiling"] == {"amount_micro": 900, "currency": "USD"}
+    assert rating["agreement"]["sku"] == "generate" and rating["sku"]["price"] == PER_TOKEN
+    # The node's own log holds the same events and rates them the same way.
+    local = gate.usage.rate(gate.store.records())
+    assert [(c.meter, c.amount_micro) for c in local] == [("requests", 0), ("tokens_out", 900)]
+
+
+async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(shop: Any) -> None:
+    node, seller, buyer, gate, published = shop
+    _agree(node, gate, seller, "generate")
+    _agree(node, gate, seller, "tools")
+    await _serve(gate, seller, _request(buyer, "r1"), "generate", [{"meter": "tokens_out", "quantity": 1001}])
+    await _serve(gate, seller, _request(buyer, "r2", ceiling=1000), "generate", [{"meter": "tokens_out", "quantity": 500}])
+    for rid, calls in (("r3", 4), ("r4", 7)):  # package of 10: 4 + 7 = 11 calls = two packages
+        await _serve(gate, seller, _request(buyer, rid), "tools", [{"meter": "tool_calls", "quantity": calls}])
+    ledger = _fold(published.envelopes)
+    rated = [(c.meter, c.outcome.value, c.amount_micro, c.computed_micro) for c in ledger.lines]
+    assert rated == [
+        ("requests", "unrated_meter", 0, 0), ("tokens_out", "charged", 3003, 3003),
+        ("requests", "unrated_meter", 0, 0), ("tokens_out", "clamped", 1000, 1500),
+        ("requests", "unrated_meter", 0, 0), ("tool_calls", "charged", 500, 500),
+        ("requests", "unrated_meter", 0, 0), ("tool_calls", "charged", 500, 500),
+    ]
+    # Replay: a fresh fold of the same envelopes, the same lines to the micro-unit.
+    assert [c.to_object() for c in _fold(published.envelopes).lines] == [c.to_object() for c in ledger.lines]
+    # Redelivered (the same deriving envelope): not charged twice.
+    assert ledger.fold(published.envelopes[1]) is None and len(ledger.lines) == 8
+    view = ledger_view(ledger.lines)
+    assert [(t["consumer_owner"], t["seller_agent"], t["amount_micro"]) for t in view["totals"]] == [
+        (node.node_id, seller.agent_id, 5003)]
+    assert ledger_view(ledger.lines, period="1999")["charges"] == []
+
+
+async def test_refusals_and_unagreed_or_forged_usage_rate_to_zero(shop: Any) -> None:
+    node, seller, buyer, gate, published = shop
+    with pytest.raises(ProtocolError):
+        await gate.check(seller, _request(buyer, "r1"), "generate", NOW)
+    assert _fold(published.envelopes).lines[0].outcome.value == "refused"
+
+    # The seller claims an agreement its buyer's owner never signed: not believed.
+    stranger = KeyPair.generate()
+    sku = next(s for s in seller.skus if s.sku == "generate")
+    forged = dict(make_agreement(stranger, seller_agent=seller.agent_id, sku=sku, agreed_at_ms=NOW - 1))
+    forged["consumer_owner"] = node.node_id
+    env = published.envelopes[0]
+    data = dict(env["payload"]["data"])
+    for key in ("refused", "refusal_code"):
+        data.pop(key)
+    data.update(meter="tokens_out", **{"class": "declared"}, quantity=100, envelope_id="x1")
+    data["rating"] = {**data["rating"], "agreement": forged}
+    await published(seller, data)
+    # A meter event signed by someone other than its provider: refused outright.
+    await published(buyer, {**data, "envelope_id": "x2"})
+    ledger = _fold(published.envelopes)
+    assert [(c.outcome.value, c.amount_micro) for c in ledger.lines] == [("refused", 0), ("no_agreement", 0)]
+    assert ledger.stats["refused.agreement"] == 1 and ledger.stats["refused.event"] == 1
+
+
+async def test_an_a2a_charge_is_a_ledger_line_once(shop: Any) -> None:
+    node, _, buyer, _, published = shop
+    charge = A2ACharge(peer="weather", task_key="task:t1", message_id="m1", task_id="t1", agent=buyer.agent_id,
+                       execution_id="e1", mesh=True, report="verified", reported_spend="0.3",
+                       contract_price="0.10", charged="0.3", currency="USD", charged_at_ms=NOW)
+    await published(buyer, charge_event(charge, node.node_id), "a2a_charge")
+    await published(buyer, charge_event(charge, node.node_id), "a2a_charge")  # recorded again: once
+    other = KeyPair.generate()
+    env = build_envelope("emit", other.public_key, now_ms=NOW, payload=published.envelopes[0]["payload"])
+    published.envelopes.append(sign_envelope(env, other))  # somebody else stating the buyer's debt
+    ledger = _fold(published.envelopes)
+    assert [(c.sku, c.consumer_owner, c.amount_micro, c.currency) for c in ledger.lines] == [
+        ("a2a:weather", node.node_id, 300_000, "USD")]
+    assert ledger.stats["refused.a2a"] == 1
