@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from meshnode.admin.exitcodes import EX_DATAERR, EX_NOINPUT
+from meshnode.admin.protocol import NotFound
 from meshnode.agent import Agent, AgentSettings, Context, offering
 from meshnode.cli import main
+from meshnode.daemon.allowance import _AllowanceMethods
 from meshnode.node.allowance import (
     AllowanceKeeper,
     SpendStore,
@@ -361,3 +364,16 @@ def test_allowance_add_names_an_unreadable_file(tmp_path: Path, capsys: pytest.C
     listed.write_text("[1]", encoding="utf-8")
     assert main(["allowance", "add", str(listed), "--json", "--socket", str(tmp_path / "s")]) == EX_DATAERR
     assert f"{listed}: an allowance document is a JSON object" in capsys.readouterr().err
+
+
+async def test_declining_a_task_that_is_not_held_is_not_found(env: Env) -> None:
+    # `meshnode allowance decline AGENT --task T` for a T nothing holds (a typo, or
+    # already resumed) must fail (NotFound, exit 65) naming what is held, not print
+    # "declined 0" and exit 0.
+    await _hold_at_admission(env)
+    methods = _AllowanceMethods(cast(Any, SimpleNamespace(node=env.node)))
+    with pytest.raises(NotFound) as info:
+        await methods.decline({"agent": "worker", "task_id": "t-typo"}, cast(Any, None))
+    assert "'t-typo'" in str(info.value) and "held: t1" in str(info.value)
+    assert env.keeper.holds[env.hosted.agent_id]  # nothing was declined
+    assert await methods.decline({"agent": "worker", "task_id": "t1"}, cast(Any, None)) == {"declined": ["t1"]}

@@ -11,6 +11,8 @@ from typing import Any, ClassVar, cast
 import pytest
 
 from meshnode.agent import Agent, AgentSettings, Context, offering
+from meshnode.cli import agreements as cli_agreements
+from meshnode.cli import build_parser
 from meshnode.node.commerce import (
     AgreementGate,
     AgreementStore,
@@ -99,6 +101,17 @@ def test_a_malformed_price_is_refused_naming_the_member() -> None:
     with pytest.raises(ProtocolError) as info:
         declared_skus((), Bad.offerings().values())
     assert info.value.code == "INVALID_MANIFEST"
+    # Named as the author wrote it (a priced offering, not an index into skus).
+    assert info.value.details["member"] == '@offering("x") price.currency'
+    assert info.value.message.startswith('@offering("x") price.currency: ')
+
+    class BadWhole(Agent):
+        skus: ClassVar[list[dict[str, Any]]] = [
+            {"sku": "w", "covers": {"agent": True}, "price": {"model": "flat", "currency": "usd", "amount_micro": 1}},
+        ]
+
+    with pytest.raises(ProtocolError) as info:
+        declared_skus(BadWhole.skus, BadWhole.offerings().values())
     assert str(info.value.details["member"]).startswith("skus[0].")
 
 
@@ -210,3 +223,18 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
             line["agreement"]["sku_digest"] = "A" * len(line["agreement"]["sku_digest"])
     usage.path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert {c.amount_micro for c in usage.rate([])} == {0}
+
+
+def test_agreements_sign_refuses_an_unwritable_out_before_signing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `sign` registers with the platform: an --out it cannot write must stop it
+    # before anything is signed (exit 73, naming the path), not traceback after.
+    def no_admin(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("signed although --out cannot be written")
+
+    monkeypatch.setattr(cli_agreements, "_admin", no_admin)
+    out = tmp_path / "missing-dir" / "agreement.json"
+    args = build_parser().parse_args(["agreements", "sign", "summarizer", "--out", str(out)])
+    assert args.handler(args) == 73
+    assert f"--out {out}" in capsys.readouterr().err

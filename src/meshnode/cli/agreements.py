@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
+from .exitcodes import EX_CANTCREAT, EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
 from .output import emit_json
 
 
@@ -111,11 +112,27 @@ def cmd_sign(args: argparse.Namespace) -> int:
     for name, value in (("sku", args.sku), ("offering", args.offering), ("expires_in_s", args.expires_in)):
         if value is not None:
             params[name] = value
+    if args.out is not None:
+        # Checked before signing: `sign` registers with the platform, and an
+        # unwritable --out found only afterwards would leave a registered
+        # agreement and a traceback.
+        parent = args.out.parent if str(args.out.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK) or args.out.is_dir():
+            print(f"meshnode: agreements sign: --out {args.out}: cannot create the file "
+                  f"(its directory {parent} is missing or not writable); nothing signed", file=sys.stderr)
+            return EX_CANTCREAT
     code, result = _admin(args, "Agreements.Sign", params)
     if code != EX_OK:
         return code
     if args.out is not None:
-        args.out.write_text(json.dumps(result["agreement"], indent=2) + "\n", encoding="utf-8")
+        try:
+            args.out.write_text(json.dumps(result["agreement"], indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            # Not lost: the signed document goes to stdout instead.
+            print(f"meshnode: agreements sign: signed, but --out {args.out} could not be written ({exc}); "
+                  "the document follows on stdout", file=sys.stderr)
+            emit_json(result["agreement"])
+            return EX_CANTCREAT
     if args.json:
         emit_json(result)
         return EX_OK

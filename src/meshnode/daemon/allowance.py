@@ -210,4 +210,15 @@ class _AllowanceMethods:
     async def decline(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         keeper = self._keeper()
         hosted = self._agent(param(params, "agent", str))
-        return {"declined": keeper.decline(hosted, param(params, "task_id", str, None))}
+        task_id = param(params, "task_id", str, None)
+        declined = keeper.decline(hosted, task_id)
+        if task_id is not None and not declined:
+            # A named Task that is not held is a typo or already resumed/ended:
+            # say so (exit 65) rather than "declined 0" with success.
+            held = ", ".join(h["task_id"] for h in keeper.show(hosted).get("held", [])) or "none"
+            raise NotFound(
+                f"{hosted.name!r} holds no task {task_id!r} for its owner (held: {held}); "
+                "see `meshnode allowance show`",
+                {"parameter": "task_id"},
+            )
+        return {"declined": declined}

@@ -85,12 +85,23 @@ def declared_skus(declared: Sequence[Mapping[str, Any]], offerings: Iterable[Off
     for spec in offerings:
         if spec.price is None:
             continue
-        objects.append({
+        sku = {
             "sku": spec.sku or default_sku_id(spec.id),
             "covers": {"offerings": [spec.id]},
             "price": dict(spec.price),
             "provider": dict(spec.billing_provider or {"id": "internal"}),
-        })
+        }
+        try:
+            parse_sku(sku)
+        except ProtocolError as exc:
+            # The author wrote @offering(price=...), not skus[N]: name what they wrote
+            # (an index into the list the node builds would point at nothing in their code).
+            member = str(exc.details.get("member", ""))
+            where = {"price": "price", "provider": "billing_provider", "sku": "sku"}.get(member.split(".")[0], member)
+            rest = member.partition(".")[2]
+            at = f'@offering("{spec.id}") {where}' + (f".{rest}" if rest else "")
+            raise ProtocolError(exc.code, f"{at}: {exc.message}", {**exc.details, "member": at}) from None
+        objects.append(sku)
     return parse_skus(objects) if objects else ()
 
 
