@@ -94,6 +94,7 @@ class _Traffic:
             "node_count": node.agent_id("count"),
         }
         self.churn_every_s = 4.0
+        self.in_flight = 0  # operations and churn cycles started and not yet finished
 
     def _record(self, op: str, ok: bool, detail: Any) -> None:
         timed_out = isinstance(detail, dict) and (detail.get("error") or {}).get("code") == "TRANSPORT_TIMEOUT"
@@ -143,10 +144,15 @@ class _Traffic:
             if not self.running.wait(0.2):
                 continue
             name, op = rng.choice(ops)
+            with self.lock:
+                self.in_flight += 1
             try:
                 ok, detail = op()
             except Exception as exc:  # an admin error is an unexpected outcome, not a crash of the soak
                 ok, detail = False, exc
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
             self._record(name, ok, detail)
 
     def _churn(self) -> None:
@@ -156,6 +162,8 @@ class _Traffic:
                 continue
             name = f"churn{k % 3}"
             k += 1
+            with self.lock:
+                self.in_flight += 1
             try:
                 self.node.admin("Agents.Add", {"name": name, "config": {"plugin": "echo"}}, timeout=60)
                 agent_id = self.node.agent_id(name)
@@ -166,6 +174,9 @@ class _Traffic:
                     self.result.churn_cycles += 1
             except Exception as exc:
                 self._record("churn", False, exc)
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
             self.stop_all.wait(self.churn_every_s)
 
     def _call_new(self, agent_id: str) -> tuple[bool, Any]:
@@ -179,17 +190,20 @@ class _Traffic:
             thread.start()
 
     def pause(self) -> None:
-        """Stop issuing new operations; wait for the ones in flight (and any churn cycle) to finish."""
+        """Stop issuing new operations; wait for the ones in flight (and any churn cycle) to finish.
+
+        By condition, not by a fixed wait: a caller's operation has returned, and
+        no churned agent is left on the node. What the daemons still do for those
+        operations afterwards (a task record settling) is for the final sample's
+        own settling (:func:`soak`'s ``settle_within``)."""
         self.running.clear()
-        time.sleep(0.5)
-        with self.lock:
-            pass
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and any(
-            name.startswith("churn") for name in (a["name"] for a in self.node.status()["agents"])
-        ):
+        while time.monotonic() < deadline:
+            with self.lock:
+                busy = self.in_flight
+            if not busy and not any(name.startswith("churn") for name in (a["name"] for a in self.node.status()["agents"])):
+                return
             time.sleep(0.2)
-        time.sleep(2.0)  # in-flight calls answer; their tasks finish
 
     def close(self) -> None:
         self.stop_all.set()
@@ -206,8 +220,17 @@ def soak(
     sample_every_s: float = 2.0,
     seed: int = 10,
     progress: Callable[[str], None] | None = None,
+    settle_within: dict[str, float] | None = None,
+    settle_timeout_s: float = 60.0,
 ) -> SoakResult:
-    """Run the soak for ``seconds`` of measured traffic (after a warm-up) and return its result."""
+    """Run the soak for ``seconds`` of measured traffic (after a warm-up) and return its result.
+
+    ``settle_within`` (gauge -> the growth a run may keep) makes the final sample
+    wait, up to ``settle_timeout_s``, until every daemon's growth is within it:
+    with traffic paused, what the daemons still finish (tasks of answered calls,
+    a periodic pass) comes back down, however slow the machine, while a leak
+    stays up and is still reported by the final sample.
+    """
     say = progress or (lambda _m: None)
     warmup = warmup_s if warmup_s is not None else min(60.0, max(8.0, seconds * 0.2))
     result = SoakResult(seconds=seconds)
@@ -244,6 +267,12 @@ def soak(
                 say(f"{row['t']:.0f} s: {dict(result.operations)} churn {result.churn_cycles} | {row}")
         traffic.pause()
         result.final = _settled(both)
+        settle_by = time.monotonic() + settle_timeout_s
+        while settle_within and time.monotonic() < settle_by and any(
+            result.growth(name, g) > bound for name in both for g, bound in settle_within.items()
+        ):
+            time.sleep(0.5)
+            result.final = _settled(both)
         traffic.close()
         for name, daemon in both.items():
             if daemon.process is None or daemon.process.poll() is not None:

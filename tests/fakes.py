@@ -205,8 +205,11 @@ class FakeNode:
         now_ms: int = 1_800_000_000_000,
         manifests: Mapping[str, Mapping[str, Any]] | None = None,
         trusted_operators: frozenset[str] = frozenset(),
+        node_id: str = "NFAKENODE",
     ) -> None:
         self.clock = now_ms
+        #: The hosting node's key (the default owner of its agents, §8.6).
+        self.node_id = node_id
         self.ids = IdGenerator()
         self.counters: Counter[str] = Counter()
         self.refusals = RefusalCounter()

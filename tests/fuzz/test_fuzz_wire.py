@@ -27,6 +27,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from meshnode.protocol.canonical import parse_json
+from meshnode.protocol.envelope import verify_envelope
+from meshnode.protocol.errors import ProtocolError
 from meshnode.testing import DaemonProcess, DaemonSet, consistently, run_cli
 from tests.fuzz.profile import fuzz_settings
 from tests.fuzz.strategies import envelope_like, raw_bytes, wire_values
@@ -73,6 +76,19 @@ def wire(meshnode_daemons: DaemonSet, tmp_path: Path) -> Iterator[Wire]:
             runner.run(client.close())
 
 
+def tampered_envelope(sender: UserKey, target: str, payload: Any) -> dict[str, Any]:
+    """A request signed over one input and sent with ``payload`` instead.
+
+    The signed input is ``[payload]``, whose canonical form never equals
+    ``payload``'s: a fixed signed input (it was ``1``) made every generated
+    ``1`` or ``1.0`` an untampered, genuine request, which ran the handler and
+    was answered (about one run in a hundred).
+    """
+    env = build_envelope("request", sender, to=target, payload={"offering": "work", "input": [payload]})
+    env["payload"]["input"] = payload
+    return env
+
+
 def _inbox_cases(w: Wire) -> st.SearchStrategy[bytes]:
     target, me = w.target, w.agent.key
 
@@ -81,9 +97,7 @@ def _inbox_cases(w: Wire) -> st.SearchStrategy[bytes]:
                                          sign_with=UserKey.generate())).encode()
 
     def tampered(payload: Any) -> bytes:
-        env = build_envelope("request", me, to=target, payload={"offering": "work", "input": 1})
-        env["payload"]["input"] = payload
-        return json.dumps(env).encode()
+        return json.dumps(tampered_envelope(me, target, payload)).encode()
 
     def stale(minutes: int) -> bytes:
         return json.dumps(build_envelope("request", me, to=target, payload={"offering": "work"},
@@ -140,6 +154,16 @@ def test_hostile_inbox_traffic_runs_nothing_and_answers_nothing(wire: Wire) -> N
     assert responds[-1]["payload"]["status"] == "completed"
     assert w.journal.read_text().split() == [request["id"]]
     print(f"{sent} hostile inbox messages: 0 dispatched, 0 answered")
+
+
+@fuzz_settings(200)
+@given(payload=st.one_of(st.sampled_from([1, 1.0, [1], {"a": 1}, None, [], ""]), wire_values))
+def test_a_tampered_inbox_case_never_verifies(payload: Any) -> None:
+    """The hostile cases above must be hostile: a tampered request whose
+    signature still verifies is genuine mail, and running it is right."""
+    env = parse_json(json.dumps(tampered_envelope(UserKey.generate(), UserKey.generate().public_key, payload)))
+    with pytest.raises(ProtocolError):
+        verify_envelope(env)
 
 
 def test_hostile_registrations_get_structured_answers(wire: Wire) -> None:

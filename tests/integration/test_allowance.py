@@ -8,17 +8,27 @@ runs; spend reported past it stops the work (BUDGET_EXHAUSTED). In
 ``ask_owner`` mode the work is held (at admission, and mid-task) in a Task
 paused ``input_required`` until the owner raises the ceiling. Each crossing
 is seen by ``watcher`` as ``mesh.event.agent.allowance_exceeded``. The
-document and the day's spend survive a restart.
+document and the day's spend survive a restart. A document signed by another
+owner key is refused by ``allowance add`` until ``allowance_any_owner``; a
+``meshnode reload`` takes ``allowance_file`` changes (valid, then tampered
+with: failing closed) without restarting the agent.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from meshnode.admin.exitcodes import EX_USAGE
+from meshnode.protocol.allowance import Ceiling, CostModel, Scope, make_allowance
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
 
 pytestmark = pytest.mark.integration
@@ -127,3 +137,57 @@ def test_the_allowance_and_the_days_spend_survive_a_restart(home: DaemonProcess)
     assert after["valid"] is True
     assert after["document"] == before["document"]
     assert after["spend"]["today_micro"] == before["spend"]["today_micro"]
+
+
+def test_reload_and_add_take_documents_signed_by_another_owner_key(home: DaemonProcess, tmp_path: Path) -> None:
+    # No stored document: the configured file alone governs (a valid stored one would win over an invalid file).
+    spender = _cli(home, "clear", "spender")["allowance"]["agent_id"]
+    node_id = home.status()["node"]["id"]
+    person = KeyPair.generate()  # the owner signs with a personal key the manifest does not name
+    later = time.time_ns() // 1_000_000 + 3_600_000  # newer than the stored document: it governs
+
+    def document(per_task: int, at: int) -> dict[str, Any]:
+        return make_allowance(person, agent=spender, cost_model=CostModel(1000, "USD"),
+                              ceilings=[Ceiling(Scope.TASK, per_task)], updated_at_ms=at)
+
+    # By default only the agent's owner (this node, §8.6) signs: refused naming both keys and the way out.
+    configured = tmp_path / "configured.json"
+    configured.write_text(json.dumps(document(500, later)), encoding="utf-8")
+    refused = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "allowance", "add", str(configured), "--socket", home.socket_path],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert refused.returncode == EX_USAGE, refused
+    assert "wrong_owner" in refused.stderr and person.public_key in refused.stderr and node_id in refused.stderr
+    assert "[agents.spender] allowance_any_owner = true" in refused.stderr
+
+    # `meshnode reload` takes the file and allowance_any_owner, restarting no agent.
+    original = home.config_path.read_text(encoding="utf-8")
+    home.config_path.write_text(original.replace(
+        "[agents.spender]\n", f'[agents.spender]\nallowance_file = "{configured}"\nallowance_any_owner = true\n'
+    ), encoding="utf-8")
+    report = _reload(home)
+    assert report["restarted"] == []
+    assert report["allowances"]["spender"] == {"source": f"allowance_file {configured}", "valid": True, "errors": []}
+    assert home.call("spender", "work", {"estimate": 800})["error"]["code"] == "BUDGET_INSUFFICIENT"  # over 500
+
+    # The file tampered with: the next reload fails closed, naming it.
+    configured.write_text(json.dumps(dict(document(500, later), ceilings=[{"scope": "task", "amount_micro": 10**9}])),
+                          encoding="utf-8")
+    [error] = _reload(home)["allowances"]["spender"]["errors"]
+    assert str(configured) in error and "bad_signature" in error
+    assert home.call("spender", "work", {"estimate": 1})["error"]["code"] == "BUDGET_INSUFFICIENT"
+
+    # Accepted by `allowance add` now, and stored: the valid document governs, the work runs.
+    added_file = tmp_path / "added.json"
+    added_file.write_text(json.dumps(document(20000, later + 1)), encoding="utf-8")
+    added = _cli(home, "add", str(added_file))
+    assert added["valid"] is True and added["source"].startswith("stored ")
+    assert added["document"]["owner_key"] == person.public_key
+    assert home.call("spender", "work", {"estimate": 1000})["status"] == "completed"
+    # (Turning allowance_any_owner off again fails this stored document closed: a unit test shows it.)
+    home.config_path.write_text(original, encoding="utf-8")
+
+
+def _reload(daemon: DaemonProcess) -> Any:
+    return json.loads(run_cli("reload", "--socket", daemon.socket_path, "--json").stdout)

@@ -24,6 +24,7 @@ import pytest
 from meshnode.protocol.rests_on import digest_of
 from meshnode.protocol.timeutil import parse_rfc3339_ms
 from meshnode.testing import DaemonProcess, DaemonSet, consistently, eventually
+from tests.integration.cli_here import cli_here_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,15 @@ def _error(result: dict[str, Any]) -> dict[str, Any]:
     return error
 
 
-def _cli(daemon: DaemonProcess, *args: str, stdin: bytes | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[bytes]:
+def _cli(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """``meshnode artifacts ARGS`` in this process (tests/integration/cli_here.py: the
+    imports of a fresh interpreter cost ~0.8 s a command)."""
+    return cli_here_bytes("artifacts", *args, "--socket", daemon.socket_path)
+
+
+def _cli_process(daemon: DaemonProcess, *args: str, stdin: bytes | None = None,
+                 timeout: float = 120.0) -> subprocess.CompletedProcess[bytes]:
+    """The same as a real process: for the test of the CLI's own streams and exit codes."""
     return subprocess.run(
         [sys.executable, "-m", "meshnode.cli", "artifacts", *args, "--socket", daemon.socket_path],
         capture_output=True, input=stdin, timeout=timeout,
@@ -265,25 +274,25 @@ def test_cli_streams_a_large_file_both_ways_with_progress(meshnode_daemons: Daem
     data = random.Random(5).randbytes(6 * MiB + 3)
     source = tmp_path / "big.bin"
     source.write_bytes(data)
-    put = _cli(a, "put", str(source), "--name", "renamed.bin", "--media-type", "application/x-test")
+    put = _cli_process(a, "put", str(source), "--name", "renamed.bin", "--media-type", "application/x-test")
     assert put.returncode == 0, put.stderr
     ref = put.stdout.decode().strip()
     assert b"uploaded" in put.stderr and b"(100%)" in put.stderr
 
-    got = _cli(a, "get", ref)
+    got = _cli_process(a, "get", ref)
     assert got.returncode == 0, got.stderr
     assert hashlib.sha256(got.stdout).digest() == hashlib.sha256(data).digest()
     assert b"fetched" in got.stderr
 
-    stat = json.loads(_cli(a, "stat", ref, "--json").stdout)
+    stat = json.loads(_cli_process(a, "stat", ref, "--json").stdout)
     assert stat["name"] == "renamed.bin" and stat["media_type"] == "application/x-test" and stat["size"] == len(data)
     assert stat["writer"] == a.agent_id("cli")
 
-    piped = _cli(a, "put", "-", "--name", "piped.txt", "--quiet", stdin=b"from stdin")
+    piped = _cli_process(a, "put", "-", "--name", "piped.txt", "--quiet", stdin=b"from stdin")
     assert piped.returncode == 0
-    assert _cli(a, "get", piped.stdout.decode().strip()).stdout == b"from stdin"
-    assert _cli(a, "get", "mesh:artifacts:AAAAAAAAAAAAAAAAAAAAAA").returncode == 1
-    assert _cli(a, "put", str(tmp_path / "missing")).returncode == 66
+    assert _cli_process(a, "get", piped.stdout.decode().strip()).stdout == b"from stdin"
+    assert _cli_process(a, "get", "mesh:artifacts:AAAAAAAAAAAAAAAAAAAAAA").returncode == 1
+    assert _cli_process(a, "put", str(tmp_path / "missing")).returncode == 66
 
 
 def test_a_small_transport_limit_is_kept_by_every_message(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,24 @@ import pytest
 
 from meshnode.cli import exitcodes
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from tests.integration.cli_here import cli_here
 
 pytestmark = pytest.mark.integration
 
 PLUGINS = {"plugin_modules": ["tests.agents:tasks_plugin"]}
 
 
-def _node(meshnode_daemons: DaemonSet) -> DaemonProcess:
-    return meshnode_daemons.embedded(
-        "a", agents={"tasks": {"plugin": "test-tasks"}, "echo": {"plugin": "echo"}}, node=PLUGINS
-    )
+@pytest.fixture(scope="module")
+def node() -> Iterator[DaemonProcess]:
+    """One daemon for the module's tests: each starts its own tasks and leaves
+    nothing another reads (a daemon start per test cost ~3 s each)."""
+    daemons = DaemonSet()
+    try:
+        yield daemons.embedded(
+            "a", agents={"tasks": {"plugin": "test-tasks"}, "echo": {"plugin": "echo"}}, node=PLUGINS
+        )
+    finally:
+        daemons.close()
 
 
 def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -62,8 +70,8 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float = 20.0) -> No
     eventually(check, what=what, timeout=timeout)
 
 
-def test_call_stream_prints_chunks_before_the_stream_ends(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = _node(meshnode_daemons)
+def test_call_stream_prints_chunks_before_the_stream_ends(node: DaemonProcess, tmp_path: Path) -> None:
+    a = node
     gate = tmp_path / "gate"
     proc = _popen("call", "tasks", "gated", json.dumps({"gate": str(gate)}), "--stream", "--socket", a.socket_path)
     try:
@@ -88,8 +96,8 @@ def test_call_stream_prints_chunks_before_the_stream_ends(meshnode_daemons: Daem
     assert items[-1]["kind"] == "result" and items[-1]["status"] == "completed"
 
 
-def test_a_long_task_shows_its_progress_live_on_a_terminal(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = _node(meshnode_daemons)
+def test_a_long_task_shows_its_progress_live_on_a_terminal(node: DaemonProcess, tmp_path: Path) -> None:
+    a = node
     gate = tmp_path / "gate"
     controller, terminal = pty.openpty()  # stderr is a terminal; stdout a pipe
     proc = subprocess.Popen(
@@ -113,8 +121,8 @@ def test_a_long_task_shows_its_progress_live_on_a_terminal(meshnode_daemons: Dae
     assert proc.returncode == 0 and json.loads(out) == {"opened": True}
 
 
-def test_no_wait_prints_the_task_id_then_show_and_cancel_without_agent(meshnode_daemons: DaemonSet) -> None:
-    a = _node(meshnode_daemons)
+def test_no_wait_prints_the_task_id_then_show_and_cancel_without_agent(node: DaemonProcess) -> None:
+    a = node
     opened = _cli("call", "tasks", "slow", '{"steps": 400, "pause": 0.1}', "--no-wait", "--socket", a.socket_path)
     assert opened.returncode == 0, opened.stderr
     task_id = opened.stdout.strip()
@@ -137,8 +145,8 @@ def test_no_wait_prints_the_task_id_then_show_and_cancel_without_agent(meshnode_
         _cli("tasks", "show", task_id, "--json", "--socket", a.socket_path).stdout)["state"] == "canceled")
 
 
-def test_exit_codes_follow_the_table(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = _node(meshnode_daemons)
+def test_exit_codes_follow_the_table(node: DaemonProcess, tmp_path: Path) -> None:
+    a = node
     sock = a.socket_path
     assert _cli("call", "--socket", sock).returncode == exitcodes.EX_USAGE == 64  # argparse
     assert _cli("call", "echo", "echo", "x", "--text", "y", "--socket", sock).returncode == 64
@@ -169,11 +177,13 @@ def _json_commands(a: DaemonProcess, tmp_path: Path) -> list[list[str]]:
     ]
 
 
-def test_json_on_every_command(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = _node(meshnode_daemons)
+def test_json_on_every_command(node: DaemonProcess, tmp_path: Path) -> None:
+    # In this process (tests/integration/cli_here.py): 29 fresh interpreters spent ~0.8 s
+    # each on imports; the subprocess path is covered by every other test here.
+    a = node
     for command in _json_commands(a, tmp_path):
         extra = [] if "--config" in command or command[0] in ("envelope", "completion") else ["--socket", a.socket_path]
-        proc = _cli(*command, "--json", *extra)
+        proc = cli_here(*command, "--json", *extra)
         assert proc.returncode == 0, (command, proc.stderr)
         try:
             json.loads(proc.stdout)
@@ -184,14 +194,15 @@ def test_json_on_every_command(meshnode_daemons: DaemonSet, tmp_path: Path) -> N
             status = json.loads(proc.stdout)
             # Instants in JSON are RFC 3339 UTC.
             assert str(status["credential"]["expires_at"]).endswith("Z"), status["credential"]
-    ref = json.loads(_cli("artifacts", "put", str(tmp_path / "note.txt"), "--json", "--socket", a.socket_path).stdout)["ref"]
+    ref = json.loads(cli_here("artifacts", "put", str(tmp_path / "note.txt"), "--json",
+                          "--socket", a.socket_path).stdout)["ref"]
     for command in (["artifacts", "stat", ref], ["artifacts", "rm", ref]):
-        proc = _cli(*command, "--json", "--socket", a.socket_path)
+        proc = cli_here(*command, "--json", "--socket", a.socket_path)
         assert proc.returncode == 0 and json.loads(proc.stdout), (command, proc.stderr)
 
 
-def test_pub_sub_round_trip(meshnode_daemons: DaemonSet) -> None:
-    a = _node(meshnode_daemons)
+def test_pub_sub_round_trip(node: DaemonProcess) -> None:
+    a = node
     sub = _popen("sub", "demo.*", "--json", "--count", "2", "--socket", a.socket_path)
     try:
         _read_until(sub.stderr, lambda seen: b"listening on mesh.event.demo.*" in seen, 30.0)
@@ -230,8 +241,8 @@ def test_sub_feed_prints_an_agents_feed_entries(meshnode_daemons: DaemonSet) -> 
     assert entry["subject"] == f"mesh.feed.{a.agent_id('owner')}.status"
 
 
-def test_artifacts_get_refuses_binary_on_a_terminal(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = _node(meshnode_daemons)
+def test_artifacts_get_refuses_binary_on_a_terminal(node: DaemonProcess, tmp_path: Path) -> None:
+    a = node
     binary, text = tmp_path / "blob.bin", tmp_path / "note.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     text.write_text("plain words\n")

@@ -468,7 +468,7 @@ async def test_cancelling_the_supervisor_stops_the_server(tmp_path: Path) -> Non
     assert pid is not None and server._supervisor is not None
     server._supervisor.cancel()
     await asyncio.wait([server._supervisor])
-    await eventually_async(lambda: not process_alive(pid), timeout=5)
+    await eventually_async(lambda: not process_alive(pid), timeout=30)
     await server.stop()
 
 
@@ -501,12 +501,12 @@ async def test_crashed_server_is_restarted_on_the_same_port(tmp_path: Path) -> N
             await js.publish("mesh.task.t1.update", b"before the crash")
 
             os.kill(first_pid, signal.SIGKILL)
-            await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=10)
+            await eventually_async(lambda: server.restarts == 1 and server.is_ready, timeout=30)
             assert server.port == port
             assert server.pid not in (None, first_pid)
             assert not process_alive(first_pid)
 
-            await eventually_async(lambda: client.is_connected, timeout=5)
+            await eventually_async(lambda: client.is_connected, timeout=30)
             stored = await js.get_msg("MESH_TASKS", 1)
             assert stored.data == b"before the crash"
         finally:
@@ -540,7 +540,7 @@ async def test_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
         assert process_alive(child)
         parent.kill()  # SIGKILL: no cleanup code runs in the parent
         await parent.wait()
-        await eventually_async(lambda: not process_alive(child), timeout=5)
+        await eventually_async(lambda: not process_alive(child), timeout=30)
     finally:
         if parent.returncode is None:
             parent.kill()

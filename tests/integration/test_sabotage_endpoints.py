@@ -225,7 +225,7 @@ async def test_the_starter_credential_in_an_invite_grants_nothing(host: DaemonPr
         async def refused_twice() -> bool:
             return sum("permissions violation" in e.lower() for e in errors.messages()) >= 2
 
-        await eventually_async(refused_twice, timeout=10.0)
+        await eventually_async(refused_twice, timeout=30.0)
     finally:
         await client.close()
     # The invite's key is what enrols: the node renews for its real credential over HTTP.

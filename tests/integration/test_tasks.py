@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,14 +14,22 @@ pytestmark = pytest.mark.integration
 PLUGINS = {"plugin_modules": ["tests.agents:tasks_plugin"]}
 
 
-def both(meshnode_daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess]:
-    a = meshnode_daemons.embedded("a", agents={"tasks": {"plugin": "test-tasks"}}, node=PLUGINS)
-    b = meshnode_daemons.joined("b", via=a, agents={"tasks_b": {"plugin": "test-tasks"}}, node=PLUGINS)
-    return a, b
+@pytest.fixture(scope="module")
+def both() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """One pair for the four tests of the tasks plugin (each started the same two
+    daemons): every task they open ends before the test does, and the one
+    counter read absolutely (tasks.canceled) only the cancel test moves."""
+    daemons = DaemonSet()
+    try:
+        a = daemons.embedded("a", agents={"tasks": {"plugin": "test-tasks"}}, node=PLUGINS)
+        b = daemons.joined("b", via=a, agents={"tasks_b": {"plugin": "test-tasks"}}, node=PLUGINS)
+        yield a, b
+    finally:
+        daemons.close()
 
 
-def test_deferred_task_completes_with_output_locally_and_remotely(meshnode_daemons: DaemonSet) -> None:
-    a, b = both(meshnode_daemons)
+def test_deferred_task_completes_with_output_locally_and_remotely(both: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = both
     for caller, target in ((a, "tasks"), (a, b.agent_id("tasks_b")), (b, a.agent_id("tasks"))):
         result: dict[str, Any] = caller.call(target, "slow", {"steps": 3})
         assert result["status"] == "completed", result
@@ -28,14 +37,14 @@ def test_deferred_task_completes_with_output_locally_and_remotely(meshnode_daemo
         assert result["accepted"] is True
 
 
-def test_rejected_and_illegal(meshnode_daemons: DaemonSet) -> None:
-    a, _ = both(meshnode_daemons)
+def test_rejected_and_illegal(both: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, _ = both
     result = a.call("tasks", "reject")
     assert result["status"] == "rejected"
 
 
-def test_streamed_words_arrive_in_order_and_final_output_recovers(meshnode_daemons: DaemonSet) -> None:
-    a, b = both(meshnode_daemons)
+def test_streamed_words_arrive_in_order_and_final_output_recovers(both: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = both
     text = "the quick brown fox jumps over the lazy dog"
     for caller, target in ((a, "tasks"), (a, b.agent_id("tasks_b"))):
         params = {"agent": target, "offering": "words", "input": {"text": text}, "config": {"stream": True}, "timeout": 30}
@@ -46,8 +55,8 @@ def test_streamed_words_arrive_in_order_and_final_output_recovers(meshnode_daemo
         assert bare["status"] == "completed" and bare["task_id"] is None and bare["output"] == result["output"]
 
 
-def test_cancel_stops_the_handler_and_propagates_to_delegates(meshnode_daemons: DaemonSet) -> None:
-    a, b = both(meshnode_daemons)
+def test_cancel_stops_the_handler_and_propagates_to_delegates(both: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a, b = both
     opened = a.admin("Call", {"agent": b.agent_id("tasks_b"), "offering": "delegate",
                               "input": {"target": a.agent_id("tasks")}, "wait_task": False, "timeout": 30})
     task_id = opened["task_id"]

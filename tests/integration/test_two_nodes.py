@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -140,6 +140,18 @@ def _two_nodes(daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess]:
     return a, b
 
 
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """One pair for the tests that neither stop nor restart a node: each reads its
+    own counters as deltas around its own calls (two daemon starts per test cost
+    ~5 s each)."""
+    daemons = DaemonSet()
+    try:
+        yield _two_nodes(daemons)
+    finally:
+        daemons.close()
+
+
 def _counters(daemon: DaemonProcess) -> dict[str, dict[str, int]]:
     return {a["name"]: dict(a.get("counters") or {}) for a in daemon.status()["agents"] if "id" in a}
 
@@ -200,9 +212,9 @@ def _discovered(daemon: DaemonProcess, query: dict[str, Any]) -> dict[str, str |
 # --------------------------------------------------------------------------- tests
 
 
-def test_cross_node_request_respond_and_trace(meshnode_daemons: DaemonSet) -> None:
+def test_cross_node_request_respond_and_trace(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """Both directions through the CLI identity, and agent-to-agent from B's relay to A's echo."""
-    a, b = _two_nodes(meshnode_daemons)
+    a, b = pair
     echo_a, echo_b = a.agent_id("echo"), b.agent_id("echo_b")
     faulty_b = b.agent_id("faulty")
     assert a.status()["mesh"]["mode"] == "embedded" and b.status()["mesh"]["mode"] == "joined"
@@ -238,9 +250,9 @@ def test_cross_node_request_respond_and_trace(meshnode_daemons: DaemonSet) -> No
     assert SECRET not in json.dumps(crashed) and "ZeroDivisionError" not in json.dumps(crashed)
 
 
-def test_local_delivery_is_equivalent_to_remote(meshnode_daemons: DaemonSet) -> None:
+def test_local_delivery_is_equivalent_to_remote(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """§4.7: relay -> local echo and relay -> remote echo look the same, only the path differs."""
-    a, b = _two_nodes(meshnode_daemons)
+    a, b = pair
     echo_a, echo_b = a.agent_id("echo"), b.agent_id("echo_b")
     faulty_a, faulty_b = a.agent_id("faulty"), b.agent_id("faulty")
 
@@ -303,19 +315,19 @@ def test_local_delivery_is_equivalent_to_remote(meshnode_daemons: DaemonSet) -> 
         assert errors[0] == errors[1]
 
 
-def test_64_concurrent_first_requests_to_another_node_all_succeed(meshnode_daemons: DaemonSet) -> None:
+def test_64_concurrent_first_requests_to_another_node_all_succeed(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """Issue #21: the first requests from one agent to a target on another node
     share one registry look-up of its manifest; none fails RATE_LIMITED because
     the platform's bookkeeping spent the agent's 60-a-minute budget."""
-    a, b = _two_nodes(meshnode_daemons)
+    a, b = pair
     result = a.call("probe", "fanout", {"target": b.agent_id("echo_b"), "count": 64}, timeout=60.0)
     assert result["status"] == "completed", result
     assert result["output"]["outcomes"] == {"completed": 64}
 
 
-def test_local_path_runs_the_same_guard(meshnode_daemons: DaemonSet) -> None:
+def test_local_path_runs_the_same_guard(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """Dedup, signature check and addressing run on the local path exactly as on the broker path."""
-    a, b = _two_nodes(meshnode_daemons)
+    a, b = pair
     targets = {"local": (a, "echo", a.agent_id("echo")), "remote": (b, "echo_b", b.agent_id("echo_b"))}
     path_counter = {"local": "received.local", "remote": "received.live"}
 
@@ -348,9 +360,9 @@ def test_local_path_runs_the_same_guard(meshnode_daemons: DaemonSet) -> None:
     assert "unmatched_respond" not in _counters(a)["probe"]
 
 
-def test_describe_is_a_document_not_a_conversation(meshnode_daemons: DaemonSet) -> None:
+def test_describe_is_a_document_not_a_conversation(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """§10.14 locally and across nodes: the public block, no handler, no accept."""
-    a, b = _two_nodes(meshnode_daemons)
+    a, b = pair
     echo_a, echo_b = a.agent_id("echo"), b.agent_id("echo_b")
     before_a, before_b = _counters(a), _counters(b)
 

@@ -319,3 +319,60 @@ async def test_a_claimed_row_runs_once_after_a_crash_and_a_started_one_is_interr
         assert (await reopened.get(again.inbox_id)).state == "dispatched"  # type: ignore[union-attr]
     finally:
         await reopened.close()
+
+
+async def test_live_responds_and_settle_marks_ride_the_next_commit(tmp_path: Path) -> None:
+    """Issue #21: a live respond's pair is not committed on its own: it rides the
+    next commit (here a request's inline commit) or the write-behind flush; a
+    drained copy judged before either is still known (accept_batch writes queued
+    pairs first), and nothing queued is lost at close."""
+    path = tmp_path / "i.sqlite3"
+    store = InboxStore(path, flush_interval=3600)  # no flush during the test: only the rides
+    await store.open()
+    try:
+        before = store.commits
+        for i in range(10):
+            store.commit_live_soon(A, "s", f"r{i}", 100)
+        await asyncio.sleep(0)
+        assert store.commits == before, "nothing committed for the responds alone"
+        assert store.commit_live_now(A, "s", "request", 100) == "committed"
+        assert store.commits == before + 1 and store.live_committed == 11, "the responds rode the request's commit"
+        store.commit_live_soon(A, "s", "late", 101)
+        assert await store.accept_batch(A, [("s", "late", "respond", b"{}", 1)], 102) == [False]
+        assert await store.accept_batch(A, [("s", "r3", "respond", b"{}", 2)], 102) == [False]
+        store.commit_live_soon(A, "s", "at-close", 103)
+    finally:
+        await store.close()
+    reopened = InboxStore(path)
+    await reopened.open()
+    try:
+        assert {("s", "at-close"), ("s", "r9"), ("s", "late")} <= set(await reopened.load_seen(A, 100))
+    finally:
+        await reopened.close()
+
+
+async def test_settle_marks_wait_for_the_next_commit_after_their_barrier(tmp_path: Path) -> None:
+    """Issue #21: once the barrier passed, an answered request's finished mark is
+    written with the next commit or the write-behind flush, not by a commit of
+    its own; a drain meanwhile writes it first and acks the copy as handled."""
+    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=3600)
+    await store.open()
+    passed = 0
+
+    async def barrier() -> None:
+        nonlocal passed
+        passed += 1
+
+    store.settle_barrier = barrier
+    try:
+        store.take(A, "s", "q")
+        assert store.commit_live_now(A, "s", "q", 100) == "committed"
+        commits = store.commits
+        store.settle(A, "s", "q", 101)
+        await eventually_async(lambda: passed == 1, what="the settle barrier passed")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert store.commits == commits, "no commit of its own for the mark"
+        assert await store.accept_batch(A, [("s", "q", "request", b"{}", 1)], 102) == [False]
+    finally:
+        await store.close()

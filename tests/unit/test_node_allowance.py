@@ -13,8 +13,16 @@ from typing import Any, cast
 
 import pytest
 
+from meshnode.admin.exitcodes import EX_DATAERR, EX_NOINPUT
 from meshnode.agent import Agent, AgentSettings, Context, offering
-from meshnode.node.allowance import AllowanceKeeper, SpendStore, estimate_of, tokens_of_usage
+from meshnode.cli import main
+from meshnode.node.allowance import (
+    AllowanceKeeper,
+    SpendStore,
+    agent_owner,
+    estimate_of,
+    tokens_of_usage,
+)
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.tasks import ResponderTask
 from meshnode.protocol.allowance import Ceiling, CostModel, OnExhausted, Scope, make_allowance
@@ -46,8 +54,9 @@ class Worker(Agent):
 
 class Env:
     def __init__(self, tmp_path: Path) -> None:
-        self.node = FakeNode(now_ms=NOW)
+        # The owner is the hosting node's key (§8.6 default ownership).
         self.owner = KeyPair.generate()
+        self.node = FakeNode(now_ms=NOW, node_id=self.owner.public_key)
         key = KeyPair.generate()
         self.hosted = HostedAgent(cast(Any, self.node), name="worker", kind="test", agent=Worker("worker", AgentSettings()),
                                   key=key, guard=self.node.new_guard(key.public_key), interaction="service")
@@ -180,8 +189,9 @@ async def test_the_newer_of_the_stored_and_configured_documents_governs(env: Env
     keeper.close()
 
 
-async def _hold_at_admission(env: Env) -> tuple[asyncio.Task[None], ResponderTask]:
-    env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 1000), mode=OnExhausted.ASK_OWNER))
+async def _hold_at_admission(env: Env, *, set_document: bool = True) -> tuple[asyncio.Task[None], ResponderTask]:
+    if set_document:
+        env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 1000), mode=OnExhausted.ASK_OWNER))
     request = env.request("fixed")
     await env.keeper.admit(env.hosted, request, Worker.offerings()["fixed"], None)  # held, not refused
     opened: list[ResponderTask] = []
@@ -252,3 +262,102 @@ async def test_a_bare_request_paused_mid_task_keeps_its_spend_in_one_place(env: 
     assert opened[0].state == "working"
     assert env.keeper.show(env.hosted)["spend"]["by_task"] == {"bare": 1600}
     assert [e["outcome"] for e in env.events()] == ["paused"]
+
+
+# -- whose signature counts (§8.6), reload, add ------------------------------------------
+
+
+def test_a_document_signed_by_another_key_than_the_agents_owner_is_refused_naming_both(env: Env) -> None:
+    stranger = KeyPair.generate()
+    doc = make_allowance(stranger, agent=env.hosted.agent_id, cost_model=MODEL, ceilings=[Ceiling(Scope.DAY, 5)],
+                         updated_at_ms=NOW)
+    with pytest.raises(ProtocolError) as info:
+        env.keeper.set(env.hosted, doc)
+    assert info.value.code == "IDENTITY_MISMATCH"
+    assert info.value.details == {"reason": "wrong_owner", "member": "owner_key",
+                                  "owner_key": stranger.public_key, "owner": env.owner.public_key}
+    assert stranger.public_key in info.value.message and env.owner.public_key in info.value.message
+    assert "[agents.worker] allowance_any_owner = true" in info.value.message
+    assert env.keeper.show(env.hosted)["set"] is False
+    # From a file, the same document fails closed, the file, both keys and the way out named.
+    path = env.tmp / "stranger.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    keeper = env.new_keeper({"worker": path})
+    shown = keeper.show(env.hosted)
+    assert shown["valid"] is False and shown["owner"] == env.owner.public_key
+    [error] = shown["errors"]
+    assert str(path) in error and "wrong_owner" in error and stranger.public_key in error
+    assert "allowance_any_owner" in error
+    keeper.close()
+    # allowance_any_owner: the owner signs with a key the manifest does not name.
+    lenient = AllowanceKeeper(env.tmp / "allowances", SpendStore(env.tmp / "allowance.sqlite3"),
+                              configured={"worker": path}, any_owner={"worker"}, now_ms=env.node.now_ms)
+    shown = lenient.show(env.hosted)
+    assert shown["valid"] is True and shown["any_owner"] is True
+    assert shown["document"]["owner_key"] == stranger.public_key
+    lenient.set(env.hosted, dict(doc))  # `allowance add` of it is accepted too
+    lenient.close()
+    # allowance_any_owner off again: the stored document signed by the stranger fails closed.
+    strict = env.new_keeper()
+    shown = strict.show(env.hosted)
+    assert shown["valid"] is False and shown["source"].startswith("stored ")
+    assert "wrong_owner" in shown["errors"][0]
+    strict.close()
+
+
+def test_the_agents_owner_is_the_attested_manifest_owner_else_the_hosting_node(env: Env) -> None:
+    assert agent_owner(env.hosted) == env.owner.public_key  # no manifest owner: the node (§8.6)
+    person = KeyPair.generate().public_key
+    env.hosted.manifest = {"owner": person}  # claimed without the attestation §8.6 requires: not believed
+    assert agent_owner(env.hosted) == env.owner.public_key
+    env.hosted.manifest = {"owner": person, "owner_attestation": {"owner": person, "sig": "x"}}
+    assert agent_owner(env.hosted) == person
+    assert env.keeper.required_owner(env.hosted) == person
+
+
+async def test_reload_rereads_the_allowance_file_changed_invalid_or_removed(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = env.tmp / "configured.json"
+    path.write_text(json.dumps(env.document(Ceiling(Scope.TASK, 1000), mode=OnExhausted.ASK_OWNER)), "utf-8")
+    keeper = env.new_keeper({"worker": path})
+    env.node.allowance = env.keeper = keeper
+    waiting, task = await _hold_at_admission(env, set_document=False)
+    assert task.state == "input_required"
+    # Changed on disk (raised): in force after the reload, the held work goes on.
+    path.write_text(json.dumps(env.document(Ceiling(Scope.TASK, 5000), mode=OnExhausted.ASK_OWNER, at=NOW + 1)),
+                    "utf-8")
+    assert keeper.show(env.hosted)["ceilings"][0]["amount_micro"] == 1000  # read at start, until a reload
+    report = keeper.reload([env.hosted], configured={"worker": path}, any_owner=())
+    assert report == {"worker": {"source": f"allowance_file {path}", "valid": True, "errors": []}}
+    await asyncio.wait_for(waiting, 5)
+    assert task.state == "working"
+    # Invalid (forged): fails closed as at start, logged naming the file.
+    forged = dict(env.document(Ceiling(Scope.TASK, 5000), at=NOW + 2), ceilings=[{"scope": "task", "amount_micro": 9}])
+    path.write_text(json.dumps(forged), "utf-8")
+    with caplog.at_level("ERROR", logger="meshnode.allowance"):
+        report = keeper.reload([env.hosted], configured={"worker": path}, any_owner=())
+    assert report["worker"]["valid"] is False and str(path) in report["worker"]["errors"][0]
+    assert any(str(path) in r.getMessage() and "bad_signature" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ProtocolError) as info:
+        await keeper.admit(env.hosted, env.request("priced", rid="r3"), Worker.offerings()["priced"], None)
+    assert info.value.code == "BUDGET_INSUFFICIENT"
+    # Removed from the file on disk: fails closed too (as a missing file at start).
+    path.unlink()
+    report = keeper.reload([env.hosted], configured={"worker": path}, any_owner=())
+    assert report["worker"]["valid"] is False and "no such file" in report["worker"]["errors"][0]
+    # Removed from the configuration: no allowance any more.
+    assert keeper.reload([env.hosted], configured={}, any_owner=()) == {}
+    assert keeper.show(env.hosted)["set"] is False
+    await keeper.admit(env.hosted, env.request("priced", rid="r4"), Worker.offerings()["priced"], None)
+    keeper.close()
+
+
+def test_allowance_add_names_an_unreadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["allowance", "add", str(missing), "--socket", str(tmp_path / "s")]) == EX_NOINPUT
+    assert str(missing) in capsys.readouterr().err
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]", encoding="utf-8")
+    assert main(["allowance", "add", str(listed), "--json", "--socket", str(tmp_path / "s")]) == EX_DATAERR
+    assert f"{listed}: an allowance document is a JSON object" in capsys.readouterr().err

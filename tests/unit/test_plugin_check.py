@@ -46,7 +46,7 @@ def test_bad_plugin_setting_names_file_and_key(tmp_path: Path) -> None:
     assert proc.returncode == 78, proc.stderr
     assert f"{path}: agents.sh.timeout: expected a valid number" in proc.stderr
     assert "got 'soon'" in proc.stderr
-    assert f"{path}: agents.sh.colour: unknown key (expected one of: plugin, enabled, interaction, max_concurrency, allowance_file, command," in proc.stderr
+    assert f"{path}: agents.sh.colour: unknown key (expected one of: plugin, enabled, interaction, max_concurrency, allowance_file, allowance_any_owner, command," in proc.stderr
     assert "ValidationError" not in proc.stderr and "pydantic" not in proc.stderr
 
 

@@ -1,23 +1,29 @@
 """``meshnode allowance``: the owner's spending allowance of a hosted agent (EXT-8).
 
   meshnode allowance set AGENT --per-task N --per-day N --cost-model 1500:USD [--on-exhaustion ask_owner]
+  meshnode allowance add FILE
   meshnode allowance show [AGENT]
   meshnode allowance clear AGENT
   meshnode allowance decline AGENT [--task TASK]
 
 Amounts are integer micro-units (1 000 000 = one currency unit). The document
 is signed by the daemon with this node's key (the owner of its agents); the
-CLI never reads a key.
+CLI never reads a key. ``add`` installs a document signed elsewhere (by
+another owner key): the file is read here and sent to the daemon, which
+verifies it and refuses it naming the member or the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_OK
+from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
 from .output import emit_json
 
 _COST_MODEL = re.compile(r"(\d+)(?::([A-Z]{3}))?")
@@ -57,6 +63,10 @@ def register(commands: Any) -> None:
                            "else refuse)")
     _client_args(set_)
     set_.set_defaults(handler=cmd_set)
+    add = sub.add_parser("add", help="install an allowance document signed elsewhere (by another owner key)")
+    add.add_argument("file", type=Path, help="the signed allowance document (JSON); it names its agent")
+    _client_args(add)
+    add.set_defaults(handler=cmd_add)
     show = sub.add_parser("show", help="the allowance, the spend so far and what remains, and held work")
     show.add_argument("agent", nargs="?", help="one hosted agent (default: all)")
     _client_args(show)
@@ -104,6 +114,29 @@ def cmd_set(args: argparse.Namespace) -> int:
     if args.on_exhaustion is not None:
         params["on_exhausted"] = args.on_exhaustion
     code, result = _admin(args, "Allowance.Set", params)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    _print(result)
+    return EX_OK
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        print(f"meshnode: {path}: no such file", file=sys.stderr)
+        return EX_NOINPUT
+    except (OSError, ValueError) as exc:
+        print(f"meshnode: {path}: not a readable JSON allowance document ({exc})", file=sys.stderr)
+        return EX_DATAERR
+    if not isinstance(document, dict):
+        print(f"meshnode: {path}: an allowance document is a JSON object", file=sys.stderr)
+        return EX_DATAERR
+    code, result = _admin(args, "Allowance.Add", {"document": document})
     if code != EX_OK:
         return code
     if args.json:

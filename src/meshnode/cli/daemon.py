@@ -233,6 +233,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _print_status(status: dict[str, Any]) -> None:
     node, mesh = status["node"], status["mesh"]
     print(f"node      {node['name']}  {node['id']}")
+    if status.get("state") not in (None, "serving"):
+        # Still starting (the stage in flight says where), reloading or stopping.
+        stage = f" (stage {status['stage']})" if status.get("stage") else ""
+        print(f"state     {status['state']}{stage}")
     state = "connected" if mesh["connected"] else "DISCONNECTED"
     broker = mesh.get("broker") or {}
     if broker.get("state") == "unresponsive":

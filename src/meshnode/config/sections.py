@@ -386,7 +386,9 @@ class InboxConfig(BaseModel):
     ``old``: the earlier behaviour, oldest evicted first, for a mesh whose clients
     drain their mailbox without acking it through the §18.6 durable (nothing frees it)."""
     buffer_sweep_interval: Duration = timedelta(seconds=60)
-    """How often the registry purges every mailbox up to what its drain consumer acked."""
+    """How often the registry sweeps the next page (256 streams) of the stream listing,
+    purging each mailbox up to what its drain consumer acked; a full pass takes one
+    interval per 256 streams."""
 
 
 class StorageConfig(BaseModel):
@@ -542,7 +544,7 @@ class ObservabilityConfig(BaseModel):
     metrics_interval: Duration = timedelta(seconds=60)
 
 
-_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file")
+_AGENT_KEYS = ("plugin", "enabled", "interaction", "max_concurrency", "allowance_file", "allowance_any_owner")
 
 
 def _plugin_name(value: object) -> str:
@@ -576,12 +578,21 @@ class AgentConfig(BaseModel):
     max_concurrency: Annotated[int, Field(ge=1, le=100_000)] | None = None
     """This agent's limit of requests in its handlers at once; unset, it takes
     ``[node] agent_max_concurrency``."""
-    allowance_file: Path | None = None
-    """An owner-signed allowance document (EXT-8, JSON) for this agent. The
+    allowance_file: OptionalFilePath = None
+    """An owner-signed allowance document (EXT-8, JSON) for this agent; a
+    relative path is relative to the config file, like every path. The
     node verifies its signature against its ``owner_key``; one that does not
     verify fails closed (every ceiling exhausted, new work refused) and is
     named in the log and in ``meshnode allowance show``. ``meshnode allowance
-    set`` documents take precedence when their ``updated_at`` is later."""
+    set`` documents take precedence when their ``updated_at`` is later.
+    ``meshnode reload`` reads it again (no restart needed)."""
+    allowance_any_owner: bool | None = None
+    """``true``: accept allowance documents (``allowance_file``, ``meshnode allowance
+    add``) signed by any owner key. Off, a document must be signed by the
+    agent's owner as this node knows it (its manifest ``owner``, else this
+    node's key, §8.6); one signed by another key is refused naming both keys
+    (a file fails closed). Turn on when the owner signs with a key the
+    manifest does not name. Unset means false."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """The plugin's own keys from the table, unvalidated."""
 

@@ -1,9 +1,13 @@
-"""The ``Allowance.*`` admin methods (EXT-8): set, show, clear and decline owner allowances.
+"""The ``Allowance.*`` admin methods (EXT-8): set, add, show, clear and decline owner allowances.
 
 The owner key is this node's key (read from the keystore at start), as for
 ``Agreements.Sign``: the node is the default owner of every agent it hosts
 (§8.3), so it is who limits what they may spend. ``Allowance.Set`` builds and
-signs the document here; the CLI never sees the key.
+signs the document here; the CLI never sees the key. ``Allowance.Add``
+installs a document someone signed elsewhere (another owner key): verified
+like a configured file, refused naming the member or the reason, stored like
+``Set``'s. Which signers are accepted is :mod:`meshnode.node.allowance`'s
+rule (the agent's owner, unless ``[agents.X] allowance_any_owner``).
 """
 
 from __future__ import annotations
@@ -17,27 +21,53 @@ from meshnode.admin.methods import param
 from meshnode.admin.protocol import InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.config import Config
-from meshnode.node.allowance import AllowanceKeeper, SpendStore
+from meshnode.node.allowance import AllowanceKeeper, SpendStore, describe_refusal
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
-from meshnode.protocol.allowance import Ceiling, CostModel, OnExhausted, Scope, make_allowance
+from meshnode.protocol.allowance import (
+    Ceiling,
+    CostModel,
+    OnExhausted,
+    Scope,
+    make_allowance,
+    verify_allowance,
+)
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from meshnode.daemon.main import Daemon
 
-__all__ = ["open_allowances", "register_allowance_methods"]
+__all__ = ["allowance_settings", "open_allowances", "register_allowance_methods", "reload_allowances"]
 
 _SCOPES = (("per_task", Scope.TASK), ("per_context", Scope.CONTEXT), ("per_day", Scope.DAY))
+
+
+def allowance_settings(config: Config) -> tuple[dict[str, Path], set[str]]:
+    """``[agents.X] allowance_file`` by agent name, and the names with
+    ``allowance_any_owner = true``."""
+    configured = {name: Path(a.allowance_file) for name, a in config.agents.items() if a.allowance_file is not None}
+    return configured, {name for name, a in config.agents.items() if a.allowance_any_owner}
 
 
 def open_allowances(config: Config, data_dir: Path, now_ms: Callable[[], int]) -> AllowanceKeeper:
     """The node's allowance keeper: documents in ``<data>/allowances/``, spend in
     ``<data>/allowance.sqlite3``, and each ``[agents.X] allowance_file``."""
-    configured = {name: Path(a.allowance_file) for name, a in config.agents.items() if a.allowance_file is not None}
+    configured, any_owner = allowance_settings(config)
     return AllowanceKeeper(
-        data_dir / "allowances", SpendStore(data_dir / "allowance.sqlite3"), configured=configured, now_ms=now_ms
+        data_dir / "allowances", SpendStore(data_dir / "allowance.sqlite3"), configured=configured,
+        any_owner=any_owner, now_ms=now_ms,
     )
+
+
+def reload_allowances(daemon: Daemon, config: Config) -> dict[str, dict[str, Any]]:
+    """A reload's part: re-read every agent's allowance under ``config``
+    (:meth:`AllowanceKeeper.reload`); ``{agent name: {source, valid, errors}}``."""
+    node = daemon.node
+    if node is None or node.allowance is None:
+        return {}
+    configured, any_owner = allowance_settings(config)
+    agents = [h for n, h in node.agents.items() if n != CLI_AGENT_NAME]
+    return node.allowance.reload(agents, configured=configured, any_owner=any_owner)
 
 
 def register_allowance_methods(daemon: Daemon, methods: MethodRegistry) -> None:
@@ -48,6 +78,11 @@ def register_allowance_methods(daemon: Daemon, methods: MethodRegistry) -> None:
         doc="params {agent, per_task?, per_context?, per_day?, cost_model?: {per_1k_tokens_micro, currency}, "
         "on_exhausted?} -> the allowance as shown: this node's key (the owner of its agents) signs a new document "
         "(replacing the stored one; the cost model and mode default to the current document's); held work re-checks",
+    )
+    methods.add(
+        "Allowance.Add", ops.add, level="admin",
+        doc="params {document} -> the allowance as shown: install an allowance signed elsewhere (its agent is "
+        "the document's agent; verified: shape, signature, owner); stored like Allowance.Set's; held work re-checks",
     )
     methods.add(
         "Allowance.Show", ops.show, level="operator",
@@ -131,6 +166,29 @@ class _AllowanceMethods:
             keeper.set(hosted, document)
         except ProtocolError as exc:
             raise InvalidParameter(f"allowance refused: {exc.message}", exc.details) from None
+        return keeper.show(hosted)
+
+    async def add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        keeper = self._keeper()
+        document = param(params, "document", dict)
+        agent = document.get("agent")
+        node = self.d.node
+        assert node is not None
+        hosted = node.by_id.get(agent) if isinstance(agent, str) else None
+        if hosted is None or hosted.name == CLI_AGENT_NAME:
+            # A document that does not verify is refused for that (naming the
+            # member); only a sound one for an agent not hosted here is NotFound.
+            try:
+                verify_allowance(document)
+            except ProtocolError as exc:
+                raise InvalidParameter(f"allowance refused: {describe_refusal(exc)}", exc.details) from None
+            hosted_ids = ", ".join(sorted(h.agent_id for n, h in node.agents.items() if n != CLI_AGENT_NAME)) or "none"
+            raise NotFound(f"the allowance governs {agent}, which is not hosted here (hosted: {hosted_ids})",
+                           {"parameter": "document.agent"})
+        try:
+            keeper.set(hosted, document)
+        except ProtocolError as exc:
+            raise InvalidParameter(f"allowance refused: {describe_refusal(exc)}", exc.details) from None
         return keeper.show(hosted)
 
     async def show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:

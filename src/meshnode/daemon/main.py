@@ -109,6 +109,8 @@ class Daemon:
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
         self._force = 0
+        #: The start-up stage in flight (None outside start-up).
+        self.stage: str | None = None
 
     # -- what the parts hold (for the admin methods and plugins) ----------------
 
@@ -199,11 +201,19 @@ class Daemon:
         ]
         try:
             for stage in stages:
+                self.stage = stage.name
                 self.notifier.status(f"starting: {stage.name}")
                 await run_stage(stage, critical=True)
+        except asyncio.CancelledError:
+            # A stop asked for during start-up (start_unless_stopped): not a
+            # failure; the shutdown stages undo what did start.
+            self.state = DaemonState.STOPPING
+            raise
         except BaseException:
             self.state = DaemonState.FAILED
             raise
+        finally:
+            self.stage = None
         self.state = DaemonState.SERVING
         self.notifier.ready(f"serving {len(self.node.agents) if self.node else 0} agents")
         if self.notifier.watchdog_interval:
@@ -215,6 +225,40 @@ class Daemon:
             len(self.node.agents) if self.node else 0,
             ", ".join(self.mesh_urls()),
         )
+
+    async def start_unless_stopped(self) -> bool:
+        """:meth:`start`, abandoned as soon as a stop is asked for (SIGTERM, SIGINT).
+
+        Returns True once serving, False when a stop came first: the stage in
+        flight is cancelled (its task, and with it every agent's ``on_start``
+        and registration still waiting) and the stages after it never run. What
+        did start has pushed its undo onto the shutdown stages as it came up, so
+        the caller's :meth:`stop` unwinds exactly that, the inbox's final write
+        included (issue #23: a daemon registering hundreds of agents used to
+        finish the whole ``agents`` stage, up to its budget, before it stopped).
+        Raises what :meth:`start` raised (StageFailed).
+        """
+        start = asyncio.ensure_future(self.start())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if start.done():
+            start.result()
+            return True
+        stage = self.stage
+        log.info("stop requested during start-up (stage %s): cancelling it", stage or "?")
+        start.cancel()
+        # What the cancelled stage awaits unwinds (an agent's start is given
+        # supervise's own grace); one that swallows the cancellation is left
+        # behind rather than holding the process.
+        await asyncio.wait({start}, timeout=START_CANCEL_GRACE_S)
+        if not start.done():
+            log.warning("start-up stage %s did not unwind within %g s; stopping anyway", stage, START_CANCEL_GRACE_S)
+        elif not start.cancelled() and start.exception() is not None:
+            log.info("start-up stage %s ended while cancelled: %s", stage, start.exception())
+        return False
 
     async def _stage_keys(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -594,7 +638,7 @@ async def run_daemon(config: Config) -> int:
     daemon = Daemon(config)
     daemon.install_signal_handlers()
     try:
-        await daemon.start()
+        serving = await daemon.start_unless_stopped()
     except StageFailed as exc:
         log.error("%s", exc)
         await daemon.stop()
@@ -617,7 +661,8 @@ async def run_daemon(config: Config) -> int:
             return EX_TEMPFAIL
         return 1
     try:
-        await daemon.wait()
+        if serving:
+            await daemon.wait()
     finally:
         log.info("stopping")
         await daemon.stop()
@@ -625,6 +670,9 @@ async def run_daemon(config: Config) -> int:
         return RELAUNCH
     return 0
 
+
+#: How long a start-up cancelled by a stop may take to unwind before shutdown goes on.
+START_CANCEL_GRACE_S = 3.0
 
 #: How long a forced exit (second SIGINT) waits for the inbox's final write.
 FORCE_EXIT_WRITE_S = 5.0

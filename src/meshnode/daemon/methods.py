@@ -115,6 +115,8 @@ class CoreMethods:
             "version": meshnode.__version__,
             # The daemon's lifecycle state (meshnode.daemon.lifecycle.DaemonState).
             "state": self.d.state.value,
+            # The start-up stage in flight while "starting" (None otherwise).
+            "stage": self.d.stage,
             "node": {
                 "id": self.d.node_key.public_key if self.d.node_key else None,
                 "name": self.d.config.node.name,

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
-from meshnode.config import ConfigError, load_config
+from meshnode.config import AgentConfig, ConfigError, load_config
+from meshnode.daemon.allowance import reload_allowances
 from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
@@ -279,7 +280,10 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     table not hosted until now (its plugin was missing) is hosted (``added``);
     one that fails to start is listed under ``failed`` (name -> why) and the
     rest applies; an upgraded plugin that agents run is listed under
-    ``requires_restart`` (its old module stays imported).
+    ``requires_restart`` (its old module stays imported). Every agent's
+    allowance is read again (``allowances``: name -> {source, valid,
+    errors}); a change of only ``allowance_file`` / ``allowance_any_owner``
+    restarts no agent.
     """
     old = daemon.config
     hosting = daemon._hosting()
@@ -329,10 +333,13 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         for name in sorted(set(old_agents) & set(new_agents)):
             if name in to_add:
                 continue
-            if old_agents[name] != new_agents[name]:
+            if _without_allowance(old_agents[name]) != _without_allowance(new_agents[name]):
                 daemon.config.agents[name] = new_agents[name]
                 await daemon.restart_agent(name, new_agents[name])
                 report["restarted"].append(name)
+        # EXT-8: every allowance_file read again (changed, removed, now invalid:
+        # in force at once, failing closed as at start); no agent restarts for it.
+        report["allowances"] = reload_allowances(daemon, new)
         for section in ("node", "mesh", "registry", "services", "admin", "protections", "inbox", "keystore", "a2a"):
             if getattr(old, section) != getattr(new, section):
                 report["requires_restart"].append(section)
@@ -343,6 +350,13 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+def _without_allowance(agent: AgentConfig) -> AgentConfig:
+    """``agent`` with its allowance keys at their defaults: a change there is
+    applied by re-reading the allowance, never by restarting the agent (which
+    would end its work in progress)."""
+    return agent.model_copy(update={"allowance_file": None, "allowance_any_owner": None})
 
 
 def process_figures() -> dict[str, int | None]:

@@ -24,6 +24,28 @@ node's side of them:
   Every crossing emits ``mesh.event.agent.allowance_exceeded`` as the agent
   (the platform observes; it never blocks).
 
+Whose signature counts (§8.6, EXT-8 §1, the fixture's README): EXT-8 binds
+the signature to the document's own ``owner_key`` and nothing more, but the
+allowance is the *owner's* ceiling on their own agent ("it guards the owner's
+money"; "cross-agent allowances do not exist: constraining someone else's
+agent is a contract, not a config"), and the fixture casts the signer as the
+governed agent's owner. The node knows that owner: the manifest's ``owner``
+when it names one and carries the ``owner_attestation`` §8.6 requires, else
+the hosting node's key (§8.6 default ownership, which is what the registry
+records). So a document whose ``owner_key`` is another key is refused
+(IDENTITY_MISMATCH, ``wrong_owner``, naming both keys) and, loaded from a
+file, fails closed. Since that refuses what EXT-8 alone would accept (an
+owner who signs with a personal key the manifest does not name),
+``[agents.X] allowance_any_owner = true`` turns the check off for that
+agent, and the refusal says so.
+
+A ``meshnode reload`` re-reads every ``allowance_file``
+(:meth:`AllowanceKeeper.reload`): a changed file governs at once, a file
+removed from the configuration no longer does, and a missing or invalid one
+fails closed exactly as at start, logged naming the file (and, as at start,
+a valid stored document governs over an invalid file); held work re-checks
+against the result.
+
 Why "crossing" is strict (spend > amount) mid-task: the node only learns of
 spend after the fact, and the fixture's rule is that spending exactly what is
 left is within the allowance (equality admits), so a report landing exactly
@@ -39,7 +61,7 @@ import logging
 import math
 import os
 import sqlite3
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 from meshnode.agent import OfferingSpec
 from meshnode.node.private_db import prepare_private_db, tighten_side_files
 from meshnode.protocol.allowance import (
+    AllowanceInvalid,
     AllowancePolicy,
     Ceiling,
     CeilingStanding,
@@ -79,11 +102,14 @@ _FAIL_CLOSED = Ceiling(Scope.DAY, 0)
 _FALLBACK_CURRENCY = "USD"
 
 __all__ = [
+    "ANY_OWNER_KEY",
     "EVENT_DOMAIN",
     "EVENT_TYPE",
     "AllowanceKeeper",
     "Hold",
     "SpendStore",
+    "agent_owner",
+    "describe_refusal",
     "estimate_of",
     "tokens_of_usage",
 ]
@@ -100,6 +126,21 @@ _KEEP_DAYS = 35
 
 #: Admission holds awaiting their handler's start, at most this many.
 _PENDING_CAP = 10_000
+
+#: The ``[agents.X]`` key that accepts documents signed by any owner key.
+ANY_OWNER_KEY = "allowance_any_owner"
+
+
+def agent_owner(hosted: HostedAgent) -> str:
+    """The agent's owner as this node knows it (§8.6): the manifest's ``owner``
+    when it is the hosting node or comes with an ``owner_attestation`` (the
+    registry verifies it before storing), else the hosting node's key."""
+    manifest = hosted.manifest
+    owner = manifest.get("owner") if isinstance(manifest, Mapping) else None
+    node_id = hosted.node.node_id
+    if isinstance(owner, str) and (owner == node_id or isinstance(manifest.get("owner_attestation"), Mapping)):
+        return owner
+    return node_id
 
 
 def tokens_of_usage(usage: Sequence[Mapping[str, Any]]) -> int:
@@ -230,11 +271,24 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _describe(exc: ProtocolError) -> str:
+def describe_refusal(exc: ProtocolError) -> str:
+    """An allowance refusal in one line: the message, the member at fault and
+    ``details.reason`` (``bad_signature``, ``wrong_owner``, ...)."""
     member = exc.details.get("member") if isinstance(exc.details, Mapping) else None
     reason = exc.details.get("reason") if isinstance(exc.details, Mapping) else None
     where = f" (member {member})" if member else ""
     return f"{exc.message}{where}" + (f" [{reason}]" if reason else "")
+
+
+def _with_hint(exc: ProtocolError, agent_name: str) -> ProtocolError:
+    """A ``wrong_owner`` refusal with the configurable path that accepts it."""
+    if not (isinstance(exc.details, Mapping) and exc.details.get("reason") == AllowanceInvalid.WRONG_OWNER.value):
+        return exc
+    return ProtocolError(
+        exc.code,
+        f"{exc.message}; to accept allowances signed by another key, set [agents.{agent_name}] {ANY_OWNER_KEY} = true",
+        dict(exc.details),
+    )
 
 
 class AllowanceKeeper:
@@ -246,6 +300,7 @@ class AllowanceKeeper:
         spend: SpendStore,
         *,
         configured: Mapping[str, Path] | None = None,
+        any_owner: Collection[str] = (),
         now_ms: Callable[[], int],
     ) -> None:
         #: Where ``allowance set`` keeps documents: ``<directory>/<agent id>.json``.
@@ -253,6 +308,9 @@ class AllowanceKeeper:
         self.spend = spend
         #: ``[agents.X] allowance_file`` by agent name.
         self.configured: dict[str, Path] = dict(configured or {})
+        #: Agent names whose documents may be signed by any owner key
+        #: (``[agents.X] allowance_any_owner``; module docstring).
+        self.any_owner: frozenset[str] = frozenset(any_owner)
         self.now_ms = now_ms
         self._held: dict[str, _Held | None] = {}
         self._ledgers: dict[str, SpendLedger] = {}
@@ -272,7 +330,13 @@ class AllowanceKeeper:
     def _stored_path(self, agent_id: str) -> Path:
         return self.directory / f"{agent_id}.json"
 
-    def _load_file(self, path: Path, agent_id: str, what: str) -> tuple[AllowancePolicy | None, str | None]:
+    def required_owner(self, hosted: HostedAgent) -> str | None:
+        """The key an allowance of ``hosted`` must be signed by, or None when
+        ``allowance_any_owner`` accepts any (module docstring)."""
+        return None if hosted.name in self.any_owner else agent_owner(hosted)
+
+    def _load_file(self, path: Path, hosted: HostedAgent, what: str) -> tuple[AllowancePolicy | None, str | None]:
+        agent_id = hosted.agent_id
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -281,9 +345,9 @@ class AllowanceKeeper:
             return load_allowance(None, agent=agent_id), f"{what} {path}: no such file"
         except (OSError, ValueError) as exc:
             return load_allowance(None, agent=agent_id), f"{what} {path}: not readable JSON ({exc})"
-        policy = load_allowance(doc, agent=agent_id)
+        policy = load_allowance(doc, agent=agent_id, owner=self.required_owner(hosted))
         if policy.error is not None:
-            return policy, f"{what} {path}: {_describe(policy.error)}"
+            return policy, f"{what} {path}: {describe_refusal(_with_hint(policy.error, hosted.name))}"
         return policy, None
 
     def held(self, hosted: HostedAgent) -> _Held | None:
@@ -301,7 +365,7 @@ class AllowanceKeeper:
         for path, what in ((stored, "stored"), (configured, "allowance_file")):
             if path is None:
                 continue
-            policy, error = self._load_file(path, agent_id, what)
+            policy, error = self._load_file(path, hosted, what)
             if error is not None:
                 errors.append(error)
                 log.error("%s: the allowance fails closed (every ceiling exhausted): %s", hosted.name, error)
@@ -324,16 +388,38 @@ class AllowanceKeeper:
         return held.policy if held is not None else None
 
     def set(self, hosted: HostedAgent, document: Mapping[str, Any]) -> _Held:
-        """Keep ``document`` (verified, for this agent) as the stored allowance
-        and let held work re-check. Raises ProtocolError naming the member at
-        fault, or the signature / agent mismatch."""
-        verify_allowance(document, agent=hosted.agent_id)
+        """Keep ``document`` (verified: for this agent, signed by its owner
+        unless ``allowance_any_owner``) as the stored allowance and let held
+        work re-check. Raises ProtocolError naming the member at fault, or the
+        signature / agent / owner mismatch (``details.reason``)."""
+        try:
+            verify_allowance(document, agent=hosted.agent_id, owner=self.required_owner(hosted))
+        except ProtocolError as exc:
+            raise _with_hint(exc, hosted.name) from None
         _write_private(self._stored_path(hosted.agent_id), json.dumps(dict(document), indent=2) + "\n")
         self._held.pop(hosted.agent_id, None)
         held = self.held(hosted)
         assert held is not None
         self._wake(hosted.agent_id)
         return held
+
+    def reload(self, agents: Iterable[HostedAgent], *, configured: Mapping[str, Path],
+               any_owner: Collection[str]) -> dict[str, dict[str, Any]]:
+        """Take a reloaded configuration's ``allowance_file`` and
+        ``allowance_any_owner`` keys: every agent's document is read again (a
+        missing or invalid file fails closed and is logged naming it, as at
+        start) and its held work re-checks. Returns, per agent name that has
+        an allowance, ``{source, valid, errors}``."""
+        self.configured = dict(configured)
+        self.any_owner = frozenset(any_owner)
+        out: dict[str, dict[str, Any]] = {}
+        for hosted in agents:
+            self._held.pop(hosted.agent_id, None)
+            held = self.held(hosted)
+            self._wake(hosted.agent_id)
+            if held is not None:
+                out[hosted.name] = {"source": held.source, "valid": held.policy.valid, "errors": list(held.errors)}
+        return out
 
     def clear(self, hosted: HostedAgent) -> bool:
         """Remove the stored document (a configured file stays in force). True
@@ -614,7 +700,8 @@ class AllowanceKeeper:
         now = self.now_ms()
         today = day_of(now)
         ledger = self.ledger(hosted)
-        out: dict[str, Any] = {"agent": hosted.name, "agent_id": hosted.agent_id, "set": held is not None}
+        out: dict[str, Any] = {"agent": hosted.name, "agent_id": hosted.agent_id, "set": held is not None,
+                               "owner": agent_owner(hosted), "any_owner": hosted.name in self.any_owner}
         recent_tasks = dict(list(ledger.by_task.items())[-20:])
         recent_contexts = dict(list(ledger.by_context.items())[-20:])
         out["spend"] = {"day": today, "today_micro": ledger.by_day.get(today, 0),
@@ -628,7 +715,7 @@ class AllowanceKeeper:
         out["on_exhausted"] = policy.on_exhausted.value
         out["errors"] = list(held.errors)
         if policy.error is not None:
-            out["error"] = _describe(policy.error)
+            out["error"] = describe_refusal(policy.error)
         allowance = policy.allowance
         if allowance is None:
             return out

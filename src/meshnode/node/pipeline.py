@@ -383,7 +383,9 @@ async def receive(
     if inbox is not None and path is Path.LIVE:
         # The broker buffers a copy of every live message, and a drain of that
         # copy — in this process or after a kill -9 — must never run it a second
-        # time (issue #23). A respond is committed before it is routed; a
+        # time (issue #23). A respond's pair is queued for this loop turn's
+        # group commit (it runs no handler: nothing irreversible waits on it,
+        # and one commit per respond was the requester's largest cost); a
         # request is *taken* (the drain leaves its copy alone) and its pair is
         # committed right before the irreversible step: its handler starting
         # (HostedAgent._run_handler) or an answer going out (_answer). A request
@@ -393,7 +395,7 @@ async def receive(
             inbox.take(hosted.agent_id, env["from"], env["id"])
             taken = True
         else:
-            inbox.commit_live_now(hosted.agent_id, env["from"], env["id"], now_ms, settled=True)
+            inbox.commit_live_soon(hosted.agent_id, env["from"], env["id"], now_ms)
     elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=path.value)

@@ -285,7 +285,9 @@ class Node:
                 tail = pattern.removeprefix("mesh.event.")
                 await self.pubsub.subscribe_events(hosted, tail, durable=True)
             hosted.state = AgentState.RUNNING
-        except Exception:
+        except BaseException:
+            # A cancelled start too (a daemon stopped during start-up): the
+            # agent never ran, so nothing of it keeps listening.
             hosted.state = AgentState.FAILED
             await self._unsubscribe(hosted)
             raise

@@ -108,6 +108,9 @@ class AllowanceInvalid(StrEnum):
     BAD_SIGNATURE = "bad_signature"
     #: The document governs another agent than the one it was loaded for.
     WRONG_AGENT = "wrong_agent"
+    #: Signed by a key that is not the governed agent's owner (a node-side
+    #: check, §8.6: only when the caller knows the owner).
+    WRONG_OWNER = "wrong_owner"
 
 
 def _invalid(reason: AllowanceInvalid, member: str, message: str) -> ProtocolError:
@@ -243,14 +246,18 @@ def parse_allowance(doc: object) -> Allowance:
     )
 
 
-def verify_allowance(doc: object, *, agent: str | None = None) -> Allowance:
+def verify_allowance(doc: object, *, agent: str | None = None, owner: str | None = None) -> Allowance:
     """Shape (:func:`parse_allowance`), then the signature against the
     document's ``owner_key`` under ``agentmesh-allowance-v1``; with ``agent``,
-    the document must govern that agent (one document per agent).
+    the document must govern that agent (one document per agent); with
+    ``owner``, it must be signed by that key (the agent's owner, §8.6, as
+    the caller knows it; EXT-8 itself only binds the signature to
+    ``owner_key``, so this is the caller's choice to make).
 
     Raises INVALID_ENVELOPE for a shape fault, IDENTITY_MISMATCH
-    (``bad_signature`` / ``wrong_agent``) otherwise. A caller enforcing the
-    document fails closed on any raise (:func:`load_allowance`).
+    (``bad_signature`` / ``wrong_agent`` / ``wrong_owner``) otherwise. A
+    caller enforcing the document fails closed on any raise
+    (:func:`load_allowance`).
     """
     allowance = parse_allowance(doc)
     assert isinstance(doc, Mapping)
@@ -269,6 +276,13 @@ def verify_allowance(doc: object, *, agent: str | None = None) -> Allowance:
             "IDENTITY_MISMATCH",
             f"the allowance governs {allowance.agent}, not {agent}",
             {"reason": AllowanceInvalid.WRONG_AGENT.value},
+        )
+    if owner is not None and allowance.owner_key != owner:
+        raise ProtocolError(
+            "IDENTITY_MISMATCH",
+            f"the allowance is signed by {allowance.owner_key}, which is not the agent's owner {owner} (§8.6)",
+            {"reason": AllowanceInvalid.WRONG_OWNER.value, "member": "owner_key",
+             "owner_key": allowance.owner_key, "owner": owner},
         )
     return allowance
 
@@ -579,11 +593,12 @@ class AllowancePolicy:
         return decide(standings, estimate, self.allowance.on_exhausted)
 
 
-def load_allowance(doc: object, *, agent: str | None = None) -> AllowancePolicy:
+def load_allowance(doc: object, *, agent: str | None = None, owner: str | None = None) -> AllowancePolicy:
     """Load a document for enforcement; never raises. A document that fails
-    (:func:`verify_allowance`) yields the fail-closed policy with the error."""
+    (:func:`verify_allowance`, with ``agent`` and ``owner``) yields the
+    fail-closed policy with the error."""
     try:
-        return AllowancePolicy(verify_allowance(doc, agent=agent))
+        return AllowancePolicy(verify_allowance(doc, agent=agent, owner=owner))
     except ProtocolError as exc:
         fallback = OnExhausted.REFUSE
         model: CostModel | None = None

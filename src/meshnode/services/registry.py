@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
@@ -90,9 +91,10 @@ from meshnode.transport.jetstream import KeyValue
 from meshnode.transport.streams import (
     DEFAULT_MAILBOX_BYTES,
     DEFAULT_MAILBOX_MSGS,
+    SweepCursor,
     ensure_inbox_stream,
     ensure_key_value,
-    purge_acked_mailboxes,
+    purge_acked_page,
     registry_bucket_config,
 )
 
@@ -164,6 +166,10 @@ class RegistryService(ServiceBase):
         self.inbox_max_msgs = inbox_max_msgs
         self.inbox_discard: Literal["new", "old"] = inbox_discard
         self.inbox_sweep_interval_s = inbox_sweep_interval_s
+        #: Where the mailbox sweep resumes in the stream listing (one page per tick).
+        self.sweep_cursor = SweepCursor()
+        #: The sweep's pages, purges and failures (``mailbox_sweep.*``).
+        self.counters: Counter[str] = Counter()
         self.presence = presence
         if presence is not None and presence.vouched_by is None:
             presence.vouched_by = self.vouched_by
@@ -212,17 +218,32 @@ class RegistryService(ServiceBase):
         # Issue #22.4: the mailboxes refuse new mail at their bound, so what a
         # client has acked through its drain durable is purged here, whatever
         # the client (a meshnode node also purges its own after each drain).
+        # Issue #21: one page of the stream listing per tick (256 streams), not
+        # the whole listing: the cost per tick is bounded whatever the number
+        # of agents; a complete pass takes ceil(streams / 256) ticks.
         while self.running:
             await asyncio.sleep(self.inbox_sweep_interval_s)
-            try:
-                purged = await purge_acked_mailboxes(self.ctx.connection.jetstream)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.log.warning("mailbox sweep failed: %s", exc)
-                continue
-            if purged:
-                self.log.debug("mailbox sweep purged %d mailbox(es)", len(purged))
+            await self.sweep_mailbox_page()
+
+    async def sweep_mailbox_page(self) -> dict[str, int]:
+        """One tick of the mailbox sweep: the next page of the stream listing
+        (:class:`~meshnode.transport.streams.SweepCursor`); the purged mailboxes.
+        A failed page is logged and retried at the next tick (the cursor stays)."""
+        cursor = self.sweep_cursor
+        try:
+            purged, listed = await purge_acked_page(self.ctx.connection.jetstream, cursor.offset)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters["mailbox_sweep.failed"] += 1
+            self.log.warning("mailbox sweep failed (streams from offset %d): %s", cursor.offset, exc)
+            return {}
+        cursor.advance(listed)
+        self.counters["mailbox_sweep.pages"] += 1
+        self.counters["mailbox_sweep.purged"] += len(purged)
+        if purged:
+            self.log.debug("mailbox sweep purged %d mailbox(es)", len(purged))
+        return purged
 
     async def stop(self) -> None:
         await super().stop()

@@ -100,7 +100,11 @@ class DaemonProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def start(self, timeout: float = 60.0, *, env_extra: dict[str, str] | None = None) -> DaemonProcess:
+    def start(
+        self, timeout: float = 60.0, *, env_extra: dict[str, str] | None = None, wait: bool = True
+    ) -> DaemonProcess:
+        """Launch ``meshnode run``; with ``wait`` (the default) return once Status
+        says "serving" (raising if it exits first or ``timeout`` passes)."""
         env = dict(os.environ)
         # Make the repository (test plugin modules) importable in the daemon.
         root = str(Path(__file__).resolve().parents[3])
@@ -120,6 +124,8 @@ class DaemonProcess:
             )
         finally:
             log.close()
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -272,7 +272,20 @@ class MeshConnection:
             await self.nc.force_reconnect()
 
     async def flush(self, timeout: int = 5) -> None:
+        """Return once everything published so far has reached the broker.
+
+        nats-py's ``flush`` writes its PING straight to the socket while earlier
+        publishes may still sit in the client's pending buffer, so on its own a
+        PONG can come back before those bytes were even written; it holds only
+        because the flusher task usually runs first. The exactly-once
+        bookkeeping marks an answer delivered on this barrier, so the pending
+        buffer is written out first (the client's own flush hand-off, waited
+        for), then the PING/PONG round trip proves the broker read it.
+        """
         with translated():
+            write_pending = getattr(self.nc, "_flush_pending", None)
+            if write_pending is not None and self.nc.is_connected:
+                await asyncio.wait_for(write_pending(force_flush=True), timeout)
             await self.nc.flush(timeout=timeout)
 
     # -- connection events -------------------------------------------------

@@ -71,6 +71,8 @@ __all__ = [
     "METERING_MAX_AGE_S",
     "DEFAULT_MAILBOX_BYTES",
     "DEFAULT_MAILBOX_MSGS",
+    "STREAM_LIST_PAGE",
+    "SweepCursor",
     "DEFAULT_STREAM_LIMITS",
     "StreamLimits",
     "agreements_bucket_config",
@@ -83,6 +85,7 @@ __all__ = [
     "ensure_mesh_streams",
     "ensure_stream",
     "purge_acked_mailboxes",
+    "purge_acked_page",
     "feed_state_bucket_config",
     "feed_stream_config",
     "inbox_stream_config",
@@ -600,40 +603,81 @@ async def ensure_inbox_stream(
     )
 
 
-async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
-    """Purge every mailbox up to what its drain consumer has acked; returns the
-    purged mailboxes with the sequence each was purged through.
+#: Stream infos in one page of the JetStream API's STREAM.LIST (fixed by the server).
+STREAM_LIST_PAGE = 256
+
+
+class SweepCursor:
+    """Where the mailbox sweep is in the stream listing (issue #21).
+
+    The sweep reads one page of STREAM.LIST per tick instead of the whole
+    listing: at 10,000 agents the full listing was 40 pages a minute, most of
+    the registry's idle cost and a source of timeouts under load. ``offset`` is
+    the next page's start; a short (or empty) page was the last, so the next
+    tick starts over and ``passes`` counts one more complete pass.
+
+    Streams created or deleted between two pages shift the listing (it is
+    ordered by name): a mailbox may then be seen twice or skipped for one pass.
+    Both are harmless: a purge up to the ack floor is idempotent, and the next
+    pass sees a skipped one.
+    """
+
+    def __init__(self, page_size: int = STREAM_LIST_PAGE) -> None:
+        self.page_size = page_size
+        self.offset = 0
+        self.passes = 0
+
+    def advance(self, listed: int) -> None:
+        """Move past a page that listed ``listed`` streams."""
+        if listed < self.page_size:
+            self.offset = 0
+            self.passes += 1
+        else:
+            self.offset += listed
+
+
+async def purge_acked_page(jetstream: JetStream, offset: int = 0) -> tuple[dict[str, int], int]:
+    """Purge the mailboxes of one page of the stream listing (from ``offset``) up
+    to what their drain consumer has acked; returns the purged mailboxes with
+    the sequence each was purged through, and how many streams the page listed
+    (fewer than :data:`STREAM_LIST_PAGE`: it was the last page).
 
     The platform's half of the discard-new mailbox (issue #22.4): a meshnode
     node purges its own mailbox after a drain, but any client that drains
     through the §18.6 durable (``inbox_{agent}``) and acks gets the same room
     back here, without a purge grant. A mailbox without that consumer, or
-    with nothing acked past its first message, is left alone.
+    with nothing acked past its first message, is left alone; so is an empty
+    one (no consumer look-up at all: the listing carries each stream's state).
     """
     js = jetstream.native
     purged: dict[str, int] = {}
     with translated():
-        offset = 0
-        while True:
-            page = await js.streams_info(offset=offset)
-            if not page:
-                break
-            offset += len(page)
-            for info in page:
-                name = str(info.config.name)
-                if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
-                    continue
-                try:
-                    durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
-                    consumer = await js.consumer_info(name, durable)
-                except (NotFoundError, ValueError):
-                    continue  # nobody drains it through the §18.6 durable (or not an agent's)
-                floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
-                if floor >= int(info.state.first_seq or 0):
-                    await js.purge_stream(name, seq=floor + 1)
-                    purged[name] = floor
-            if len(page) < 256:  # the JetStream API's page size: this was the last page
-                break
+        page = await js.streams_info(offset=offset)
+        for info in page:
+            name = str(info.config.name)
+            if not name.startswith(_MAILBOX_PREFIX) or not info.state.messages:
+                continue
+            try:
+                durable = subjects.inbox_consumer_name(name[len(_MAILBOX_PREFIX):])
+                consumer = await js.consumer_info(name, durable)
+            except (NotFoundError, ValueError):
+                continue  # nobody drains it through the §18.6 durable (or not an agent's)
+            floor = int(consumer.ack_floor.stream_seq or 0) if consumer.ack_floor else 0
+            if floor >= int(info.state.first_seq or 0):
+                await js.purge_stream(name, seq=floor + 1)
+                purged[name] = floor
+    return purged, len(page)
+
+
+async def purge_acked_mailboxes(jetstream: JetStream) -> dict[str, int]:
+    """:func:`purge_acked_page` over the whole listing, page after page (one
+    complete pass; the registry's sweep takes one page per tick instead)."""
+    purged: dict[str, int] = {}
+    cursor = SweepCursor()
+    while cursor.passes == 0:
+        page, listed = await purge_acked_page(jetstream, cursor.offset)
+        purged.update(page)
+        cursor.advance(listed)
     return purged
 
 

@@ -1,0 +1,74 @@
+"""The delivery barrier writes earlier publishes before its PING (issue #23, exactly-once).
+
+The node marks an answer delivered once ``MeshConnection.flush`` returns, so
+the broker must have read the answer's bytes by then. nats-py's own flush
+writes the PING straight to the socket while publishes can still sit in its
+pending buffer: the broker would answer PONG before reading them. This test
+puts a minimal NATS-protocol peer on a loopback socket (port 0) and records
+the order in which the commands arrive: every PUB sent before the barrier
+must come before the barrier's PING, however the client's tasks are scheduled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from meshnode.transport.connection import MeshConnection
+
+
+class _ProtocolPeer:
+    """Speaks just enough NATS to accept one client and answer its PINGs."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {"server_id": "peer", "version": "2.10.0", "proto": 1, "max_payload": 1 << 20, "headers": True}
+        writer.write(f"INFO {json.dumps(info)}\r\n".encode())
+        await writer.drain()
+        try:
+            while line := await reader.readline():
+                verb, _, rest = line.decode().rstrip("\r\n").partition(" ")
+                if verb in ("PUB", "HPUB"):
+                    size = int(rest.split()[-1])
+                    await reader.readexactly(size + 2)
+                self.commands.append(verb)
+                if verb == "PING":
+                    writer.write(b"PONG\r\n")
+                    await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def test_flush_writes_pending_publishes_before_its_ping() -> None:
+    peer = _ProtocolPeer()
+    port = await peer.start()
+    conn = MeshConnection([f"nats://127.0.0.1:{port}"], node_key=None, jwt_source=None)
+    await conn.connect()
+    try:
+        for round_no in range(20):
+            before = len(peer.commands)
+            await conn.publish(f"answers.{round_no}", b"x" * 64)
+            await conn.flush(timeout=5)
+            arrived = peer.commands[before:]
+            # The PONG came back, so the peer has read everything up to the PING.
+            assert "PING" in arrived, arrived
+            assert "PUB" in arrived[: arrived.index("PING")], (
+                f"round {round_no}: the barrier's PING reached the broker before the publish: {arrived}"
+            )
+    finally:
+        await conn.close()
+        await peer.stop()
