@@ -20,9 +20,11 @@ from meshnode.agent import Reply
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
+from meshnode.transport.errors import NotFound, TransportTimeout
 from meshnode.transport.grants import Grants
+from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
 
-__all__ = ["FakeConnection", "FakeMsg", "FakeNode", "FakeSettings"]
+__all__ = ["FakeConnection", "FakeJetStream", "FakeMsg", "FakeNode", "FakeSettings"]
 
 
 @dataclass
@@ -38,12 +40,102 @@ class FakeMsg:
         pass
 
 
+class FakeJetStream:
+    """:class:`meshnode.transport.jetstream.JetStream`, faked: in-memory streams.
+
+    ``routes`` maps a subject prefix to the stream an acked publish lands in
+    (dedup by ``Nats-Msg-Id`` per stream, as the server's duplicate window);
+    ``down`` makes every publish and read fail as an unreachable JetStream
+    does, ``fail_publishes`` fails only that many next publishes. ``calls``
+    counts round trips by name, so a test can tell a batch read from one per
+    message.
+    """
+
+    def __init__(self, routes: Mapping[str, str] | None = None) -> None:
+        self.routes = dict(routes or {})
+        self.streams: dict[str, list[StoredMessage]] = {}
+        self.down = False
+        self.fail_publishes = 0
+        self.calls: Counter[str] = Counter()
+        self._msg_ids: dict[str, set[str]] = {}
+
+    def _check(self, call: str) -> None:
+        self.calls[call] += 1
+        if self.down:
+            raise TransportTimeout(f"{call}: JetStream did not answer (faked down)")
+
+    async def publish(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
+                      timeout: float | None = None) -> PubAck:
+        self._check("publish")
+        if self.fail_publishes > 0:
+            self.fail_publishes -= 1
+            raise TransportTimeout("publish: no ack (faked)")
+        stream = next((name for prefix, name in self.routes.items() if subject.startswith(prefix)), "_")
+        stored = self.streams.setdefault(stream, [])
+        msg_id = (headers or {}).get("Nats-Msg-Id")
+        seen = self._msg_ids.setdefault(stream, set())
+        if msg_id is not None and msg_id in seen:
+            return PubAck(stream, stored[-1].seq if stored else 0, True)
+        if msg_id is not None:
+            seen.add(msg_id)
+        seq = stored[-1].seq + 1 if stored else 1
+        stored.append(StoredMessage(seq, subject, bytes(data), headers))
+        return PubAck(stream, seq, False)
+
+    def store(self, stream: str, data: bytes, subject: str = "x") -> int:
+        """Put one message in ``stream`` as the server would (a sourced copy); its seq."""
+        stored = self.streams.setdefault(stream, [])
+        seq = stored[-1].seq + 1 if stored else 1
+        stored.append(StoredMessage(seq, subject, bytes(data), None))
+        return seq
+
+    def _stream(self, stream: str) -> list[StoredMessage]:
+        if stream not in self.streams:
+            raise NotFound(f"stream {stream} not found")
+        return self.streams[stream]
+
+    async def stream_state(self, stream: str, *, subjects_filter: str | None = None) -> StreamState:
+        self._check("stream_state")
+        stored = self._stream(stream)
+        return StreamState(stream, len(stored), stored[-1].seq if stored else 0, 0, 0.0, False)
+
+    async def message(self, stream: str, *, seq: int, subject: str | None = None, next: bool = False,
+                      direct: bool = False) -> StoredMessage:
+        self._check("message")
+        for m in self._stream(stream):
+            if m.seq == seq or (next and m.seq > seq and (subject is None or m.subject == subject)):
+                return m
+        raise NotFound(f"no message at {seq} in {stream}")
+
+    async def reader(self, stream: str, *, start_seq: int, inactive_threshold_s: float = 60.0) -> _FakeReader:
+        self._check("reader")
+        self._stream(stream)
+        return _FakeReader(self, stream, start_seq)
+
+
+class _FakeReader:
+    def __init__(self, js: FakeJetStream, stream: str, start_seq: int) -> None:
+        self.js, self.stream, self.next_seq = js, stream, start_seq
+
+    async def fetch(self, batch: int, *, timeout: float) -> list[StoredMessage]:
+        self.js._check("fetch")
+        out = [m for m in self.js._stream(self.stream) if m.seq >= self.next_seq][:batch]
+        if out:
+            self.next_seq = out[-1].seq + 1
+        return out
+
+    async def close(self) -> None:
+        self.js.calls["reader.close"] += 1
+
+
 class FakeConnection:
-    """The transport, faked: records publishes; ``request`` answers from ``answers``."""
+    """The transport, faked: records publishes; ``request`` answers from ``answers``;
+    ``jetstream`` is a :class:`FakeJetStream`."""
 
     max_payload = 1024 * 1024
 
     def __init__(self) -> None:
+        self.jetstream = FakeJetStream()
         self.published: list[tuple[str, bytes]] = []
         #: subject -> bytes (or a function of the request bytes) that a request gets back.
         self.answers: dict[str, bytes | Callable[[bytes], bytes]] = {}
@@ -68,6 +160,9 @@ class FakeConnection:
 
     def new_inbox(self) -> str:
         return "_INBOX.fake"
+
+    async def flush(self, timeout: float | None = None) -> None:
+        pass
 
     def responds_to(self, msg_id: object) -> list[dict[str, Any]]:
         out = []

@@ -16,7 +16,7 @@ from meshnode.a2a.charges import Charge, ChargeStore, charge_event
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
-from meshnode.node.commerce import publish_meter_event
+from meshnode.node.commerce import MeterOutbox
 from meshnode.node.runtime import Node
 from meshnode.protocol.a2a_extension import IssuerTrust, parse_verify_key
 from meshnode.protocol.nkeys import KeyPair
@@ -58,8 +58,9 @@ class A2AGateways:
             cfg, default_application=config.node.name, charges=charges, node_key=node_key
         )
 
-    def publish_charges(self, node: Node) -> None:
-        """Put every new A2A charge in the mesh's ledger (§19.6): published as
+    def publish_charges(self, node: Node, outbox: MeterOutbox) -> None:
+        """Put every new A2A charge in the mesh's ledger (§19.6): queued on the
+        node's meter ``outbox`` (off the call's path) and published as
         ``mesh.event.metering.a2a_charge``, signed by the calling agent, its
         owner the node (the default owner of its agents, §8.3)."""
         outbound = self.outbound
@@ -70,7 +71,7 @@ class A2AGateways:
             hosted = node.by_id.get(charge.agent)
             if hosted is None:
                 raise RuntimeError(f"the calling agent {charge.agent} is not hosted here any more")
-            await publish_meter_event(hosted, charge_event(charge, node.node_id), "a2a_charge")
+            await outbox(hosted, charge_event(charge, node.node_id), "a2a_charge")
 
         outbound.on_charge = on_charge
 

@@ -53,7 +53,7 @@ from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.agreement_lookup import PlatformAgreements
-from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog, publish_meter_event
+from meshnode.node.commerce import AgreementGate, AgreementStore, MeterOutbox, UsageLog
 from meshnode.node.inbox import InboxStore
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
@@ -396,15 +396,20 @@ class Daemon:
         )
         # §19.5: agreements this node enforces at admission (node-local store).
         c = self.config.commerce
+        # §13.5: the meter events also go on the mesh, for the rating service:
+        # queued, published off the request path, retried while JetStream is away.
+        outbox = MeterOutbox() if c.publish_usage else None
         node.commerce = AgreementGate(
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
             usage=UsageLog(self.data_dir / "usage.jsonl"),
-            # §13.5: the meter events also go on the mesh, for the rating service.
-            publisher=publish_meter_event if c.publish_usage else None,
+            publisher=outbox,
         )
-        if c.publish_usage:
-            self.gateways.publish_charges(node)  # A2A charges land in the same ledger (§19.6)
+        if outbox is not None:
+            self.gateways.publish_charges(node, outbox)  # A2A charges land in the same ledger (§19.6)
+            # After the agents stopped (their last events are queued), while the
+            # connection is still up: flush what the stage's budget allows.
+            self._shutdown.push("final-write", lambda: outbox.close(timeout=3.0))
         if c.platform_agreements:
             # ... and those owners registered with the platform (§19.5), asked
             # once per (owner, seller, SKU) and remembered, dropped on its events.

@@ -22,11 +22,15 @@ platform), then the platform agreement service (what owners registered,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,11 +62,12 @@ if TYPE_CHECKING:
 __all__ = [
     "AgreementGate",
     "AgreementStore",
+    "MeterOutbox",
     "MeterPublisher",
     "UsageLog",
     "declared_skus",
     "default_sku_id",
-    "publish_meter_event",
+    "meter_envelope",
     "rating_context",
 ]
 
@@ -274,19 +279,26 @@ class UsageLog:
         return charges
 
 
-#: ``(hosted, data)`` -> publish one meter event; see :func:`publish_meter_event`.
+#: ``(hosted, data)`` -> publish one meter event; see :class:`MeterOutbox`.
 MeterPublisher = Callable[["HostedAgent", Mapping[str, Any]], Awaitable[None]]
 
+#: Meter events waiting for JetStream, at most this many; beyond it a new event
+#: is dropped (counted, logged): it stays in ``usage.jsonl``, the durable record.
+OUTBOX_CAPACITY = 10_000
+#: The first retry after a failed publish, doubled per failure up to the cap.
+OUTBOX_FIRST_BACKOFF_S = 0.25
+OUTBOX_MAX_BACKOFF_S = 10.0
+#: How long one publish waits for the stream's ack.
+OUTBOX_PUBLISH_TIMEOUT_S = 5.0
 
-async def publish_meter_event(hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> None:
-    """Publish ``data`` (a §13.5 meter event with its ``rating`` context) on
-    ``mesh.event.metering.usage`` as an ``emit`` signed by the responder
-    (§13.5: a declared meter is the responder's claim, attributable because it
-    arrives under the responder's signature). JetStream-acked, ``Nats-Msg-Id``
-    = the envelope id, so a retried publish is stored once; MESH_METERING keeps
-    it for the rating service (:mod:`meshnode.services.rating`). ``event_type``
-    ``a2a_charge``: ``data`` is an A2A charge (:func:`meshnode.a2a.charges.charge_event`),
-    signed by the calling agent, whose debt it is.
+
+def meter_envelope(hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> dict[str, Any]:
+    """``data`` (a §13.5 meter event with its ``rating`` context) as the ``emit``
+    for ``mesh.event.metering.<event_type>``, signed by the responder (§13.5: a
+    declared meter is the responder's claim, attributable because it arrives
+    under the responder's signature). ``event_type`` ``a2a_charge``: ``data`` is
+    an A2A charge (:func:`meshnode.a2a.charges.charge_event`), signed by the
+    calling agent, whose debt it is.
 
     Not through the agent's ``emit``: receipts are the node's bookkeeping, not
     the plugin's events, and must not spend the agent's per-subject emit budget.
@@ -296,11 +308,150 @@ async def publish_meter_event(hosted: HostedAgent, data: Mapping[str, Any], even
         "emit", hosted.agent_id, now_ms=node.now_ms(), ids=node.ids,
         payload={"domain": "metering", "event_type": event_type, "data": dict(data)},
     )
-    sign_envelope(env, hosted.key)
-    await node.connection.jetstream.publish(
-        subjects.event_subject("metering", event_type), encode_envelope(env),
-        headers={"Nats-Msg-Id": str(env["id"])}, timeout=5.0,
-    )
+    return sign_envelope(env, hosted.key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    node: Any  # the NodePort whose connection publishes it
+    counters: Counter[str]  # the signing agent's
+    subject: str
+    data: bytes
+    msg_id: str
+
+
+class MeterOutbox:
+    """The meter events of this node on their way to ``MESH_METERING``, off the request path.
+
+    Calling it (a :data:`MeterPublisher`) builds and signs the ``emit`` at once
+    (its ``ts`` is the event's, the agent's key is at hand) and queues it; the
+    request's answer never waits for JetStream. One worker publishes the queue
+    in order, JetStream-acked, ``Nats-Msg-Id`` = the envelope id. A failed
+    publish (JetStream down, a disconnect, a leaderless stream) is retried, head
+    first, with exponential backoff (:data:`OUTBOX_FIRST_BACKOFF_S` doubling to
+    :data:`OUTBOX_MAX_BACKOFF_S`), so events queued during an outage go out in
+    order once it is back. A retry republishes the same bytes: the stream drops
+    it within its duplicate window, and beyond it the ledger does (it rates a
+    ``(meter, envelope_id)`` once, an A2A charge's ``(peer, task_key)`` once).
+
+    Bounded (``capacity``): beyond it a new event is dropped, counted
+    (``stats["dropped"]``, the agent's ``metering.dropped``) and logged; it is
+    still in ``usage.jsonl``, which the node writes before queueing.
+    :meth:`close` flushes what it can within its timeout and counts the rest
+    (``metering.unpublished``).
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = OUTBOX_CAPACITY,
+        first_backoff_s: float = OUTBOX_FIRST_BACKOFF_S,
+        max_backoff_s: float = OUTBOX_MAX_BACKOFF_S,
+        publish_timeout_s: float = OUTBOX_PUBLISH_TIMEOUT_S,
+    ) -> None:
+        self.capacity = capacity
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.publish_timeout_s = publish_timeout_s
+        self.stats: Counter[str] = Counter()
+        self._queue: deque[_Pending] = deque()
+        self._wake = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._failing = False
+
+    @property
+    def pending(self) -> int:
+        """Events queued and not yet acked by the stream."""
+        return len(self._queue)
+
+    async def __call__(self, hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> None:
+        self.put(hosted, meter_envelope(hosted, data, event_type), event_type)
+
+    def put(self, hosted: HostedAgent, env: Mapping[str, Any], event_type: str = "usage") -> bool:
+        """Queue one signed metering ``emit``; False when it was dropped (full, or closed)."""
+        if self._closing.is_set() or len(self._queue) >= self.capacity:
+            self.stats["dropped"] += 1
+            hosted.counters["metering.dropped"] += 1
+            if self.stats["dropped"] % 1000 == 1:  # the first, then every 1000th: an outage must not flood the log
+                log.warning("meter event %s dropped (%s): %d waiting for JetStream, %d dropped so far; it stays "
+                            "in usage.jsonl", env.get("id"), "closed" if self._closing.is_set() else "outbox full",
+                            len(self._queue), self.stats["dropped"])
+            return False
+        self._queue.append(_Pending(
+            hosted.node, hosted.counters, subjects.event_subject("metering", event_type),
+            encode_envelope(dict(env)), str(env["id"]),
+        ))
+        self.stats["queued"] += 1
+        self._wake.set()
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="meter-outbox")
+        return True
+
+    async def _run(self) -> None:
+        backoff = self.first_backoff_s
+        while True:
+            if not self._queue:
+                if self._closing.is_set():
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            head = self._queue[0]
+            try:
+                await head.node.connection.jetstream.publish(
+                    head.subject, head.data, headers={"Nats-Msg-Id": head.msg_id}, timeout=self.publish_timeout_s,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the transport, a full or leaderless stream: retried, in order
+                self.stats["retried"] += 1
+                if not self._failing:
+                    self._failing = True
+                    log.warning("meter events not published on %s (%d waiting), retrying with backoff: %s",
+                                head.subject, len(self._queue), exc)
+                else:
+                    log.debug("meter event %s still not published: %s", head.msg_id, exc)
+                await self._pause(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            self._queue.popleft()
+            self.stats["published"] += 1
+            backoff = self.first_backoff_s
+            if self._failing:
+                self._failing = False
+                log.info("meter events publishing again on %s (%d waiting)", head.subject, len(self._queue))
+
+    async def _pause(self, seconds: float) -> None:
+        # Closing cuts a long backoff short (stop's flush gets its attempts in
+        # within its budget), yet every retry still waits a little: never a busy loop.
+        if self._closing.is_set():
+            await asyncio.sleep(min(seconds, self.first_backoff_s))
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+
+    async def close(self, timeout: float = 3.0) -> int:
+        """Publish what is queued within ``timeout`` seconds, then stop; returns
+        how many events were left unpublished (counted, logged, in ``usage.jsonl``)."""
+        self._closing.set()
+        self._wake.set()
+        worker = self._worker
+        if worker is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(worker), timeout)
+            except TimeoutError:
+                worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
+        left = len(self._queue)
+        if left:
+            for item in self._queue:
+                item.counters["metering.unpublished"] += 1
+            self.stats["unpublished"] += left
+            log.warning("%d meter event(s) not published before stop; they stay in usage.jsonl", left)
+            self._queue.clear()
+        return left
 
 
 def rating_context(sku: Sku, owner: str | None, agreement: Agreement | None,
@@ -328,8 +479,9 @@ class AgreementGate:
     """The §19.5 admission check, with the node's store and ``[commerce]`` settings.
 
     It also keeps the seller's meter of priced offerings (§13.5): each event is
-    appended to ``usage`` and, with ``publisher`` set (the daemon sets
-    :func:`publish_meter_event`), published for the rating service.
+    appended to ``usage`` (the durable record, first) and, with ``publisher``
+    set (the daemon sets a :class:`MeterOutbox`), handed on for the rating
+    service: queued, not awaited on the wire, so the answer goes out first.
     """
 
     def __init__(
@@ -371,7 +523,7 @@ class AgreementGate:
             if self.publisher is not None:
                 try:
                     await self.publisher(hosted, {**event, "rating": context})
-                except Exception as exc:  # the transport, a full store: logged, the work stands
+                except Exception as exc:  # signing, encoding (the outbox never waits on the wire): logged, the work stands
                     hosted.counters["metering.unpublished"] += 1
                     log.warning("meter event %s/%s not published on %s: %s", event.get("meter"),
                                 event.get("envelope_id"), subjects.METERING_USAGE, exc)

@@ -84,6 +84,10 @@ __all__ = ["A2A_METER", "AgreementSource", "Ledger", "RatingService", "ledger_vi
 A2A_METER = "a2a_calls"
 #: How often the service reads what MESH_METERING gained while nobody asked.
 _CATCH_UP_S = 2.0
+#: Meter events read per round trip when catching up (§19.6 replay of a full stream).
+_FETCH_BATCH = 256
+#: How long one batch may take to arrive (the range is known to be stored).
+_FETCH_TIMEOUT_S = 2.0
 
 
 class AgreementSource(Protocol):
@@ -281,23 +285,43 @@ class RatingService(ServiceBase):
 
     async def catch_up(self) -> int:
         """Fold every MESH_METERING message not folded yet, in sequence order;
-        returns how many were read. Safe to call concurrently (one reader)."""
+        returns how many were read. Safe to call concurrently (one reader).
+
+        One stream-info round trip says whether anything is new; what is, is
+        read in batches of :data:`_FETCH_BATCH` through a short-lived ordered
+        reader (:meth:`~meshnode.transport.jetstream.JetStream.reader`), so the
+        first fold of a full stream costs one round trip per batch, not per event.
+        """
         js = self.ctx.connection.jetstream
         read = 0
         async with self._lock:
-            while self.running:
-                try:
-                    stored = await js.message(subjects.MESH_METERING, seq=self._next_seq, next=True)
-                except NotFound:
-                    break  # nothing at or after the cursor yet
-                self._next_seq = stored.seq + 1
-                read += 1
-                try:
-                    env = decode_envelope(stored.data)
-                except ProtocolError:
-                    self.ledger.stats["refused.garbage"] += 1
-                    continue
-                self.ledger.fold(env)
+            if not self.running:
+                return 0
+            try:
+                last = (await js.stream_state(subjects.MESH_METERING)).last_seq
+            except NotFound:
+                return 0  # the stream is not provisioned (yet): nothing to fold
+            if last < self._next_seq:
+                return 0
+            reader = await js.reader(subjects.MESH_METERING, start_seq=self._next_seq)
+            try:
+                while self.running and self._next_seq <= last:
+                    batch = await reader.fetch(min(_FETCH_BATCH, last - self._next_seq + 1), timeout=_FETCH_TIMEOUT_S)
+                    if not batch:
+                        break  # the rest of the range is gone (deleted messages): next time
+                    for stored in batch:
+                        if stored.seq < self._next_seq:
+                            continue  # already folded (never expected of an ordered read)
+                        self._next_seq = stored.seq + 1
+                        read += 1
+                        try:
+                            env = decode_envelope(stored.data)
+                        except ProtocolError:
+                            self.ledger.stats["refused.garbage"] += 1
+                            continue
+                        self.ledger.fold(env)
+            finally:
+                await reader.close()
         return read
 
     async def _follow(self) -> None:

@@ -17,6 +17,7 @@ read in one place.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +42,7 @@ __all__ = [
     "PubAck",
     "PullConsumer",
     "StoredMessage",
+    "StreamReader",
     "StreamState",
 ]
 
@@ -272,6 +274,48 @@ class PullConsumer:
             await self._psub.unsubscribe()
 
 
+class StreamReader:
+    """A stream read in order from a sequence on, many messages per round trip.
+
+    An ephemeral pull consumer (no acks, memory storage, reaped by the server
+    once idle): where :meth:`JetStream.message` costs one round trip per
+    message, :meth:`fetch` brings up to ``batch`` at once. Deliveries are in
+    stream order; sequences the stream no longer holds are skipped.
+    """
+
+    def __init__(self, js: JetStreamContext, stream: str, name: str, psub: JetStreamContext.PullSubscription) -> None:
+        self._js = js
+        self._stream = stream
+        self._name = name
+        self._psub = psub
+
+    async def fetch(self, batch: int, *, timeout: float) -> list[StoredMessage]:
+        """Up to ``batch`` messages (fewer when fewer are stored: the server says
+        so at once); an empty list when none came within ``timeout``."""
+        try:
+            with translated():
+                msgs = await self._psub.fetch(batch, timeout=timeout)
+        except TransportTimeout:
+            return []
+        out: list[StoredMessage] = []
+        for m in msgs:
+            meta = m.metadata
+            out.append(StoredMessage(
+                seq=int(meta.sequence.stream), subject=str(m.subject), data=bytes(m.data or b""),
+                headers=m.headers, stored_ms=int(meta.timestamp.timestamp() * 1000) if meta.timestamp else None,
+            ))
+        return out
+
+    async def close(self) -> None:
+        """Unsubscribe and delete the consumer (best effort: the server reaps it anyway)."""
+        try:
+            with translated():
+                await self._psub.unsubscribe()
+                await self._js.delete_consumer(self._stream, self._name)
+        except TransportError as exc:
+            log.debug("closing the reader %s on %s: %s", self._name, self._stream, exc)
+
+
 class MailboxBuffer:
     """One agent's ``MESH_INBOX_{agent}`` and its durable drain consumer (§16.4, §18.6)."""
 
@@ -460,6 +504,23 @@ class JetStream:
         return _stored(raw)
 
     # -- consumers --
+
+    async def reader(self, stream: str, *, start_seq: int, inactive_threshold_s: float = 60.0) -> StreamReader:
+        """A :class:`StreamReader` of ``stream`` from ``start_seq`` on (the first
+        message at or after it)."""
+        name = f"reader_{uuid.uuid4().hex}"
+        config = ConsumerConfig(
+            name=name,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, start_seq),
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=inactive_threshold_s,
+            mem_storage=True,
+        )
+        with translated():
+            await self._js.add_consumer(stream, config=config)
+            psub = await self._js.pull_subscribe_bind(consumer=name, stream=stream)
+        return StreamReader(self._js, stream, name, psub)
 
     def mailbox(self, agent_subject: str, stream: str, consumer: str) -> MailboxBuffer:
         """An agent's offline buffer and its drain consumer."""
