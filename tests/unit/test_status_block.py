@@ -134,21 +134,28 @@ async def test_blocked_now_names_the_agent_while_the_loop_is_stuck() -> None:
             if blocked is not None:
                 seen.append(blocked)
 
+    def block_until(sighted: Any, limit_s: float = 30.0) -> None:
+        # The bug under test: the loop is blocked, here until the watcher thread has
+        # sighted what the test asserts (a deadline bounds a failing case), so a
+        # loaded machine only makes the block longer, never the test flaky.
+        deadline = time.monotonic() + limit_s
+        while not sighted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     thread = threading.Thread(target=watch)
     try:
-        await asyncio.sleep(0.3)
         thread.start()
         assert watchdog.blocked_now() is None  # the loop is keeping its wakeups
 
         async def handler() -> None:
             with running_for("blocker"):
-                time.sleep(1.2)  # the bug under test
+                block_until(lambda: any(b["for_s"] >= 0.6 for b in seen))
 
         await asyncio.create_task(handler())
         assert seen and all(b["agent"] == "blocker" for b in seen), seen
         assert max(b["for_s"] for b in seen) >= 0.6 and seen[0]["threshold_s"] == 0.3
         seen.clear()
-        time.sleep(1.0)  # outside any handler
+        block_until(lambda: bool(seen) and seen[-1]["agent"] == UNATTRIBUTED)  # outside any handler
         assert seen and seen[-1]["agent"] == UNATTRIBUTED
     finally:
         stop.set()
