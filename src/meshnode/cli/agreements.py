@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_CANTCREAT, EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
-from .output import emit_json
+from .exitcodes import EX_CANTCREAT, EX_OK, EX_USAGE
+from .output import emit_json, read_json_document
 
 
 def register(commands: Any) -> None:
@@ -150,19 +150,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-def _read_document(path: Path) -> tuple[int, Any]:
-    try:
-        return EX_OK, json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        print(f"meshnode: {path}: no such file", file=sys.stderr)
-        return EX_NOINPUT, None
-    except ValueError as exc:
-        print(f"meshnode: {path}: not JSON: {exc}", file=sys.stderr)
-        return EX_DATAERR, None
-
-
 def cmd_register(args: argparse.Namespace) -> int:
-    code, document = _read_document(args.file)
+    code, document = read_json_document(args.file, "agreement document")
     if code != EX_OK:
         return code
     code, result = _admin(args, "Agreements.Register", {"agreement": document})
@@ -177,7 +166,7 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    code, document = _read_document(args.file)
+    code, document = read_json_document(args.file, "agreement document")
     if code != EX_OK:
         return code
     code, result = _admin(args, "Agreements.Add", {"agreement": document})
@@ -212,7 +201,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     if args.document is not None:
-        code, document = _read_document(args.document)
+        code, document = read_json_document(args.document, "revocation document")
         if code != EX_OK:
             return code
         code, result = _admin(args, "Agreements.Revoke", {"revocation": document})

@@ -16,15 +16,13 @@ verifies it and refuses it naming the member or the reason.
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
-from .output import emit_json
+from .exitcodes import EX_OK
+from .output import emit_json, read_json_document
 
 _COST_MODEL = re.compile(r"(\d+)(?::([A-Z]{3}))?")
 
@@ -124,18 +122,9 @@ def cmd_set(args: argparse.Namespace) -> int:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    path: Path = args.file
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        print(f"meshnode: {path}: no such file", file=sys.stderr)
-        return EX_NOINPUT
-    except (OSError, ValueError) as exc:
-        print(f"meshnode: {path}: not a readable JSON allowance document ({exc})", file=sys.stderr)
-        return EX_DATAERR
-    if not isinstance(document, dict):
-        print(f"meshnode: {path}: an allowance document is a JSON object", file=sys.stderr)
-        return EX_DATAERR
+    code, document = read_json_document(args.file, "allowance document", object_only=True)
+    if code != EX_OK:
+        return code
     code, result = _admin(args, "Allowance.Add", {"document": document})
     if code != EX_OK:
         return code

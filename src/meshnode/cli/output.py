@@ -17,9 +17,12 @@ import json
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from meshnode.protocol.timeutil import format_ts, try_parse_rfc3339
+
+from .exitcodes import EX_DATAERR, EX_NOINPUT, EX_OK
 
 __all__ = [
     "emit_json",
@@ -66,6 +69,24 @@ def rfc3339_fields(value: Any) -> Any:
 def emit_json(value: Any, *, indent: int | None = 2) -> None:
     """One JSON document on stdout, instants in RFC 3339."""
     print(json.dumps(rfc3339_fields(value), indent=indent, ensure_ascii=False, default=str))
+
+
+def read_json_document(path: Path, what: str, *, object_only: bool = False) -> tuple[int, Any]:
+    """A signed document handed to the CLI as a file: ``(EX_OK, value)``, or the
+    exit code after a message naming the file (66 missing, 65 unreadable or not
+    JSON; with ``object_only`` also 65 for JSON that is not an object)."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        print(f"meshnode: {path}: no such file", file=sys.stderr)
+        return EX_NOINPUT, None
+    except (OSError, ValueError) as exc:
+        print(f"meshnode: {path}: not a readable JSON {what} ({exc})", file=sys.stderr)
+        return EX_DATAERR, None
+    if object_only and not isinstance(document, dict):
+        print(f"meshnode: {path}: an {what} is a JSON object", file=sys.stderr)
+        return EX_DATAERR, None
+    return EX_OK, document
 
 
 def emit_json_line(value: Any) -> None:
