@@ -262,3 +262,37 @@ def test_task_record_lookup_subject() -> None:
     # A lookup is not a task subject; an update for a task named "get" still is.
     assert S.parse_task_subject(S.task_get(TASK)) is None
     assert S.parse_task_subject(S.task_update("get")) == S.TaskSubject("get", "update")
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or token not in ("*", s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_patterns_intersect_is_exactly_a_shared_subject() -> None:
+    # Every pattern of up to three tokens over a small alphabet against every
+    # other: intersect iff some concrete subject (tokens a, b, c; up to four
+    # long, enough to outlast any '>') matches both.
+    import itertools
+
+    def patterns() -> list[str]:
+        out = []
+        for n in (1, 2, 3):
+            for tokens in itertools.product("ab*>", repeat=n):
+                if ">" not in tokens[:-1]:
+                    out.append(".".join(tokens))
+        return out
+
+    subjects_ = [".".join(t) for n in (1, 2, 3, 4) for t in itertools.product("abc", repeat=n)]
+    all_patterns = patterns()
+    for a in all_patterns:
+        for b in all_patterns:
+            shared = any(_matches(a, s) and _matches(b, s) for s in subjects_)
+            assert S.patterns_intersect(a, b) is shared, (a, b)
+    assert not S.patterns_intersect("mesh.event.metering.>", "mesh.event.demo.>")
+    assert S.patterns_intersect("mesh.event.*.tick", "mesh.event.demo.>")

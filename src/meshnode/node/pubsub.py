@@ -56,7 +56,7 @@ from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.preflight import check_envelope_size
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.connection import Message
-from meshnode.transport.permissions import JS_STREAM_INFO
+from meshnode.transport.permissions import JS_CONSUMER_LIST, JS_STREAM_INFO
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -157,19 +157,38 @@ class PubSub:
         self._spawn(self._check_interest(hosted, domain))
 
     async def _check_interest(self, hosted: HostedAgent, domain: str) -> None:
-        try:
-            info = await self.node.connection.jetstream.stream_state(subjects.MESH_EVENTS)
-        except Exception as exc:  # no stream, no permission, no connection: nothing to say
-            log.debug("MESH_EVENTS interest check skipped: %s", exc)
-            return
-        if info.consumer_count == 0:
+        if not await self._domain_retained(domain):
             hosted.counters["emit.unretained"] += 1
             hosted.agent.log.warning(
-                "emitting on mesh.event.%s.* while MESH_EVENTS has no durable consumer: these "
-                "events reach live subscribers only and are not retained (interest retention, "
-                "§18.3); a domain's history begins when its first durable subscription exists",
+                "emitting on mesh.event.%s.* while no durable consumer of MESH_EVENTS covers it: "
+                "these events reach live subscribers only and are not retained (interest "
+                "retention, §18.3); a domain's history begins when its first durable "
+                "subscription exists",
                 domain,
             )
+
+    async def _domain_retained(self, domain: str) -> bool:
+        """Whether any consumer of MESH_EVENTS holds interest in ``domain``'s events.
+
+        Where the credential may list consumers (a service-role node), their
+        filters are compared with the domain: the platform's own consumers
+        (the rating ledger's copy of ``mesh.event.metering.>``) hold interest
+        in their subjects only. Elsewhere only the stream's consumer count can
+        be read, so any consumer counts as interest: the hint is then missed
+        rather than given wrongly. A failed look-up says nothing (True).
+        """
+        js = self.node.connection.jetstream
+        try:
+            if self.node.grants.can_publish(JS_CONSUMER_LIST.format(stream=subjects.MESH_EVENTS)):
+                domain_events = subjects.event_filter(f"{domain}.>")
+                return any(
+                    not filters or any(subjects.patterns_intersect(f, domain_events) for f in filters)
+                    for filters in await js.consumer_filters(subjects.MESH_EVENTS)
+                )
+            return (await js.stream_state(subjects.MESH_EVENTS)).consumer_count > 0
+        except Exception as exc:  # no stream, no permission, no connection: nothing to say
+            log.debug("MESH_EVENTS interest check skipped: %s", exc)
+            return True
 
     # -- subscriptions ---------------------------------------------------------------
 

@@ -485,6 +485,20 @@ def subscription_overlaps_reserved(pattern: str) -> bool:
     return len(tokens) > len(_PEER_TOKENS)
 
 
+def patterns_intersect(a: str, b: str) -> bool:
+    """True when some subject matches both NATS patterns ``a`` and ``b``
+    (``*`` one token, ``>`` one or more trailing tokens): ``mesh.event.demo.>``
+    and ``mesh.event.*.tick`` intersect, ``mesh.event.metering.>`` and
+    ``mesh.event.demo.>`` do not."""
+    ta, tb = a.split("."), b.split(".")
+    for x, y in zip(ta, tb, strict=False):
+        if x == ">" or y == ">":
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(ta) == len(tb)
+
+
 # --- parsers -----------------------------------------------------------------------
 
 

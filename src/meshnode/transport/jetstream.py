@@ -544,6 +544,20 @@ class JetStream:
                 if not page:
                     return names
 
+    async def consumer_filters(self, stream: str) -> list[list[str]]:
+        """The filter subjects of every consumer on ``stream``, one list per
+        consumer (empty: the consumer reads the whole stream)."""
+        filters: list[list[str]] = []
+        with translated():
+            while True:
+                page = await self._js.consumers_info(stream, offset=len(filters))
+                if not page:
+                    return filters
+                for info in page:
+                    config = info.config
+                    one = [config.filter_subject] if config.filter_subject else []
+                    filters.append(one + list(config.filter_subjects or []))
+
     async def ensure_consumer(self, stream: str, spec: ConsumerSpec) -> ConsumerAction:
         """Create the consumer ``spec`` describes, or assert an existing one's config.
 
