@@ -97,7 +97,9 @@ class StageFailed(Exception):
     """A start-up stage failed; the daemon cannot serve."""
 
     def __init__(self, stage: str, cause: BaseException) -> None:
-        super().__init__(f"start-up stage {stage!r} failed: {cause}")
+        # A bare TimeoutError has no text: name the type rather than print nothing.
+        reason = str(cause) or type(cause).__name__
+        super().__init__(f"start-up stage {stage!r} failed: {reason}")
         self.stage = stage
         self.cause = cause
 

@@ -65,11 +65,16 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.services.base import NodeBudget, ServiceBase, ServiceContext
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer, imported_agents
+from meshnode.transport.errors import NoResponders, NotConnected, TransportTimeout, Unavailable
 from meshnode.transport.liveness import BrokerWatch
 
 __all__ = ["RELAUNCH", "Daemon", "credential_profile", "relaunch_process", "run_daemon"]
 
 log = logging.getLogger("meshnode.daemon")
+
+#: What a joined node's platform start retries: the states of a cluster that is
+#: still electing stream leaders (timeouts, 503s, nobody answering yet).
+_TRANSIENT_BROKER_ERRORS = (TimeoutError, TransportTimeout, Unavailable, NoResponders, NotConnected)
 
 
 class Daemon:
@@ -190,7 +195,10 @@ class Daemon:
             Stage("plugins", 30.0, self._stage_plugins),
             Stage("mesh", 60.0, self._stage_mesh),
             Stage("connect", 30.0, self._stage_connect),
-            Stage("services", 30.0, self._stage_services),
+            # Joined: a cluster restarted moments ago answers before its streams
+            # have leaders; the platform start retries through that (see
+            # _start_platform), so the stage allows it the time.
+            Stage("services", 30.0 if self.embedded_mode else 120.0, self._stage_services),
             # The admin socket comes up before the agents start (issue #23 item 2):
             # an operator can see (Status, state "starting") and stop a daemon
             # whose plugins are slow or stuck in on_start.
@@ -346,7 +354,28 @@ class Daemon:
             )
 
         plane = mesh.control_plane
-        platform = await start_platform_services(
+        attempt = 0
+        while True:
+            try:
+                platform = await self._start_platform_once(context, mesh, plane, tenant)
+                break
+            except _TRANSIENT_BROKER_ERRORS as exc:
+                if self.embedded_mode:
+                    raise  # our own broker, started just now: not a state that passes
+                attempt += 1
+                log.warning(
+                    "platform services (%s) could not start yet, JetStream not ready (%s: %s); "
+                    "retry %d (the 'services' stage gives up after its budget)",
+                    tenant, type(exc).__name__, exc, attempt,
+                )
+                await asyncio.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
+        self.platforms.append(platform)
+        self._shutdown.push("close-connection", platform.stop)
+
+    async def _start_platform_once(
+        self, context: Any, mesh: MeshLink, plane: Any, tenant: str
+    ) -> PlatformServices:
+        return await start_platform_services(
             context,
             PlatformSettings.from_config(self.config),
             is_revoked=plane.agent_retired if plane is not None else None,
@@ -361,8 +390,6 @@ class Daemon:
             # SDK agents' enrolments (§14.1 untokenized registration), from the control plane.
             sdk_agent_of=plane.sdk_agent_of if plane is not None else None,
         )
-        self.platforms.append(platform)
-        self._shutdown.push("close-connection", platform.stop)
 
     async def _stage_inbox(self) -> None:
         # Its own stage, before admin: the inbox is open (and a forced exit can

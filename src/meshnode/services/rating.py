@@ -278,7 +278,13 @@ class RatingService(ServiceBase):
         self.ledger = Ledger(list(self.agreement_source.records()) if self.agreement_source else ())
         self._next_seq = 1
         self._running = True
-        await self.catch_up()
+        try:
+            await self.catch_up()
+        except Exception as exc:
+            # A stream without a leader yet (a cluster restarted moments ago) must
+            # not fail the daemon's start-up: _follow retries, and a query folds
+            # what it can before it answers.
+            self.log.warning("reading %s at start failed (retried): %s", subjects.MESH_METERING, exc)
         self.spawn(self._follow, "follow")
         await self.serve(subjects.RATING_LEDGER, self._query)
         await self.ctx.connection.flush()
