@@ -7,6 +7,10 @@
 * :func:`backoff`: the delays of a retry loop, doubling from ``first`` up to
   ``cap``; the loop decides when to give up (a deadline, a number of attempts,
   its owner stopping) and when to start over (a fresh iterator).
+* :func:`wait_for`: ``asyncio.wait_for`` without its Python 3.11 flaw, which
+  the project's code uses everywhere instead (a unit test keeps it so).
+* :func:`cancel_and_wait`: cancel tasks and wait for their end, cancelling
+  again those a lost cancellation left running.
 * :class:`KeyedConcurrency`: run jobs side by side, a bounded number at once,
   but one at a time and in arrival order for the same key (a request handler
   that may serve different agents concurrently but never one agent twice at once).
@@ -22,7 +26,7 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks", "KeyedConcurrency", "backoff"]
+__all__ = ["BackgroundTasks", "KeyedConcurrency", "backoff", "cancel_and_wait", "wait_for"]
 
 _T = TypeVar("_T")
 
@@ -33,6 +37,38 @@ def backoff(first: float, cap: float = math.inf) -> Iterator[float]:
     while True:
         yield delay
         delay = min(delay * 2, cap)
+
+
+async def wait_for(aw: Awaitable[_T], timeout: float | None) -> _T:
+    """Await ``aw`` for at most ``timeout`` seconds (None: no limit); TimeoutError after.
+
+    Why not ``asyncio.wait_for``: on Python 3.11 it swallows a cancellation
+    that arrives in the same loop iteration as ``aw``'s result (CPython
+    gh-86296) and returns the result instead, so a task cancelled while a
+    message lands keeps running (an A2A stream reader did, and its request
+    hung). 3.12 rebuilt ``wait_for`` on :func:`asyncio.timeout`; this is that.
+    A coroutine runs in the calling task, not in a task of its own.
+    """
+    if timeout is None:
+        return await aw
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any], again_after: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait until every one has ended (their errors are theirs).
+
+    A task still running ``again_after`` seconds after its cancellation is
+    cancelled again, and so on: on Python 3.11 a cancellation can be lost
+    inside code we do not own (``asyncio.wait_for`` in nats-py swallows one
+    that arrives with the reply, see :func:`wait_for`), and one ``cancel()``
+    then leaves the task waiting on a stream nobody reads any more.
+    """
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_after)
 
 
 class BackgroundTasks:
@@ -64,10 +100,10 @@ class BackgroundTasks:
     async def cancel(self) -> None:
         """Cancel every task and wait until they have all ended (errors swallowed)."""
         tasks = list(self._tasks)
+        await cancel_and_wait(*tasks)
         for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not task.cancelled():
+                task.exception()  # retrieved: an error at cancel time is swallowed, not "never retrieved"
 
 
 class KeyedConcurrency:

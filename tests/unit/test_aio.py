@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
+from meshnode import aio
 from meshnode.aio import BackgroundTasks, KeyedConcurrency, backoff
 from meshnode.testing import eventually_async
 
@@ -95,3 +97,60 @@ async def test_keyed_concurrency_runs_keys_side_by_side_and_one_key_in_order() -
 def test_keyed_concurrency_needs_a_slot() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         KeyedConcurrency(0)
+
+
+async def test_wait_for_keeps_a_cancellation_that_arrives_with_the_result() -> None:
+    # The 3.11 flaw (gh-86296): the awaited queue.get() completes and the task
+    # is cancelled in the same loop iteration; asyncio.wait_for returns the
+    # item and the cancellation is lost. Ours raises CancelledError and leaves
+    # the item in the queue.
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    reached = asyncio.Event()
+
+    async def reader() -> int:
+        reached.set()
+        return await aio.wait_for(queue.get(), timeout=30.0)
+
+    task = asyncio.get_running_loop().create_task(reader())
+    await reached.wait()
+    await asyncio.sleep(0)  # the reader now waits inside queue.get()
+    queue.put_nowait(1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert queue.qsize() == 1
+
+
+async def test_wait_for_times_out_and_passes_results() -> None:
+    assert await aio.wait_for(asyncio.sleep(0, result=7), timeout=5.0) == 7
+    assert await aio.wait_for(asyncio.sleep(0, result=8), timeout=None) == 8
+    with pytest.raises(TimeoutError):
+        await aio.wait_for(asyncio.Event().wait(), timeout=0.01)
+
+
+def test_the_code_uses_the_wait_for_without_the_flaw() -> None:
+    src = Path(__file__).resolve().parents[2] / "src" / "meshnode"
+    offenders = [
+        str(p.relative_to(src)) for p in src.rglob("*.py")
+        if p.name != "aio.py" and "asyncio.wait_for(" in p.read_text(encoding="utf-8")
+    ]
+    assert offenders == [], f"use meshnode.aio.wait_for (3.11's asyncio.wait_for loses cancellations): {offenders}"
+
+
+async def test_cancel_and_wait_repeats_a_cancellation_the_task_lost() -> None:
+    # A task that swallows its first cancellation (as 3.11's asyncio.wait_for
+    # in a library does when the awaited reply lands at the same moment) ends
+    # at the second one instead of hanging its canceller.
+    swallowed = asyncio.Event()
+
+    async def loses_one() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()
+        await asyncio.Event().wait()  # a reader that goes on reading
+
+    task = asyncio.get_running_loop().create_task(loses_one())
+    await asyncio.sleep(0)
+    await aio.wait_for(aio.cancel_and_wait(task, again_after=0.05), timeout=30.0)
+    assert swallowed.is_set() and task.cancelled()

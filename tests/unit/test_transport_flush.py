@@ -1,4 +1,4 @@
-"""The delivery barrier writes earlier publishes before its PING (issue #23, exactly-once).
+"""MeshConnection against the wire: the delivery barrier writes earlier publishes before its PING (issue #23, exactly-once), and a cancelled request is cancelled.
 
 The node marks an answer delivered once ``MeshConnection.flush`` returns, so
 the broker must have read the answer's bytes by then. nats-py's own flush
@@ -72,3 +72,37 @@ async def test_flush_writes_pending_publishes_before_its_ping() -> None:
     finally:
         await conn.close()
         await peer.stop()
+
+
+class _SwallowingClient:
+    """A stand-in for nats-py's client whose request() behaves as 3.11's
+    asyncio.wait_for does when the reply lands with the cancellation: the
+    cancellation is swallowed and the reply returned."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+        self.swallowed = False
+
+    async def request(self, subject: str, payload: bytes, *, timeout: float, headers: object = None) -> object:
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.swallowed = True
+        return object()
+
+
+async def test_a_cancelled_request_raises_even_where_the_client_swallows_it() -> None:
+    conn = MeshConnection(["nats://127.0.0.1:1"], node_key=None, jwt_source=None)
+    client = _SwallowingClient()
+    conn._nc = client  # type: ignore[assignment]
+    caller = asyncio.get_running_loop().create_task(conn.request("x", b"", timeout=30.0))
+    await client.waiting.wait()
+    caller.cancel()
+    try:
+        await caller
+    except asyncio.CancelledError:
+        pass
+    assert caller.cancelled()
+    await asyncio.sleep(0)
+    assert client.swallowed  # the orphaned request was cancelled too

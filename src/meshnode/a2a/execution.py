@@ -48,6 +48,7 @@ from meshnode.a2a.mapping import (
 )
 from meshnode.a2a.store import BridgeStore
 from meshnode.agent import RemoteError, RequestTimeout
+from meshnode.aio import cancel_and_wait, wait_for
 from meshnode.protocol.a2a_extension import (
     EXTENSION_URI,
     body_hash,
@@ -488,11 +489,14 @@ class InboundTasks:
                 if chunk_reader is not None and mesh_task.state == "completed":
                     # The final chunk is stored before the completed update: drain them.
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(chunk_reader), timeout=30.0)
+                        await wait_for(asyncio.shield(chunk_reader), timeout=30.0)
             finally:
-                if chunk_reader is not None and not chunk_reader.done():
-                    chunk_reader.cancel()
-                    await asyncio.wait([chunk_reader])  # its own error is not ours to raise
+                if chunk_reader is not None:
+                    # Its own error is not ours to raise; a cancellation lost in the
+                    # transport (aio.cancel_and_wait) is repeated, or the request hangs.
+                    await cancel_and_wait(chunk_reader)
+                    if not chunk_reader.cancelled():
+                        chunk_reader.exception()  # retrieved, so never logged as unretrieved
             final = mesh_task.last_update
             payload = final.get("payload") if isinstance(final.get("payload"), Mapping) else {}
             err = final.get("error") if isinstance(final.get("error"), Mapping) else None
@@ -623,9 +627,9 @@ class InboundTasks:
             # The agent's canceled update ends the runner by itself; stopping it
             # mid-finish would lose the final status update it publishes.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(live.done.wait(), timeout=10.0)
+                await wait_for(live.done.wait(), timeout=10.0)
         if live.runner is not None and not live.runner.done():
             live.runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(live.runner), timeout=10.0)
+                await wait_for(asyncio.shield(live.runner), timeout=10.0)
         return live.task

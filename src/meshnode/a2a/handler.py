@@ -44,6 +44,7 @@ from starlette.requests import Request
 from meshnode.a2a.execution import InboundTasks, Live
 from meshnode.a2a.inbound import ANONYMOUS, Requester, may_see
 from meshnode.a2a.mapping import INTERRUPTED_A2A
+from meshnode.aio import wait_for
 from meshnode.protocol.timeutil import try_parse_rfc3339
 
 __all__ = ["ContextBuilder", "Handler"]
@@ -188,7 +189,7 @@ class Handler(RequestHandler):
         )
         if live is not None and not params.configuration.return_immediately:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(live.settled.wait(), timeout=self.tasks.settings.send_wait_s)
+                await wait_for(live.settled.wait(), timeout=self.tasks.settings.send_wait_s)
             task = live.task
         return _answer(context, task, params.configuration)
 

@@ -100,6 +100,7 @@ from meshnode.a2a.peers import (
 )
 from meshnode.a2a.stream import A2AStreamTask
 from meshnode.agent import RemoteError, Reply
+from meshnode.aio import wait_for
 from meshnode.node.gateway import CallContext
 from meshnode.protocol.a2a_extension import (
     A2A_TARGET_PREFIX,
@@ -613,7 +614,7 @@ class A2AOutbound:
         try:
             headers = self._task_headers(sent, "CancelTask")
             async with peer_client(sent.peer.card, headers, timeout=self.cancel_timeout_s) as (client, ctx):
-                task = await asyncio.wait_for(
+                task = await wait_for(
                     client.cancel_task(CancelTaskRequest(id=sent.task_id), context=ctx), self.cancel_timeout_s)
             answer = dict(json_format.MessageToDict(task))
             state = str((answer.get("status") or {}).get("state") or "")

@@ -88,6 +88,7 @@ from meshnode.a2a.execution import InboundTasks
 from meshnode.a2a.inbound import BridgeNode, BridgeSettings
 from meshnode.a2a.intake import HttpIntake
 from meshnode.a2a.store import BridgeStore
+from meshnode.aio import wait_for
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -163,7 +164,7 @@ class A2ABridge:
         if self._server is not None and self._serve_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._serve_task), timeout=1.5)
+                await wait_for(asyncio.shield(self._serve_task), timeout=1.5)
             if not self._serve_task.done():
                 self._server.force_exit = True
                 self._serve_task.cancel()

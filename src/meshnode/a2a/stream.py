@@ -29,6 +29,7 @@ from meshnode.a2a.peers import (
     output_of_parts,
     report_of,
 )
+from meshnode.aio import wait_for
 from meshnode.protocol.a2a_extension import A2A_TARGET_PREFIX, EXTENSION_URI
 from meshnode.protocol.errors import ProtocolError
 
@@ -153,7 +154,7 @@ class A2AStreamTask:
 
     async def _wait_first(self, timeout: float) -> None:
         try:
-            await asyncio.wait_for(self._first.wait(), timeout=max(timeout, 0.001))
+            await wait_for(self._first.wait(), timeout=max(timeout, 0.001))
         except TimeoutError:
             raise ProtocolError(
                 "TRANSPORT_TIMEOUT", f"no answer from A2A peer {self._sent.name!r}; the message may have arrived",
@@ -265,7 +266,7 @@ class A2AStreamTask:
                     raise self._error
                 if self.final is not None:
                     return
-                await asyncio.wait_for(changed.wait(), timeout=timeout)
+                await wait_for(changed.wait(), timeout=timeout)
         except asyncio.CancelledError:
             await self._abandon()
             raise
@@ -279,7 +280,7 @@ class A2AStreamTask:
                 if self._error is not None:
                     raise self._error
                 changed = self._changed
-                await asyncio.wait_for(changed.wait(), timeout=max(0.001, deadline - time.monotonic()))
+                await wait_for(changed.wait(), timeout=max(0.001, deadline - time.monotonic()))
             return self.final
         except asyncio.CancelledError:
             await self._abandon()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import __version__
+from meshnode.aio import wait_for
 from meshnode.protocol.canonical import CanonicalJSONError
 from meshnode.protocol.errors import ProtocolError
 
@@ -367,7 +368,7 @@ class AdminServer:
                     task.cancel()
                 await asyncio.wait(pending, timeout=_FAREWELL_TIMEOUT)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), _FAREWELL_TIMEOUT)
+            await wait_for(self._server.wait_closed(), _FAREWELL_TIMEOUT)
         self._server = None
         _log.info("admin API closed")
 
@@ -503,7 +504,7 @@ class AdminServer:
             self._connections.discard(conn)
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), _FAREWELL_TIMEOUT)
+                await wait_for(writer.wait_closed(), _FAREWELL_TIMEOUT)
 
     async def _serve(self, conn: _Connection) -> None:
         try:
@@ -652,7 +653,7 @@ class AdminServer:
                 raise _PeerGone
             if call_task.cancelled():
                 if self._closing:
-                    await asyncio.wait_for(
+                    await wait_for(
                         conn.send(error_reply(request.id, NotReady("the daemon is shutting down"))),
                         _FAREWELL_TIMEOUT,
                     )
@@ -738,7 +739,7 @@ class AdminServer:
 async def _is_live(path: Path) -> bool:
     """Whether something accepts connections on the socket at ``path``."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(os.fspath(path)), 2.0)
+        _, writer = await wait_for(asyncio.open_unix_connection(os.fspath(path)), 2.0)
     except (ConnectionRefusedError, FileNotFoundError):
         return False
     except TimeoutError:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from meshnode.aio import wait_for
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.jwt import JwtError, decode_jwt
 
@@ -237,7 +238,7 @@ class ControlPlaneClient:
             if writer is not None:
                 writer.close()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.wait_closed(), 1.0)
+                    await wait_for(writer.wait_closed(), 1.0)
 
         try:
             payload = json.loads(raw) if raw else {}

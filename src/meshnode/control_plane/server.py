@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from meshnode.aio import wait_for
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.errors import EmbeddedMeshError
 from meshnode.transport.lifecycle import AsyncService
@@ -168,7 +169,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
             self._evicted.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                await wait_for(writer.wait_closed(), 1.0)
 
     def _evict_oldest_waiting(self) -> bool:
         """Drop the oldest connection that has not sent its request yet; False if none."""

@@ -24,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from meshnode.aio import wait_for
+
 __all__ = [
     "SHUTDOWN_BUDGETS",
     "DaemonState",
@@ -119,7 +121,7 @@ async def run_stage(stage: Stage, *, critical: bool) -> bool:
     """
     started = time.monotonic()
     try:
-        await asyncio.wait_for(stage.action(), timeout=stage.budget)
+        await wait_for(stage.action(), timeout=stage.budget)
     except TimeoutError as exc:
         log.error("stage %s exceeded its %.1fs budget; moving on", stage.name, stage.budget)
         if critical:

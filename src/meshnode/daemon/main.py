@@ -28,7 +28,7 @@ from typing import Any
 
 import meshnode
 from meshnode.admin.server import AdminServer, MethodRegistry
-from meshnode.aio import BackgroundTasks
+from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
@@ -50,6 +50,7 @@ from meshnode.daemon.platform import (
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.daemon.statusboard import LISTED_AGENTS_MAX, StatusBoard
 from meshnode.daemon.storewatch import StoreWatch
+from meshnode.daemon.taskdump import dump_tasks
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.agreement_lookup import PlatformAgreements
@@ -71,6 +72,10 @@ from meshnode.transport.liveness import BrokerWatch
 __all__ = ["RELAUNCH", "Daemon", "credential_profile", "relaunch_process", "run_daemon"]
 
 log = logging.getLogger("meshnode.daemon")
+
+async def _dump_tasks_soon() -> None:
+    dump_tasks()
+
 
 #: What a joined node's platform start retries: the states of a cluster that is
 #: still electing stream leaders (timeouts, 503s, nobody answering yet).
@@ -585,6 +590,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        # What every task awaits, for a daemon stuck where no thread stack shows it.
+        loop.add_signal_handler(signal.SIGUSR1, lambda: self._signal_tasks.spawn(_dump_tasks_soon(), name="task-dump"))
 
     def _on_sighup(self) -> None:
         # Signal handlers only set things in motion; the reload runs as a task.
@@ -619,7 +626,7 @@ class Daemon:
         try:
             inbox = self.inbox
             if inbox is not None:
-                await asyncio.wait_for(inbox.final_write(), timeout=FORCE_EXIT_WRITE_S)
+                await wait_for(inbox.final_write(), timeout=FORCE_EXIT_WRITE_S)
         except Exception as exc:  # the exit happens whatever the write did
             log.error("forced exit: the inbox's final write failed: %s", exc)
         finally:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshnode.admin.protocol import InvalidParameter, NotFound, NotReady, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
+from meshnode.aio import wait_for
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.tasks import RequesterTask, StreamBroken
@@ -154,7 +155,7 @@ class _Terminal:
             while result is None or not stream_done:
                 waiting = None if result is None else _STREAM_GRACE_S if chunks else _NO_STREAM_GRACE_S
                 try:
-                    item = await asyncio.wait_for(self._next(queue, updates, stream), timeout=waiting)
+                    item = await wait_for(self._next(queue, updates, stream), timeout=waiting)
                 except TimeoutError:
                     break  # the result is in; the stream's tail never came
                 if item is None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import OfferingSpec
+from meshnode.aio import wait_for
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import parse_money
 from meshnode.protocol.commerce import (
@@ -429,7 +430,7 @@ class MeterOutbox:
             await asyncio.sleep(min(seconds, self.first_backoff_s))
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing.wait(), seconds)
+            await wait_for(self._closing.wait(), seconds)
 
     async def close(self, timeout: float = 3.0) -> int:
         """Publish what is queued within ``timeout`` seconds, then stop; returns
@@ -439,7 +440,7 @@ class MeterOutbox:
         worker = self._worker
         if worker is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(worker), timeout)
+                await wait_for(asyncio.shield(worker), timeout)
             except TimeoutError:
                 worker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

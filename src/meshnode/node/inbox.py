@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshnode.aio import wait_for
 from meshnode.node.private_db import prepare_private_db, tighten_side_files
 
 __all__ = ["HeldMessage", "InboxStore", "InboxRow", "InboxUnwritable", "STATES"]
@@ -265,7 +266,7 @@ class InboxStore:
             self._closing = True
             self._wake.set()
             try:
-                await asyncio.wait_for(asyncio.shield(self._flusher), timeout=10.0)
+                await wait_for(asyncio.shield(self._flusher), timeout=10.0)
             except TimeoutError:
                 self._flusher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -288,7 +289,7 @@ class InboxStore:
             barrier = self.settle_barrier
             try:
                 if barrier is not None:
-                    await asyncio.wait_for(barrier(), timeout=2.0)
+                    await wait_for(barrier(), timeout=2.0)
                 self._settle.extend(marks)
             except Exception as exc:
                 log.warning("stopping with %d answers not confirmed at the broker (%s): after a restart their "
@@ -992,7 +993,7 @@ class InboxStore:
         while not self._closing:
             if self.fault is None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval)
+                    await wait_for(self._wake.wait(), timeout=self.flush_interval)
             else:
                 # The inbox cannot be written: retry once a second, not on every
                 # wake-up (each live message would be one more failing write).

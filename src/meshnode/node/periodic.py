@@ -13,6 +13,8 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
+from meshnode.aio import wait_for
+
 __all__ = ["PeriodicJob"]
 
 
@@ -99,7 +101,7 @@ class PeriodicJob:
         # previous run was in flight must end this wait at once (issue #23 item 5);
         # _run clears it just before each run instead.
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+            await wait_for(self._wake.wait(), timeout=seconds)
         except TimeoutError:
             pass
 

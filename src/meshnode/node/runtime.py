@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
-from meshnode.aio import backoff
+from meshnode.aio import backoff, wait_for
 from meshnode.node import tasktally
 from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
@@ -337,7 +337,7 @@ class Node:
         await self._unsubscribe(hosted)
         await hosted.cancel_tasks(grace)
         try:
-            await asyncio.wait_for(hosted.agent.on_stop(), timeout=grace)
+            await wait_for(hosted.agent.on_stop(), timeout=grace)
         except Exception as exc:
             log.warning("agent %s on_stop failed: %s", name, exc)
         if deregister and hosted.registered:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from meshnode.agent import FollowUp, InputTimeout, StreamBroken
+from meshnode.aio import wait_for
 from meshnode.node.allowance import tokens_of_usage
 from meshnode.node.consumers import bind_shared, release_shared, request_for
 from meshnode.node.pipeline import Intake, Refused, decode_verified
@@ -247,7 +248,7 @@ class ResponderTask:
                 return self._answered.input
             raise RuntimeError("no input round is open: call require_input() or require_auth() first")
         try:
-            follow = await asyncio.wait_for(asyncio.shield(round_), timeout)
+            follow = await wait_for(asyncio.shield(round_), timeout)
         except asyncio.CancelledError:
             self._close_round()  # canceled while waiting (a task.cancel, the node stopping)
             raise
@@ -365,7 +366,7 @@ class ResponderTask:
                 extra={"spent": spent.to_object()},
             )
             try:
-                await asyncio.wait_for(self._revision.wait(), timeout=timeout)
+                await wait_for(self._revision.wait(), timeout=timeout)
             except TimeoutError:
                 return None
         finally:
@@ -482,7 +483,7 @@ class RequesterTask:
         refusals = self.hosted.node.refusals
         try:
             while True:
-                data = await asyncio.wait_for(queue.get(), timeout=timeout)
+                data = await wait_for(queue.get(), timeout=timeout)
                 # The task-update intake: decode ─► verify ─► once each ─► this
                 # task ─► from one of its parties. Refusals are counted, silently.
                 try:
@@ -575,7 +576,7 @@ class RequesterTask:
         refusals = self.hosted.node.refusals
         try:
             while True:
-                raw = await asyncio.wait_for(queue.get(), timeout=timeout)
+                raw = await wait_for(queue.get(), timeout=timeout)
                 try:
                     env, payload = self._chunk(raw, expected)
                 except Refused as refused:

@@ -20,7 +20,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from meshnode.aio import BackgroundTasks
+from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.protocol.nkeys import KeyPair
 
 from .cluster import cluster_size_of
@@ -33,6 +33,13 @@ __all__ = ["ConnectionListener", "MeshConnection", "Message", "MessageHandler", 
 log = logging.getLogger("meshnode.transport")
 
 ConnectionListener = Callable[[], Awaitable[None]]
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # An abandoned request's outcome (a timeout, a closed connection) is nobody's
+    # to raise: read it so that asyncio does not log it as never retrieved.
+    if not task.cancelled():
+        task.exception()
 
 
 class MeshConnection:
@@ -124,7 +131,7 @@ class MeshConnection:
             return
         try:
             if nc.is_connected:
-                await asyncio.wait_for(nc.drain(), timeout=drain_timeout)
+                await wait_for(nc.drain(), timeout=drain_timeout)
         except Exception as exc:  # a failed drain must not block shutdown
             log.warning("drain on close failed: %s", exc)
         if not nc.is_closed:
@@ -245,8 +252,22 @@ class MeshConnection:
     ) -> Message:
         """Publish and wait for one answer. Raises :class:`~.errors.NoResponders`
         when nobody listens, :class:`~.errors.TransportTimeout` when none came."""
+        # nats-py waits for the reply with 3.11's asyncio.wait_for, which loses a
+        # cancellation that arrives in the same loop iteration as the reply
+        # (meshnode.aio.wait_for); a caller cancelled then went on as if not
+        # (an A2A stream reader kept reading a finished task's stream). Awaited
+        # through a shield as a task of its own, the caller's cancellation
+        # always reaches the caller; the orphaned request is cancelled too.
+        inner = asyncio.get_running_loop().create_task(
+            self.nc.request(subject, payload, timeout=timeout, headers=headers)
+        )
+        inner.add_done_callback(_retrieve)
         with translated():
-            return Message(await self.nc.request(subject, payload, timeout=timeout, headers=headers))
+            try:
+                return Message(await asyncio.shield(inner))
+            except asyncio.CancelledError:
+                inner.cancel()
+                raise
 
     def new_inbox(self) -> str:
         return str(self.nc.new_inbox())
@@ -285,7 +306,7 @@ class MeshConnection:
         with translated():
             write_pending = getattr(self.nc, "_flush_pending", None)
             if write_pending is not None and self.nc.is_connected:
-                await asyncio.wait_for(write_pending(force_flush=True), timeout)
+                await wait_for(write_pending(force_flush=True), timeout)
             await self.nc.flush(timeout=timeout)
 
     # -- connection events -------------------------------------------------

@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshnode.aio import backoff
+from meshnode.aio import backoff, wait_for
 
 from .errors import EmbeddedMeshError, PortInUse
 from .files import ensure_private_dir, write_private_file
@@ -718,13 +718,13 @@ class EmbeddedNatsServer(AsyncService):
     async def _accepts_clients(self, port: int) -> bool:
         """True when the port greets a client with a JetStream-enabled INFO."""
         try:
-            reader, writer = await asyncio.wait_for(
+            reader, writer = await wait_for(
                 asyncio.open_connection(self.host, port), timeout=1.0
             )
         except (OSError, TimeoutError):
             return False
         try:
-            line = await asyncio.wait_for(reader.readline(), timeout=1.0)
+            line = await wait_for(reader.readline(), timeout=1.0)
         except (OSError, TimeoutError):
             return False
         finally:
@@ -838,7 +838,7 @@ class EmbeddedNatsServer(AsyncService):
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(process.wait(), self.stop_timeout_s)
+                    await wait_for(process.wait(), self.stop_timeout_s)
                 except TimeoutError:
                     log.warning("nats-server pid %d ignored SIGTERM; killing it", process.pid)
                     with contextlib.suppress(ProcessLookupError):

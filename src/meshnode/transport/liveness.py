@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from meshnode.aio import wait_for
+
 __all__ = ["BrokerWatch", "LivenessState", "Probe"]
 
 log = logging.getLogger("meshnode.transport")
@@ -171,7 +173,7 @@ class BrokerWatch:
         started = self._clock()
         for name, probe in self._probes:
             try:
-                await asyncio.wait_for(probe(self.timeout_s), timeout=self.timeout_s)
+                await wait_for(probe(self.timeout_s), timeout=self.timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure to answer is the finding, not an error here
