@@ -46,12 +46,14 @@ def nodes() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
     try:
         consumer = daemons.embedded("consumer")
         provider = daemons.joined(
-            "provider", consumer, agents={"priced": {"plugin": "priced"}},
+            "provider", consumer,
+            agents={"priced": {"plugin": "priced"}, "desk": {"plugin": "priced", "interaction": "interactive"}},
             node={"plugin_modules": ["tests.agents.priced:plugin"]}, start=False,
         )
         provider.config_path.write_text(provider.config_path.read_text() + f'\n[commerce]\napproval_url = "{APPROVAL}"\n')
         provider.start()
-        eventually(lambda: _registered(provider, "priced"), what="priced registered", timeout=60)
+        eventually(lambda: _registered(provider, "priced") and _registered(provider, "desk"),
+                   what="priced and desk registered", timeout=60)
         yield consumer, provider
     finally:
         daemons.close()
@@ -194,3 +196,25 @@ def test_the_platform_carries_agreements_and_revocations_to_the_seller(
     with pytest.raises(PermissionDenied) as replay:
         consumer.admin("Agreements.Register", {"agreement": json.loads(doc.read_text())})
     assert replay.value.params["details"]["reason"] == "revoked", replay.value.params
+
+
+def test_an_interactive_agent_checks_the_agreement_before_it_holds(
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
+) -> None:
+    # A person answers desk's requests (interaction = "interactive"): a paid
+    # offering's request is refused at admission, not held for the person.
+    consumer, provider = nodes
+    desk = provider.agent_id("desk")
+    refused = consumer.call(desk, "summarize", "please summarize", timeout=10)
+    assert refused["status"] == "failed", refused
+    assert refused["error"]["code"] == "AGREEMENT_REQUIRED" and refused["error"]["details"]["sku"] == "summarize"
+    assert _cli_json(provider, "inbox", "list", "--agent", "desk")["messages"] == []
+
+    doc = tmp_path / "desk-agreement.json"
+    run_cli("agreements", "sign", desk, "--offering", "summarize", "--out", str(doc),
+            "--socket", consumer.socket_path)
+    run_cli("agreements", "add", str(doc), "--socket", provider.socket_path)
+    queued = consumer.call(desk, "summarize", "please summarize", timeout=10)
+    assert queued["status"] == "queued" and queued["inbox_id"], queued
+    held = _cli_json(provider, "inbox", "list", "--agent", "desk")["messages"]
+    assert [str(m["id"]) for m in held] == [str(queued["inbox_id"])]

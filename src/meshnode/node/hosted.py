@@ -334,6 +334,17 @@ class HostedAgent:
         if plan.first_reply is FirstReply.QUEUED_ACK and inbox is not None:
             # §8.3a: a person's session answers; nothing runs now, so no accept.
             if inbox_id is None:
+                commerce = self.node.commerce
+                if commerce is not None and self.skus and isinstance(offering_id, str):
+                    # §19.5 before the hold, as before any work: a paid offering
+                    # a person answers is not held (nor answerable) without an
+                    # agreement. (A copy drained later was checked when held.)
+                    try:
+                        await commerce.check(self, env, offering_id, now_ms)
+                    except ProtocolError as exc:
+                        self.count_refusal(exc.code)
+                        await self._answer(env, status="failed", error=exc.to_object(), path=source)
+                        return "answered"
                 try:
                     inbox_id = await inbox.hold(self.agent_id, env["from"], env["id"], "request", data, now_ms)
                 except InboxUnwritable as exc:
