@@ -218,3 +218,18 @@ def test_an_interactive_agent_checks_the_agreement_before_it_holds(
     assert queued["status"] == "queued" and queued["inbox_id"], queued
     held = _cli_json(provider, "inbox", "list", "--agent", "desk")["messages"]
     assert [str(m["id"]) for m in held] == [str(queued["inbox_id"])]
+
+    # §19.3: agreed, but the request's cost_ceiling is below the flat price:
+    # refused with the price as the estimate, before anything is held.
+    low = consumer.admin("Call", {
+        "agent": desk, "offering": "summarize", "input": "please summarize", "timeout": 10,
+        "budget": {"revision": 1, "cost_ceiling": {"amount_micro": 1999, "currency": "USD"}},
+    }, timeout=20)
+    assert low["status"] == "failed" and low["error"]["code"] == "BUDGET_INSUFFICIENT", low
+    manifest = provider.admin("Agents.Show", {"name": "desk"})["manifest"]
+    price = next(s["price"] for s in manifest["skus"] if s["sku"] == "summarize")  # the price in force
+    assert price["amount_micro"] > 1999
+    assert low["error"]["details"]["estimate"] == {"amount_micro": price["amount_micro"], "currency": "USD"}
+    assert [str(m["id"]) for m in _cli_json(provider, "inbox", "list", "--agent", "desk")["messages"]] == [
+        str(queued["inbox_id"])
+    ]

@@ -466,3 +466,31 @@ def test_rate_stream_routes_events_to_skus_owners_and_ceilings() -> None:
     assert rate_stream(events, **kw) == charges
     totals = ledger_totals(charges)
     assert totals == {(OWNER.public_key, SELLER, "USD", "2026-08"): 10_100, (None, SELLER, "USD", "2026-08"): 0}
+
+
+@given(price=st.integers(0, 10**9), ceiling=st.integers(0, 10**9))
+def test_a_flat_price_is_admitted_exactly_when_the_ceiling_covers_it(price: int, ceiling: int) -> None:
+    from meshnode.protocol.commerce import admission_estimate, check_price_within_ceiling
+
+    flat = parse_price({"model": "flat", "currency": "USD", "amount_micro": price})
+    assert admission_estimate(flat) == Money(price, "USD")
+    if ceiling >= price:
+        check_price_within_ceiling(flat, Money(ceiling, "USD"))  # equality admits
+    else:
+        with pytest.raises(ProtocolError) as info:
+            check_price_within_ceiling(flat, Money(ceiling, "USD"))
+        assert info.value.code == "BUDGET_INSUFFICIENT"
+        assert info.value.details == {"estimate": {"amount_micro": price, "currency": "USD"}}
+    # No rate between currencies: never compared, refused with the price.
+    with pytest.raises(ProtocolError):
+        check_price_within_ceiling(flat, Money(max(ceiling, price), "EUR"))
+    check_price_within_ceiling(flat, None)
+
+
+def test_a_metered_price_has_no_estimate_before_the_work() -> None:
+    from meshnode.protocol.commerce import admission_estimate, check_price_within_ceiling
+
+    metered = parse_price({"model": "per_unit", "currency": "USD", "meter": "tokens_out", "amount_micro": 3})
+    assert admission_estimate(metered) is None
+    assert admission_estimate(parse_price({"model": "free"})) is None
+    check_price_within_ceiling(metered, Money(0, "USD"))  # judged by the rating's ceiling instead (§19.6)

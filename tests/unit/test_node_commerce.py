@@ -143,6 +143,25 @@ async def test_no_agreement_refuses_and_an_agreement_at_the_digest_admits(setup:
     assert (await gate.check(shop, _env(caller), "free", NOW)).sku == "all-in"  # type: ignore[union-attr]
 
 
+async def test_a_flat_price_above_the_cost_ceiling_is_refused_with_the_price_as_estimate(setup: Any) -> None:
+    # §19.3: with an agreement, a ceiling below the flat price (or in another
+    # currency) is refused at admission with the price as the estimate; equal admits.
+    node, shop, caller, gate = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW - 1000))
+
+    def env(amount: int, currency: str = "USD", request_id: str = "b") -> dict[str, Any]:
+        return {**_env(caller, request_id), "budget": {"revision": 1, "cost_ceiling": {"amount_micro": amount, "currency": currency}}}
+
+    for low in (env(1999, request_id="b1"), env(5000, "EUR", request_id="b2")):
+        with pytest.raises(ProtocolError) as info:
+            await gate.check(shop, low, "Summarize.Text", NOW)
+        assert info.value.code == "BUDGET_INSUFFICIENT"
+        assert info.value.details == {"estimate": {"amount_micro": 2000, "currency": "USD"}}
+    assert await gate.check(shop, env(2000, request_id="b3"), "Summarize.Text", NOW) == sku
+    assert await gate.check(shop, _env(caller, "b4"), "Summarize.Text", NOW) == sku  # no budget: admitted
+
+
 async def test_another_owners_or_stale_or_revoked_agreement_does_not_admit(setup: Any, tmp_path: Path) -> None:
     node, shop, caller, gate = setup
     sku = next(s for s in shop.skus if s.sku == "summarize-text")

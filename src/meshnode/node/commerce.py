@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from meshnode.agent import OfferingSpec
 from meshnode.aio import wait_for
 from meshnode.protocol import subjects
-from meshnode.protocol.budget import parse_money
+from meshnode.protocol.budget import parse_budget, parse_money
 from meshnode.protocol.commerce import (
     Agreement,
     AgreementRecord,
@@ -46,6 +46,7 @@ from meshnode.protocol.commerce import (
     Sku,
     agreement_required,
     approval_url,
+    check_price_within_ceiling,
     find_agreement,
     parse_sku,
     parse_skus,
@@ -590,10 +591,27 @@ class AgreementGate:
                 self._admitted.pop(next(iter(self._admitted)))
         return sku
 
+    async def _record_refusal(
+        self, hosted: HostedAgent, env: Mapping[str, Any], sku: Sku, owner: str | None,
+        agreement: Agreement | None, offering: str, now_ms: int, code: str,
+    ) -> None:
+        # §13.5 refusal events: declined demand is recorded at quantity 0 (rated to zero).
+        try:
+            refusal = meter_event(
+                "requests", MeterClass.OBSERVED, 0, provider=hosted.agent_id, consumer=str(env["from"]),
+                envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering, refusal_code=code,
+            )
+        except ValueError as exc:
+            log.warning("%s: refusal event of %s not recorded: %s", hosted.name, env.get("id"), exc)
+        else:
+            await self._record(hosted, env, sku, owner, agreement, [refusal])
+
     async def check(self, hosted: HostedAgent, env: Mapping[str, Any], offering: str, now_ms: int) -> Sku | None:
         """Raise AGREEMENT_REQUIRED (details sku, sku_digest, approval_url) when a
         paid SKU covers ``offering`` and the requester's (``env["from"]``) owner
-        holds no live agreement at its current digest. Returns the covering SKU
+        holds no live agreement at its current digest; BUDGET_INSUFFICIENT
+        (details.estimate: the price) when it does but the request's
+        ``cost_ceiling`` cannot cover the SKU's flat price (§19.3). Returns the covering SKU
         (None: free). The refusal, and later the completion, are recorded as
         meter events in the usage log."""
         sku = sku_for(hosted.skus, offering)
@@ -615,16 +633,17 @@ class AgreementGate:
                 consumer_owner=owner, seller_agent=hosted.agent_id, sku=sku, at_ms=now_ms,
             )
         if agreement is not None:
+            block = env.get("budget")
+            if block is not None:
+                try:
+                    # §19.3: a flat price the request's cost_ceiling cannot cover is
+                    # refused now, with the price as the estimate (a price quote).
+                    check_price_within_ceiling(sku.price, parse_budget(block).cost_ceiling)
+                except ProtocolError as exc:
+                    await self._record_refusal(hosted, env, sku, owner, agreement, offering, now_ms, exc.code)
+                    raise
             return self._admit(env, sku, owner, agreement)
-        try:
-            refusal = meter_event(
-                "requests", MeterClass.OBSERVED, 0, provider=hosted.agent_id, consumer=requester,
-                envelope_id=str(env["id"]), ts_ms=now_ms, offering=offering, refusal_code="AGREEMENT_REQUIRED",
-            )
-        except ValueError as exc:
-            log.warning("%s: refusal event of %s not recorded: %s", hosted.name, env.get("id"), exc)
-        else:
-            await self._record(hosted, env, sku, owner, None, [refusal])
+        await self._record_refusal(hosted, env, sku, owner, None, offering, now_ms, "AGREEMENT_REQUIRED")
         try:
             url = approval_url(sku, self.approval_surface)
         except ValueError:

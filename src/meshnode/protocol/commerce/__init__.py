@@ -39,7 +39,17 @@ from .agreement import (
     sign_agreement,
     verify_agreement,
 )
-from .price import CommerceInvalid, Included, Period, Price, PriceModel, Tier, parse_price
+from .price import (
+    CommerceInvalid,
+    Included,
+    Period,
+    Price,
+    PriceModel,
+    Tier,
+    admission_estimate,
+    check_price_within_ceiling,
+    parse_price,
+)
 from .rating import (
     Charge,
     ChargeOutcome,
@@ -65,6 +75,8 @@ from .sku import (
 )
 
 __all__ = [
+    "admission_estimate",
+    "check_price_within_ceiling",
     "AGREEMENT_TAG",
     "SKU_DIGEST_TAG",
     "SKU_ID_PATTERN",

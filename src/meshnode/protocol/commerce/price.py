@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from ..budget import Money, budget_insufficient
 from ..errors import ProtocolError, shape_error
 from ..metering import is_meter_name
 
@@ -326,3 +327,34 @@ def parse_price(obj: object) -> Price:
         tiers,
         included,
     )
+
+
+def admission_estimate(price: Price) -> Money | None:
+    """What the work costs as far as admission can know (§19.3): a flat price is
+    the price of the one request; a metered price (per_unit, package, tiered)
+    depends on quantities the work itself produces, and free costs nothing to
+    compare (None for both)."""
+    if price.model is PriceModel.FLAT and price.amount_micro is not None and price.currency is not None:
+        return Money(price.amount_micro, price.currency)
+    return None
+
+
+def check_price_within_ceiling(price: Price, ceiling: Money | None) -> None:
+    """Refuse at admission with BUDGET_INSUFFICIENT, carrying the price as the
+    estimate, when a request's ``cost_ceiling`` cannot cover a known price
+    (§19.3, §7.7): below it, or in another currency (no rate is held between
+    currencies, so none is compared: §21's settlement rule). Equality admits;
+    no ceiling, or no price known before the work, admits."""
+    estimate = admission_estimate(price)
+    if ceiling is None or estimate is None:
+        return
+    if ceiling.currency != estimate.currency:
+        raise budget_insufficient(
+            estimate, f"the price is in {estimate.currency}; a cost_ceiling in {ceiling.currency} is not compared"
+        )
+    if ceiling.amount_micro < estimate.amount_micro:
+        raise budget_insufficient(
+            estimate,
+            f"the price ({estimate.amount_micro} micro-{estimate.currency}) exceeds the cost_ceiling "
+            f"({ceiling.amount_micro})",
+        )
