@@ -5,6 +5,7 @@ store, and the §19.5 admission check."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -257,3 +258,18 @@ def test_agreements_sign_refuses_an_unwritable_out_before_signing(
     args = build_parser().parse_args(["agreements", "sign", "summarizer", "--out", str(out)])
     assert args.handler(args) == 73
     assert f"--out {out}" in capsys.readouterr().err
+
+
+def test_a_price_on_an_observed_meter_not_produced_is_warned_at_start(
+    setup: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = setup[0]
+
+    class ByTheByte(Agent):
+        @offering("dump", price={"model": "per_unit", "currency": "USD", "meter": "bytes_out", "amount_micro": 1})
+        async def dump(self, ctx: Context, input: Any) -> Any:
+            return "x"
+
+    with caplog.at_level(logging.WARNING):
+        _host(node, "bytes", ByTheByte("bytes", AgentSettings()))
+    assert "observed meter 'bytes_out'" in caplog.text and "rate nothing" in caplog.text, caplog.text

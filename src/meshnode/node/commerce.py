@@ -84,6 +84,10 @@ def default_sku_id(offering_id: str) -> str:
     return _NOT_SKU_CHAR.sub("-", offering_id.lower()).strip("-")[:64] or "sku"
 
 
+#: §13.5 observed meters this node does not count yet: a price on one rates nothing.
+UNPRODUCED_OBSERVED_METERS = frozenset({"responses", "events", "bytes_in", "bytes_out", "tasks_completed", "task_ms"})
+
+
 def declared_skus(declared: Sequence[Mapping[str, Any]], offerings: Iterable[OfferingSpec]) -> tuple[Sku, ...]:
     """Validated SKUs of an agent class: ``declared`` (whole SKU objects) then one
     per priced offering. Raises ProtocolError INVALID_MANIFEST naming the member

@@ -29,7 +29,7 @@ from meshnode.agent import Agent, Event, OfferingSpec
 from meshnode.aio import BackgroundTasks
 from meshnode.node import pipeline
 from meshnode.node.artifacts import spill_oversized_output
-from meshnode.node.commerce import declared_skus
+from meshnode.node.commerce import UNPRODUCED_OBSERVED_METERS, declared_skus
 from meshnode.node.context import AgentContext
 from meshnode.node.inbox import InboxStore, InboxUnwritable
 from meshnode.node.looplag import running_for
@@ -117,6 +117,15 @@ class HostedAgent:
         # §19.1: the SKUs the class declares, digests computed here (a malformed
         # SKU fails this agent's start, naming the member at fault).
         self.skus: tuple[Sku, ...] = declared_skus(type(agent).skus, self.offerings.values())
+        for sku in self.skus:
+            meter = sku.price.rated_meter
+            if meter in UNPRODUCED_OBSERVED_METERS:
+                # Said at start, not found on the invoice: nothing would ever be charged.
+                agent.log.warning(
+                    "SKU %r is priced on the observed meter %r, which this node does not produce yet "
+                    "(only 'requests' and declared meters are metered): it will rate nothing; see "
+                    "docs/guides/pricing.md, 'What is implemented, and what is not'", sku.sku, meter,
+                )
         self.manifest: dict[str, Any] = {}
         self.vouch: dict[str, Any] = {}
         self.registered = False
