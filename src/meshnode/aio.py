@@ -46,13 +46,35 @@ async def wait_for(aw: Awaitable[_T], timeout: float | None) -> _T:
     that arrives in the same loop iteration as ``aw``'s result (CPython
     gh-86296) and returns the result instead, so a task cancelled while a
     message lands keeps running (an A2A stream reader did, and its request
-    hung). 3.12 rebuilt ``wait_for`` on :func:`asyncio.timeout`; this is that.
-    A coroutine runs in the calling task, not in a task of its own.
+    hung). Why not plain :func:`asyncio.timeout` around ``aw`` either: ``aw``
+    would run in the caller's task, and code that swallows a cancellation
+    (nats-py's ``_flush_pending`` does) would then swallow the caller's own.
+    So ``aw`` runs as a task of its own, awaited through a shield: the
+    caller's cancellation (or the timeout) always reaches the caller, and
+    ``aw`` is then cancelled and waited for (:func:`cancel_and_wait`), so it
+    is not running when this returns, as with ``asyncio.wait_for``. A result
+    that lands as the time runs out is returned, not dropped; one that lands
+    as the caller is cancelled is dropped with the caller.
     """
-    if timeout is None:
-        return await aw
-    async with asyncio.timeout(timeout):
-        return await aw
+    inner = asyncio.ensure_future(aw)
+    try:
+        if timeout is None:
+            return await asyncio.shield(inner)
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(inner)
+    except TimeoutError:
+        if inner.done() and not inner.cancelled() and inner.exception() is None:
+            return inner.result()  # it finished as the time ran out: the result is not lost
+        await cancel_and_wait(inner)
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the timeout is what the caller gets
+        raise
+    except BaseException:
+        if not inner.done():
+            await cancel_and_wait(inner)
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the caller's exception is the one that counts
+        raise
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any], again_after: float = 1.0) -> None:

@@ -123,7 +123,8 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
         return bool(b.status()["mesh"]["connected"] and b.call(echo, "echo", "awake")["status"] == "completed")
 
     # Generous: a re-exec and renewal on a loaded machine.
-    healed = eventually(awake, timeout=90, interval=0.5, retry_on=(Exception,), what="B healed and serving")
+    healed = eventually(awake, timeout=90, interval=0.5, retry_on=(Exception,), what="B healed and serving",
+                        detail=lambda: b.log_tail(40))
     assert healed, b.log_tail(30)
     assert b.process.pid == pid and b.process.poll() is None
 

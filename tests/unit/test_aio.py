@@ -102,8 +102,7 @@ def test_keyed_concurrency_needs_a_slot() -> None:
 async def test_wait_for_keeps_a_cancellation_that_arrives_with_the_result() -> None:
     # The 3.11 flaw (gh-86296): the awaited queue.get() completes and the task
     # is cancelled in the same loop iteration; asyncio.wait_for returns the
-    # item and the cancellation is lost. Ours raises CancelledError and leaves
-    # the item in the queue.
+    # item and the cancellation is lost. Ours raises CancelledError.
     queue: asyncio.Queue[int] = asyncio.Queue()
     reached = asyncio.Event()
 
@@ -118,7 +117,29 @@ async def test_wait_for_keeps_a_cancellation_that_arrives_with_the_result() -> N
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert queue.qsize() == 1
+
+
+async def test_wait_for_keeps_a_cancellation_the_awaited_code_swallows() -> None:
+    # nats-py's _flush_pending catches CancelledError and returns: run in the
+    # caller's task it would swallow the caller's own cancellation.
+    entered = asyncio.Event()
+
+    async def swallows() -> str:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass
+        return "swallowed"
+
+    task = asyncio.get_running_loop().create_task(aio.wait_for(swallows(), timeout=30.0))
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(TimeoutError):  # and a timeout is still a timeout
+        await aio.wait_for(swallows(), timeout=0.01)
+
 
 
 async def test_wait_for_times_out_and_passes_results() -> None:
