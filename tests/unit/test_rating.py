@@ -88,7 +88,7 @@ def shop(tmp_path: Path) -> tuple[Node, HostedAgent, HostedAgent, AgreementGate,
 def _request(buyer: HostedAgent, rid: str, ceiling: int | None = None) -> dict[str, Any]:
     env: dict[str, Any] = {"from": buyer.agent_id, "id": rid}
     if ceiling is not None:
-        env["budget"] = {"cost_ceiling": {"amount_micro": ceiling, "currency": "USD"}}
+        env["budget"] = {"revision": 1, "cost_ceiling": {"amount_micro": ceiling, "currency": "USD"}}
     return env
 
 
