@@ -111,8 +111,7 @@ async def test_wait_for_keeps_a_cancellation_that_arrives_with_the_result() -> N
         return await aio.wait_for(queue.get(), timeout=30.0)
 
     task = asyncio.get_running_loop().create_task(reader())
-    await reached.wait()
-    await asyncio.sleep(0)  # the reader now waits inside queue.get()
+    await reached.wait()  # the reader is inside aio.wait_for(queue.get()) or about to be
     queue.put_nowait(1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -143,8 +142,11 @@ async def test_wait_for_keeps_a_cancellation_the_awaited_code_swallows() -> None
 
 
 async def test_wait_for_times_out_and_passes_results() -> None:
-    assert await aio.wait_for(asyncio.sleep(0, result=7), timeout=5.0) == 7
-    assert await aio.wait_for(asyncio.sleep(0, result=8), timeout=None) == 8
+    async def value(v: int) -> int:
+        return v
+
+    assert await aio.wait_for(value(7), timeout=5.0) == 7
+    assert await aio.wait_for(value(8), timeout=None) == 8
     with pytest.raises(TimeoutError):
         await aio.wait_for(asyncio.Event().wait(), timeout=0.01)
 
@@ -163,8 +165,10 @@ async def test_cancel_and_wait_repeats_a_cancellation_the_task_lost() -> None:
     # in a library does when the awaited reply lands at the same moment) ends
     # at the second one instead of hanging its canceller.
     swallowed = asyncio.Event()
+    started = asyncio.Event()
 
     async def loses_one() -> None:
+        started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -172,6 +176,6 @@ async def test_cancel_and_wait_repeats_a_cancellation_the_task_lost() -> None:
         await asyncio.Event().wait()  # a reader that goes on reading
 
     task = asyncio.get_running_loop().create_task(loses_one())
-    await asyncio.sleep(0)
+    await started.wait()
     await aio.wait_for(aio.cancel_and_wait(task, again_after=0.05), timeout=30.0)
     assert swallowed.is_set() and task.cancelled()

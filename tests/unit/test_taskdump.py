@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from meshnode.daemon.taskdump import dump_tasks
+from meshnode.testing import eventually_async
 
 
 async def _chunks(gate: asyncio.Event) -> AsyncIterator[int]:
@@ -16,15 +17,17 @@ async def _chunks(gate: asyncio.Event) -> AsyncIterator[int]:
     yield 1
 
 
-async def _read_chunks(gate: asyncio.Event) -> None:
+async def _read_chunks(gate: asyncio.Event, started: list[int]) -> None:
+    started.append(1)
     async for _ in _chunks(gate):
         pass
 
 
 async def test_the_dump_follows_the_await_chain_into_async_generators(caplog: pytest.LogCaptureFixture) -> None:
     gate = asyncio.Event()
-    readers = [asyncio.get_running_loop().create_task(_read_chunks(gate)) for _ in range(3)]
-    await asyncio.sleep(0)
+    started: list[int] = []
+    readers = [asyncio.get_running_loop().create_task(_read_chunks(gate, started)) for _ in range(3)]
+    await eventually_async(lambda: len(started) == 3, what="the readers waiting")
     with caplog.at_level(logging.WARNING, logger="meshnode.daemon.tasks"):
         assert dump_tasks() >= 3
     text = caplog.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 
 
@@ -104,5 +105,4 @@ async def test_a_cancelled_request_raises_even_where_the_client_swallows_it() ->
     except asyncio.CancelledError:
         pass
     assert caller.cancelled()
-    await asyncio.sleep(0)
-    assert client.swallowed  # the orphaned request was cancelled too
+    await eventually_async(lambda: client.swallowed, what="the orphaned request cancelled too")

@@ -73,10 +73,6 @@ __all__ = ["RELAUNCH", "Daemon", "credential_profile", "relaunch_process", "run_
 
 log = logging.getLogger("meshnode.daemon")
 
-async def _dump_tasks_soon() -> None:
-    dump_tasks()
-
-
 #: What a joined node's platform start retries: the states of a cluster that is
 #: still electing stream leaders (timeouts, 503s, nobody answering yet).
 _TRANSIENT_BROKER_ERRORS = (TimeoutError, TransportTimeout, Unavailable, NoResponders, NotConnected)
@@ -591,7 +587,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         # What every task awaits, for a daemon stuck where no thread stack shows it.
-        loop.add_signal_handler(signal.SIGUSR1, lambda: self._signal_tasks.spawn(_dump_tasks_soon(), name="task-dump"))
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
 
     def _on_sighup(self) -> None:
         # Signal handlers only set things in motion; the reload runs as a task.
