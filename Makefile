@@ -6,6 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# Test processes: the suite mostly waits on daemons, so two workers halve its
+# time even on two cores; TEST_WORKERS=0 runs it in this process, one test at a
+# time. Whole files go to one worker (their module-scoped clusters are shared).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: run test test-fast lint bench conformance clean
 
 $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
@@ -22,7 +28,7 @@ run: $(STAMP)
 # reported on the last line, and the recipe fails if either failed.
 define pytest_and_conformance
 	@pytest_rc=0; conformance_rc=0; \
-	$(BIN)/python -m pytest -q $(1) || pytest_rc=$$?; \
+	$(BIN)/python -m pytest -q $(XDIST) $(1) || pytest_rc=$$?; \
 	$(BIN)/python -m conformance || conformance_rc=$$?; \
 	outcome() { if [ "$$1" -eq 0 ]; then echo passed; else echo "FAILED (exit $$1)"; fi; }; \
 	echo "$@: pytest $$(outcome $$pytest_rc), conformance $$(outcome $$conformance_rc)"; \

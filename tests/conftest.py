@@ -1,4 +1,5 @@
-"""Shared test helpers: where the published fixtures live, and a per-test watchdog."""
+"""Shared test helpers: where the published fixtures live, a short temporary
+directory, and a per-test watchdog."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import faulthandler
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,21 @@ def load_fixture(name: str) -> dict[str, Any]:
         pytest.skip(f"fixture {name} not found under {fixtures_dir()} (set MESHNODE_FIXTURES)")
     data: dict[str, Any] = json.loads(path.read_bytes())
     return data
+
+
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A fresh directory with a short path, removed afterwards.
+
+    For tests whose paths end in a Unix socket (at most ~100 bytes): pytest's
+    ``tmp_path`` is long already and longer still under pytest-xdist
+    (``.../pytest-N/popen-gwK/<test name>``), which would fail the
+    configuration's socket-length check rather than what the test checks."""
+    path = Path(tempfile.mkdtemp(prefix="mn-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _dump_asyncio_tasks(limit: int = 40) -> None:

@@ -29,24 +29,25 @@ from meshnode.config import (
 USER = 1000
 
 
-def user_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """A desktop-user environment rooted in tmp_path, with nothing systemd-ish."""
-    return {"HOME": str(tmp_path / "home"), **extra}
+def user_env(short_tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A desktop-user environment rooted in a short temporary path (the default
+    admin socket goes under HOME, and socket paths are limited), nothing systemd-ish."""
+    return {"HOME": str(short_tmp_path / "home"), **extra}
 
 
-def write(tmp_path: Path, text: str, name: str = "meshnode.toml") -> Path:
-    path = tmp_path / name
+def write(short_tmp_path: Path, text: str, name: str = "meshnode.toml") -> Path:
+    path = short_tmp_path / name
     path.write_text(text, encoding="utf-8")
     return path
 
 
-def load_text(tmp_path: Path, text: str, **env: str) -> Config:
-    return load_config(str(write(tmp_path, text)), env=user_env(tmp_path, **env), euid=USER)
+def load_text(short_tmp_path: Path, text: str, **env: str) -> Config:
+    return load_config(str(write(short_tmp_path, text)), env=user_env(short_tmp_path, **env), euid=USER)
 
 
-def problems_of(tmp_path: Path, text: str, **env: str) -> list[str]:
+def problems_of(short_tmp_path: Path, text: str, **env: str) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_text(tmp_path, text, **env)
+        load_text(short_tmp_path, text, **env)
     return str(info.value).splitlines()
 
 
@@ -57,9 +58,9 @@ def test_ex_config_is_sysexits_value() -> None:
     assert EX_CONFIG == 78
 
 
-def test_defaults_without_a_file(tmp_path: Path) -> None:
-    config = load_config(env=user_env(tmp_path), euid=USER)
-    home = tmp_path / "home"
+def test_defaults_without_a_file(short_tmp_path: Path) -> None:
+    config = load_config(env=user_env(short_tmp_path), euid=USER)
+    home = short_tmp_path / "home"
     assert config.source_file is None
     assert config.node.name == socket.gethostname()
     assert config.node.data_dir == home / ".local/share/meshnode"
@@ -105,59 +106,59 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert config.agents == {}
 
 
-def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
-    config = load_text(tmp_path, "")
-    assert config.source_file == tmp_path / "meshnode.toml"
-    assert config.to_toml_dict() == load_config(env=user_env(tmp_path), euid=USER).to_toml_dict()
+def test_empty_file_is_all_defaults(short_tmp_path: Path) -> None:
+    config = load_text(short_tmp_path, "")
+    assert config.source_file == short_tmp_path / "meshnode.toml"
+    assert config.to_toml_dict() == load_config(env=user_env(short_tmp_path), euid=USER).to_toml_dict()
 
 
-def test_user_defaults_follow_xdg(tmp_path: Path) -> None:
+def test_user_defaults_follow_xdg(short_tmp_path: Path) -> None:
     env = user_env(
-        tmp_path,
-        XDG_CONFIG_HOME=str(tmp_path / "cfg"),
-        XDG_DATA_HOME=str(tmp_path / "data"),
-        XDG_RUNTIME_DIR=str(tmp_path / "run"),
+        short_tmp_path,
+        XDG_CONFIG_HOME=str(short_tmp_path / "cfg"),
+        XDG_DATA_HOME=str(short_tmp_path / "data"),
+        XDG_RUNTIME_DIR=str(short_tmp_path / "run"),
     )
     assert resolve_config_path(env=env, euid=USER) == (
-        tmp_path / "cfg/meshnode/meshnode.toml",
+        short_tmp_path / "cfg/meshnode/meshnode.toml",
         "default location",
         False,
     )
     config = load_config(env=env, euid=USER)
-    assert config.node.data_dir == tmp_path / "data/meshnode"
-    assert config.admin.socket == tmp_path / "run/meshnode/admin.sock"
+    assert config.node.data_dir == short_tmp_path / "data/meshnode"
+    assert config.admin.socket == short_tmp_path / "run/meshnode/admin.sock"
 
 
-def test_relative_xdg_values_are_ignored(tmp_path: Path) -> None:
-    config = load_config(env=user_env(tmp_path, XDG_DATA_HOME="rel/data"), euid=USER)
-    assert config.node.data_dir == tmp_path / "home/.local/share/meshnode"
+def test_relative_xdg_values_are_ignored(short_tmp_path: Path) -> None:
+    config = load_config(env=user_env(short_tmp_path, XDG_DATA_HOME="rel/data"), euid=USER)
+    assert config.node.data_dir == short_tmp_path / "home/.local/share/meshnode"
 
 
-def test_systemd_system_service_defaults(tmp_path: Path) -> None:
+def test_systemd_system_service_defaults(short_tmp_path: Path) -> None:
     env = {
         "INVOCATION_ID": "abc",
-        "STATE_DIRECTORY": str(tmp_path / "state") + ":/var/lib/other",
-        "RUNTIME_DIRECTORY": str(tmp_path / "rt"),
+        "STATE_DIRECTORY": str(short_tmp_path / "state") + ":/var/lib/other",
+        "RUNTIME_DIRECTORY": str(short_tmp_path / "rt"),
     }
     assert is_system_service(env, euid=999)
     path, _, explicit = resolve_config_path(env=env, euid=999)
     assert path == Path("/etc/meshnode/meshnode.toml")
     assert not explicit
     config = load_config(env=env, euid=999)
-    assert config.node.data_dir == tmp_path / "state"
-    assert config.admin.socket == tmp_path / "rt/admin.sock"
+    assert config.node.data_dir == short_tmp_path / "state"
+    assert config.admin.socket == short_tmp_path / "rt/admin.sock"
 
 
-def test_configuration_directory_wins_for_the_default_path(tmp_path: Path) -> None:
-    env = {"INVOCATION_ID": "x", "CONFIGURATION_DIRECTORY": str(tmp_path / "etc")}
-    (tmp_path / "etc").mkdir()
-    write(tmp_path, "", name="etc/meshnode.toml")
+def test_configuration_directory_wins_for_the_default_path(short_tmp_path: Path) -> None:
+    env = {"INVOCATION_ID": "x", "CONFIGURATION_DIRECTORY": str(short_tmp_path / "etc")}
+    (short_tmp_path / "etc").mkdir()
+    write(short_tmp_path, "", name="etc/meshnode.toml")
     path, origin, explicit = resolve_config_path(env=env, euid=999)
-    assert (path, origin, explicit) == (tmp_path / "etc/meshnode.toml", "default location", False)
+    assert (path, origin, explicit) == (short_tmp_path / "etc/meshnode.toml", "default location", False)
     assert load_config(env=env, euid=999).source_file == path
 
 
-def test_root_without_systemd(tmp_path: Path) -> None:
+def test_root_without_systemd(short_tmp_path: Path) -> None:
     env = {"HOME": "/root"}
     assert is_system_service(env, euid=0)
     assert resolve_config_path(env=env, euid=0)[0] == Path("/etc/meshnode/meshnode.toml")
@@ -166,7 +167,7 @@ def test_root_without_systemd(tmp_path: Path) -> None:
     assert config.admin.socket == Path("/var/lib/meshnode/admin.sock")
 
 
-def test_user_service_is_not_a_system_service(tmp_path: Path) -> None:
+def test_user_service_is_not_a_system_service(short_tmp_path: Path) -> None:
     env = {"INVOCATION_ID": "x", "XDG_RUNTIME_DIR": "/run/user/1000", "HOME": "/home/u"}
     assert not is_system_service(env, euid=USER)
     assert resolve_config_path(env=env, euid=USER)[0] == Path(
@@ -237,8 +238,8 @@ limits = { per_minute = 5 }
 """
 
 
-def test_every_documented_key(tmp_path: Path) -> None:
-    c = load_text(tmp_path, FULL)
+def test_every_documented_key(short_tmp_path: Path) -> None:
+    c = load_text(short_tmp_path, FULL)
     assert c.node.name == "laptop"
     assert c.node.data_dir == Path("/srv/mesh")
     assert c.node.availability_class == "always_on"
@@ -278,8 +279,8 @@ def test_every_documented_key(tmp_path: Path) -> None:
     assert bot.settings == {"model": "small", "limits": {"per_minute": 5}}
 
 
-def test_to_toml_dict_round_trips(tmp_path: Path) -> None:
-    c = load_text(tmp_path, FULL)
+def test_to_toml_dict_round_trips(short_tmp_path: Path) -> None:
+    c = load_text(short_tmp_path, FULL)
     data = c.to_toml_dict()
     assert data["node"]["vouch_ttl"] == "3d"
     assert data["inbox"]["buffer_max_bytes"] == "1MiB"
@@ -337,10 +338,10 @@ def test_editor_schema_uses_config_spelling() -> None:
 # ---------------------------------------------------------------- errors
 
 
-def test_unknown_key_names_file_and_key(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "[node]\nnmae = 'x'\n")
+def test_unknown_key_names_file_and_key(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "[node]\nnmae = 'x'\n")
     assert len(lines) == 1
-    file = str(tmp_path / "meshnode.toml")
+    file = str(short_tmp_path / "meshnode.toml")
     assert lines[0].startswith(f"{file}: node.nmae: unknown key")
     assert "name" in lines[0]
 
@@ -354,14 +355,14 @@ def test_unknown_key_names_file_and_key(tmp_path: Path) -> None:
         ("[admin]\nperms = '0600'\n", "admin.perms"),
     ],
 )
-def test_unknown_keys_everywhere_are_rejected(tmp_path: Path, text: str, key: str) -> None:
-    lines = problems_of(tmp_path, text)
+def test_unknown_keys_everywhere_are_rejected(short_tmp_path: Path, text: str, key: str) -> None:
+    lines = problems_of(short_tmp_path, text)
     assert [line.split(": ")[1] for line in lines] == [key]
     assert "unknown key" in lines[0]
 
 
-def test_plugin_keys_are_not_rejected(tmp_path: Path) -> None:
-    config = load_text(tmp_path, "[agents.echo]\nanything = 1\nnested = { a = 2 }\n")
+def test_plugin_keys_are_not_rejected(short_tmp_path: Path) -> None:
+    config = load_text(short_tmp_path, "[agents.echo]\nanything = 1\nnested = { a = 2 }\n")
     assert config.agents["echo"].settings == {"anything": 1, "nested": {"a": 2}}
 
 
@@ -411,21 +412,21 @@ def test_plugin_keys_are_not_rejected(tmp_path: Path) -> None:
         ("[agents]\necho = 5\n", "agents.echo", "table"),
     ],
 )
-def test_bad_values_are_named_precisely(tmp_path: Path, text: str, key: str, expected: str) -> None:
-    lines = problems_of(tmp_path, text)
+def test_bad_values_are_named_precisely(short_tmp_path: Path, text: str, key: str, expected: str) -> None:
+    lines = problems_of(short_tmp_path, text)
     assert len(lines) == 1, lines
     file, got_key, message = lines[0].split(": ", 2)
-    assert file == str(tmp_path / "meshnode.toml")
+    assert file == str(short_tmp_path / "meshnode.toml")
     assert got_key == key
     assert expected in message
 
 
-def test_each_problem_is_one_line_with_structured_fields(tmp_path: Path) -> None:
+def test_each_problem_is_one_line_with_structured_fields(short_tmp_path: Path) -> None:
     text = "[node]\nbogus = 1\n[protections]\nlive_max_age = 'x'\n[inbox]\nbuffer_max_bytes = 'y'\n"
     with pytest.raises(ConfigError) as info:
-        load_text(tmp_path, text)
+        load_text(short_tmp_path, text)
     err = info.value
-    assert err.path == tmp_path / "meshnode.toml"
+    assert err.path == short_tmp_path / "meshnode.toml"
     assert [p.key for p in err.problems] == [
         "node.bogus",
         "protections.live_max_age",
@@ -434,64 +435,64 @@ def test_each_problem_is_one_line_with_structured_fields(tmp_path: Path) -> None
     assert str(err).count("\n") == 2
 
 
-def test_toml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "[node]\nname = \n")
+def test_toml_syntax_error_names_line_and_column(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "[node]\nname = \n")
     assert len(lines) == 1
-    assert lines[0].startswith(str(tmp_path / "meshnode.toml") + ": TOML syntax error")
+    assert lines[0].startswith(str(short_tmp_path / "meshnode.toml") + ": TOML syntax error")
     assert "line 2" in lines[0]
     assert "column" in lines[0]
 
 
-def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
-    path = tmp_path / "meshnode.toml"
+def test_non_utf8_file_is_a_config_error(short_tmp_path: Path) -> None:
+    path = short_tmp_path / "meshnode.toml"
     path.write_bytes(b"[node]\nname = '\xff'\n")
     with pytest.raises(ConfigError, match="UTF-8"):
-        load_config(str(path), env=user_env(tmp_path), euid=USER)
+        load_config(str(path), env=user_env(short_tmp_path), euid=USER)
 
 
-def test_directory_as_config_is_a_config_error(tmp_path: Path) -> None:
+def test_directory_as_config_is_a_config_error(short_tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a regular file"):
-        load_config(str(tmp_path), env=user_env(tmp_path), euid=USER)
+        load_config(str(short_tmp_path), env=user_env(short_tmp_path), euid=USER)
 
 
-def test_bad_agent_names(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, '[agents.Echo]\n[agents."has space"]\n[agents.ok]\n')
+def test_bad_agent_names(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, '[agents.Echo]\n[agents."has space"]\n[agents.ok]\n')
     assert [line.split(": ")[1] for line in lines] == ["agents.Echo", 'agents."has space"']
     assert all("[a-z0-9][a-z0-9_-]{0,63}" in line for line in lines)
 
 
-def test_agent_name_length_limit(tmp_path: Path) -> None:
-    assert load_text(tmp_path, f"[agents.{'a' * 64}]\n").agents
-    assert problems_of(tmp_path, f"[agents.{'a' * 65}]\n")
+def test_agent_name_length_limit(short_tmp_path: Path) -> None:
+    assert load_text(short_tmp_path, f"[agents.{'a' * 64}]\n").agents
+    assert problems_of(short_tmp_path, f"[agents.{'a' * 65}]\n")
 
 
 # ---------------------------------------------------------------- cross-field checks
 
 
-def test_mailbox_window_must_not_exceed_buffer_age(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "[protections]\nmailbox_max_age = '8d'\n")
+def test_mailbox_window_must_not_exceed_buffer_age(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "[protections]\nmailbox_max_age = '8d'\n")
     assert len(lines) == 1
     assert ": protections.mailbox_max_age: must not exceed inbox.buffer_max_age (7d)" in lines[0]
     config = load_text(
-        tmp_path, "[protections]\nmailbox_max_age = '8d'\n[inbox]\nbuffer_max_age = '8d'\n"
+        short_tmp_path, "[protections]\nmailbox_max_age = '8d'\n[inbox]\nbuffer_max_age = '8d'\n"
     )
     assert config.protections.mailbox_max_age == timedelta(days=8)
 
 
-def test_embedded_ports_must_differ(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "[mesh.embedded]\nport = 5000\ncontrol_port = 5000\n")
+def test_embedded_ports_must_differ(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "[mesh.embedded]\nport = 5000\ncontrol_port = 5000\n")
     assert ": mesh.embedded.control_port: must differ" in lines[0]
-    assert load_text(tmp_path, "[mesh.embedded]\nport = 0\ncontrol_port = 0\n")
+    assert load_text(short_tmp_path, "[mesh.embedded]\nport = 0\ncontrol_port = 0\n")
 
 
-def test_group_without_group_access_is_contradictory(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "[admin]\ngroup = 'ops'\nmode = '0600'\n")
+def test_group_without_group_access_is_contradictory(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "[admin]\ngroup = 'ops'\nmode = '0600'\n")
     assert ": admin.mode: 0600 gives admin.group 'ops' no access" in lines[0]
 
 
-def test_admin_mode_accepts_toml_octal_and_group_defaults(tmp_path: Path) -> None:
-    assert load_text(tmp_path, "[admin]\nmode = 0o660\n").admin.mode == 0o660
-    grouped = load_text(tmp_path, "[admin]\ngroup = 'ops'\n").admin
+def test_admin_mode_accepts_toml_octal_and_group_defaults(short_tmp_path: Path) -> None:
+    assert load_text(short_tmp_path, "[admin]\nmode = 0o660\n").admin.mode == 0o660
+    grouped = load_text(short_tmp_path, "[admin]\ngroup = 'ops'\n").admin
     assert grouped.mode is None
     assert grouped.effective_mode == 0o660
 
@@ -499,60 +500,60 @@ def test_admin_mode_accepts_toml_octal_and_group_defaults(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- UDS path length
 
 
-def test_explicit_socket_path_too_long(tmp_path: Path) -> None:
+def test_explicit_socket_path_too_long(short_tmp_path: Path) -> None:
     long_path = "/run/" + "x" * (UDS_PATH_MAX - len("/run/") - len(".sock") + 1) + ".sock"
     assert len(long_path) == UDS_PATH_MAX + 1
-    lines = problems_of(tmp_path, f"[admin]\nsocket = '{long_path}'\n")
+    lines = problems_of(short_tmp_path, f"[admin]\nsocket = '{long_path}'\n")
     assert len(lines) == 1
     assert f": admin.socket: the path '{long_path}' is {UDS_PATH_MAX + 1} bytes" in lines[0]
     assert "shorter path" in lines[0]
 
 
-def test_socket_path_at_the_limit_is_accepted(tmp_path: Path) -> None:
+def test_socket_path_at_the_limit_is_accepted(short_tmp_path: Path) -> None:
     exact = "/run/" + "x" * (UDS_PATH_MAX - len("/run/") - len(".sock")) + ".sock"
     assert len(exact) == UDS_PATH_MAX
-    assert str(load_text(tmp_path, f"[admin]\nsocket = '{exact}'\n").admin.socket) == exact
+    assert str(load_text(short_tmp_path, f"[admin]\nsocket = '{exact}'\n").admin.socket) == exact
 
 
-def test_derived_socket_path_too_long_says_so(tmp_path: Path) -> None:
+def test_derived_socket_path_too_long_says_so(short_tmp_path: Path) -> None:
     deep = "/srv/" + "d" * 120
-    lines = problems_of(tmp_path, f"[node]\ndata_dir = '{deep}'\n")
+    lines = problems_of(short_tmp_path, f"[node]\ndata_dir = '{deep}'\n")
     assert len(lines) == 1
     assert ": admin.socket: the default path " in lines[0]
     assert "set [admin] socket" in lines[0]
     # An explicit short socket makes the same data_dir fine.
-    config = load_text(tmp_path, f"[node]\ndata_dir = '{deep}'\n[admin]\nsocket = '/run/m.sock'\n")
+    config = load_text(short_tmp_path, f"[node]\ndata_dir = '{deep}'\n[admin]\nsocket = '/run/m.sock'\n")
     assert config.admin.socket == Path("/run/m.sock")
 
 
 # ---------------------------------------------------------------- file selection and env
 
 
-def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
-    missing = tmp_path / "nope.toml"
+def test_explicit_missing_file_is_an_error(short_tmp_path: Path) -> None:
+    missing = short_tmp_path / "nope.toml"
     with pytest.raises(ConfigError) as info:
-        load_config(str(missing), env=user_env(tmp_path), euid=USER)
+        load_config(str(missing), env=user_env(short_tmp_path), euid=USER)
     assert str(info.value) == f"{missing}: config file not found (named by --config)"
 
 
-def test_missing_file_named_by_env_is_an_error(tmp_path: Path) -> None:
-    missing = tmp_path / "nope.toml"
-    env = user_env(tmp_path, MESHNODE_CONFIG=str(missing))
+def test_missing_file_named_by_env_is_an_error(short_tmp_path: Path) -> None:
+    missing = short_tmp_path / "nope.toml"
+    env = user_env(short_tmp_path, MESHNODE_CONFIG=str(missing))
     with pytest.raises(ConfigError, match=r"named by \$MESHNODE_CONFIG"):
         load_config(env=env, euid=USER)
 
 
-def test_config_argument_beats_env(tmp_path: Path) -> None:
-    a = write(tmp_path, "[node]\nname = 'from-arg'\n", "a.toml")
-    b = write(tmp_path, "[node]\nname = 'from-env'\n", "b.toml")
-    env = user_env(tmp_path, MESHNODE_CONFIG=str(b))
+def test_config_argument_beats_env(short_tmp_path: Path) -> None:
+    a = write(short_tmp_path, "[node]\nname = 'from-arg'\n", "a.toml")
+    b = write(short_tmp_path, "[node]\nname = 'from-env'\n", "b.toml")
+    env = user_env(short_tmp_path, MESHNODE_CONFIG=str(b))
     assert load_config(str(a), env=env, euid=USER).node.name == "from-arg"
     assert load_config(env=env, euid=USER).node.name == "from-env"
 
 
-def test_default_location_file_is_read(tmp_path: Path) -> None:
-    env = user_env(tmp_path)
-    target = tmp_path / "home/.config/meshnode/meshnode.toml"
+def test_default_location_file_is_read(short_tmp_path: Path) -> None:
+    env = user_env(short_tmp_path)
+    target = short_tmp_path / "home/.config/meshnode/meshnode.toml"
     target.parent.mkdir(parents=True)
     target.write_text("[node]\nname = 'dflt'\n")
     config = load_config(env=env, euid=USER)
@@ -560,97 +561,97 @@ def test_default_location_file_is_read(tmp_path: Path) -> None:
     assert config.source_file == target
 
 
-def test_data_dir_env_overrides_file(tmp_path: Path) -> None:
+def test_data_dir_env_overrides_file(short_tmp_path: Path) -> None:
     config = load_text(
-        tmp_path, "[node]\ndata_dir = '/srv/from-file'\n", MESHNODE_DATA_DIR="/srv/from-env"
+        short_tmp_path, "[node]\ndata_dir = '/srv/from-file'\n", MESHNODE_DATA_DIR="/srv/from-env"
     )
     assert config.node.data_dir == Path("/srv/from-env")
     assert config.admin.socket == Path("/srv/from-env/admin.sock")
 
 
 def test_data_dir_env_overrides_defaults_and_relative_means_cwd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    config = load_config(env=user_env(tmp_path, MESHNODE_DATA_DIR="rel/data"), euid=USER)
-    assert config.node.data_dir == tmp_path / "rel/data"
+    monkeypatch.chdir(short_tmp_path)
+    config = load_config(env=user_env(short_tmp_path, MESHNODE_DATA_DIR="rel/data"), euid=USER)
+    assert config.node.data_dir == short_tmp_path / "rel/data"
 
 
-def test_bad_data_dir_from_env_says_so(tmp_path: Path) -> None:
-    lines = problems_of(tmp_path, "", MESHNODE_DATA_DIR="/" + "d" * 200)
+def test_bad_data_dir_from_env_says_so(short_tmp_path: Path) -> None:
+    lines = problems_of(short_tmp_path, "", MESHNODE_DATA_DIR="/" + "d" * 200)
     assert any("admin.socket" in line for line in lines)
-    lines = problems_of(tmp_path, "[node]\ndata_dir = 5\n")
+    lines = problems_of(short_tmp_path, "[node]\ndata_dir = 5\n")
     assert ": node.data_dir: expected a directory path" in lines[0]
 
 
-def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
-    sub = tmp_path / "etc"
+def test_relative_paths_resolve_against_the_config_file(short_tmp_path: Path) -> None:
+    sub = short_tmp_path / "etc"
     sub.mkdir()
     path = write(sub, "[node]\ndata_dir = 'state'\n[mesh]\ncredentials = '../creds/node.creds'\n")
-    config = load_config(str(path), env=user_env(tmp_path), euid=USER)
+    config = load_config(str(path), env=user_env(short_tmp_path), euid=USER)
     assert config.node.data_dir == sub / "state"
-    assert config.mesh.credentials == tmp_path / "creds/node.creds"
+    assert config.mesh.credentials == short_tmp_path / "creds/node.creds"
 
 
-def test_tilde_expands_with_the_given_home(tmp_path: Path) -> None:
-    config = load_text(tmp_path, "[node]\ndata_dir = '~/mesh'\n")
-    assert config.node.data_dir == tmp_path / "home/mesh"
+def test_tilde_expands_with_the_given_home(short_tmp_path: Path) -> None:
+    config = load_text(short_tmp_path, "[node]\ndata_dir = '~/mesh'\n")
+    assert config.node.data_dir == short_tmp_path / "home/mesh"
 
 
-def test_stock_env_variables_do_not_leak_in(tmp_path: Path) -> None:
+def test_stock_env_variables_do_not_leak_in(short_tmp_path: Path) -> None:
     # pydantic-settings' default env source would read NODE/LOGGING as whole tables.
-    config = load_config(env=user_env(tmp_path, NODE='{"name": "x"}', LOGGING="x"), euid=USER)
+    config = load_config(env=user_env(short_tmp_path, NODE='{"name": "x"}', LOGGING="x"), euid=USER)
     assert config.node.name == socket.gethostname()
     assert config.logging.level == "info"
 
 
-def test_empty_strings_mean_unset(tmp_path: Path) -> None:
+def test_empty_strings_mean_unset(short_tmp_path: Path) -> None:
     text = (
         "[node]\navailability_class = ''\nvouch_ttl = ''\n"
         "[mesh]\ncredentials = ''\ncontrol_plane = ''\n"
         "[admin]\nsocket = ''\ngroup = ''\nmode = ''\n"
         "[agents.echo]\ninteraction = ''\n"
     )
-    c = load_text(tmp_path, text)
+    c = load_text(short_tmp_path, text)
     assert c.node.availability_class is None
     assert c.node.vouch_ttl is None
     assert c.mesh.credentials is None
     assert c.mesh.control_plane is None
-    assert c.admin.socket == tmp_path / "home/.local/share/meshnode/admin.sock"
+    assert c.admin.socket == short_tmp_path / "home/.local/share/meshnode/admin.sock"
     assert (c.admin.group, c.admin.mode) == (None, None)
     assert c.agents["echo"].interaction is None
 
 
-def test_describe_sources(tmp_path: Path) -> None:
-    env = user_env(tmp_path, MESHNODE_DATA_DIR="/srv/env", XDG_RUNTIME_DIR="/run/user/1000")
+def test_describe_sources(short_tmp_path: Path) -> None:
+    env = user_env(short_tmp_path, MESHNODE_DATA_DIR="/srv/env", XDG_RUNTIME_DIR="/run/user/1000")
     lines = describe_sources(env=env, euid=USER)
-    home = tmp_path / "home"
+    home = short_tmp_path / "home"
     assert lines == [
         f"config file: {home}/.config/meshnode/meshnode.toml "
         "(default location; not present, built-in defaults)",
         "node.data_dir: /srv/env (from $MESHNODE_DATA_DIR)",
         "admin.socket: /run/user/1000/meshnode/admin.sock (default: $XDG_RUNTIME_DIR)",
     ]
-    path = write(tmp_path, "[admin]\nsocket = '/run/x.sock'\n")
-    lines = describe_sources(str(path), env=user_env(tmp_path), euid=USER)
+    path = write(short_tmp_path, "[admin]\nsocket = '/run/x.sock'\n")
+    lines = describe_sources(str(path), env=user_env(short_tmp_path), euid=USER)
     assert lines[0] == f"config file: {path} (from --config)"
     assert lines[1].endswith("(default: XDG data home)")
     assert lines[2] == "admin.socket: /run/x.sock (from the config file)"
-    assert "MISSING" in describe_sources(str(tmp_path / "no.toml"), env={}, euid=USER)[0]
+    assert "MISSING" in describe_sources(str(short_tmp_path / "no.toml"), env={}, euid=USER)[0]
 
 
-def test_describe_sources_survives_a_broken_file(tmp_path: Path) -> None:
-    path = write(tmp_path, "[node\n")
-    lines = describe_sources(str(path), env=user_env(tmp_path), euid=USER)
+def test_describe_sources_survives_a_broken_file(short_tmp_path: Path) -> None:
+    path = write(short_tmp_path, "[node\n")
+    lines = describe_sources(str(path), env=user_env(short_tmp_path), euid=USER)
     assert lines[0] == f"config file: {path} (from --config)"
     assert len(lines) == 3
 
 
 def test_config_built_directly_uses_the_process_environment(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, short_tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("MESHNODE_DATA_DIR", str(tmp_path / "direct"))
-    assert Config().node.data_dir == tmp_path / "direct"
+    monkeypatch.setenv("MESHNODE_DATA_DIR", str(short_tmp_path / "direct"))
+    assert Config().node.data_dir == short_tmp_path / "direct"
 
 
 # ---------------------------------------------------------------- durations and sizes
@@ -716,26 +717,26 @@ def test_format_round_trips() -> None:
     assert format_size(3 * 1024**3) == "3GiB"
 
 
-def test_process_environment_is_untouched(tmp_path: Path) -> None:
+def test_process_environment_is_untouched(short_tmp_path: Path) -> None:
     before = dict(os.environ)
-    load_config(env=user_env(tmp_path, MESHNODE_DATA_DIR="/srv/x"), euid=USER)
+    load_config(env=user_env(short_tmp_path, MESHNODE_DATA_DIR="/srv/x"), euid=USER)
     assert dict(os.environ) == before
 
 
 # ---------------------------------------------------------------- [a2a]
 
 
-def test_a2a_is_off_by_default(tmp_path: Path) -> None:
-    cfg = load_text(tmp_path, "")
+def test_a2a_is_off_by_default(short_tmp_path: Path) -> None:
+    cfg = load_text(short_tmp_path, "")
     assert cfg.a2a.listen is None and cfg.a2a.expose == [] and cfg.a2a.issuers == {}
 
 
-def test_a2a_section_loads(tmp_path: Path) -> None:
+def test_a2a_section_loads(short_tmp_path: Path) -> None:
     from meshnode.protocol.nkeys import KeyPair
 
     key = KeyPair.generate().public_key
     cfg = load_text(
-        tmp_path,
+        short_tmp_path,
         f'[agents.echo]\n[a2a]\nlisten = "127.0.0.1:8700"\nexpose = ["echo"]\n'
         f'idempotency_retention = "2h"\nallow_issuers = ["billing"]\n'
         f'[a2a.issuers.billing]\nkey = "{key}"\n',
@@ -745,18 +746,18 @@ def test_a2a_section_loads(tmp_path: Path) -> None:
     assert cfg.a2a.issuers["billing"].key == key
 
 
-def test_a2a_errors_name_the_key(tmp_path: Path) -> None:
+def test_a2a_errors_name_the_key(short_tmp_path: Path) -> None:
     text = (
         '[agents.echo]\n[a2a]\nlisten = "localhost"\nexpose = ["echo", "ghost"]\nmax_mesh_hops = 0\n'
         '[a2a.issuers.billing]\nkey = "not-a-key"\n'
     )
-    found = "\n".join(problems_of(tmp_path, text))
+    found = "\n".join(problems_of(short_tmp_path, text))
     assert "a2a.listen" in found and "host:port" in found
     assert "a2a.max_mesh_hops" in found
     assert "a2a.issuers.billing.key" in found
-    expose = problems_of(tmp_path, '[agents.echo]\n[a2a]\nlisten = "127.0.0.1:1"\nexpose = ["ghost"]\n')
+    expose = problems_of(short_tmp_path, '[agents.echo]\n[a2a]\nlisten = "127.0.0.1:1"\nexpose = ["ghost"]\n')
     assert any("a2a.expose[0]" in p and "ghost" in p for p in expose)
-    no_listen = problems_of(tmp_path, '[agents.echo]\n[a2a]\nexpose = ["echo"]\n')
+    no_listen = problems_of(short_tmp_path, '[agents.echo]\n[a2a]\nexpose = ["echo"]\n')
     assert any("a2a.listen" in p for p in no_listen)
-    reserved = problems_of(tmp_path, '[agents.a2a-bridge]\nplugin = "echo"\n[a2a]\nlisten = "127.0.0.1:1"\n')
+    reserved = problems_of(short_tmp_path, '[agents.a2a-bridge]\nplugin = "echo"\n[a2a]\nlisten = "127.0.0.1:1"\n')
     assert any("agents.a2a-bridge" in p and "reserved" in p for p in reserved)

@@ -21,14 +21,14 @@ from meshnode.transport.embedded import (
 AGENT = KeyPair.generate(Prefix.USER).public_key
 
 
-def _load(tmp_path: Path, text: str) -> object:
-    path = tmp_path / "meshnode.toml"
+def _load(short_tmp_path: Path, text: str) -> object:
+    path = short_tmp_path / "meshnode.toml"
     path.write_text(text, encoding="utf-8")
-    return load_config(str(path), env={"HOME": str(tmp_path)}, euid=1000)
+    return load_config(str(path), env={"HOME": str(short_tmp_path)}, euid=1000)
 
 
-def test_tenants_and_exports_load_and_write_back_under_their_toml_names(tmp_path: Path) -> None:
-    config = _load(tmp_path, f"""
+def test_tenants_and_exports_load_and_write_back_under_their_toml_names(short_tmp_path: Path) -> None:
+    config = _load(short_tmp_path, f"""
 [mesh.embedded]
 tenants = ["family"]
 [[mesh.embedded.exports]]
@@ -54,9 +54,9 @@ discover = true
         ('tenants = ["f"]\n[[mesh.embedded.exports]]\nfrom = "f"\nto = "mesh"', "names agents"),
     ],
 )
-def test_bad_tenancy_configuration_names_the_problem(tmp_path: Path, text: str, fragment: str) -> None:
+def test_bad_tenancy_configuration_names_the_problem(short_tmp_path: Path, text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
-        _load(tmp_path, "[mesh.embedded]\n" + text + "\n")
+        _load(short_tmp_path, "[mesh.embedded]\n" + text + "\n")
 
 
 def test_an_export_becomes_one_export_and_one_import() -> None:
