@@ -49,7 +49,8 @@ def short_tmp_path() -> Iterator[Path]:
     ``tmp_path`` is long already and longer still under pytest-xdist
     (``.../pytest-N/popen-gwK/<test name>``), which would fail the
     configuration's socket-length check rather than what the test checks."""
-    path = Path(tempfile.mkdtemp(prefix="mn-"))
+    # /tmp itself, not TMPDIR: a long TMPDIR (macOS) would defeat the point.
+    path = Path(tempfile.mkdtemp(prefix="mn-", dir="/tmp"))
     try:
         yield path
     finally:
