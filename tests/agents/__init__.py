@@ -143,6 +143,13 @@ class Blocking(Agent):
             Blocking._spawned_release = None
         return {"released": True}
 
+    @offering("keep")
+    async def keep(self, ctx: Context, input: Any) -> Any:
+        # A leaking handler (issue #23 item 10): 64 KiB kept per call for the agent's life.
+        kept: list[bytearray] = self.__dict__.setdefault("kept", [])
+        kept.append(bytearray(64 * 1024))
+        return {"kept": len(kept)}
+
     @offering("hold")
     async def hold(self, ctx: Context, input: Any) -> Any:
         await self.released().wait()

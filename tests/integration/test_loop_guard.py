@@ -192,3 +192,45 @@ def test_tasks_an_agents_handlers_leave_running_are_counted_for_it(node: DaemonP
     assert node.call("spawner", "spawned_release")["output"] == {"released": True}
     eventually(lambda: _agent(node, "spawner")["spawned_tasks"] == 0, what="the tasks ended and uncounted")
     assert _agent(node, "spawner")["spawned_tasks_total"] == 10
+
+
+def _cli(node: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", *args, "--config", str(node.config_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_a_memory_sample_names_the_agent_whose_handler_kept_memory(node: DaemonProcess) -> None:
+    started_line = "memory sample: tracing allocations for 10 s"
+    seen_before = node.log_text().count(started_line)
+    sampled: list[subprocess.CompletedProcess[str]] = []
+    sampler = threading.Thread(target=lambda: sampled.append(_cli(node, "memory", "--for", "10s", "--json")))
+    sampler.start()
+    try:
+        # Calls go in once the daemon says tracing is on (it turns it on before
+        # it serves anything else), and keep going until the window has ended.
+        eventually(lambda: node.log_text().count(started_line) > seen_before,
+                   what="the daemon tracing allocations", timeout=60, detail=node.log_tail)
+        calls = 0
+        while sampler.is_alive() and calls < 50:
+            assert node.call("spawner", "keep")["output"]["kept"] >= 1
+            calls += 1
+    finally:
+        sampler.join(timeout=150)
+    assert sampled and sampled[0].returncode == EX_OK, sampled and sampled[0].stderr
+    found = json.loads(sampled[0].stdout)
+    assert found["window_s"] == 10 and found["since"] == "the window's start"
+    (mine,) = [row for row in found["agents"] if "spawner" in row["agents"]]
+    # Every test agent here comes from one package (tests/agents): they share a row.
+    assert {"blocker", "held", "spawner"} <= set(mine["agents"])
+    assert mine["bytes"] >= 64 * 1024, found
+    assert "tests/agents/__init__.py:" in mine["top_lines"][0]["line"], mine
+    (echo,) = [row for row in found["agents"] if row["agents"] == ["echo"]]
+    assert "meshnode_echo" in echo["source"]
+    assert found["daemon"]["bytes"] > 0 and found["process"]["rss_bytes_after"] > 0
+    # And for people: the same figures as a listing.
+    shown = _cli(node, "memory", "--for", "0.2s")
+    assert shown.returncode == EX_OK, shown.stderr
+    assert "the daemon and its libraries" in shown.stdout and "spawner" in shown.stdout, shown.stdout
+    assert "tracing allocations for 0.2 s" in shown.stderr

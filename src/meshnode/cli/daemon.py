@@ -150,12 +150,14 @@ def _socket(args: argparse.Namespace) -> str | None:
     return str(config.admin.socket) if config is not None else None
 
 
-def _admin(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> tuple[int, Any]:
+def _admin(
+    args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, *, timeout: float = 30.0
+) -> tuple[int, Any]:
     socket = _socket(args)
     if socket is None:
         return EX_CONFIG, None
     try:
-        return EX_OK, call_sync(socket, method, params)
+        return EX_OK, call_sync(socket, method, params, timeout=timeout)
     except (AdminClientError, AdminError) as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return exit_code_for(exc), None

@@ -23,6 +23,7 @@ from meshnode.daemon.allowance import reload_allowances
 from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
+from meshnode.node import memsample
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import loop_text, prometheus_text
@@ -66,11 +67,22 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
                 doc="params {node_id} | {agent_id} | {token (a pending SDK enrolment token's name)} -> {retired, message}; the message says how long the old credential stays usable")
     methods.add("Metrics", ops.metrics, level="operator",
                 doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
+    methods.add("Memory.Sample", ops.memory_sample, level="operator",
+                doc="params {seconds?=10, frames?=25, top?=5} -> {window_s, traced_bytes, agents: [{agents,"
+                " source, bytes, blocks, top_lines}], daemon: {bytes, blocks}, process}: memory allocated"
+                " during the window and still alive, by the agent code that allocated it (tracemalloc)")
+
+
+#: Bounds of a memory sample's window (seconds) and of the frames traced per allocation.
+MEMORY_WINDOW_S = (0.1, 600.0)
+MEMORY_FRAMES = (1, 100)
 
 
 class _Operations:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        # One memory sample at a time: a second would turn tracing off under the first.
+        self._memory_sampling = asyncio.Lock()
 
     def _node(self) -> Node:
         if self.daemon.node is None:
@@ -227,6 +239,20 @@ class _Operations:
         log.warning("retired %s: %s", retired, message)
         return {"retired": retired, "message": message}
 
+    async def memory_sample(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        node = self._node()
+        seconds = _number_param(params, "seconds", 10.0, MEMORY_WINDOW_S)
+        frames = int(_number_param(params, "frames", float(memsample.DEFAULT_FRAMES), MEMORY_FRAMES))
+        top = int(_number_param(params, "top", 5.0, (0, 100)))
+        if self._memory_sampling.locked():
+            raise Refused("a memory sample is already running; wait for it to end")
+        async with self._memory_sampling:
+            before = runtime_gauges().get("rss_bytes")
+            agents = {name: hosted.agent for name, hosted in node.agents.items()}
+            log.info("memory sample: tracing allocations for %g s (%d frames)", seconds, frames)
+            result = await memsample.sample(agents, asyncio.sleep(seconds), frames=frames, top=top)
+        return {"window_s": seconds, **result, "process": {"rss_bytes_before": before, "rss_bytes_after": runtime_gauges().get("rss_bytes")}}
+
     async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()
         fmt = params.get("format", "json")
@@ -359,12 +385,22 @@ def _without_allowance(agent: AgentConfig) -> AgentConfig:
     return agent.model_copy(update={"allowance_file": None, "allowance_any_owner": None})
 
 
+def _number_param(params: dict[str, Any], name: str, default: float, bounds: tuple[float, float]) -> float:
+    """``params[name]`` as a number within ``bounds`` (inclusive), or ``default``."""
+    value = params.get(name, default)
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise InvalidParameter(f"{name} must be a number from {low:g} to {high:g} (got {value!r})")
+    return float(value)
+
+
 def process_figures() -> dict[str, int | None]:
     """The process in Status: :func:`runtime_gauges` and the peak RSS.
 
     Per-agent memory is not among them: every agent shares the process's one
-    heap, and Python cannot say which agent an object belongs to; the
-    per-agent figures are tasks (``spawned_tasks``) and requests (``in_flight``).
+    heap, so no gauge can split it; the per-agent figures are tasks
+    (``spawned_tasks``) and requests (``in_flight``), and ``Memory.Sample``
+    (:mod:`meshnode.node.memsample`) says whose code kept what a window allocated.
     """
     peak: int | None
     try:

@@ -15,7 +15,7 @@ Cost: one context-variable read per task made anywhere on the loop, and for a
 handler's task an increment plus one done callback — well under a microsecond
 over plain ``create_task`` (``benchmarks/task_tally.py`` measures it). Memory
 cannot be attributed this way: every agent shares one heap, so Status shows
-the process's RSS only.
+the process's RSS, and :mod:`.memsample` samples whose code keeps memory.
 """
 
 from __future__ import annotations
