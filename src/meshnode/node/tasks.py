@@ -455,7 +455,20 @@ class RequesterTask:
             )
 
         # The consumer service makes it (a participant holds no grant to): #22.
-        sub = await bind_shared(self.hosted, request_for("MESH_TASKS", subject), name, on_msg, fallback=direct)
+        request = request_for("MESH_TASKS", subject)
+        try:
+            sub = await bind_shared(self.hosted, request, name, on_msg, fallback=direct)
+        except asyncio.CancelledError:
+            # Cancelled (the caller's timeout, the agent stopping) while the
+            # consumer may already exist: the service made it, or the bind was
+            # under way. Nothing will release it, so delete it now rather than
+            # leave it to the server's 120 s reap; in a task of its own, as this
+            # one is being cancelled. Not on other errors: a refused ensure made
+            # no consumer, and a delete would be counted as a failed release.
+            self.hosted.spawn(
+                release_shared(self.hosted, request, "MESH_TASKS", name), name=f"release {name}"
+            )
+            raise
         return queue, sub
 
     async def _release(self, sub: Subscription, subject: str, kind: str) -> None:
