@@ -6,11 +6,9 @@ import asyncio
 import contextlib
 import grp
 import os
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +65,9 @@ from meshnode.testing import eventually_async
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
+def sock_dir(short_tmp_path: Path) -> Path:
     # Short paths: AF_UNIX caps sun_path at 108 bytes, pytest's tmp_path is long.
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="adm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return short_tmp_path
 
 
 @pytest.fixture

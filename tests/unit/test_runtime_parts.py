@@ -6,7 +6,6 @@ import asyncio
 import importlib.metadata
 import logging
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,10 +139,9 @@ def test_shutdown_budgets_are_positive_and_ordered() -> None:
 # -- sd_notify ----------------------------------------------------------------------
 
 
-def test_notifier_sends_datagrams_and_is_silent_without_systemd() -> None:
+def test_notifier_sends_datagrams_and_is_silent_without_systemd(short_tmp_path: Path) -> None:
     assert Notifier(env={}).notify("READY=1") is False
-    directory = tempfile.mkdtemp(dir="/tmp")
-    path = str(Path(directory) / "n.sock")
+    path = str(short_tmp_path / "n.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(path)
         notifier = Notifier(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})

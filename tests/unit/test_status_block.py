@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +167,8 @@ async def test_blocked_now_names_the_agent_while_the_loop_is_stuck() -> None:
 
 
 @pytest.fixture
-def sock_path() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="stb"))
-    try:
-        yield path / "a.sock"
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def sock_path(short_tmp_path: Path) -> Path:
+    return short_tmp_path / "a.sock"
 
 
 async def test_the_status_socket_answers_from_its_thread_while_the_loop_is_blocked(sock_path: Path) -> None:
