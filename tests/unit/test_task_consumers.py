@@ -20,6 +20,7 @@ from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.testing import eventually_async
 from tests.fakes import FakeNode
 
 NOW = 1_800_000_000_000
@@ -35,14 +36,6 @@ def requester() -> tuple[FakeNode, HostedAgent, RequesterTask]:
                                            in_reply_to="r1", task_id="t1", payload={"status": "working"}),
                             responder)
     return node, hosted, RequesterTask(hosted, opening)
-
-
-async def _until(condition: Any) -> None:
-    for _ in range(10_000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    pytest.fail("condition never held")
 
 
 @pytest.mark.parametrize("wait", ["updates", "stream"])
@@ -69,7 +62,7 @@ async def test_a_wait_cancelled_while_its_consumer_is_made_still_deletes_it(wait
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    await _until(lambda: deleted)
+    await eventually_async(lambda: deleted, what="the consumer's delete asked of the service")
     kind = "task_update" if wait == "updates" else "task_stream"
     assert deleted == [{"kind": kind, "task_id": "t1"}]
     assert hosted.counters["consumers.release_failed"] == 0
