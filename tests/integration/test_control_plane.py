@@ -23,6 +23,7 @@ from meshnode.control_plane import (
     write_invite,
 )
 from meshnode.protocol.nkeys import KeyPair
+from meshnode.transport.connection import flush_written
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt
 from meshnode.transport.permissions import node_inbox_prefix
@@ -95,7 +96,7 @@ async def test_invited_node_renews_for_its_roster_and_the_broker_enforces_it(
         inboxes = [
             await client.subscribe(f"mesh.agent.{agent.public_key}.inbox") for agent in agents
         ]
-        await client.flush()
+        await flush_written(client)
         for agent in agents:
             await client.publish(f"mesh.agent.{agent.public_key}.inbox", agent.public_key.encode())
         for agent, inbox in zip(agents, inboxes, strict=True):
@@ -104,7 +105,7 @@ async def test_invited_node_renews_for_its_roster_and_the_broker_enforces_it(
 
         foreign = f"mesh.agent.{other_agent.public_key}.inbox"
         await client.subscribe(foreign)
-        await client.flush()
+        await flush_written(client)
         await errors.wait_for(f'permissions violation for subscription to "{foreign}"')
     finally:
         await client.close()

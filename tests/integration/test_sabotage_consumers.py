@@ -32,6 +32,7 @@ from meshnode.protocol.envelope import (
 )
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
+from meshnode.transport.connection import flush_written
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jetstream import ConsumerSpec
 from meshnode.transport.permissions import node_inbox_prefix
@@ -154,7 +155,7 @@ async def _attack_consumers(world: World, jwt: str, victim: str, b_node: str) ->
     try:
         for subject, body in attacks.items():
             await client.publish(subject, body.encode(), reply=client.new_inbox())
-        await client.flush()
+        await flush_written(client)
         for subject in attacks:
             await errors.wait_for(f'permissions violation for publish to "{subject}"')
         if jwt == world.roster_jwt:  # the starter credential grants nothing at all, not even reads

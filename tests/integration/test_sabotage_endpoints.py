@@ -30,6 +30,7 @@ from meshnode.protocol.envelope import (
 )
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually_async
+from meshnode.transport.connection import flush_written
 from meshnode.transport.jwt import decode_jwt
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -220,7 +221,7 @@ async def test_the_starter_credential_in_an_invite_grants_nothing(host: DaemonPr
         # no heartbeat, no registration, no reading of anything.
         await client.subscribe("mesh.event.>")
         await client.publish(f"mesh.heartbeat.{key.public_key}", b"{}")
-        await client.flush()
+        await flush_written(client)
 
         async def refused_twice() -> bool:
             return sum("permissions violation" in e.lower() for e in errors.messages()) >= 2

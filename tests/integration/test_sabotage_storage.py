@@ -28,6 +28,7 @@ from meshnode.control_plane import ControlPlaneClient
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async
 from meshnode.testing import run_cli as _run_cli
+from meshnode.transport.connection import flush_written
 from meshnode.transport.jetstream import JetStream
 from meshnode.transport.jwt import nats_auth_callbacks
 from meshnode.transport.permissions import node_inbox_prefix
@@ -225,7 +226,7 @@ def test_a_flood_to_an_offline_agent_keeps_the_requests_buffered_before_it(
         async with Flooder(seed, control) as f:
             for _ in range(2 * MAILBOX_BOUND // (32 * KIB)):
                 await f.nc.publish(f"mesh.agent.{target}.inbox", os.urandom(32 * KIB))
-            await f.nc.flush()
+            await flush_written(f.nc)
 
     asyncio.run(flood())
     # Full and refusing (discard-new): the junk stops at the bound and the
@@ -365,7 +366,7 @@ async def test_the_registry_purges_what_any_client_acked_and_a_full_mailbox_keep
     await ensure_inbox_stream(platform, agent, max_bytes=64 * KIB, max_msgs=10)
     for i in range(6):
         await client.client.publish(f"mesh.agent.{agent}.inbox", f"m{i}".encode())
-    await client.client.flush()
+    await flush_written(client.client)
     js = client.client.jetstream()
     await eventually_async(lambda: _messages(js, stream, 6), what="six buffered")
     reader = await js.pull_subscribe(f"mesh.agent.{agent}.inbox", durable=f"inbox_{agent}", stream=stream)
@@ -377,7 +378,7 @@ async def test_the_registry_purges_what_any_client_acked_and_a_full_mailbox_keep
     assert (state.messages, state.first_seq) == (2, 5)
     for i in range(6, 30):  # a flood past max_msgs
         await client.client.publish(f"mesh.agent.{agent}.inbox", f"m{i}".encode())
-    await client.client.flush()
+    await flush_written(client.client)
     await eventually_async(lambda: _messages(js, stream, 10), what="the mailbox at its bound")
     state = (await js.stream_info(stream)).state
     assert (state.messages, state.first_seq, state.last_seq) == (10, 5, 14)  # the newest refused

@@ -55,6 +55,8 @@ import rfc8785
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from meshnode.transport.connection import flush_written
+
 __all__ = [
     "CredentialRefused",
     "ENVELOPE_TAG",
@@ -750,7 +752,7 @@ class WireClient:
                 self._spawn(self._handle_request(agent, env))
 
         await self.conn.subscribe(agent.inbox_subject, cb=on_message)
-        await self.conn.flush()
+        await flush_written(self.conn)
 
     @staticmethod
     def _judge(agent: WireAgent, msg: Msg) -> Inbound:
@@ -833,7 +835,7 @@ class WireClient:
 
         await self.conn.subscribe(reply_subject, cb=on_reply)
         await self.conn.publish(subject, data, reply=reply_subject)
-        await self.conn.flush()
+        await flush_written(self.conn)
         env = json.loads(data)
         return SentRequest(env, subject, reply_subject, traffic)
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import nats
+
 from meshnode.testing import eventually_async
-from meshnode.transport.connection import MeshConnection
+from meshnode.transport.connection import MeshConnection, flush_written
 
 
 class _ProtocolPeer:
@@ -74,6 +76,27 @@ async def test_flush_writes_pending_publishes_before_its_ping() -> None:
         await conn.close()
         await peer.stop()
 
+
+
+async def test_flush_written_sends_a_raw_clients_subscriptions_before_its_ping() -> None:
+    # nats-py's own flush wrote its PING ahead of a buffered SUB (seen in a real
+    # nats-server trace), so another connection's publish missed the subscriber.
+    peer = _ProtocolPeer()
+    port = await peer.start()
+    client = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, connect_timeout=2)
+    try:
+        for round_no in range(20):
+            before = len(peer.commands)
+            await client.subscribe(f"interest.{round_no}")
+            await flush_written(client, timeout=5)
+            arrived = peer.commands[before:]
+            assert "PING" in arrived, arrived
+            assert "SUB" in arrived[: arrived.index("PING")], (
+                f"round {round_no}: the barrier's PING reached the broker before the SUB: {arrived}"
+            )
+    finally:
+        await client.close()
+        await peer.stop()
 
 class _SwallowingClient:
     """A stand-in for nats-py's client whose request() behaves as 3.11's

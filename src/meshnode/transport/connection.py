@@ -28,7 +28,7 @@ from .errors import translated
 from .jetstream import JetStream
 from .messages import Message, MessageHandler, Subscription, wrap_handler
 
-__all__ = ["ConnectionListener", "MeshConnection", "Message", "MessageHandler", "Subscription"]
+__all__ = ["ConnectionListener", "MeshConnection", "Message", "MessageHandler", "Subscription", "flush_written"]
 
 log = logging.getLogger("meshnode.transport")
 
@@ -41,6 +41,25 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
+
+
+async def flush_written(nc: Client, timeout: float = 5) -> None:
+    """Return once the broker has read every command ``nc`` was given so far.
+
+    nats-py's own ``flush`` is not that barrier: it writes its PING straight to
+    the socket while earlier SUBs and PUBs may still sit in the client's pending
+    buffer, so the PONG can come back before the broker saw them (measured: a
+    SUB written after the flush's PING, and a publish from another connection
+    then missed it). So the pending buffer is written out first (the client's
+    own flush hand-off, waited for), then the PING/PONG round trip proves the
+    broker read it. Anything holding a raw nats-py client uses this instead of
+    ``Client.flush``.
+    """
+    write_pending = getattr(nc, "_flush_pending", None)
+    if write_pending is not None and nc.is_connected:
+        await wait_for(write_pending(force_flush=True), timeout)
+    # nats-py types the timeout as int but waits with asyncio.wait_for.
+    await nc.flush(timeout=timeout)  # type: ignore[arg-type]
 
 class MeshConnection:
     """One authenticated connection to the mesh, shared by every hosted agent.
@@ -293,21 +312,13 @@ class MeshConnection:
             await self.nc.force_reconnect()
 
     async def flush(self, timeout: int = 5) -> None:
-        """Return once everything published so far has reached the broker.
+        """Return once everything published or subscribed so far has reached the broker.
 
-        nats-py's ``flush`` writes its PING straight to the socket while earlier
-        publishes may still sit in the client's pending buffer, so on its own a
-        PONG can come back before those bytes were even written; it holds only
-        because the flusher task usually runs first. The exactly-once
-        bookkeeping marks an answer delivered on this barrier, so the pending
-        buffer is written out first (the client's own flush hand-off, waited
-        for), then the PING/PONG round trip proves the broker read it.
+        The exactly-once bookkeeping marks an answer delivered on this barrier;
+        :func:`flush_written` says why nats-py's own flush is not enough.
         """
         with translated():
-            write_pending = getattr(self.nc, "_flush_pending", None)
-            if write_pending is not None and self.nc.is_connected:
-                await wait_for(write_pending(force_flush=True), timeout)
-            await self.nc.flush(timeout=timeout)
+            await flush_written(self.nc, timeout)
 
     # -- connection events -------------------------------------------------
 
