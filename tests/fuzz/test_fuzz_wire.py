@@ -31,7 +31,6 @@ from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import verify_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.testing import DaemonProcess, DaemonSet, consistently, run_cli
-from meshnode.transport.connection import flush_written
 from tests.fuzz.profile import fuzz_settings
 from tests.fuzz.strategies import envelope_like, raw_bytes, wire_values
 from tests.integration.wire_client import (
@@ -137,7 +136,7 @@ def test_hostile_inbox_traffic_runs_nothing_and_answers_nothing(wire: Wire) -> N
         sent += 1
 
     case()
-    w.runner.run(flush_written(w.client.conn))
+    w.runner.run(w.client.barrier())
     # Nothing marks "decided not to answer": watch for a handler run or an answer a while.
     consistently(lambda: (not w.journal.exists() or w.journal.read_text() == "")
                  and not any(m.envelope and m.envelope.get("type") == "respond" for m in w.agent.inbox),

@@ -39,7 +39,6 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from meshnode.transport.connection import flush_written
 from tests.integration.wire_client import (
     ENVELOPE_TAG,
     CredentialRefused,
@@ -146,7 +145,7 @@ class SdkClient(WireClient):
         node = self.vouching_key.public_key
         env = build_envelope("emit", self.agent.key, payload={"node": node, "availability": availability})
         await self.conn.publish(f"mesh.heartbeat.{node}", json.dumps(env).encode("utf-8"))
-        await flush_written(self.conn)
+        await self.barrier()
 
     async def discover(self, query: Mapping[str, Any]) -> list[dict[str, Any]]:
         _, reply = await self.service_request("mesh.registry.discover", "discover", self.agent, dict(query))
@@ -158,14 +157,14 @@ class SdkClient(WireClient):
         domain, _, event_type = topic.partition(".")
         env = build_envelope("emit", self.agent.key, payload={"domain": domain, "event_type": event_type, "data": data})
         await self.conn.publish(f"mesh.event.{topic}", json.dumps(env).encode("utf-8"))
-        await flush_written(self.conn)
+        await self.barrier()
 
     async def subscribe_events(self, pattern: str) -> None:
         async def on_event(msg: Msg) -> None:
             self.events.append(json.loads(msg.data))
 
         await self.conn.subscribe(f"mesh.event.{pattern}", cb=on_event)
-        await flush_written(self.conn)
+        await self.barrier()
 
     async def drain_mailbox(self, *, max_messages: int = 100) -> list[dict[str, Any]]:
         """Pull and ack what ``MESH_INBOX_{agent}`` held while the agent was away."""

@@ -30,7 +30,6 @@ import pytest
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, run_cli
-from meshnode.transport.connection import flush_written
 from tests.integration.wire_client import UserKey, WireAgent, WireClient, read_invite
 
 pytestmark = pytest.mark.integration
@@ -72,7 +71,7 @@ class Setup:
 
     async def send(self, env: dict[str, Any]) -> None:
         await self.client.conn.publish(f"mesh.agent.{self.target}.inbox", encode_envelope(env))
-        await flush_written(self.client.conn)
+        await self.client.barrier()
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 
 from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, run_cli
-from meshnode.transport.connection import flush_written
 from tests.integration.sdk_client import SdkClient, bootstrap
 from tests.integration.wire_client import (
     CredentialRefused,
@@ -205,7 +204,7 @@ async def test_an_sdk_credential_reads_nobody_elses_mail(hub: DaemonProcess) -> 
         for subject in (f"_INBOX_{hub_node}.>", f"mesh.agent.{victim.agent.id}.inbox",
                         f"mesh.agent.{echo}.inbox"):
             await mallory.conn.subscribe(subject)
-            await flush_written(mallory.conn)
+            await mallory.barrier()
             await eventually_async(
                 # nats-py lower-cases the server's message, subject included.
                 lambda s=subject: any(f'subscription to "{s.lower()}"' in str(e) for e in mallory.errors),

@@ -55,8 +55,6 @@ import rfc8785
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from meshnode.transport.connection import flush_written
-
 __all__ = [
     "CredentialRefused",
     "ENVELOPE_TAG",
@@ -678,6 +676,16 @@ class WireClient:
             raise RuntimeError("not connected")
         return self.nc
 
+    async def barrier(self) -> None:
+        """Return once the broker has read all this client sent.
+
+        ``Client.flush`` alone is not that: its PING skips the client's write
+        buffer, so a SUB or PUB still buffered can reach the broker after it.
+        The private ``_flush_pending(force_flush=True)`` writes the buffer out.
+        """
+        await self.conn._flush_pending(force_flush=True)
+        await self.conn.flush(timeout=5)
+
     # -- platform services -------------------------------------------------------
 
     async def service_request(
@@ -752,7 +760,7 @@ class WireClient:
                 self._spawn(self._handle_request(agent, env))
 
         await self.conn.subscribe(agent.inbox_subject, cb=on_message)
-        await flush_written(self.conn)
+        await self.barrier()
 
     @staticmethod
     def _judge(agent: WireAgent, msg: Msg) -> Inbound:
@@ -835,7 +843,7 @@ class WireClient:
 
         await self.conn.subscribe(reply_subject, cb=on_reply)
         await self.conn.publish(subject, data, reply=reply_subject)
-        await flush_written(self.conn)
+        await self.barrier()
         env = json.loads(data)
         return SentRequest(env, subject, reply_subject, traffic)
 
