@@ -50,6 +50,12 @@ class _ProtocolPeer:
         finally:
             writer.close()
 
+    def commands_before_ping(self, since: int) -> list[str]:
+        """The commands read from index ``since`` up to the first PING after it, which must have come."""
+        arrived = self.commands[since:]
+        assert "PING" in arrived, arrived
+        return arrived[: arrived.index("PING")]
+
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
@@ -66,16 +72,13 @@ async def test_flush_writes_pending_publishes_before_its_ping() -> None:
             before = len(peer.commands)
             await conn.publish(f"answers.{round_no}", b"x" * 64)
             await conn.flush(timeout=5)
-            arrived = peer.commands[before:]
             # The PONG came back, so the peer has read everything up to the PING.
-            assert "PING" in arrived, arrived
-            assert "PUB" in arrived[: arrived.index("PING")], (
-                f"round {round_no}: the barrier's PING reached the broker before the publish: {arrived}"
+            assert "PUB" in peer.commands_before_ping(before), (
+                f"round {round_no}: the barrier's PING reached the broker before the publish: {peer.commands[before:]}"
             )
     finally:
         await conn.close()
         await peer.stop()
-
 
 
 async def test_flush_written_sends_a_raw_clients_subscriptions_before_its_ping() -> None:
@@ -89,14 +92,13 @@ async def test_flush_written_sends_a_raw_clients_subscriptions_before_its_ping()
             before = len(peer.commands)
             await client.subscribe(f"interest.{round_no}")
             await flush_written(client, timeout=5)
-            arrived = peer.commands[before:]
-            assert "PING" in arrived, arrived
-            assert "SUB" in arrived[: arrived.index("PING")], (
-                f"round {round_no}: the barrier's PING reached the broker before the SUB: {arrived}"
+            assert "SUB" in peer.commands_before_ping(before), (
+                f"round {round_no}: the barrier's PING reached the broker before the SUB: {peer.commands[before:]}"
             )
     finally:
         await client.close()
         await peer.stop()
+
 
 class _SwallowingClient:
     """A stand-in for nats-py's client whose request() behaves as 3.11's

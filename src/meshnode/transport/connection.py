@@ -42,7 +42,6 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-
 async def flush_written(nc: Client, timeout: float = 5) -> None:
     """Return once the broker has read every command ``nc`` was given so far.
 
@@ -60,6 +59,7 @@ async def flush_written(nc: Client, timeout: float = 5) -> None:
         await wait_for(write_pending(force_flush=True), timeout)
     # nats-py types the timeout as int but waits with asyncio.wait_for.
     await nc.flush(timeout=timeout)  # type: ignore[arg-type]
+
 
 class MeshConnection:
     """One authenticated connection to the mesh, shared by every hosted agent.
