@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
+from meshnode.node import inbox as inbox_module
 from meshnode.node.inbox import InboxStore, InboxUnwritable
 from meshnode.testing import eventually_async
 
@@ -375,4 +378,51 @@ async def test_settle_marks_wait_for_the_next_commit_after_their_barrier(tmp_pat
         assert store.commits == commits, "no commit of its own for the mark"
         assert await store.accept_batch(A, [("s", "q", "request", b"{}", 1)], 102) == [False]
     finally:
+        await store.close()
+
+
+async def test_the_wal_starts_over_although_commits_ran_during_every_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #21: SQLite restarts the WAL only when a write begins with every
+    frame checkpointed, which a node committing while the worker's checkpoint
+    runs never reached (2 GB of WAL after 160,000 commits). Past the catch-up
+    size, the frames written meanwhile are checkpointed inline and the next
+    commit starts the WAL over."""
+    real_checkpoint = inbox_module._checkpoint
+    entered, proceed = threading.Event(), threading.Event()
+
+    def checkpoint_while_the_loop_commits(path: Path) -> bool:
+        done = real_checkpoint(path)
+        entered.set()
+        # The loop commits now: frames this checkpoint did not cover.
+        assert proceed.wait(30), "the test never let the checkpoint finish"
+        return done
+
+    monkeypatch.setattr(inbox_module, "_checkpoint", checkpoint_while_the_loop_commits)
+    monkeypatch.setattr(inbox_module, "WAL_CATCH_UP_BYTES", 0)
+    store = InboxStore(tmp_path / "i.sqlite3", checkpoint_every=10, flush_interval=3600)
+    await store.open()
+    try:
+        for i in range(10):
+            assert store.commit_live_now(A, "s", f"before{i}", 100 + i, settled=True) == "committed"
+        maintaining = asyncio.ensure_future(store._maintain())
+        await eventually_async(entered.is_set, what="the worker's checkpoint ran")
+        for i in range(30):  # a node under load keeps committing meanwhile
+            assert store.commit_live_now(A, "s", f"during{i}", 200 + i, settled=True) == "committed"
+        proceed.set()
+        await maintaining
+        assert store.health()["wal_catch_ups"] == 1
+        assert store.commit_live_now(A, "s", "after", 300, settled=True) == "committed"
+        # Frames in the WAL now: those of the one commit since it started over.
+        reader = sqlite3.connect(tmp_path / "i.sqlite3")
+        try:
+            _, frames, _ = reader.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        finally:
+            reader.close()
+        assert 0 < frames <= 4, f"the WAL did not start over: {frames} frames"
+        # Nothing was lost on the way.
+        assert await store.accept_batch(A, [("s", "during29", "request", b"{}", 1)], 400) == [False]
+    finally:
+        proceed.set()
         await store.close()
