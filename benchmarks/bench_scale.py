@@ -42,11 +42,16 @@ def _proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _proc_cpu_s(pid: int) -> float:
+def _proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, kernel) CPU seconds of ``pid`` (utime, stime)."""
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def _proc_cpu_s(pid: int) -> float:
+    return sum(_proc_cpu_split(pid))  # utime + stime
 
 
 def _children(pid: int) -> list[int]:
@@ -106,12 +111,17 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             # checks) and by its nats-server (mailbox streams, KV writes) until
             # every agent was registered, start-up included: where the time goes.
             servers = _children(pid)
+            daemon_user, daemon_kernel = _proc_cpu_split(pid)
+            server_split = [_proc_cpu_split(c) for c in servers]
             return {
                 "agents": n,
                 "startup_s": startup_s,
                 "rss_mb": _proc_rss_mb(pid),
-                "daemon_cpu_s": _proc_cpu_s(pid),
-                "nats_server_cpu_s": sum(_proc_cpu_s(c) for c in servers),
+                "daemon_cpu_s": daemon_user + daemon_kernel,
+                "daemon_kernel_cpu_s": daemon_kernel,
+                "nats_server_cpu_s": sum(u + k for u, k in server_split),
+                # Mostly ext4 creating each mailbox stream's directories and files.
+                "nats_server_kernel_cpu_s": sum(k for _, k in server_split),
                 "loadavg_1m": os.getloadavg()[0],
             }
         monitor = daemon.admin("Mesh.Info")["monitor_url"]

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from meshnode.protocol.nkeys import KeyPair, Prefix, verify
+from meshnode.transport.grants import PatternSet
 from meshnode.transport.jwt import (
     JetStreamLimits,
     JwtError,
@@ -26,7 +27,6 @@ from meshnode.transport.jwt import (
 )
 from meshnode.transport.permissions import (
     LEGACY_INBOX_PREFIX,
-    SERVICE_WILDCARD_ROSTER,
     inbox_prefix_for,
     node_denials,
     node_inbox_prefix,
@@ -409,23 +409,27 @@ def test_service_role_adds_service_subjects(roster: tuple[str, list[str]]) -> No
         assert subject in sub
     assert "$JS.API.>" in pub and "$KV.>" in pub
     participant_pub, participant_sub = node_permissions(node, agents)
-    assert set(participant_sub) <= set(sub)
+    # Whatever a participant may subscribe to, a service node may too (its agent
+    # grants are the wildcard forms).
+    service_sub = PatternSet(sub)
+    assert all(service_sub.covers(s) for s in participant_sub)
 
 
-def test_a_service_roster_too_large_for_a_credential_gets_wildcard_agent_grants() -> None:
-    """Above SERVICE_WILDCARD_ROSTER the per-agent grants would not fit the broker's
-    JWT limit; the service node gets the wildcard forms, participants never do."""
+def test_a_service_node_holds_wildcard_agent_grants_at_any_roster_size() -> None:
+    """A service node's agent grants are wildcards, constant in its roster (the
+    broker copies the JWT into every JetStream request's client info, and the
+    per-agent form would not fit its JWT limit); participants never get them."""
     node = KeyPair.generate(Prefix.USER).public_key
-    agents = [KeyPair.generate(Prefix.USER).public_key for _ in range(SERVICE_WILDCARD_ROSTER + 1)]
+    agents = [KeyPair.generate(Prefix.USER).public_key for _ in range(2001)]
     pub, sub = node_permissions(node, agents, role="service")
     assert "mesh.agent.*.inbox" in sub and not any(s == f"mesh.agent.{agents[0]}.inbox" for s in sub)
     assert {"mesh.feed.*.>", "mesh.metrics.*", "mesh.log.*.>"} <= set(pub)
-    assert len(pub) + len(sub) < 100  # constant in the roster
     assert "mesh.feed.get" in sub and "mesh.feed.>" not in sub  # the lookup subject stays as it was
+    assert node_permissions(node, agents[:1], role="service") == (pub, sub)  # constant in the roster
+    assert node_permissions(node, [], role="service") == (pub, sub)
     participant_pub, participant_sub = node_permissions(node, agents[:3])
     assert "mesh.agent.*.inbox" not in participant_sub and "mesh.metrics.*" not in participant_pub
-    at_limit_pub, at_limit_sub = node_permissions(node, agents[:SERVICE_WILDCARD_ROSTER], role="service")
-    assert "mesh.agent.*.inbox" not in at_limit_sub and f"mesh.agent.{agents[0]}.inbox" in at_limit_sub
+    assert f"mesh.agent.{agents[0]}.inbox" in participant_sub
 
 
 def test_options_and_validation(roster: tuple[str, list[str]]) -> None:

@@ -88,7 +88,6 @@ __all__ = [
     "LEGACY_INBOX_PREFIX",
     "PLATFORM_CONSUMERS",
     "RESERVED_SUBJECTS",
-    "SERVICE_WILDCARD_ROSTER",
     "STARTER_PERMISSIONS",
     "STARTER_TAG",
     "NodePermissions",
@@ -166,9 +165,6 @@ SDK_INBOX_PREFIX = LEGACY_INBOX_PREFIX
 
 AGENT_MAILBOX_STREAM = "MESH_INBOX_{agent}"
 
-SERVICE_WILDCARD_ROSTER = 2000
-"""Above this many agents a service-role node's agent grants are wildcards (see
-:func:`node_permissions`): the per-agent form would not fit the broker's JWT limit."""
 SHARED_STREAMS = ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED")
 
 JS_ACCOUNT_INFO = "$JS.API.INFO"
@@ -399,14 +395,19 @@ def node_permissions(
     # (§4.4) instead of the broker dropping it: see the module note. Kept for
     # every value of require_connection_bound (the registry applies that).
     pub.insert(1, REGISTER_UNBOUND)
-    # A service node whose roster would not fit a credential (the broker takes
-    # a JWT of about 1 MiB: ~2,600 agents at ~0.4 KiB of grants each) holds the
-    # agent-scoped grants as wildcards. It loses nothing it could be kept from:
-    # with $JS.API.> it reads every mailbox stream (which captures the same
-    # inbox subjects), and feeds, metrics and logs are signed envelopes that
-    # consumers verify against their owner. Participants never get this: their
-    # rosters are capped (control_plane.MAX_ROSTER) instead.
-    wide = role == "service" and len(agents) > SERVICE_WILDCARD_ROSTER
+    # A service node holds the agent-scoped grants as wildcards, whatever its
+    # roster. It loses nothing it could be kept from: with $JS.API.> it reads
+    # every mailbox stream (which captures the same inbox subjects), and feeds,
+    # metrics and logs are signed envelopes that consumers verify against their
+    # owner. And a per-agent list costs the broker on every JetStream call:
+    # nats-server copies the caller's JWT into the client info it attaches to
+    # each API request, so a credential of ~0.4 KiB per agent made every call
+    # O(roster) (issue #21: at 1,000 agents JSON work on that copy was about a
+    # quarter of the broker's CPU in a start; the per-agent form also stops
+    # fitting the broker's ~1 MiB JWT limit near 2,600 agents). Participants
+    # never get this: their grants stay per agent, their rosters capped
+    # (control_plane.MAX_ROSTER).
+    wide = role == "service"
     for agent in [] if wide else agents:
         pub += [
             # Feeds are owner-rooted: only the owning agent's node publishes (§6.6a).
