@@ -94,7 +94,10 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             start=False,
         )
         t0 = time.monotonic()
-        daemon.start(timeout=600.0)
+        # With its bytecode cache, as an installed package starts (pip compiles
+        # on install): an environment with PYTHONDONTWRITEBYTECODE set made each
+        # start compile meshnode's ~200 modules from source (~0.3 s here).
+        daemon.start(timeout=600.0, env_extra={"PYTHONDONTWRITEBYTECODE": ""})
         while True:
             summary = daemon.admin("Status", {"agents": False})["agent_summary"]
             registered = int(summary["registered"])  # n agents plus the node's own cli agent (hosted first)
