@@ -14,14 +14,6 @@ from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit
 from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, format_size, load_config
-from meshnode.daemon.hosting import scan_plugins
-from meshnode.daemon.plugin_check import (
-    agent_problems,
-    installed_kinds,
-    module_problems,
-    raise_if_problems,
-    unused_failures,
-)
 
 from .exitcodes import (
     EX_CHECK_FAILED,
@@ -110,6 +102,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    # The daemon's plugin machinery (and through it the node runtime and NATS)
+    # only for this command: `meshnode status` and the rest start without it.
+    from meshnode.daemon.hosting import scan_plugins
+    from meshnode.daemon.plugin_check import (
+        agent_problems,
+        installed_kinds,
+        module_problems,
+        raise_if_problems,
+        unused_failures,
+    )
+
     kinds: list[str] | None = None
     try:
         config = load_config(args.config)

@@ -12,8 +12,6 @@ from typing import Any
 
 from meshnode.config import ConfigError, load_config
 from meshnode.config.values import parse_duration
-from meshnode.control_plane import InviteBundle, InviteError, read_invite, write_invite
-from meshnode.keystore import FileKeyStore, KeyStoreError
 
 from .daemon import _admin, _client_args
 from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
@@ -150,6 +148,10 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_invite(args: argparse.Namespace) -> int:
+    # Imported per command: the control plane pulls in NATS, which no other
+    # command needs before it runs (CLI start-up time).
+    from meshnode.control_plane import InviteBundle, write_invite
+
     code, result = _admin(
         args, "Mesh.Invite", {"name": args.name, "trust_tier": args.trust_tier, "tenant": args.tenant}
     )
@@ -225,6 +227,9 @@ def _toml_str(value: str) -> str:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from meshnode.control_plane import InviteError, read_invite
+    from meshnode.keystore import FileKeyStore, KeyStoreError
+
     try:
         invite = read_invite(args.invite)
     except FileNotFoundError:
