@@ -91,9 +91,18 @@ def test_kill_9_mid_burst_answers_everything_once_and_never_runs_a_handler_twice
         kept = _kept_interrupted(b)
         return (answered, kept) if set(answered) | kept >= tags else None
 
+    def missing_detail() -> str:
+        # What a reader needs to tell a lost request from a failed call: each
+        # missing call's own result, whether its handler ever ran, and the
+        # requester's side too.
+        missing = sorted(tags - set(answers()) - _kept_interrupted(b))[:20]
+        ran = {fields[1] for fields in (line.split() for line in _lines(tally)) if len(fields) > 1}
+        calls = {tag: {k: results[tag].get(k) for k in ("status", "error")} for tag in missing}
+        return (f"missing: {missing}\nran on b: {sorted(set(missing) & ran)}\ntheir calls: {calls}\n"
+                f"--- b\n{b.log_tail()}\n--- a\n{a.log_tail()}")
+
     outcome = eventually(
-        settled, timeout=120, what="every request answered or kept as interrupted",
-        detail=lambda: f"missing: {sorted(tags - set(answers()) - _kept_interrupted(b))[:20]}\n{b.log_tail()}",
+        settled, timeout=120, what="every request answered or kept as interrupted", detail=missing_detail,
     )
     answered, kept = outcome
     runs = [line.split() for line in _lines(tally)]
