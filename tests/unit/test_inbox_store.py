@@ -426,3 +426,39 @@ async def test_the_wal_starts_over_although_commits_ran_during_every_checkpoint(
     finally:
         proceed.set()
         await store.close()
+
+
+async def test_a_drained_rows_outcome_waits_until_its_answer_reached_the_broker(tmp_path: Path) -> None:
+    """A drained request's answer is published, then its row is marked answered:
+    not before the settle barrier says the answer reached the broker. A kill -9
+    in between used to leave the row answered with the answer lost in the
+    client's buffer (neither run again nor kept); now the row is still
+    dispatched then, which a restart keeps as interrupted."""
+    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=3600)
+    await store.open()
+    gate = asyncio.Event()
+    passed = 0
+
+    async def barrier() -> None:
+        nonlocal passed
+        await gate.wait()
+        passed += 1
+
+    store.settle_barrier = barrier
+    try:
+        assert await store.accept_batch(A, [("s", "r1", "request", b"{}", 1)], 100) == [True]
+        (row,) = await store.pending_rows(A, 10)
+        assert await store.start_row(row, 101)
+        store.mark_started(A, "s", "r1", 102)  # the handler runs and its answer is published
+        await store.set_state(row.inbox_id, "answered", 103, durable=False, after_answers=True)
+        await store.flush()
+        stored = await store.get(row.inbox_id)
+        assert stored is not None and stored.state == "dispatched", "answered before the answer reached the broker"
+        gate.set()
+        await eventually_async(lambda: passed == 1, what="the settle barrier passed")
+        await store.flush()
+        stored = await store.get(row.inbox_id)
+        assert stored is not None and stored.state == "answered"
+    finally:
+        gate.set()
+        await store.close()

@@ -340,6 +340,9 @@ class InboxDrain:
                         )
                     finally:
                         self.store.unclaim(row.agent, row.sender, row.msg_id)
-                    await self.store.set_state(row.inbox_id, outcome, self.node.now_ms(), durable=False)
+                    # Not before its answer reached the broker (see set_state).
+                    await self.store.set_state(
+                        row.inbox_id, outcome, self.node.now_ms(), durable=False, after_answers=True
+                    )
 
             await asyncio.gather(*(one(r) for r in rows))

@@ -201,6 +201,10 @@ class InboxStore:
         # Settle marks waiting for the barrier, and the task that passes them.
         self._unsent: list[tuple[str, str, str, int]] = []
         self._passing: list[tuple[str, str, str, int]] = []  # marks waiting on the barrier now
+        # The same for drained rows' outcomes (state, note, ms, inbox id): a row
+        # is not written answered before its answer reached the broker.
+        self._unsent_states: list[tuple[str, str | None, int, int]] = []
+        self._passing_states: list[tuple[str, str | None, int, int]] = []
         self._settler: asyncio.Task[None] | None = None
         # Live requests taken by the pipeline whose handler has not started yet
         # (nothing committed for them): the drain leaves their buffered copies
@@ -287,8 +291,10 @@ class InboxStore:
                 await self._settler
             self._settler = None
         marks = self._passing + self._unsent
+        states = self._passing_states + self._unsent_states
         self._unsent, self._passing = [], []
-        if marks and self._db is not None:
+        self._unsent_states, self._passing_states = [], []
+        if (marks or states) and self._db is not None:
             # The connection is still up at this stage of a stop: one last
             # barrier, so only answers that reached the broker are settled.
             barrier = self.settle_barrier
@@ -296,9 +302,10 @@ class InboxStore:
                 if barrier is not None:
                     await wait_for(barrier(), timeout=2.0)
                 self._settle.extend(marks)
+                self._state_pending.extend(states)
             except Exception as exc:
                 log.warning("stopping with %d answers not confirmed at the broker (%s): after a restart their "
-                            "requests' buffered copies are kept as interrupted, not run again", len(marks), exc)
+                            "requests are kept as interrupted, not run again", len(marks) + len(states), exc)
         if self._db is not None:
             try:
                 await self.flush()
@@ -418,7 +425,8 @@ class InboxStore:
             "wal_bytes": self._wal_bytes(),
             "wal_catch_ups": self.catch_ups,
             "write_behind_pending": len(self._seen_pending) + len(self._state_pending)
-            + len(self._live) + len(self._settle) + len(self._unsent) + len(self._passing),
+            + len(self._live) + len(self._settle) + len(self._unsent) + len(self._passing)
+            + len(self._unsent_states) + len(self._passing_states),
             "write_behind_dropped": self.dropped_behind,
         }
 
@@ -541,23 +549,31 @@ class InboxStore:
         # Not before the answer reached the broker: until then the pair stays
         # unfinished (a drain leaves its copy alone; a crash keeps it interrupted).
         self._unsent.append(mark)
+        self._start_settler()
+
+    def _start_settler(self) -> None:
         if self._settler is None or self._settler.done():
             self._settler = asyncio.get_running_loop().create_task(self._pass_barrier(), name="inbox-settle")
 
     async def _pass_barrier(self) -> None:
         barrier = self.settle_barrier
-        while self._unsent and barrier is not None and not self._closing:
+        while (self._unsent or self._unsent_states) and barrier is not None and not self._closing:
             marks = self._passing = self._unsent
-            self._unsent = []
+            states = self._passing_states = self._unsent_states
+            self._unsent, self._unsent_states = [], []
             try:
                 await barrier()
             except Exception as exc:  # disconnected: the marks wait for the next try
                 log.debug("settle barrier failed (%s); retrying", exc)
                 self._unsent[:0] = marks
-                self._passing = []
+                self._unsent_states[:0] = states
+                self._passing, self._passing_states = [], []
                 await asyncio.sleep(0.5)
                 continue
-            self._passing = []
+            self._passing, self._passing_states = [], []
+            if states:
+                self._state_pending.extend(states)
+                self._wake.set()
             # Written with the next commit (a request's inline commit, a drain's
             # batch, or the write-behind flush): a commit of its own per answer
             # was one WAL write per round trip at concurrency 1 (#21). A drain
@@ -894,11 +910,27 @@ class InboxStore:
     async def counts(self) -> dict[str, int]:
         return {str(state): int(n) for state, n in self.db.execute("SELECT state, count(*) FROM messages GROUP BY state")}
 
-    async def set_state(self, inbox_id: int, state: str, now_ms: int, note: str | None = None, *, durable: bool = True) -> None:
-        """Record an outcome. Outcomes after dispatch are informational, so by
-        default they are committed at once but a caller on a hot path may write behind."""
+    async def set_state(
+        self, inbox_id: int, state: str, now_ms: int, note: str | None = None, *,
+        durable: bool = True, after_answers: bool = False,
+    ) -> None:
+        """Record an outcome: committed at once by default; ``durable=False``
+        writes it behind, for a caller on a hot path.
+
+        ``after_answers``: the outcome of a drained row whose answer was just
+        published (the drain's dispatch). It is written behind, and only once
+        everything published so far reached the broker (the settle barrier):
+        a terminal state committed while the answer still sat in the client's
+        buffer, then a kill -9, left the row ``answered`` with its answer lost —
+        neither run again nor kept (seen in the crash-burst test under load).
+        Until then the row stays ``dispatched``: a crash keeps it ``interrupted``.
+        """
         if state not in STATES:
             raise ValueError(f"unknown inbox state {state!r}")
+        if after_answers and self.settle_barrier is not None:
+            self._unsent_states.append((state, note, now_ms, inbox_id))
+            self._start_settler()
+            return
         if durable:
             self._transaction(
                 [("UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
