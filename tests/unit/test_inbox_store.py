@@ -16,6 +16,18 @@ from meshnode.testing import eventually_async
 A = "U" + "A" * 55
 
 
+class _GatedBarrier:
+    """A settle barrier that passes only once ``gate`` is set, counting passes."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.passes = 0
+
+    async def __call__(self) -> None:
+        await self.gate.wait()
+        self.passes += 1
+
+
 async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=3, retention_ms=1000, seen_max_age_ms=10_000)
     await store.open()
@@ -255,14 +267,8 @@ async def test_a_request_settles_only_after_its_answer_reached_the_broker(tmp_pa
     would let the drain ack the copy of a request whose answer never left."""
     store = InboxStore(tmp_path / "i.sqlite3")
     await store.open()
-    sent = asyncio.Event()
-    passes = 0
-
-    async def barrier() -> None:
-        nonlocal passes
-        await sent.wait()
-        passes += 1
-
+    barrier = _GatedBarrier()
+    sent = barrier.gate
     store.settle_barrier = barrier
     try:
         store.take(A, "s", "b1")
@@ -276,7 +282,7 @@ async def test_a_request_settles_only_after_its_answer_reached_the_broker(tmp_pa
         assert await store.accept_batch(A, items, 102) == [None, None]  # still unfinished: left in the broker
         sent.set()
         await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the settle marks written")
-        assert passes == 1, "one barrier for the batch of answers"
+        assert barrier.passes == 1, "one barrier for the batch of answers"
         assert await store.accept_batch(A, items, 103) == [False, False]
     finally:
         await store.close()
@@ -436,14 +442,8 @@ async def test_a_drained_rows_outcome_waits_until_its_answer_reached_the_broker(
     dispatched then, which a restart keeps as interrupted."""
     store = InboxStore(tmp_path / "i.sqlite3", flush_interval=3600)
     await store.open()
-    gate = asyncio.Event()
-    passed = 0
-
-    async def barrier() -> None:
-        nonlocal passed
-        await gate.wait()
-        passed += 1
-
+    barrier = _GatedBarrier()
+    gate = barrier.gate
     store.settle_barrier = barrier
     try:
         assert await store.accept_batch(A, [("s", "r1", "request", b"{}", 1)], 100) == [True]
@@ -455,7 +455,7 @@ async def test_a_drained_rows_outcome_waits_until_its_answer_reached_the_broker(
         stored = await store.get(row.inbox_id)
         assert stored is not None and stored.state == "dispatched", "answered before the answer reached the broker"
         gate.set()
-        await eventually_async(lambda: passed == 1, what="the settle barrier passed")
+        await eventually_async(lambda: barrier.passes == 1, what="the settle barrier passed")
         await store.flush()
         stored = await store.get(row.inbox_id)
         assert stored is not None and stored.state == "answered"

@@ -389,7 +389,7 @@ class InboxStore:
                 continue
             self._syncing = asyncio.get_running_loop().create_future()
             target = self._commit_gen
-            wal = self.path.with_name(self.path.name + "-wal")
+            wal = self._wal_path
             try:
                 await asyncio.to_thread(_fsync_file, wal)
             except OSError as exc:
@@ -1084,9 +1084,13 @@ class InboxStore:
         if busy == 0 and done_frames == log_frames:
             self._synced_gen = max(self._synced_gen, gen)
 
+    @property
+    def _wal_path(self) -> Path:
+        return self.path.with_name(self.path.name + "-wal")
+
     def _wal_bytes(self) -> int:
         try:
-            return os.stat(self.path.with_name(self.path.name + "-wal")).st_size
+            return os.stat(self._wal_path).st_size
         except OSError:
             return 0
 
