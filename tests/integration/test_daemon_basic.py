@@ -43,6 +43,9 @@ def test_embedded_node_serves_and_stops_cleanly(meshnode_daemons: DaemonSet) -> 
     # The brief form (what a 10,000-agent node can answer): counts, no per-agent list.
     brief = node.admin("Status", {"agents": False})
     assert brief["agents"] == [] and brief["agent_summary"] == status["agent_summary"]
+    # ...and no asyncio task count (it walks every task); the full form counts them.
+    assert brief["process"]["asyncio_tasks"] is None and status["process"]["asyncio_tasks"] > 0
+    assert brief["process"]["rss_bytes"] > 0
     assert status["agent_summary"]["registered"] == sum(1 for a in status["agents"] if a.get("registered"))
     assert status["agent_summary"]["failed"] >= 1  # "bad" failed to start
     text = run_cli("status", "--brief", "--socket", node.socket_path).stdout

@@ -45,7 +45,8 @@ def register(commands: Any) -> None:
     status = commands.add_parser("status", help="node, mesh and agent status from a running daemon")
     _client_args(status)
     status.add_argument("--brief", action="store_true",
-                        help="agent counts instead of the per-agent list (a node with thousands of agents)")
+                        help="agent counts instead of the per-agent list, and no asyncio task count: the cheap form to poll "
+                             "(a node with thousands of agents)")
     status.set_defaults(handler=cmd_status)
 
     call = commands.add_parser("call", help="call an agent's offering as this node's CLI identity")
@@ -292,7 +293,9 @@ def _print_status(status: dict[str, Any]) -> None:
         memory = f"RSS {rss / 2**20:.1f} MiB" if isinstance(rss, int) else "RSS unknown"
         if isinstance(peak, int):
             memory += f" (peak {peak / 2**20:.1f} MiB)"
-        print(f"process   {memory}, {process.get('asyncio_tasks')} asyncio tasks, {process.get('threads')} threads"
+        tasks = process.get("asyncio_tasks")  # null in the brief form (counting walks every task)
+        counted = "" if tasks is None else f"{tasks} asyncio tasks, "
+        print(f"process   {memory}, {counted}{process.get('threads')} threads"
               " (memory is the whole process's: it cannot be split by agent)")
     loop = status.get("loop")
     if loop and loop.get("blocks"):
