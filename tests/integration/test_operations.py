@@ -120,7 +120,9 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
     assert node.process is not None
     node.process.send_signal(1)  # SIGHUP
     eventually(lambda: {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"},
-               what="the SIGHUP reload applied")
+               what="the SIGHUP reload applied",
+               # Failed once under CI load with nothing to read: the agents seen and the daemon's log.
+               detail=lambda: f"agents: {[(a['name'], a['state']) for a in node.status()['agents']]}\n{node.log_tail()}")
     assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"}
 
 
