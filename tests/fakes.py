@@ -140,6 +140,29 @@ class FakeConnection:
         #: subject -> bytes (or a function of the request bytes) that a request gets back.
         self.answers: dict[str, bytes | Callable[[bytes], bytes]] = {}
         self.subscriptions: dict[str, Callable[[Any], Awaitable[None]]] = {}
+        #: Connected until a reconnect starts; the test brings it back (``is_connected = True``).
+        self._connected = True
+        #: How often the code under test looked at ``is_connected`` (a test waits on it).
+        self.connected_checks = 0
+        self.connected_url: str | None = "nats://127.0.0.1:4222"
+        #: Reconnects that started. As in nats-py, one asked for while a reconnect
+        #: is under way is ignored (not counted).
+        self.reconnects = 0
+
+    @property
+    def is_connected(self) -> bool:
+        self.connected_checks += 1
+        return self._connected
+
+    @is_connected.setter
+    def is_connected(self, value: bool) -> None:
+        self._connected = value
+
+    async def reconnect(self) -> None:
+        if not self._connected:
+            return
+        self._connected = False
+        self.reconnects += 1
 
     def on_reconnect(self, callback: Any) -> None:
         pass

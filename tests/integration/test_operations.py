@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
 from tests.integration.cli_here import cli_here
 
@@ -125,6 +126,32 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
                detail=lambda: f"agents: {[(a['name'], a['state']) for a in node.status()['agents']]}\n{node.log_tail()}")
     assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"}
 
+
+
+def test_a_reload_applies_the_rest_when_one_added_agent_cannot_be_hosted(meshnode_daemons: DaemonSet) -> None:
+    """An agent whose key file is unusable fails alone: named under ``failed`` and in
+    Status with the file at fault, the other additions and removals applied, and
+    the next reload tries it again."""
+    node = meshnode_daemons.embedded("reload-partial", agents={"echo": {"plugin": "echo"}, "gone": {"plugin": "echo"}})
+    key_file = node.data_dir / "keys" / "agent.broken.seed"
+    key_file.write_text(KeyPair.generate().seed)
+    key_file.chmod(0o644)  # copied in carelessly: the key store refuses it
+    text = node.config_path.read_text()
+    node.config_path.write_text(text.replace("[agents.gone]", "[agents.broken]") + '\n[agents.fresh]\nplugin = "echo"\n')
+    report = ok_json(node, "reload")
+    assert report["removed"] == ["gone"] and report["added"] == ["fresh"], report
+    assert str(key_file) in report["failed"]["broken"] and "chmod 600" in report["failed"]["broken"], report
+    agents = {a["name"]: a for a in node.status()["agents"]}
+    assert set(agents) == {"cli", "echo", "fresh", "broken"}, agents
+    assert agents["broken"]["state"] == "failed" and str(key_file) in agents["broken"]["failure"], agents["broken"]
+    assert node.call("fresh", "echo", "hi")["output"] == {"ok": "hi"}
+    added = cli(node, "agents", "add", "broken", "--plugin", "echo")  # the same refusal, not an internal error
+    assert added.returncode != 0 and str(key_file) in added.stderr and "Internal" not in added.stderr, added.stderr
+    # Fixed on disk: the next reload hosts it, with the key that was there.
+    key_file.chmod(0o600)
+    again = ok_json(node, "reload")
+    assert again["added"] == ["broken"] and "failed" not in again, again
+    assert node.call("broken", "echo", "hi")["output"] == {"ok": "hi"}
 
 def _as_user(uid: int, gid: int, groups: list[int], path: str, request: dict[str, Any]) -> str:
     """Connect to the admin socket from a child running as another user; return what happened."""

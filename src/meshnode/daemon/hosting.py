@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.protocol import Conflict, InvalidParameter, NotFound, NotReady
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.daemon.plugin_check import (
     agent_problems,
@@ -27,7 +27,7 @@ from meshnode.daemon.plugin_check import (
     settings_error,
     unknown_kind_message,
 )
-from meshnode.keystore import KeyStore, get_or_create_all
+from meshnode.keystore import KeyStore, KeyStoreError, get_or_create_all
 from meshnode.node.builtin import BRIDGE_AGENT_NAME, CLI_AGENT_NAME, BuiltinAgents
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.supervise import StartTimeout
@@ -327,9 +327,20 @@ class AgentHost:
             self.catalog, _ = await asyncio.to_thread(rescan_catalog, config, self.catalog)
         if agent_cfg.plugin not in self.catalog.kinds:
             raise InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(agent_cfg.plugin, self.catalog)}")
-        self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
+        try:
+            self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
+        except KeyStoreError as exc:
+            # The message names the key file and the fix (a chmod, a bad seed).
+            raise Conflict(f"agent {name}: {exc}", {"key": f"agent.{name}"}) from None
         self.failed_agents.pop(name, None)
-        await refresh()
+        try:
+            await refresh()
+        except BaseException as exc:
+            # Not hosted: the next credential stops covering it.
+            self.agent_keys.pop(name, None)
+            if isinstance(exc, ConnectionError):
+                raise NotReady(f"agent {name} not hosted: {exc}; try again") from None
+            raise
         await self.host(
             name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
             strict=config.node.strict_plugins, max_concurrency=agent_cfg.max_concurrency,

@@ -38,7 +38,7 @@ __all__ = ["MeshLink", "credential_profile"]
 log = logging.getLogger("meshnode.daemon")
 
 #: How long a reconnect that presents a new credential may take.
-_RECONNECT_WAIT_S = 10.0
+_RECONNECT_WAIT_S = 30.0
 
 
 def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
@@ -335,12 +335,23 @@ class MeshLink:
             if connection.is_connected:
                 await connection.reconnect()
             return
+        # A reconnect already under way may have sent the previous credential,
+        # and nats-py ignores a reconnect asked for meanwhile: let that one end,
+        # then present this credential with a reconnect of our own.
+        await self._until_connected(connection, "before presenting the new credential")
         await connection.reconnect()
-        for _ in range(int(_RECONNECT_WAIT_S / 0.05)):
-            if connection.is_connected:
-                return
+        await self._until_connected(connection, "after presenting the new credential")
+
+    @staticmethod
+    async def _until_connected(connection: MeshConnection, when: str) -> None:
+        deadline = time.monotonic() + _RECONNECT_WAIT_S
+        while not connection.is_connected:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"the mesh connection was not back within {_RECONNECT_WAIT_S:g} s {when} "
+                    f"(server {connection.connected_url or 'none'}); the roster change is not in force"
+                )
             await asyncio.sleep(0.05)
-        raise RuntimeError("the mesh connection did not come back after presenting the new credential")
 
     def trust_attestation(self) -> dict[str, Any] | None:
         """The §9.7 attestation this node's manifests carry: minted by the embedded

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from meshnode.admin.protocol import InvalidParameter, NotFound, Refused
+from meshnode.admin.protocol import AdminError, InvalidParameter, NotFound, Refused
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.config import AgentConfig, ConfigError, load_config
 from meshnode.daemon.allowance import reload_allowances
@@ -305,8 +305,10 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     the start is found) and every ``[agents.X]`` table is checked against them
     as ``check-config`` does: a problem refuses the reload like a bad file. A
     table not hosted until now (its plugin was missing) is hosted (``added``);
-    one that fails to start is listed under ``failed`` (name -> why) and the
-    rest applies; an upgraded plugin that agents run is listed under
+    one that cannot be hosted or restarted (on_start raised, its key file is
+    unusable, the new credential was not presented) is listed under ``failed``
+    (name -> why), shown failed by Status and tried again by the next reload,
+    and the rest applies; an upgraded plugin that agents run is listed under
     ``requires_restart`` (its old module stays imported). Every agent's
     allowance is read again (``allowances``: name -> {source, valid,
     errors}); a change of only ``allowance_file`` / ``allowance_any_owner``
@@ -343,10 +345,13 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
             cfg = new_agents[name]
             try:
                 await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
-            except InvalidParameter as exc:
-                # One agent failing to start (its on_start raised) fails alone:
-                # the rest of the new configuration still applies.
-                report.setdefault("failed", {})[name] = exc.message
+            except Exception as exc:
+                # One agent failing to start fails alone and the rest of the new
+                # configuration still applies: its on_start raised, its key file
+                # is unusable, the credential naming it was not presented in time.
+                # Raising here would end the reload half-applied (removals done,
+                # later additions never tried) with only a log line to show.
+                _record_failed(daemon, report, name, "could not be hosted", exc)
                 continue
             report["added"].append(name)
         for kind, change in sorted(upgraded.items()):
@@ -362,7 +367,11 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
                 continue
             if _without_allowance(old_agents[name]) != _without_allowance(new_agents[name]):
                 daemon.config.agents[name] = new_agents[name]
-                await daemon.restart_agent(name, new_agents[name])
+                try:
+                    await daemon.restart_agent(name, new_agents[name])
+                except Exception as exc:
+                    _record_failed(daemon, report, name, "could not be restarted", exc)
+                    continue
                 report["restarted"].append(name)
         # EXT-8: every allowance_file read again (changed, removed, now invalid:
         # in force at once, failing closed as at start); no agent restarts for it.
@@ -377,6 +386,20 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+def _record_failed(daemon: Daemon, report: dict[str, Any], name: str, what: str, exc: Exception) -> None:
+    """Report one agent the reload could not apply (``failed``: name -> why).
+
+    An agent left unhosted is also listed by ``Status`` as failed with the
+    reason, and the next reload (or ``agents add``) tries it again.
+    """
+    why = exc.message if isinstance(exc, AdminError) else f"{type(exc).__name__}: {exc}"
+    log.error("reload: agent %s %s: %s", name, what, why)
+    report.setdefault("failed", {})[name] = why
+    running = daemon.node.agents if daemon.node is not None else {}
+    if name not in running:
+        daemon._hosting().failed_agents[name] = why
 
 
 def _without_allowance(agent: AgentConfig) -> AgentConfig:
