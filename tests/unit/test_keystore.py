@@ -28,6 +28,7 @@ from meshnode.keystore import (
     KeyStoreUnavailable,
     SystemdCredentialsKeyStore,
     detect_keyring,
+    file_store,
     get_or_create_all,
     keyring_usable,
     open_keystore,
@@ -154,6 +155,39 @@ def test_get_or_create_all_writes_new_keys_in_one_batch(store: FileKeyStore, per
     again = get_or_create_all(FileKeyStore(store.data_dir), names)
     assert [k.seed for k in again] == [k.seed for k in keys[:40]]
 
+
+
+@pytest.mark.parametrize("flush", ["syncfs", "fsync each file"])
+def test_a_batch_is_durable_before_any_key_is_linked_into_place(
+    store: FileKeyStore, monkeypatch: pytest.MonkeyPatch, flush: str
+) -> None:
+    """A failed flush (the disk full, say) leaves neither a key file nor a temporary
+    one: no key is in place that a crash could leave empty. Both ways of making the
+    batch durable: one syncfs(2) (Linux) and an fsync per file (elsewhere)."""
+    if flush == "syncfs" and file_store._SYNCFS is None:
+        pytest.skip("no syncfs(2) on this platform")
+    if flush == "fsync each file":
+        monkeypatch.setattr(file_store, "_SYNCFS", None)
+
+    calls = []
+
+    def full(*_: object) -> None:
+        calls.append(1)
+        if flush == "syncfs" or len(calls) >= 3:  # fsync: two files flushed, then the disk is full
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_store, "_syncfs", full)
+    monkeypatch.setattr(os, "fsync", full)
+    names = [f"agent.b{i:02d}" for i in range(12)]
+    with pytest.raises(KeyStoreError, match="No space left"):
+        get_or_create_all(store, names)  # syncfs: its first call fails; fsync: the third file's
+    assert os.listdir(store.directory) == []
+    monkeypatch.undo()
+    if flush == "fsync each file":
+        monkeypatch.setattr(file_store, "_SYNCFS", None)
+    keys = get_or_create_all(store, names)
+    assert sorted(os.listdir(store.directory)) == sorted(f"{n}.seed" for n in names)
+    assert [store.get(n).public_key for n in names] == [k.public_key for k in keys]  # type: ignore[union-attr]
 
 def test_get_missing_and_names_and_delete(store: FileKeyStore) -> None:
     assert store.get("node") is None
