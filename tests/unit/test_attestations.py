@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshnode.protocol import attestations
 from meshnode.protocol.attestations import (
     DAY_MS,
     HOUR_MS,
@@ -277,6 +278,34 @@ def test_trust_attestation_refusals() -> None:
             verify_trust_attestation(candidate, **{"now_ms": T0, **kwargs})
         assert _refusal(exc) == ("UNAUTHORIZED", reason, field), (reason, exc.value.details)
 
+
+
+def test_a_verified_trust_attestation_is_not_verified_again_but_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One node's attestation rides in each of its agents' manifests: its signature is
+    verified once; its lifetime, subject and issuer are checked on every call, and any
+    byte changed is verified (and refused) afresh."""
+    calls: list[bytes] = []
+    real = attestations.verify
+
+    def counting(key: str, body: bytes, sig: bytes) -> bool:
+        calls.append(body)
+        return real(key, body, sig)
+
+    monkeypatch.setattr(attestations, "verify", counting)
+    att = make_trust_attestation(OPERATOR, NODE.public_key, {"trust_tier": "verified"}, T0 + 7, T0 + DAY_MS)
+    for _ in range(3):
+        assert verify_trust_attestation(att, now_ms=T0, expected_subject=NODE.public_key) == {"trust_tier": "verified"}
+    assert len(calls) == 1
+    with pytest.raises(ProtocolError) as exc:
+        verify_trust_attestation(att, now_ms=T0 + DAY_MS + 1)
+    assert _refusal(exc)[1] == "trust_attestation_expired"
+    with pytest.raises(ProtocolError) as exc:
+        verify_trust_attestation(att, now_ms=T0, expected_subject=OTHER.public_key)
+    assert _refusal(exc)[1] == "trust_attestation_subject_mismatch"
+    with pytest.raises(ProtocolError) as exc:
+        verify_trust_attestation({**att, "claims": {"trust_tier": "standard"}}, now_ms=T0)
+    assert _refusal(exc)[1] == "trust_attestation_signature_invalid"
+    assert len(calls) == 3  # the altered one: both signed forms tried, neither holds
 
 def test_make_trust_attestation_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="operator or account"):
