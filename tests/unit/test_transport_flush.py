@@ -1,4 +1,4 @@
-"""MeshConnection against the wire: the delivery barrier writes earlier publishes before its PING (issue #23, exactly-once), and a cancelled request is cancelled.
+"""MeshConnection against the wire: the delivery barrier writes earlier publishes before its PING (issue #23, exactly-once), a cancelled request is cancelled, and a client that closes on a server error is reported lost.
 
 The node marks an answer delivered once ``MeshConnection.flush`` returns, so
 the broker must have read the answer's bytes by then. nats-py's own flush
@@ -26,6 +26,8 @@ class _ProtocolPeer:
     def __init__(self) -> None:
         self.commands: list[str] = []
         self.server: asyncio.Server | None = None
+        self.sids: dict[str, str] = {}  # subject -> the client's subscription id
+        self.writer: asyncio.StreamWriter | None = None
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -35,12 +37,16 @@ class _ProtocolPeer:
         info = {"server_id": "peer", "version": "2.10.0", "proto": 1, "max_payload": 1 << 20, "headers": True}
         writer.write(f"INFO {json.dumps(info)}\r\n".encode())
         await writer.drain()
+        self.writer = writer
         try:
             while line := await reader.readline():
                 verb, _, rest = line.decode().rstrip("\r\n").partition(" ")
                 if verb in ("PUB", "HPUB"):
                     size = int(rest.split()[-1])
                     await reader.readexactly(size + 2)
+                if verb == "SUB":
+                    subject, *_, sid = rest.split()
+                    self.sids[subject] = sid
                 self.commands.append(verb)
                 if verb == "PING":
                     writer.write(b"PONG\r\n")
@@ -55,6 +61,16 @@ class _ProtocolPeer:
         arrived = self.commands[since:]
         assert "PING" in arrived, arrived
         return arrived[: arrived.index("PING")]
+
+    async def expire_after_message(self, subject: str) -> None:
+        """Deliver one message on ``subject``, then do what nats-server does when
+        the client's credential expires: -ERR and close, all in one write."""
+        assert self.writer is not None
+        # No drain between: the client must find the error and the end of the
+        # stream together, as it does when the server closed while it slept.
+        self.writer.write(f"MSG {subject} {self.sids[subject]} 0\r\n\r\n-ERR 'User Authentication Expired'\r\n".encode())
+        self.writer.close()
+        await self.writer.wait_closed()
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -131,3 +147,42 @@ async def test_a_cancelled_request_raises_even_where_the_client_swallows_it() ->
         pass
     assert caller.cancelled()
     await eventually_async(lambda: client.swallowed, what="the orphaned request cancelled too")
+
+
+async def test_a_client_closed_without_its_callback_is_reported_lost_by_the_next_ping() -> None:
+    # A host that slept past its credential: on waking, work published before the
+    # client read the server's -ERR, so nats-py's close wrote its pending buffer
+    # into the socket the server had closed; uvloop (the daemon's loop) refuses
+    # that write, the close task died half-way, and closed_cb never came. The
+    # daemon then waited on a dead client (the integration test
+    # test_a_node_that_slept_past_its_credential_heals_itself, in CI). That race
+    # needs two processes and a sleeping host; here the client closes for the
+    # same server error with its callback taken away, which is the state it left.
+    peer = _ProtocolPeer()
+    port = await peer.start()
+    conn = MeshConnection([f"nats://127.0.0.1:{port}"], node_key=None, jwt_source=None)
+    lost: list[str] = []
+    await conn.connect()
+    conn.on_lost(lambda: lost.append("lost"))
+    try:
+        await conn.subscribe("wake", _ignore)
+        await conn.flush(timeout=5)
+        conn.nc._closed_cb = None  # what a close that died before its callbacks leaves
+        await peer.expire_after_message("wake")
+        await eventually_async(lambda: conn.nc.is_closed, what="nats-py closing on the server's -ERR")
+        assert not lost
+        for _ in range(2):
+            try:
+                await conn.ping(1.0)
+            except ConnectionError as exc:
+                assert "closed for good" in str(exc) and "authentication expired" in str(exc).lower(), exc
+            else:
+                raise AssertionError("a closed client answered a ping")
+        assert lost == ["lost"], "reported once, at the first ping that found the client closed"
+    finally:
+        await conn.close()
+        await peer.stop()
+
+
+async def _ignore(msg: object) -> None:
+    return None

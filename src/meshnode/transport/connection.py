@@ -101,6 +101,7 @@ class MeshConnection:
         self._error_listeners: list[Callable[[str], None]] = []
         self._lost_listeners: list[Callable[[], None]] = []
         self._closing = False
+        self._lost_reported = False
         # A reconnect we asked for (a new credential to present): its disconnect
         # is routine, logged at INFO, not a WARNING about a lost mesh.
         self._planned_reconnect = False
@@ -298,6 +299,10 @@ class MeshConnection:
         broker keeps the TCP connection open, so only this tells), and
         ConnectionError while the client is between servers.
         """
+        if self._nc is not None and self._nc.is_closed:
+            # nats-py can close without calling closed_cb: see _report_lost.
+            self._report_lost()
+            raise ConnectionError(f"the connection is closed for good ({self._closed_reason()})")
         if not self.is_connected:
             raise ConnectionError("not connected (the client is reconnecting)")
         with translated():
@@ -370,10 +375,31 @@ class MeshConnection:
 
     async def _on_closed(self) -> None:
         log.info("mesh connection closed")
-        if not self._closing:
-            log.error("the mesh connection was closed for good (%s)", self.last_error or "no reason given")
-            for listener in self._lost_listeners:
-                listener()
+        self._report_lost()
+
+    def _closed_reason(self) -> str:
+        server_error = self._nc.last_error if self._nc is not None else None
+        return str(self.last_error or server_error or "no reason given")
+
+    def _report_lost(self) -> None:
+        """Tell the lost listeners, once, that the client closed without being asked to.
+
+        Two paths lead here: nats-py's closed_cb, and :meth:`ping` finding the
+        client closed. The second is needed because nats-py's close can fail
+        half-way and skip its callbacks: on a server error (an expired
+        credential) it writes its pending buffer into the transport the server
+        already closed, which uvloop refuses with RuntimeError, and the close
+        task dies unobserved. Seen after a host slept past its credential: jobs
+        woke and published before the error was read, and the daemon waited on a
+        dead client forever. The broker watch pings every few seconds, so that
+        case is noticed within one interval.
+        """
+        if self._closing or self._lost_reported:
+            return
+        self._lost_reported = True
+        log.error("the mesh connection was closed for good (%s)", self._closed_reason())
+        for listener in self._lost_listeners:
+            listener()
 
 
 class _RepeatLimiter:
