@@ -393,6 +393,38 @@ def _code(control: ControlPlaneServer, body: dict[str, Any]) -> tuple[int, str |
     return caught.value.status, caught.value.code
 
 
+def test_reads_follow_every_change_of_nodes_json(
+    tmp_path: Path, control: ControlPlaneServer, mesh_keys_only: EmbeddedNatsServer, clock: Clock,
+    agents: list[KeyPair],
+) -> None:
+    # The registry asks on every registration (retired? which tier?), so reads are
+    # served from the last parse while the file is unchanged; every change must show.
+    agent = agents[0].public_key
+    key = KeyPair.from_seed(control.invite("alpha").node_seed)
+    assert control.trust_tier_of(key.public_key) == "standard" and not control.agent_retired(agent)
+    control.retire_agent(agent)  # a write by this process
+    assert control.agent_retired(agent)
+
+    # Another process (the CLI) changes the file: a second control plane on the same directory.
+    other = ControlPlaneServer(mesh_keys_only, tmp_path / "cp", port=0, nats_urls=[NATS_URL], clock=clock)
+    other.retire_node(key.public_key)
+    assert [n.retired for n in control.list_nodes()] == [True]
+    sandbox = KeyPair.from_seed(other.invite("beta", trust_tier="sandbox").node_seed)
+    assert control.trust_tier_of(sandbox.public_key) == "sandbox"
+
+    # A loosened mode is still restricted at the next read, as a fresh read does.
+    state_file = control.state_path
+    os.chmod(state_file, 0o644)
+    assert control.trust_tier_of(sandbox.public_key) == "sandbox"
+    assert stat.S_IMODE(os.stat(state_file).st_mode) == 0o600
+
+    # A damaged file is reported, not served from the last good parse.
+    state_file.write_text("{not json")
+    os.chmod(state_file, 0o600)
+    with pytest.raises(ControlPlaneStateError):
+        control.agent_retired(agent)
+
+
 def test_refusals_carry_the_revocation_codes(
     control: ControlPlaneServer, clock: Clock, agents: list[KeyPair]
 ) -> None:

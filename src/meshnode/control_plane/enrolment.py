@@ -190,7 +190,7 @@ class Enrolment:
 
     def list_nodes(self) -> list[EnrolledNode]:
         """Every node ever enrolled, retired ones included, oldest first."""
-        return sorted(self._store.load().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
+        return sorted(self._store.current().nodes.values(), key=lambda n: (n.enrolled_at, n.name))
 
     def _check_tenant(self, tenant: str) -> str:
         check_tenant_name(tenant)
@@ -265,7 +265,7 @@ class Enrolment:
         A self-vouching SDK agent's key (see :meth:`sdk_agent_of`) has its
         enrolment's tier: a sandbox token's agent stays sandboxed.
         """
-        state = self._store.load()
+        state = self._store.current()
         node = state.nodes.get(node_id) or _sdk_enrolment(state, node_id)[0]
         return None if node is None else node.trust_tier
 
@@ -341,7 +341,7 @@ class Enrolment:
 
     def agent_retired(self, agent_id: str) -> bool:
         """Whether ``agent_id`` was retired (the registry answers its key as revoked)."""
-        record = self._store.load().agents.get(agent_id)
+        record = self._store.current().agents.get(agent_id)
         return record is not None and record.status == "retired"
 
     def pause_agent(self, agent_id: str) -> str:
@@ -515,7 +515,7 @@ class Enrolment:
 
     def list_tokens(self) -> list[EnrolmentToken]:
         """Every token ever minted (pending, used, revoked, expired), oldest first."""
-        return sorted(self._store.load().tokens.values(), key=lambda t: (t.created_at, t.name))
+        return sorted(self._store.current().tokens.values(), key=lambda t: (t.created_at, t.name))
 
     def revoke_token(self, name: str) -> str:
         """Revoke the pending token named ``name``. Raises LookupError when none is pending."""
@@ -540,7 +540,7 @@ class Enrolment:
         a self-vouch. Either way only the holder of that enrolment's keys can
         sign the vouch.
         """
-        return _sdk_enrolment(self._store.load(), node_id)[1]
+        return _sdk_enrolment(self._store.current(), node_id)[1]
 
     def bootstrap(self, body: object, *, peer: str = "-") -> dict[str, Any]:
         """Exchange an enrolment token: the ``POST /v1/bootstrap`` of the AgentMesh SDKs.

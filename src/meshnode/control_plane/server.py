@@ -195,7 +195,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
         try:
             body = _json_body(request)
             claimed = body.get("node_id") if isinstance(body, dict) else None
-            node = self._store.load().nodes.get(claimed) if isinstance(claimed, str) else None
+            node = self._store.current().nodes.get(claimed) if isinstance(claimed, str) else None
             if node is None or node.retired:
                 return None  # checked first: junk costs no signature verification
             node_id, _ = verify_node_credential_request(body, int(self._clock()), self.max_skew_s)
