@@ -5,11 +5,11 @@ Also the §8.6 sandbox clamp, which narrows what a stored manifest lists.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..json_copy import copy_json
 from .access import _readable_access
 from .declarations import _drop_unreadable_declarations
 from .shapes import (
@@ -121,7 +121,7 @@ def _check_public(manifest: dict[str, Any], dropped: list[str]) -> None:
 
 def _public_offering(offering: Mapping[str, Any]) -> dict[str, Any]:
     return {
-        member: copy.deepcopy(offering[member])
+        member: copy_json(offering[member])
         for member in _PUBLIC_OFFERING_MEMBERS
         if member in offering
     }
@@ -142,7 +142,7 @@ def materialize_public_block(manifest: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(public, Mapping):
         return out
     block = {
-        k: copy.deepcopy(v)
+        k: copy_json(v)
         for k, v in public.items()
         if k not in _REGISTRY_MATERIALIZED and k not in ("skills", "skill_details")
     }
@@ -157,7 +157,7 @@ def materialize_public_block(manifest: Mapping[str, Any]) -> dict[str, Any]:
         block["offering_details"] = [_public_offering(declared[i]) for i in kept]
     for member in ("default_input_modes", "default_output_modes"):
         if isinstance(manifest.get(member), list):
-            block[member] = copy.deepcopy(manifest[member])
+            block[member] = copy_json(manifest[member])
     out["public"] = block
     return out
 
@@ -192,11 +192,11 @@ def describe_document(
     """
     doc: dict[str, Any] = {"agent_id": manifest["id"]}
     if card is not None:
-        doc["card"] = copy.deepcopy(dict(card))
+        doc["card"] = copy_json(dict(card))
     for member in _DESCRIBE_TRAVELLERS:
         if member in manifest and manifest[member] is not None:
-            doc[member] = copy.deepcopy(manifest[member])
+            doc[member] = copy_json(manifest[member])
     public = manifest.get("public")
     if isinstance(public, Mapping):
-        doc["public"] = copy.deepcopy(dict(public))
+        doc["public"] = copy_json(dict(public))
     return doc

@@ -7,7 +7,6 @@ declarations and public block (:mod:`.declarations`, :mod:`.public_block`).
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from ..attestations import (
     verify_vouch,
 )
 from ..errors import ProtocolError
+from ..json_copy import copy_json
 from ..nkeys import Prefix, is_valid_public
 from .declarations import _drop_unreadable_declarations, _readable_reporting
 from .public_block import _check_public, clamp_for_sandbox, materialize_public_block
@@ -561,7 +561,7 @@ def check_registration(
     """
     if not isinstance(manifest, Mapping):
         raise _invalid("manifest", "must be an object")
-    working: dict[str, Any] = _apply_legacy_aliases(copy.deepcopy(dict(manifest)))
+    working: dict[str, Any] = _apply_legacy_aliases(copy_json(dict(manifest)))
     dropped: list[str] = []
     agent_id = _check_identity(working, sender)
     _check_descriptive_fields(working)
