@@ -50,7 +50,9 @@ async def _drain_once(mesh: EmbeddedNatsServer, workdir: Path, count: int, batch
     conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
                           inbox_prefix=node_inbox_prefix(node_key.public_key))
     await conn.connect()
-    await ensure_inbox_stream(conn.jetstream, agent_key.public_key, max_bytes=256 * 1024 * 1024)
+    # Room for every message: the default mailbox bounds (count and bytes) would
+    # refuse the rest, and the pass would drain only what fitted.
+    await ensure_inbox_stream(conn.jetstream, agent_key.public_key, max_bytes=256 * 1024 * 1024, max_msgs=count)
     subject = subjects.agent_inbox(agent_key.public_key)
     now = time.time_ns() // 1_000_000
     for i in range(count):
@@ -61,9 +63,12 @@ async def _drain_once(mesh: EmbeddedNatsServer, workdir: Path, count: int, batch
     # The stream stores asynchronously after the server has the messages: wait for all.
     stream = subjects.inbox_stream_name(agent_key.public_key)
     for _ in range(600):
-        if (await conn.jetstream.stream_state(stream)).messages >= count:
+        stored = (await conn.jetstream.stream_state(stream)).messages
+        if stored >= count:
             break
         await asyncio.sleep(0.05)
+    else:
+        raise RuntimeError(f"the mailbox holds {stored} of the {count} messages published to it")
     node = Node(settings=NodeSettings(name="bench", registry_timeout_s=0.2), node_key=node_key, connection=conn)
     store = InboxStore(workdir / f"inbox-{batch}-{per_message}.sqlite3")
     await store.open()
