@@ -48,6 +48,7 @@ from meshnode.daemon.platform import (
     stream_limits,
 )
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.daemon.startup_gc import full_collections_deferred
 from meshnode.daemon.statusboard import LISTED_AGENTS_MAX, StatusBoard
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.taskdump import dump_tasks
@@ -209,10 +210,11 @@ class Daemon:
             Stage("a2a", 30.0, self._stage_a2a),
         ]
         try:
-            for stage in stages:
-                self.stage = stage.name
-                self.notifier.status(f"starting: {stage.name}")
-                await run_stage(stage, critical=True)
+            with full_collections_deferred():
+                for stage in stages:
+                    self.stage = stage.name
+                    self.notifier.status(f"starting: {stage.name}")
+                    await run_stage(stage, critical=True)
         except asyncio.CancelledError:
             # A stop asked for during start-up (start_unless_stopped): not a
             # failure; the shutdown stages undo what did start.
