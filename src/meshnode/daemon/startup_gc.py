@@ -8,8 +8,8 @@ geometric series of them: 17 full collections, 6.4 s of the daemon's ~37 s of
 CPU, while 10,000 agents started (measured with ``gc.callbacks``); with them
 deferred the daemon's CPU fell from 3.7 to 3.2 ms per agent. The young
 generations still run, so short-lived cycles are freed as before; what they
-promote waits for the one full collection at the end, before the node
-reports itself serving.
+promote waits for the one full collection at the end of a successful
+start, before the node reports itself serving.
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ _NEVER = 1 << 30
 
 @contextlib.contextmanager
 def full_collections_deferred() -> Iterator[None]:
-    """Within the block, the collector runs only its young generations; on the way
-    out (however the block ends) its thresholds are restored and one full
-    collection runs."""
+    """Within the block, the collector runs only its young generations. On the way
+    out its thresholds are restored however the block ends; when it ended
+    normally (the node is about to serve), one full collection runs. A failed or
+    cancelled start goes straight on to shutting down, which must stay prompt."""
     young, middle, oldest = gc.get_threshold()
     gc.set_threshold(young, middle, _NEVER)
     try:
         yield
     finally:
         gc.set_threshold(young, middle, oldest)
-        if gc.isenabled():
-            started = time.perf_counter()
-            freed = gc.collect()
-            log.debug("start-up: one full garbage collection, %d objects freed in %.0f ms",
-                      freed, (time.perf_counter() - started) * 1000)
+    if gc.isenabled():
+        started = time.perf_counter()
+        freed = gc.collect()
+        log.debug("start-up: one full garbage collection, %d objects freed in %.0f ms",
+                  freed, (time.perf_counter() - started) * 1000)
