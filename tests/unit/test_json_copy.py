@@ -53,3 +53,13 @@ def test_other_types_are_left_to_deepcopy() -> None:
     copied = copy_json(value)
     assert copied == value
     assert copied["t"][0] is not inner and copied["s"] is not value["s"]
+
+
+def test_a_read_only_mapping_becomes_a_dict() -> None:
+    # Signed documents are kept behind read-only views; a copy is plain JSON again.
+    from types import MappingProxyType
+
+    inner = [1]
+    copied = copy_json({"doc": MappingProxyType({"price": {"amount": 5}, "tags": inner})})
+    assert copied == {"doc": {"price": {"amount": 5}, "tags": [1]}}
+    assert type(copied["doc"]) is dict and copied["doc"]["tags"] is not inner

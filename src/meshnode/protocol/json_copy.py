@@ -11,6 +11,7 @@ that must stay shared, so no memo is needed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import TypeVar
 
 __all__ = ["copy_json"]
@@ -23,9 +24,10 @@ _IMMUTABLE = (str, int, float, bool, type(None))
 def copy_json(value: T) -> T:
     """A deep copy of ``value``: new dicts and lists all the way down.
 
-    Strings, numbers, booleans and None are shared (they are immutable); any
-    other type (a tuple, a set, a custom object) is copied by ``copy.deepcopy``,
-    so the result equals what deepcopy returns for every input.
+    Any other mapping (a read-only view of a signed document) becomes a dict,
+    as JSON would carry it. Strings, numbers, booleans and None are shared
+    (they are immutable); any other type (a tuple, a set, a custom object) is
+    copied by ``copy.deepcopy``. For decoded JSON the result equals deepcopy's.
     """
     kind = type(value)
     if kind is dict:
@@ -34,4 +36,6 @@ def copy_json(value: T) -> T:
         return [copy_json(item) for item in value]  # type: ignore[attr-defined,return-value]
     if kind in _IMMUTABLE:
         return value
+    if isinstance(value, Mapping):
+        return {key: copy_json(item) for key, item in value.items()}  # type: ignore[return-value]
     return copy.deepcopy(value)

@@ -15,10 +15,11 @@ from urllib.parse import quote
 from ..budget import DEADLINE_SKEW_TOLERANCE_MS
 from ..canonical import CanonicalJSONError
 from ..errors import ProtocolError, shape_error
+from ..json_copy import copy_json
 from ..nkeys import KeyPair, is_valid_public
 from ..signing import b64url_decode, b64url_encode, sign_object, verify_object
 from ..timeutil import format_ts, try_parse_rfc3339
-from .sku import SKU_ID_PATTERN, Sku, _deep_copy, sku_for
+from .sku import SKU_ID_PATTERN, Sku, sku_for
 
 __all__ = [
     "AGREEMENT_TAG",
@@ -98,7 +99,7 @@ class Agreement:
         return self.expires_at_ms is not None and now_ms >= self.expires_at_ms
 
     def to_object(self) -> dict[str, Any]:
-        return dict(_deep_copy(self.document))
+        return dict(copy_json(self.document))
 
 
 def _is_digest(value: object) -> bool:
@@ -166,7 +167,7 @@ def parse_agreement(doc: object) -> Agreement:
         raise _agreement_invalid(AgreementInvalid.MISSING_SIG, "sig", "an agreement is signed")
     return Agreement(
         doc["consumer_owner"], doc["seller_agent"], sku, digest, agreed_at, agreed_ms, sig,
-        expires_at, expires_ms, evidence, _deep_copy(doc),
+        expires_at, expires_ms, evidence, copy_json(doc),
     )
 
 
@@ -206,7 +207,7 @@ def sign_agreement(document: Mapping[str, Any], owner: KeyPair) -> dict[str, Any
     account by definition) and any previous ``sig`` replaced. The result is
     validated; raises ProtocolError when the document is malformed.
     """
-    unsigned = {k: _deep_copy(v) for k, v in document.items() if k != "sig"}
+    unsigned = {k: copy_json(v) for k, v in document.items() if k != "sig"}
     unsigned["consumer_owner"] = owner.public_key
     signed = dict(unsigned, sig=sign_object(unsigned, AGREEMENT_TAG, owner))
     parse_agreement(signed)

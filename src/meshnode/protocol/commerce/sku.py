@@ -15,6 +15,7 @@ from typing import Any
 
 from ..canonical import CanonicalJSONError, canonicalize
 from ..errors import ProtocolError
+from ..json_copy import copy_json
 from ..signing import b64url_encode
 from .price import CommerceInvalid, Price, _invalid, parse_price
 
@@ -78,15 +79,7 @@ class Sku:
 
     def to_object(self) -> dict[str, Any]:
         """A copy of the SKU as declared (the digested bytes' object)."""
-        return dict(_deep_copy(self.document))
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
+        return dict(copy_json(self.document))
 
 
 def _parse_covers(raw: object) -> tuple[bool, tuple[str, ...]]:
@@ -149,7 +142,7 @@ def parse_sku(obj: object) -> Sku:
         digest = sku_digest(obj)
     except CanonicalJSONError as exc:
         raise _invalid(CommerceInvalid.NOT_AN_OBJECT, "sku", f"no canonical form: {exc}") from None
-    return Sku(sku_id, covers_agent, offerings, price, provider, digest, _deep_copy(obj))
+    return Sku(sku_id, covers_agent, offerings, price, provider, digest, copy_json(obj))
 
 
 def parse_skus(raw: object) -> tuple[Sku, ...]:
