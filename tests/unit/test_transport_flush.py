@@ -26,7 +26,6 @@ class _ProtocolPeer:
     def __init__(self) -> None:
         self.commands: list[str] = []
         self.server: asyncio.Server | None = None
-        self.sids: dict[str, str] = {}  # subject -> the client's subscription id
         self.writer: asyncio.StreamWriter | None = None
 
     async def start(self) -> int:
@@ -44,9 +43,6 @@ class _ProtocolPeer:
                 if verb in ("PUB", "HPUB"):
                     size = int(rest.split()[-1])
                     await reader.readexactly(size + 2)
-                if verb == "SUB":
-                    subject, *_, sid = rest.split()
-                    self.sids[subject] = sid
                 self.commands.append(verb)
                 if verb == "PING":
                     writer.write(b"PONG\r\n")
@@ -62,13 +58,10 @@ class _ProtocolPeer:
         assert "PING" in arrived, arrived
         return arrived[: arrived.index("PING")]
 
-    async def expire_after_message(self, subject: str) -> None:
-        """Deliver one message on ``subject``, then do what nats-server does when
-        the client's credential expires: -ERR and close, all in one write."""
+    async def expire(self) -> None:
+        """What nats-server does when the client's credential expires: -ERR, then close."""
         assert self.writer is not None
-        # No drain between: the client must find the error and the end of the
-        # stream together, as it does when the server closed while it slept.
-        self.writer.write(f"MSG {subject} {self.sids[subject]} 0\r\n\r\n-ERR 'User Authentication Expired'\r\n".encode())
+        self.writer.write(b"-ERR 'User Authentication Expired'\r\n")
         self.writer.close()
         await self.writer.wait_closed()
 
@@ -165,10 +158,9 @@ async def test_a_client_closed_without_its_callback_is_reported_lost_by_the_next
     await conn.connect()
     conn.on_lost(lambda: lost.append("lost"))
     try:
-        await conn.subscribe("wake", _ignore)
         await conn.flush(timeout=5)
         conn.nc._closed_cb = None  # what a close that died before its callbacks leaves
-        await peer.expire_after_message("wake")
+        await peer.expire()
         await eventually_async(lambda: conn.nc.is_closed, what="nats-py closing on the server's -ERR")
         assert not lost
         for _ in range(2):
@@ -182,7 +174,3 @@ async def test_a_client_closed_without_its_callback_is_reported_lost_by_the_next
     finally:
         await conn.close()
         await peer.stop()
-
-
-async def _ignore(msg: object) -> None:
-    return None
