@@ -315,6 +315,9 @@ SIGNAL_PREFIX: Final[Mapping[Intake, str]] = {
 }
 
 _ANSWERS: Final = frozenset({"request", "respond"})
+# Per-path names, made once: on 3.11 every ``member.value`` read is a descriptor call.
+_PATH_NAME: Final[Mapping[Path, str]] = {p: p.value for p in Path}
+_RECEIVED_COUNTER: Final[Mapping[Path, str]] = {p: f"received.{p.value}" for p in Path}
 _EMITS: Final = frozenset({"emit"})
 _REFUSED_BYTES_CAP: Final = 5000
 
@@ -342,7 +345,7 @@ async def receive(
     now_ms = node.now_ms()
     counters = hosted.counters
     counters["received"] += 1
-    counters[f"received.{path.value}"] += 1
+    counters[_RECEIVED_COUNTER[path]] += 1
     inbox = node.inbox
     try:
         try:
@@ -398,7 +401,7 @@ async def receive(
             inbox.commit_live_soon(hosted.agent_id, env["from"], env["id"], now_ms)
     elif inbox is not None and path is not Path.MAILBOX:
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
-    node.audit(hosted, env, direction="in", path=path.value)
+    node.audit(hosted, env, direction="in", path=_PATH_NAME[path])
     if kind == "request":
         try:
             outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
