@@ -360,10 +360,12 @@ async def test_live_responds_and_settle_marks_ride_the_next_commit(tmp_path: Pat
         await reopened.close()
 
 
-async def test_settle_marks_wait_for_the_next_commit_after_their_barrier(tmp_path: Path) -> None:
-    """Issue #21: once the barrier passed, an answered request's finished mark is
-    written with the next commit or the write-behind flush, not by a commit of
-    its own; a drain meanwhile writes it first and acks the copy as handled."""
+async def test_answers_share_one_barrier_and_one_commit_per_flush_tick(tmp_path: Path) -> None:
+    """Issue #21: an answered request's finished mark waits for the write-behind
+    flush's next tick, which passes the settle barrier (a flush round trip to
+    the broker) once for every answer since the last tick, then writes their
+    marks in one commit. A barrier started per answer was one round trip per
+    request at concurrency 1; a commit per answer, one WAL write each."""
     store = InboxStore(tmp_path / "i.sqlite3", flush_interval=3600)
     await store.open()
     passed = 0
@@ -374,15 +376,22 @@ async def test_settle_marks_wait_for_the_next_commit_after_their_barrier(tmp_pat
 
     store.settle_barrier = barrier
     try:
-        store.take(A, "s", "q")
-        assert store.commit_live_now(A, "s", "q", 100) == "committed"
+        for q in ("q1", "q2", "q3"):
+            store.take(A, "s", q)
+            assert store.commit_live_now(A, "s", q, 100) == "committed"
         commits = store.commits
-        store.settle(A, "s", "q", 101)
-        await eventually_async(lambda: passed == 1, what="the settle barrier passed")
-        for _ in range(3):
+        for q in ("q1", "q2", "q3"):
+            store.settle(A, "s", q, 101)
+        for _ in range(5):
             await asyncio.sleep(0)
-        assert store.commits == commits, "no commit of its own for the mark"
-        assert await store.accept_batch(A, [("s", "q", "request", b"{}", 1)], 102) == [False]
+        assert (passed, store.commits) == (0, commits), "no barrier and no commit per answer"
+        # Unfinished until then: a drain leaves the copy in the broker.
+        assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 102) == [None]
+        store._wake.set()  # the flush loop's tick (every flush_interval)
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the marks written")
+        assert passed == 1, "one barrier for the three answers"
+        items = [("s", q, "request", b"{}", i) for i, q in enumerate(("q1", "q2", "q3"))]
+        assert await store.accept_batch(A, items, 103) == [False, False, False]
     finally:
         await store.close()
 
@@ -440,7 +449,7 @@ async def test_a_drained_rows_outcome_waits_until_its_answer_reached_the_broker(
     in between used to leave the row answered with the answer lost in the
     client's buffer (neither run again nor kept); now the row is still
     dispatched then, which a restart keeps as interrupted."""
-    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=3600)
+    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=0.01)
     await store.open()
     barrier = _GatedBarrier()
     gate = barrier.gate
@@ -454,11 +463,14 @@ async def test_a_drained_rows_outcome_waits_until_its_answer_reached_the_broker(
         await store.flush()
         stored = await store.get(row.inbox_id)
         assert stored is not None and stored.state == "dispatched", "answered before the answer reached the broker"
-        gate.set()
-        await eventually_async(lambda: barrier.passes == 1, what="the settle barrier passed")
-        await store.flush()
-        stored = await store.get(row.inbox_id)
-        assert stored is not None and stored.state == "answered"
+        gate.set()  # the flush loop's tick was waiting on it
+
+        async def answered() -> bool:
+            stored = await store.get(row.inbox_id)
+            return stored is not None and stored.state == "answered"
+
+        await eventually_async(answered, what="the outcome written once the barrier passed")
+        assert barrier.passes == 1
     finally:
         gate.set()
         await store.close()

@@ -33,7 +33,8 @@ the request is only *taken* (:meth:`InboxStore.take`): the drain leaves its
 copy in the broker, and a crash before the handler starts lets the restarted
 node run the copy, once. A committed pair has ``done=0`` until the answer has
 reached the broker (:meth:`InboxStore.settle`, after the node's flush round
-trip, :attr:`InboxStore.settle_barrier`); a pair still at 0 when a new process
+trip, :attr:`InboxStore.settle_barrier`, which the write-behind flush passes
+once for every answer since its last tick); a pair still at 0 when a new process
 opens the file was caught mid-handler, and the drain keeps its buffered copy
 as an ``interrupted`` row (never run again, never silently dropped).
 
@@ -198,14 +199,15 @@ class InboxStore:
         #: Awaited before settle marks are written (the node sets it: its answers
         #: have reached the broker). None: marks are written at once.
         self.settle_barrier: Callable[[], Awaitable[None]] | None = None
-        # Settle marks waiting for the barrier, and the task that passes them.
+        # Settle marks waiting for the barrier (passed by the flush loop's next
+        # tick, one round trip for all of them).
         self._unsent: list[tuple[str, str, str, int]] = []
         self._passing: list[tuple[str, str, str, int]] = []  # marks waiting on the barrier now
         # The same for drained rows' outcomes (state, note, ms, inbox id): a row
         # is not written answered before its answer reached the broker.
         self._unsent_states: list[tuple[str, str | None, int, int]] = []
         self._passing_states: list[tuple[str, str | None, int, int]] = []
-        self._settler: asyncio.Task[None] | None = None
+        self._barrier_lock = asyncio.Lock()
         # Live requests taken by the pipeline whose handler has not started yet
         # (nothing committed for them): the drain leaves their buffered copies
         # in the broker, neither acked nor dispatched, until the pair settles.
@@ -285,11 +287,6 @@ class InboxStore:
             with contextlib.suppress(Exception):
                 await self._syncer
             self._syncer = None
-        if self._settler is not None:
-            self._settler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._settler
-            self._settler = None
         marks = self._passing + self._unsent
         states = self._passing_states + self._unsent_states
         self._unsent, self._passing = [], []
@@ -549,41 +546,45 @@ class InboxStore:
         # Not before the answer reached the broker: until then the pair stays
         # unfinished (a drain leaves its copy alone; a crash keeps it interrupted).
         self._unsent.append(mark)
-        self._start_settler()
+        self._wake_if_behind()
 
-    def _start_settler(self) -> None:
-        if self._settler is None or self._settler.done():
-            self._settler = asyncio.get_running_loop().create_task(self._pass_barrier(), name="inbox-settle")
+    def _wake_if_behind(self) -> None:
+        """Marks and outcomes wait for the flush loop's next tick (at most
+        ``flush_interval``), which passes one barrier for all of them; a
+        backlog wakes it early. (A barrier per answer, started at once, was
+        one flush round trip to the broker per request at concurrency 1:
+        ≈ 55 µs of a two-node round trip's CPU, issue #21.)"""
+        if len(self._unsent) + len(self._unsent_states) >= _WAKE_BEHIND:
+            self._wake.set()
 
     async def _pass_barrier(self) -> None:
+        """Pass the settle barrier once for every mark and outcome waiting on
+        it: afterwards they ride the next commit (a request's inline commit, a
+        drain's batch, or the write-behind flush). A kill -9 before that
+        commit keeps the row as interrupted *and* answered (never run twice),
+        as a kill just before the barrier does. On failure (disconnected) they
+        wait for the next pass."""
         barrier = self.settle_barrier
-        while (self._unsent or self._unsent_states) and barrier is not None and not self._closing:
+        if barrier is None:
+            return
+        async with self._barrier_lock:
+            if not (self._unsent or self._unsent_states):
+                return
+            # The same list objects: forget() filters _passing in place while the barrier runs.
             marks = self._passing = self._unsent
             states = self._passing_states = self._unsent_states
             self._unsent, self._unsent_states = [], []
             try:
                 await barrier()
-            except Exception as exc:  # disconnected: the marks wait for the next try
-                log.debug("settle barrier failed (%s); retrying", exc)
+            except Exception as exc:
+                log.debug("settle barrier failed (%s); the next pass tries again", exc)
                 self._unsent[:0] = marks
                 self._unsent_states[:0] = states
+                return
+            finally:
                 self._passing, self._passing_states = [], []
-                await asyncio.sleep(0.5)
-                continue
-            self._passing, self._passing_states = [], []
-            if states:
-                self._state_pending.extend(states)
-                self._wake.set()
-            # Written with the next commit (a request's inline commit, a drain's
-            # batch, or the write-behind flush): a commit of its own per answer
-            # was one WAL write per round trip at concurrency 1 (#21). A drain
-            # writes queued marks before it judges a copy (accept_batch), so it
-            # acks this one as handled; a kill -9 before the commit keeps the row
-            # as interrupted *and* answered (never run twice), as a kill just
-            # before the barrier always did.
+            self._state_pending.extend(states)
             self._settle.extend(marks)
-            if len(self._settle) >= _WAKE_BEHIND:
-                self._wake.set()
 
     def _schedule_commit(self) -> None:
         if not self._commit_scheduled:
@@ -929,7 +930,7 @@ class InboxStore:
             raise ValueError(f"unknown inbox state {state!r}")
         if after_answers and self.settle_barrier is not None:
             self._unsent_states.append((state, note, now_ms, inbox_id))
-            self._start_settler()
+            self._wake_if_behind()
             return
         if durable:
             self._transaction(
@@ -1039,7 +1040,9 @@ class InboxStore:
                 await asyncio.sleep(1.0)
             self._wake.clear()
             try:
-                await self.flush()
+                await self.flush()  # first: a slow barrier must not hold up what is behind
+                await self._pass_barrier()
+                await self.flush()  # the marks and outcomes that just passed it
                 await self._maintain()
             except InboxUnwritable:
                 pass  # recorded in self.fault; the next flush carries the backlog
