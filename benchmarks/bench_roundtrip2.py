@@ -53,6 +53,16 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+IDLE_WINDOW_S = 3.0
+
+
+def _idle_cpu_ms_per_s(pids: tuple[int, int], window_s: float) -> float:
+    """Both daemons' CPU (ms per second) over ``window_s`` with no traffic."""
+    cpu0, t0 = sum(_proc_cpu_s(p) for p in pids), time.monotonic()
+    time.sleep(window_s)  # a measuring window: nothing is waited for
+    return (sum(_proc_cpu_s(p) for p in pids) - cpu0) / (time.monotonic() - t0) * 1000
+
+
 def _start_daemons(daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess, str]:
     """Node B (embedded mesh, echo) and node A (joined, driver); B's echo id."""
     node_b = daemons.embedded("b", agents={"echo": {"plugin": "echo"}})
@@ -85,7 +95,7 @@ def _drive(node_a: DaemonProcess, pids: tuple[int, int], target: str, mode: str,
     return out
 
 
-def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100) -> dict[str, Any]:
+def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100, idle_window_s: float = IDLE_WINDOW_S) -> dict[str, Any]:
     """Start both daemons and the raw responder, run ``repeats`` alternating
     batches of each, and return the medians (plus every batch's figures)."""
 
@@ -117,6 +127,10 @@ def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100) -> dict[str
             # Warm both paths (B's manifest lookup, caches, lazy imports).
             await time_sequential(raw_call, warm)
             await asyncio.to_thread(_drive, node_a, mesh_pids, echo_id, "latency", warm)
+            # What both daemons spend with no traffic (flush ticks, the loop
+            # watchdog, the services' polls), to tell it apart from the round
+            # trips in the CPU figure at concurrency 1.
+            idle = await asyncio.to_thread(_idle_cpu_ms_per_s, mesh_pids, idle_window_s)
             raw_runs: list[dict[str, float]] = []
             mesh_runs: list[dict[str, Any]] = []
             floors: list[float] = []
@@ -161,6 +175,9 @@ def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100) -> dict[str
             "cpu_per_round_trip_us": mesh["cpu_us"],
             "crypto_floor_us": floor,
             "cpu_vs_floor": mesh["cpu_us"] / floor,
+            "idle_cpu_ms_per_s": idle,
+            # The idle work that falls inside one round trip at concurrency 1.
+            "idle_cpu_us_per_rt": idle * mesh["p50_us"] / 1000,
             **issue21_figures(floor=floor, raw=raw, mesh=mesh),
             "samples": {"latency": n_lat, "throughput": n_tp, "repeats": repeats, "concurrency": CONCURRENCY},
         }
@@ -190,7 +207,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     print_table(f"round trip, one daemon per node (uvloop; medians of {repeats}; CPU = both ends' processes)", rows)
     print(f"CPU per round trip (node A + node B, nats-server excluded): {mesh['cpu_us']:.0f} µs "
           f"= {result['cpu_vs_floor']:.2f}x the {result['crypto_floor_us']:.0f} µs crypto floor; "
-          f"node A alone {mesh['node_a_cpu_us']:.0f} µs")
+          f"node A alone {mesh['node_a_cpu_us']:.0f} µs; of it ≈ {result['idle_cpu_us_per_rt']:.0f} µs is the "
+          f"daemons' idle work ({result['idle_cpu_ms_per_s']:.1f} ms/s with no traffic)")
     # CPU per call at concurrency 64 (batched writes make it cheaper than at 1)
     # times the rate: how many cores each side kept busy, i.e. whether it was CPU-bound.
     print(f"at concurrency {CONCURRENCY}: meshnode {mesh['cpu_us_at_64']:.0f} µs CPU per round trip, "

@@ -31,12 +31,13 @@ def test_two_process_roundtrip_benchmark_runs_real_daemons() -> None:
     baseline between two processes: every figure is reported (none asserted)."""
     from benchmarks import bench_roundtrip2
 
-    result = bench_roundtrip2.measure(n_lat=5, n_tp=10, repeats=1, warm=2)
+    result = bench_roundtrip2.measure(n_lat=5, n_tp=10, repeats=1, warm=2, idle_window_s=0.5)
     for side in ("raw", "two_processes"):
         figures = result[side]
         assert figures["p50_us"] > 0 and figures["p99_us"] >= figures["p50_us"]
         assert figures["throughput"] > 0 and len(figures["runs"]) == 1
     assert result["two_processes"]["node_a_cpu_us"] > 0
+    assert result["idle_cpu_ms_per_s"] >= 0 and result["idle_cpu_us_per_rt"] >= 0
     assert result["latency_ratio"] > 0 and result["throughput_ratio"] > 0 and result["crypto_floor_us"] > 0
 
 
