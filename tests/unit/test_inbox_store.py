@@ -396,6 +396,26 @@ async def test_answers_share_one_barrier_and_one_commit_per_flush_tick(tmp_path:
         await store.close()
 
 
+async def test_an_idle_flusher_sleeps_until_something_is_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing queued the write-behind does not tick every flush_interval
+    (an idle daemon woke 20 times a second for it); what is queued meanwhile
+    wakes it and is written within the usual window, not at the next idle
+    tick (here an hour away)."""
+    monkeypatch.setattr(inbox_module, "_IDLE_TICK_S", 3600.0)
+    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=0.01)
+    await store.open()
+    try:
+        await eventually_async(lambda: store._idle, what="the flusher asleep with nothing queued")
+        store.remember(A, "s", "late", 100)
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the pair written")
+        assert await store.accept_batch(A, [("s", "late", "request", b"{}", 1)], 101) == [False]
+        await eventually_async(lambda: store._idle, what="asleep again")
+    finally:
+        await store.close()
+
+
 async def test_the_wal_starts_over_although_commits_ran_during_every_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,6 +139,9 @@ HeldMessage = InboxRow
 _MAX_BEHIND = 100_000
 #: A write-behind backlog this long wakes the flusher before its interval ends.
 _WAKE_BEHIND = 256
+#: With nothing queued the flusher wakes this often only (for WAL maintenance),
+#: not every ``flush_interval``: an idle daemon should not wake 20 times a second.
+_IDLE_TICK_S = 1.0
 
 #: Past this size the WAL is caught up inline after a worker checkpoint (see
 #: ``InboxStore._maintain``), so a node under sustained load keeps it bounded.
@@ -223,6 +226,8 @@ class InboxStore:
         self._state_pending: list[tuple[str, str | None, int, int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._idle = False  # the flusher sleeps until something is queued
+        self._urgent = False  # something queued asks to be written without the window
         self._closing = False
         # The sync barrier: commits that changed the file, and how many of them
         # an fsync of the WAL has covered.
@@ -526,8 +531,7 @@ class InboxStore:
             self.degraded_live += 1
             return
         self._live.append(((agent, sender, msg_id, now_ms, 1), None))
-        if len(self._live) >= _WAKE_BEHIND:
-            self._wake.set()
+        self._queued(len(self._live))
 
     def settle(self, agent: str, sender: str, msg_id: str, now_ms: int) -> None:
         """A live request is finished (its handler answered or failed, or it
@@ -545,17 +549,32 @@ class InboxStore:
             return
         # Not before the answer reached the broker: until then the pair stays
         # unfinished (a drain leaves its copy alone; a crash keeps it interrupted).
+        # The flush loop's next tick (at most ``flush_interval`` away) passes
+        # one barrier for all of them. (A barrier per answer, started at once,
+        # was one flush round trip to the broker per request at concurrency 1:
+        # ≈ 55 µs of a two-node round trip's CPU, issue #21.)
         self._unsent.append(mark)
-        self._wake_if_behind()
+        self._queued(len(self._unsent) + len(self._unsent_states))
 
-    def _wake_if_behind(self) -> None:
-        """Marks and outcomes wait for the flush loop's next tick (at most
-        ``flush_interval``), which passes one barrier for all of them; a
-        backlog wakes it early. (A barrier per answer, started at once, was
-        one flush round trip to the broker per request at concurrency 1:
-        ≈ 55 µs of a two-node round trip's CPU, issue #21.)"""
-        if len(self._unsent) + len(self._unsent_states) >= _WAKE_BEHIND:
+    def _queued(self, backlog: int) -> None:
+        """Something was queued for the write-behind: wake the flush loop if
+        it sleeps idle (it then writes within ``flush_interval``), or at once
+        when the backlog is long."""
+        if self._idle or backlog >= _WAKE_BEHIND:
             self._wake.set()
+
+    def _has_work(self) -> bool:
+        return bool(self._live or self._settle or self._seen_pending or self._state_pending
+                    or self._unsent or self._unsent_states)
+
+    async def _wait_wake(self, timeout: float) -> None:
+        """Until :meth:`_queued` (or close) wakes the loop, or ``timeout`` passes.
+        (One timer: ``wait_for`` made a task, a shield and a cancel per tick.)"""
+        timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
 
     async def _pass_barrier(self) -> None:
         """Pass the settle barrier once for every mark and outcome waiting on
@@ -930,7 +949,7 @@ class InboxStore:
             raise ValueError(f"unknown inbox state {state!r}")
         if after_answers and self.settle_barrier is not None:
             self._unsent_states.append((state, note, now_ms, inbox_id))
-            self._wake_if_behind()
+            self._queued(len(self._unsent) + len(self._unsent_states))
             return
         if durable:
             self._transaction(
@@ -939,6 +958,7 @@ class InboxStore:
             )
         else:
             self._state_pending.append((state, note, now_ms, inbox_id))
+            self._urgent = True  # behind, but at once: the row's outcome shows without a window
             self._wake.set()
 
     # -- the persisted duplicate memory -------------------------------------------------
@@ -955,8 +975,7 @@ class InboxStore:
             excess = len(self._seen_pending) - _MAX_BEHIND
             del self._seen_pending[:excess]
             self.dropped_behind += excess
-        if len(self._seen_pending) >= _WAKE_BEHIND:
-            self._wake.set()
+        self._queued(len(self._seen_pending))
 
     def forget(self, agent: str, sender: str, msg_id: str) -> None:
         """Take back a pair the live path gave (:meth:`remember` or
@@ -1031,14 +1050,24 @@ class InboxStore:
 
     async def _flush_loop(self) -> None:
         while not self._closing:
-            if self.fault is None:
-                with contextlib.suppress(TimeoutError):
-                    await wait_for(self._wake.wait(), timeout=self.flush_interval)
-            else:
+            if self.fault is not None:
                 # The inbox cannot be written: retry once a second, not on every
                 # wake-up (each live message would be one more failing write).
                 await asyncio.sleep(1.0)
+            elif self._has_work():
+                await self._wait_wake(self.flush_interval)
+            else:
+                self._idle = True
+                try:
+                    await self._wait_wake(_IDLE_TICK_S)
+                finally:
+                    self._idle = False
+                if self._has_work() and not self._closing and not self._urgent:
+                    # Woken by what was just queued: it gets the usual window.
+                    self._wake.clear()
+                    await self._wait_wake(self.flush_interval)
             self._wake.clear()
+            self._urgent = False
             try:
                 await self.flush()  # first: a slow barrier must not hold up what is behind
                 await self._pass_barrier()
