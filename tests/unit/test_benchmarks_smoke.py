@@ -41,6 +41,19 @@ def test_two_process_roundtrip_benchmark_runs_real_daemons() -> None:
     assert result["latency_ratio"] > 0 and result["throughput_ratio"] > 0 and result["crypto_floor_us"] > 0
 
 
+@pytest.mark.integration  # a real nats-server: not in `make test-fast`
+def test_drain_benchmark_runs_its_three_passes() -> None:
+    """Small counts through the drain benchmark's passes (new mail grouped and
+    per message, copies already handled): each one's own checks ran (every
+    message committed and handled, every copy judged a duplicate)."""
+    from benchmarks import bench_drain
+    from benchmarks.harness import run_loop
+
+    result = run_loop(bench_drain.measure(count=40, per_message_count=10))
+    assert result["grouped_msgs_per_s"] > 0 and result["per_message_fsync_msgs_per_s"] > 0
+    assert result["redrain_seen_cpu_us_per_copy"] > 0
+
+
 def test_summary_lists_every_issue21_target_measured_or_not() -> None:
     """`make bench` ends with every target: this run's figure and met/not met,
     or "not measured" and why."""
