@@ -416,6 +416,35 @@ async def test_an_idle_flusher_sleeps_until_something_is_queued(
         await store.close()
 
 
+async def test_a_barrier_cancelled_by_a_stop_leaves_its_marks_for_the_last_one(tmp_path: Path) -> None:
+    """A stop that cannot wait for the flush loop's barrier cancels it: the marks
+    it carried go back to wait, and close()'s own last barrier settles them,
+    so a clean stop does not leave an answered request looking interrupted."""
+    path = tmp_path / "i.sqlite3"
+    store = InboxStore(path, flush_interval=3600)
+    await store.open()
+    barrier = _GatedBarrier()
+    store.settle_barrier = barrier
+    store.take(A, "s", "q")
+    assert store.commit_live_now(A, "s", "q", 100) == "committed"
+    store.settle(A, "s", "q", 101)
+    passing = asyncio.ensure_future(store._pass_barrier())
+    await eventually_async(lambda: store._passing, what="the barrier under way")
+    passing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await passing
+    assert store.health()["write_behind_pending"] == 1
+    barrier.gate.set()
+    await store.close()
+    reopened = InboxStore(path)
+    await reopened.open()
+    try:
+        assert await reopened.accept_batch(A, [("s", "q", "request", b"{}", 1)], 102) == [False]
+        assert reopened.kept_interrupted == 0 and await reopened.counts() == {}
+    finally:
+        await reopened.close()
+
+
 async def test_the_wal_starts_over_although_commits_ran_during_every_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

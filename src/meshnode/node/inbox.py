@@ -210,7 +210,6 @@ class InboxStore:
         # is not written answered before its answer reached the broker.
         self._unsent_states: list[tuple[str, str | None, int, int]] = []
         self._passing_states: list[tuple[str, str | None, int, int]] = []
-        self._barrier_lock = asyncio.Lock()
         # Live requests taken by the pipeline whose handler has not started yet
         # (nothing committed for them): the drain leaves their buffered copies
         # in the broker, neither acked nor dispatched, until the pair settles.
@@ -582,28 +581,28 @@ class InboxStore:
         drain's batch, or the write-behind flush). A kill -9 before that
         commit keeps the row as interrupted *and* answered (never run twice),
         as a kill just before the barrier does. On failure (disconnected) they
-        wait for the next pass."""
+        wait for the next pass; cancelled (a stop that could not wait), they are
+        left for :meth:`close`'s own last barrier. Only the flush loop calls it."""
         barrier = self.settle_barrier
-        if barrier is None:
+        if barrier is None or not (self._unsent or self._unsent_states):
             return
-        async with self._barrier_lock:
-            if not (self._unsent or self._unsent_states):
-                return
-            # The same list objects: forget() filters _passing in place while the barrier runs.
-            marks = self._passing = self._unsent
-            states = self._passing_states = self._unsent_states
-            self._unsent, self._unsent_states = [], []
-            try:
-                await barrier()
-            except Exception as exc:
-                log.debug("settle barrier failed (%s); the next pass tries again", exc)
-                self._unsent[:0] = marks
-                self._unsent_states[:0] = states
-                return
-            finally:
-                self._passing, self._passing_states = [], []
-            self._state_pending.extend(states)
-            self._settle.extend(marks)
+        # The same list objects: forget() filters _passing in place while the barrier runs.
+        marks = self._passing = self._unsent
+        states = self._passing_states = self._unsent_states
+        self._unsent, self._unsent_states = [], []
+        try:
+            await barrier()
+        except BaseException as exc:
+            self._unsent[:0] = marks
+            self._unsent_states[:0] = states
+            if not isinstance(exc, Exception):
+                raise
+            log.debug("settle barrier failed (%s); the next pass tries again", exc)
+            return
+        finally:
+            self._passing, self._passing_states = [], []
+        self._state_pending.extend(states)
+        self._settle.extend(marks)
 
     def _schedule_commit(self) -> None:
         if not self._commit_scheduled:
