@@ -445,6 +445,30 @@ async def test_a_barrier_cancelled_by_a_stop_leaves_its_marks_for_the_last_one(t
         await reopened.close()
 
 
+async def test_a_failed_barrier_is_tried_again_after_a_pause(tmp_path: Path) -> None:
+    """Disconnected, the barrier fails: the marks wait, and the flush loop tries
+    again no sooner than half a second later (not on every 50 ms tick)."""
+    store = InboxStore(tmp_path / "i.sqlite3", flush_interval=0.01)
+    await store.open()
+    tries: list[float] = []
+
+    async def barrier() -> None:
+        tries.append(asyncio.get_running_loop().time())
+        if len(tries) == 1:
+            raise ConnectionError("not connected (the client is reconnecting)")
+
+    store.settle_barrier = barrier
+    try:
+        store.take(A, "s", "q")
+        assert store.commit_live_now(A, "s", "q", 100) == "committed"
+        store.settle(A, "s", "q", 101)
+        await eventually_async(lambda: store.health()["write_behind_pending"] == 0, what="the mark written")
+        assert len(tries) == 2 and tries[1] - tries[0] >= inbox_module._BARRIER_RETRY_S
+        assert await store.accept_batch(A, [("s", "q", "request", b"{}", 1)], 102) == [False]
+    finally:
+        await store.close()
+
+
 async def test_the_wal_starts_over_although_commits_ran_during_every_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

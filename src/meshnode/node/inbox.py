@@ -142,6 +142,8 @@ _WAKE_BEHIND = 256
 #: With nothing queued the flusher wakes this often only (for WAL maintenance),
 #: not every ``flush_interval``: an idle daemon should not wake 20 times a second.
 _IDLE_TICK_S = 1.0
+#: After a failed settle barrier (disconnected), the next try waits this long.
+_BARRIER_RETRY_S = 0.5
 
 #: Past this size the WAL is caught up inline after a worker checkpoint (see
 #: ``InboxStore._maintain``), so a node under sustained load keeps it bounded.
@@ -210,6 +212,7 @@ class InboxStore:
         # is not written answered before its answer reached the broker.
         self._unsent_states: list[tuple[str, str | None, int, int]] = []
         self._passing_states: list[tuple[str, str | None, int, int]] = []
+        self._barrier_not_before = 0.0  # loop time: after a failed barrier, the next try waits
         # Live requests taken by the pipeline whose handler has not started yet
         # (nothing committed for them): the drain leaves their buffered copies
         # in the broker, neither acked nor dispatched, until the pair settles.
@@ -586,6 +589,9 @@ class InboxStore:
         barrier = self.settle_barrier
         if barrier is None or not (self._unsent or self._unsent_states):
             return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._barrier_not_before:
+            return
         # The same list objects: forget() filters _passing in place while the barrier runs.
         marks = self._passing = self._unsent
         states = self._passing_states = self._unsent_states
@@ -597,7 +603,8 @@ class InboxStore:
             self._unsent_states[:0] = states
             if not isinstance(exc, Exception):
                 raise
-            log.debug("settle barrier failed (%s); the next pass tries again", exc)
+            log.debug("settle barrier failed (%s); trying again in %.1f s", exc, _BARRIER_RETRY_S)
+            self._barrier_not_before = loop.time() + _BARRIER_RETRY_S
             return
         finally:
             self._passing, self._passing_states = [], []
