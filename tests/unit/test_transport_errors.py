@@ -55,3 +55,22 @@ def test_api_codes_and_cause_are_kept() -> None:
         raise raised
     assert (caught.value.code, caught.value.err_code, str(caught.value)) == (404, 10037, "no message found")
     assert caught.value.__cause__ is raised
+
+
+async def test_other_exceptions_and_cancellation_pass_through_unchanged() -> None:
+    """Only nats-py's errors are translated: the block's own errors, and a
+    cancellation across an await inside it, propagate as they are."""
+    import asyncio
+
+    with pytest.raises(KeyError), translated():
+        raise KeyError("mine")
+
+    async def waits() -> None:
+        with translated():
+            await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(waits())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -21,8 +21,7 @@ is by what a caller does about it, not by nats-py's class tree:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 
 import nats.errors
 import nats.js.errors
@@ -169,10 +168,21 @@ def translate(exc: BaseException) -> TransportError:
     return TransportError(message)
 
 
-@contextlib.contextmanager
-def translated() -> Iterator[None]:
-    """Re-raise nats-py's exceptions raised inside the block as transport errors."""
-    try:
-        yield
-    except nats.errors.Error as exc:
-        raise translate(exc) from exc
+class translated:  # noqa: N801 - used as a function (``with translated():``)
+    """Re-raise nats-py's exceptions raised inside the block as transport errors.
+
+    A class rather than a generator context manager: it wraps every publish
+    and every JetStream call (several per message), and ``contextlib``'s
+    machinery cost five times as much (0.94 against 0.19 µs).
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:  # never swallows: anything else propagates as it is
+        if isinstance(exc, nats.errors.Error):
+            raise translate(exc) from exc
