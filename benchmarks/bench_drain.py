@@ -46,7 +46,7 @@ async def _buffered(
     mesh: EmbeddedNatsServer, count: int
 ) -> tuple[MeshConnection, KeyPair, KeyPair, list[tuple[str, str]]]:
     """A node connection and ``count`` signed requests stored in its agent's
-    mailbox; returns the connection, the agent's and the sender's keys and the
+    mailbox; returns the connection, the agent's and the node's keys and the
     (sender, id) pairs published."""
     node_key, agent_key, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
     jwt = mesh.mint_node_credential(node_key.public_key, [agent_key.public_key], 3600, role="service")

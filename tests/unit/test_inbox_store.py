@@ -380,10 +380,11 @@ async def test_answers_share_one_barrier_and_one_commit_per_flush_tick(tmp_path:
             store.take(A, "s", q)
             assert store.commit_live_now(A, "s", q, 100) == "committed"
         commits = store.commits
+        await eventually_async(lambda: store._idle, what="the flusher asleep with nothing queued")
         for q in ("q1", "q2", "q3"):
             store.settle(A, "s", q, 101)
-        for _ in range(5):
-            await asyncio.sleep(0)
+        # Woken by the first mark, the flusher now waits out its window (an hour here).
+        await eventually_async(lambda: not store._idle, what="the flusher woken into its window")
         assert (passed, store.commits) == (0, commits), "no barrier and no commit per answer"
         # Unfinished until then: a drain leaves the copy in the broker.
         assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 102) == [None]

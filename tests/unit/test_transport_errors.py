@@ -65,12 +65,15 @@ async def test_other_exceptions_and_cancellation_pass_through_unchanged() -> Non
     with pytest.raises(KeyError), translated():
         raise KeyError("mine")
 
+    inside = asyncio.Event()
+
     async def waits() -> None:
         with translated():
+            inside.set()
             await asyncio.Event().wait()
 
     task = asyncio.ensure_future(waits())
-    await asyncio.sleep(0)
+    await inside.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
