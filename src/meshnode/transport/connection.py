@@ -142,7 +142,7 @@ class MeshConnection:
             options["user_jwt_cb"] = lambda: source().encode("ascii")
             options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
         self._nc = await nats.connect(**options)
-        self._jetstream = JetStream(self._nc.jetstream())
+        self._jetstream = JetStream(self._nc.jetstream(), self._nc)
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         self._closing = True
@@ -225,7 +225,19 @@ class MeshConnection:
         """Reconnect now, presenting the credential the JWT source returns now
         (used after a re-minted credential, e.g. when an agent is added)."""
         self._planned_reconnect = True
-        await self.nc.force_reconnect()
+        nc = self.nc
+        # nats-py stamps a server at every connect, a successful one too, and waits
+        # reconnect_wait before connecting to a server stamped within that time:
+        # its back-off for a failing server. A planned reconnect soon after the
+        # previous one (an agent added, then removed: two roster changes a moment
+        # apart) kept the node off the mesh for the whole wait, and its agents'
+        # live mail went to their buffers (the soak counted the timeouts). The
+        # server is healthy, so this reconnect skips the back-off; a reconnect
+        # after a failure (fail_over, a lost connection) keeps it.
+        server = getattr(nc, "_current_server", None)
+        if server is not None and hasattr(server, "last_attempt"):
+            server.last_attempt = None
+        await nc.force_reconnect()
 
     def on_reconnect(self, listener: ConnectionListener) -> None:
         self._reconnect_listeners.append(listener)
