@@ -22,6 +22,7 @@ from meshnode.control_plane import (
     read_invite,
     write_invite,
 )
+from meshnode.daemon.credentials import request_credential_patiently
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.connection import flush_written
 from meshnode.transport.embedded import EmbeddedNatsServer
@@ -218,3 +219,30 @@ async def test_trust_tier_is_enrolled_persisted_and_renewed_with(
     # Every renewal carries it again; the node cannot ask for another.
     grant = await ControlPlaneClient(control.url).request_credential(sandboxed, [KeyPair.generate()])
     assert "agentmesh:trust_tier:sandbox" in decode_jwt(grant.jwt)[1]["nats"]["tags"]
+
+
+async def test_a_rate_limited_credential_request_waits_its_turn_and_is_granted(
+    mesh: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    """Roster changes in quick succession (a script adding and removing agents)
+    each need a credential: past the per-node limit the daemon waits the 429's
+    Retry-After and asks again instead of failing the change (the soak hit it)."""
+    server = ControlPlaneServer(mesh, tmp_path / "control", port=0, node_rate_limit=1, rate_window_ms=4000)
+    async with server:
+        path = tmp_path / "node-a.creds"
+        write_invite(path, server.invite("node-a"), mesh.urls, server.url)
+        node_key = read_invite(path).node_key
+        client = ControlPlaneClient(server.url)
+        agents = [KeyPair.generate()]
+        await request_credential_patiently(client, node_key, agents)
+        # The limit is spent: a plain request is refused with the time to wait ...
+        with pytest.raises(CredentialRefused) as caught:
+            await client.request_credential(node_key, agents)
+        assert caught.value.status == 429 and caught.value.retry_after_ms is not None
+        # ... which the patient request waits out, and is granted.
+        grant = await request_credential_patiently(client, node_key, agents)
+        assert decode_jwt(grant.jwt)[1]["sub"] == node_key.public_key
+        # Without the patience for it, the refusal is reported as it came.
+        with pytest.raises(CredentialRefused) as refused:
+            await request_credential_patiently(client, node_key, agents, patience_s=0.0)
+        assert refused.value.status == 429

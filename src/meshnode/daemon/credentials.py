@@ -10,10 +10,12 @@ with the roster it was minted for.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from meshnode.config import Config
 from meshnode.control_plane import (
     ControlPlaneClient,
     ControlPlaneUnreachable,
+    CredentialGrant,
     CredentialRefused,
 )
 from meshnode.protocol.nkeys import KeyPair
@@ -32,11 +35,50 @@ __all__ = [
     "CREDENTIAL_FILE",
     "CredentialUnavailable",
     "obtain_credential",
+    "request_credential_patiently",
     "store_credential",
     "stored_trust_attestation",
 ]
 
 log = logging.getLogger("meshnode.credentials")
+
+#: How long a credential request waits out the control plane's rate limit before
+#: the refusal is reported: a whole window of the default limit (30 requests per
+#: node key per 60 s) and a margin.
+RATE_LIMIT_PATIENCE_S = 75.0
+
+
+async def request_credential_patiently(
+    client: ControlPlaneClient,
+    node_key: KeyPair,
+    agent_keys: Sequence[KeyPair],
+    *,
+    patience_s: float = RATE_LIMIT_PATIENCE_S,
+) -> CredentialGrant:
+    """``client.request_credential``, waiting out the control plane's rate limit.
+
+    Every roster change needs a credential for the new roster, so a script
+    adding and removing agents on a joined node can ask more often than the
+    control plane's per-node limit allows (``[control_plane] node_rate_limit``).
+    A 429 names when to ask again (``retry_after_ms``); this waits that long and
+    asks again, as long as the waits fit in ``patience_s``. Any other refusal,
+    and a 429 past the patience, is raised as it came.
+    """
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return await client.request_credential(node_key, agent_keys)
+        except CredentialRefused as exc:
+            if exc.status != 429 or exc.retry_after_ms is None:
+                raise
+            wait_s = max(0.0, exc.retry_after_ms / 1000)
+            if time.monotonic() + wait_s > deadline:
+                raise
+            log.info(
+                "the control plane limits this node's credential requests (%s); asking again in %.1f s",
+                exc.error, wait_s,
+            )
+            await asyncio.sleep(wait_s)
 
 CREDENTIAL_FILE = "credential.json"
 
@@ -122,11 +164,16 @@ async def obtain_credential(
             ssl_context=client_context(ca_file) if ca_file is not None else None,
         )
         try:
-            grant = await client.request_credential(node_key, agent_keys)
+            grant = await request_credential_patiently(client, node_key, agent_keys)
         except CredentialRefused as exc:
             # Refusal is how revocation reaches a node: say so plainly.
+            advice = (
+                f"; it limits each node to [control_plane] node_rate_limit requests per rate_window, "
+                f"and still did after {RATE_LIMIT_PATIENCE_S:g} s of waiting"
+                if exc.status == 429 else ""
+            )
             raise CredentialUnavailable(
-                f"the control plane refused a credential ({exc.status} {exc.code or exc.error})"
+                f"the control plane refused a credential ({exc.status} {exc.code or exc.error}){advice}"
             ) from exc
         except ControlPlaneUnreachable as exc:
             log.warning("control plane unreachable (%s); trying the stored credential", exc)

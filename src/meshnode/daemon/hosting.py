@@ -20,6 +20,7 @@ from typing import Any
 
 from meshnode.admin.protocol import Conflict, InvalidParameter, NotFound, NotReady
 from meshnode.config import AgentConfig, Config, ConfigError
+from meshnode.daemon.credentials import CredentialUnavailable
 from meshnode.daemon.plugin_check import (
     agent_problems,
     config_file_label,
@@ -338,7 +339,7 @@ class AgentHost:
         except BaseException as exc:
             # Not hosted: the next credential stops covering it.
             self.agent_keys.pop(name, None)
-            if isinstance(exc, ConnectionError):
+            if isinstance(exc, ConnectionError | CredentialUnavailable):
                 raise NotReady(f"agent {name} not hosted: {exc}; try again") from None
             raise
         await self.host(

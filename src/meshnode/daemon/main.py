@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import meshnode
+from meshnode.admin.protocol import NotReady
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError
@@ -35,6 +36,7 @@ from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.allowance import open_allowances, register_allowance_methods
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.broker import broker_watch
+from meshnode.daemon.credentials import CredentialUnavailable
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
 from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed, run_stage
@@ -561,7 +563,14 @@ class Daemon:
         """
         await self._hosting().remove(name, deregister=deregister)
         if reconnect:
-            await self._refresh_credential()
+            try:
+                await self._refresh_credential()
+            except (ConnectionError, CredentialUnavailable) as exc:
+                # The agent is gone from this node either way; only the credential lags.
+                raise NotReady(
+                    f"agent {name} removed, but the node credential still covers it until it is "
+                    f"renewed: {exc}"
+                ) from None
 
     async def restart_agent(self, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
         """Stop and start one agent with its key kept (and its registration, inbox)."""
