@@ -366,7 +366,7 @@ async def test_the_registry_purges_what_any_client_acked_and_a_full_mailbox_keep
     client = await node_factory(1)
     agent = client.agent_ids[0]
     stream = f"MESH_INBOX_{agent}"
-    platform = JetStream(service.client.jetstream())
+    platform = JetStream(service.client.jetstream(), service.client)
     await ensure_inbox_stream(platform, agent, max_bytes=64 * KIB, max_msgs=10)
     for i in range(6):
         await client.client.publish(f"mesh.agent.{agent}.inbox", f"m{i}".encode())

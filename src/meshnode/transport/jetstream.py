@@ -16,12 +16,16 @@ read in one place.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
 from nats.js.kv import KeyValue as NatsKeyValue
@@ -39,6 +43,7 @@ __all__ = [
     "KvEntry",
     "KvWatch",
     "MailboxBuffer",
+    "MailboxReader",
     "PubAck",
     "PullConsumer",
     "StoredMessage",
@@ -50,6 +55,11 @@ log = logging.getLogger(__name__)
 
 #: The KV operations that mean "this key is gone" (a delete marker or a purge).
 KV_DELETE_OPS = ("DEL", "PURGE")
+
+# The JetStream API prefix of the connection's context (nats-py's default), and
+# the header that marks a server status message (a pull request's end).
+_JS_API = "$JS.API"
+_STATUS = "Status"
 
 
 # --- values -------------------------------------------------------------------
@@ -319,8 +329,9 @@ class StreamReader:
 class MailboxBuffer:
     """One agent's ``MESH_INBOX_{agent}`` and its durable drain consumer (§16.4, §18.6)."""
 
-    def __init__(self, js: JetStreamContext, subject: str, stream: str, consumer: str) -> None:
+    def __init__(self, js: JetStreamContext, client: Client, subject: str, stream: str, consumer: str) -> None:
         self._js = js
+        self._client = client
         self.subject = subject
         self.stream = stream
         self.consumer = consumer
@@ -340,27 +351,113 @@ class MailboxBuffer:
         with translated():
             await self._js.purge_stream(self.stream, seq=seq + 1)
 
-    async def reader(self) -> PullConsumer:
-        """The drain's pull consumer (created on first use, bound afterwards)."""
+    async def reader(self) -> MailboxReader:
+        """The drain's reader of the buffer's durable consumer (created on first
+        use, bound afterwards)."""
+        config = ConsumerConfig(
+            name=self.consumer,
+            durable_name=self.consumer,
+            filter_subject=self.subject,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            # Unbounded: every message fetched is either committed and acked
+            # or (its batch failing, e.g. a full inbox disk) handed back, and
+            # an unreadable one is acked too, so there is no poison message to
+            # bound; a bound only turned a long inbox fault into lost mail.
+            # (A durable created earlier with max_deliver=5 keeps its config.)
+            max_deliver=-1,
+        )
+        try:
+            with translated():
+                await self._js.consumer_info(self.stream, self.consumer)
+        except NotFound:
+            with translated():
+                await self._js.add_consumer(self.stream, config=config)
+        reader = MailboxReader(self._client, self._js, self.stream, self.consumer)
+        await reader.open()
+        return reader
+
+
+class MailboxReader:
+    """Reads a mailbox's durable consumer for the drain: one pull request per fetch.
+
+    nats-py's pull ``fetch`` waits for each message of a batch with a task, a
+    timer and a ``uuid4`` of its own: about half of the CPU a drain spent on a
+    copy the live path had already handled (issue #21). Here one subscription
+    under the node's private inbox prefix takes every delivery, and a fetch is
+    one pull request (``no_wait``: what is stored now, up to the batch) whose
+    deliveries the subscription gathers; the fetch wakes once, when the batch
+    is full or the server ends the request with a status (404 no messages,
+    408, 409). Each request has a reply subject of its own, so a late status
+    of an earlier request cannot end a later one; a delivery that comes after
+    its fetch gave up is kept for the next fetch, not dropped (unacked, it
+    would only come back after the ack wait).
+    """
+
+    def __init__(self, client: Client, js: JetStreamContext, stream: str, consumer: str) -> None:
+        self._client = client
+        self._js = js
+        self._stream = stream
+        self._consumer = consumer
+        self._next_subject = f"{_JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._prefix = client.new_inbox()
+        self._sub: Any = None
+        self._ready: list[Msg] = []
+        self._want = 0
+        self._requests = 0
+        self._current = ""
+        self._woken: asyncio.Future[None] | None = None
+
+    async def open(self) -> None:
         with translated():
-            psub = await self._js.pull_subscribe(
-                self.subject,
-                durable=self.consumer,
-                stream=self.stream,
-                config=ConsumerConfig(
-                    durable_name=self.consumer,
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    ack_wait=30,
-                    # Unbounded: every message fetched is either committed and acked
-                    # or (its batch failing, e.g. a full inbox disk) handed back, and
-                    # an unreadable one is acked too, so there is no poison message to
-                    # bound; a bound only turned a long inbox fault into lost mail.
-                    # (A durable created earlier with max_deliver=5 keeps its config.)
-                    max_deliver=-1,
-                ),
-            )
-        return PullConsumer(psub)
+            self._sub = await self._client.subscribe(f"{self._prefix}.*", cb=self._on_message)
+
+    async def _on_message(self, msg: Msg) -> None:
+        headers = msg.headers
+        if headers is not None and _STATUS in headers:
+            if msg.subject == self._current:
+                self._wake()
+            return
+        self._ready.append(msg)
+        if len(self._ready) >= self._want:
+            self._wake()
+
+    def _wake(self) -> None:
+        woken = self._woken
+        if woken is not None and not woken.done():
+            woken.set_result(None)
+
+    async def fetch(self, batch: int, *, timeout: float) -> list[Message]:
+        """Up to ``batch`` messages stored now (fewer when fewer are: the server
+        says so at once); an empty list when none came within ``timeout``."""
+        if len(self._ready) < batch:
+            self._requests += 1
+            self._current = f"{self._prefix}.{self._requests}"
+            self._want = batch
+            woken = self._woken = asyncio.get_running_loop().create_future()
+            request = orjson.dumps({"batch": batch - len(self._ready), "no_wait": True})
+            try:
+                with translated():
+                    await self._client.publish(self._next_subject, request, reply=self._current)
+                async with asyncio.timeout(timeout):
+                    await woken
+            except TimeoutError:
+                pass
+            finally:
+                self._woken = None
+                self._current = ""
+        taken, self._ready = self._ready[:batch], self._ready[batch:]
+        return [Message(m) for m in taken]
+
+    async def consumer_info(self) -> ConsumerState:
+        with translated():
+            return _consumer_state(await self._js.consumer_info(self._stream, self._consumer))
+
+    async def unsubscribe(self) -> None:
+        if self._sub is not None:
+            with translated():
+                await self._sub.unsubscribe()
 
 
 # --- KV -----------------------------------------------------------------------
@@ -427,8 +524,9 @@ class KeyValue:
 class JetStream:
     """JetStream on the node's connection, in transport terms."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, client: Client) -> None:
         self._js = js
+        self._client = client
 
     @property
     def native(self) -> JetStreamContext:
@@ -524,7 +622,7 @@ class JetStream:
 
     def mailbox(self, agent_subject: str, stream: str, consumer: str) -> MailboxBuffer:
         """An agent's offline buffer and its drain consumer."""
-        return MailboxBuffer(self._js, agent_subject, stream, consumer)
+        return MailboxBuffer(self._js, self._client, agent_subject, stream, consumer)
 
     async def consumer_state(self, stream: str, consumer: str) -> ConsumerState:
         with translated():
