@@ -62,6 +62,7 @@ class DrainStats:
     quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
     purged_through: int = 0  # the last stream sequence removed from the broker buffer
     purge_failures: int = 0
+    room_passes: int = 0  # passes run early: live mail had filled half the buffer's bound
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -100,6 +101,16 @@ class InboxDrain:
         self._maybe_new = True
         self.full_every = full_every
         self._quiet_passes = 0
+        # Live mail since the last pass, against half the buffer's bound (known
+        # from the first pass on; 0: unbounded): see note_live_mail.
+        self._live_msgs = 0
+        self._live_bytes = 0
+        self._half_msgs = 0
+        self._half_bytes = 0
+        # The stream sequences this pass acked (after their commit), and the
+        # deliveries it hands back at its end (with the redelivery delay).
+        self._acked: set[int] = set()
+        self._hand_back: list[tuple[Message, float | None]] = []
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
             self._periodic_pass,
@@ -128,9 +139,25 @@ class InboxDrain:
         interval = max(1.0, self.interval_s)
         return max(self.full_every, math.ceil(agents / (FULL_CHECKS_PER_S * interval)))
 
-    def note_live_mail(self) -> None:
-        """The live subscription received mail: the buffer captured it too."""
+    def note_live_mail(self, size: int = 0) -> None:
+        """The live subscription received mail (``size`` bytes): the buffer captured it too.
+
+        Only a pass purges the copies the live path handled, and the buffer
+        refuses new mail at its bound (discard-new, issue #22.4). With a pass
+        only every ``interval_s``, a busy agent's buffer filled up with handled
+        copies, and mail sent during a gap (a reconnect, a restart) found it
+        full and was not kept. Once the live mail since the last pass reaches
+        half the bound, in messages or in bytes, a pass runs now.
+        """
         self._maybe_new = True
+        self._live_msgs += 1
+        self._live_bytes += size
+        if (self._half_msgs and self._live_msgs >= self._half_msgs) or (
+            self._half_bytes and self._live_bytes >= self._half_bytes
+        ):
+            self._live_msgs = self._live_bytes = 0
+            self.stats.room_passes += 1
+            self.job.trigger()
 
     async def _periodic_pass(self) -> None:
         """The job's pass (§16.4 "periodically"): skipped without a broker call
@@ -165,6 +192,7 @@ class InboxDrain:
             "quiet_skips": st.quiet_skips,
             "purged_through": st.purged_through,
             "purge_failures": st.purge_failures,
+            "room_passes": st.room_passes,
             "running": st.running,
             "failing": self.job.failing,
             "last_error": self.job.last_error,
@@ -200,9 +228,12 @@ class InboxDrain:
             subjects.inbox_stream_name(agent),
             subjects.inbox_consumer_name(agent),
         )
+        # Counted from here: copies of mail arriving from now on lie past this pass's bound.
+        self._live_msgs = self._live_bytes = 0
         info = await buffer.state()
         if info is None:
             return  # no buffer (sandbox, or not registered yet)
+        self._half_msgs, self._half_bytes = info.max_msgs // 2, info.max_bytes // 2
         if info.max_age_s:
             # §22.3: the mailbox window never exceeds the retention actually configured.
             self.hosted.clamp_mailbox_window(int(info.max_age_s * 1000))
@@ -222,6 +253,7 @@ class InboxDrain:
                 await self._purge(buffer, bound)
                 return  # an idle pass: nothing buffered that we have not acked
             floor = consumer_state.delivered_stream_seq
+            self._acked, self._hand_back = set(), []
             while True:
                 want = min(self.batch, max(1, bound - floor))
                 msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)  # [] on timeout
@@ -243,16 +275,31 @@ class InboxDrain:
                 if beyond:
                     # Past the bound belongs to the live path: hand it back untouched.
                     self.stats.beyond_bound += len(beyond)
-                    for m in beyond:
-                        await m.nak()
+                    self._hand_back.extend((m, None) for m in beyond)
                     break
-            if floor >= bound and not (await psub.consumer_info()).num_ack_pending:
-                # Everything through the bound is acked. With deliveries still
-                # unacked (a failed pass before this one) the buffer is not
-                # settled, or idle passes would skip them until new mail came.
+            # Make room: what is acked is committed (§16.4), so the buffer may drop
+            # it. Everything the consumer had acked when the pass began (or the
+            # buffer no longer holds), then each next sequence this pass acked;
+            # not the ack floor read now, which can lag the acks just sent. Copies
+            # still out (deferred while their live handler runs, redeliveries not
+            # yet due) stop it there: a busy agent always has some, and used to
+            # get no purge at all until it had none.
+            through = max(consumer_state.ack_floor_stream_seq, info.first_seq - 1)
+            while through + 1 in self._acked:
+                through += 1
+            if through >= bound:
                 self._settled_through = bound
                 await self._purge(buffer, bound)
+            elif through > self.stats.purged_through:
+                await self._purge(buffer, through)
         finally:
+            # Handed back only now, after the purge: nats-server drops a
+            # redelivery queued before a purge of the stream, and the copy then
+            # waits out the whole ack wait instead of coming back on the next pass.
+            hand_back, self._hand_back = self._hand_back, []
+            for m, delay in hand_back:
+                with contextlib.suppress(Exception):
+                    await m.nak(delay=delay)
             try:
                 await psub.unsubscribe()
             except Exception:
@@ -307,10 +354,12 @@ class InboxDrain:
         for m in msgs:
             if id(m) not in deferred:
                 await m.ack()
+                self._acked.add(m.sequence)
             else:
-                # Handed back for a later pass, not after the whole ack wait: a
-                # process killed meanwhile finds it on its start-up pass.
-                await m.nak(delay=DEFER_S)
+                # Handed back (at the end of the pass) for a later pass, not after
+                # the whole ack wait: a process killed meanwhile finds it on its
+                # start-up pass.
+                self._hand_back.append((m, DEFER_S))
         new = sum(1 for f in fresh if f)
         self.stats.committed += new
         self.stats.deferred += len(deferred)

@@ -354,7 +354,7 @@ class Node:
         async def on_message(msg: Message) -> None:
             drain = self.drains.get(hosted.name)
             if drain is not None:
-                drain.note_live_mail()
+                drain.note_live_mail(len(msg.data))
             try:
                 await hosted.receive(msg.data, source=Path.LIVE, reply=msg.reply or None)
             except Exception:  # the pipeline must never kill the subscription

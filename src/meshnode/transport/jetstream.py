@@ -86,6 +86,12 @@ class StreamState:
     """The configured retention (0: unlimited)."""
     leaderless: bool
     """Clustered and without a leader right now."""
+    max_msgs: int = 0
+    """The configured bound on messages (0: unbounded)."""
+    max_bytes: int = 0
+    """The configured bound on bytes (0: unbounded)."""
+    first_seq: int = 0
+    """The sequence of the oldest message held (purged and expired ones are gone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,8 @@ class ConsumerState:
     delivered_stream_seq: int
     push_bound: bool
     """A push consumer (it has a deliver subject), as opposed to a pull consumer."""
+    ack_floor_stream_seq: int = 0
+    """Every message of the stream through this sequence is acknowledged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,11 +223,15 @@ def _stream_state(info: StreamInfo) -> StreamState:
         consumer_count=int(getattr(info.state, "consumer_count", 0) or 0),
         max_age_s=float(getattr(info.config, "max_age", 0) or 0),
         leaderless=cluster is not None and not cluster.leader,
+        max_msgs=max(0, int(getattr(info.config, "max_msgs", 0) or 0)),
+        max_bytes=max(0, int(getattr(info.config, "max_bytes", 0) or 0)),
+        first_seq=int(getattr(info.state, "first_seq", 0) or 0),
     )
 
 
 def _consumer_state(info: ConsumerInfo) -> ConsumerState:
     delivered = info.delivered
+    ack_floor = info.ack_floor
     created = getattr(info, "created", None)
     return ConsumerState(
         name=str(info.name),
@@ -228,6 +240,7 @@ def _consumer_state(info: ConsumerInfo) -> ConsumerState:
         num_ack_pending=int(info.num_ack_pending or 0),
         delivered_stream_seq=int(delivered.stream_seq or 0) if delivered is not None else 0,
         push_bound=bool(info.config.deliver_subject),
+        ack_floor_stream_seq=int(ack_floor.stream_seq or 0) if ack_floor is not None else 0,
     )
 
 

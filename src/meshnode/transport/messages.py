@@ -23,10 +23,11 @@ __all__ = ["Message", "MessageHandler", "Subscription"]
 class Message:
     """One message off the mesh."""
 
-    __slots__ = ("_msg",)
+    __slots__ = ("_msg", "_sequence")
 
     def __init__(self, msg: Msg) -> None:
         self._msg = msg
+        self._sequence: int | None = None
 
     @property
     def subject(self) -> str:
@@ -48,7 +49,10 @@ class Message:
     @property
     def sequence(self) -> int:
         """The stream sequence of a message a JetStream consumer delivered."""
-        return int(self._msg.metadata.sequence.stream)
+        seq = self._sequence
+        if seq is None:  # read from the ack subject once: the drain asks several times
+            seq = self._sequence = int(self._msg.metadata.sequence.stream)
+        return seq
 
     @property
     def stored_ms(self) -> int:
