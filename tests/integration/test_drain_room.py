@@ -22,10 +22,10 @@ from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import eventually_async
-from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
-from meshnode.transport.permissions import node_inbox_prefix
 from meshnode.transport.streams import ensure_inbox_stream
+
+from .conftest import connect
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +39,7 @@ async def test_live_mail_filling_half_the_buffer_runs_a_pass_that_makes_room(
 
     node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
     jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
-    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
-                          inbox_prefix=node_inbox_prefix(node_key.public_key))
-    await conn.connect()
+    conn = await connect(mesh, node_key, jwt)
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
     try:

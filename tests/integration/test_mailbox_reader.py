@@ -11,6 +11,7 @@ the next fetch, not lost; acks reach the consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -59,6 +60,15 @@ async def _buffer_with(conn: MeshConnection, agent: KeyPair, count: int) -> Mail
     return buffer
 
 
+@contextlib.asynccontextmanager
+async def _reading(buffer: MailboxBuffer) -> AsyncIterator[MailboxReader]:
+    reader = await buffer.reader()
+    try:
+        yield reader
+    finally:
+        await reader.unsubscribe()
+
+
 async def _fetch(reader: MailboxReader, batch: int) -> list[bytes]:
     """Fetch and ack; a fetch that would wait out its (hour-long) timeout fails the test."""
     msgs = await asyncio.wait_for(reader.fetch(batch, timeout=NEVER_S), DEFAULT_TIMEOUT_S)
@@ -71,9 +81,7 @@ async def test_fetches_return_the_stored_mail_in_order_and_stop_short_at_once(
     node: tuple[MeshConnection, KeyPair],
 ) -> None:
     conn, agent = node
-    buffer = await _buffer_with(conn, agent, 7)
-    reader = await buffer.reader()
-    try:
+    async with _reading(await _buffer_with(conn, agent, 7)) as reader:
         assert await _fetch(reader, 3) == [b"mail 0", b"mail 1", b"mail 2"]
         # Fewer stored than asked for: the server ends the request, no waiting out the timeout.
         assert await _fetch(reader, 10) == [b"mail 3", b"mail 4", b"mail 5", b"mail 6"]
@@ -81,17 +89,13 @@ async def test_fetches_return_the_stored_mail_in_order_and_stop_short_at_once(
         await conn.flush()
         state = await reader.consumer_info()
         assert state.num_pending == 0 and state.num_ack_pending == 0, state
-    finally:
-        await reader.unsubscribe()
 
 
 async def test_mail_delivered_after_its_fetch_gave_up_goes_to_the_next_fetch(
     node: tuple[MeshConnection, KeyPair],
 ) -> None:
     conn, agent = node
-    buffer = await _buffer_with(conn, agent, 5)
-    reader = await buffer.reader()
-    try:
+    async with _reading(await _buffer_with(conn, agent, 5)) as reader:
         # Gives up before anything can arrive; the server delivers the five anyway.
         assert await reader.fetch(5, timeout=0) == []
         # (White-box: the reader has received them, with no fetch waiting.)
@@ -99,8 +103,6 @@ async def test_mail_delivered_after_its_fetch_gave_up_goes_to_the_next_fetch(
         # They are pending an ack now, so the server has nothing left to send: the
         # next fetch, asking for one more than that, hands out the five it kept.
         assert await _fetch(reader, 6) == [f"mail {n}".encode() for n in range(5)]
-    finally:
-        await reader.unsubscribe()
 
 
 async def test_a_new_reader_binds_the_existing_durable_and_resumes_after_the_acked(
@@ -108,14 +110,8 @@ async def test_a_new_reader_binds_the_existing_durable_and_resumes_after_the_ack
 ) -> None:
     conn, agent = node
     buffer = await _buffer_with(conn, agent, 4)
-    first = await buffer.reader()
-    try:
+    async with _reading(buffer) as first:
         assert await _fetch(first, 2) == [b"mail 0", b"mail 1"]
         await conn.flush()
-    finally:
-        await first.unsubscribe()
-    second = await buffer.reader()
-    try:
+    async with _reading(buffer) as second:
         assert await _fetch(second, 10) == [b"mail 2", b"mail 3"]
-    finally:
-        await second.unsubscribe()
