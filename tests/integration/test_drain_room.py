@@ -126,7 +126,7 @@ async def test_a_pass_that_finds_the_copies_not_stored_yet_looks_again(busy: Bus
 
     js.stream_info = before_the_mail  # type: ignore[method-assign]
     try:
-        await busy.send(BOUND // 2 + 1)
+        await busy.send(BOUND // 2)
         await eventually_async(lambda: busy.drain.stats.room_passes >= 1, what="a pass asked for")
         await eventually_async(lambda: bool(stale), what="the asked-for pass misled")
         # Nothing more is sent: only the pass's own second look can make the room.

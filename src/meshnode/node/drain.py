@@ -109,6 +109,7 @@ class InboxDrain:
         self._live_bytes = 0
         self._half_msgs = 0
         self._half_bytes = 0
+        self._room_asked = False
         # The stream sequences this pass acked (after their commit), and the
         # deliveries it hands back at its end (with the redelivery delay).
         self._acked: set[int] = set()
@@ -154,10 +155,13 @@ class InboxDrain:
         self._maybe_new = True
         self._live_msgs += 1
         self._live_bytes += size
-        if (self._half_msgs and self._live_msgs >= self._half_msgs) or (
-            self._half_bytes and self._live_bytes >= self._half_bytes
+        if not self._room_asked and (
+            (self._half_msgs and self._live_msgs >= self._half_msgs)
+            or (self._half_bytes and self._live_bytes >= self._half_bytes)
         ):
-            self._live_msgs = self._live_bytes = 0
+            # The count goes on until the pass takes it (it compares it with the
+            # copies it finds); asked once until then.
+            self._room_asked = True
             self.stats.room_passes += 1
             self.job.trigger()
 
@@ -232,6 +236,7 @@ class InboxDrain:
         )
         # Counted from here: copies of mail arriving from now on lie past this pass's bound.
         live, self._live_msgs, self._live_bytes = self._live_msgs, 0, 0
+        self._room_asked = False
         info = await buffer.state()
         if info is None:
             return  # no buffer (sandbox, or not registered yet)
