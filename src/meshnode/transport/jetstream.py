@@ -229,6 +229,19 @@ def _stream_state(info: StreamInfo) -> StreamState:
     )
 
 
+async def _info_or_create(js: JetStreamContext, stream: str, name: str, config: ConsumerConfig) -> ConsumerInfo | None:
+    """Consumer ``name``'s info, or None after creating it with ``config`` (it did not exist)."""
+    try:
+        with translated():
+            found: ConsumerInfo = await js.consumer_info(stream, name)
+            return found
+    except NotFound:
+        pass
+    with translated():
+        await js.add_consumer(stream, config=config)
+    return None
+
+
 def _consumer_state(info: ConsumerInfo) -> ConsumerState:
     delivered = info.delivered
     ack_floor = info.ack_floor
@@ -367,26 +380,15 @@ class MailboxBuffer:
     async def reader(self) -> MailboxReader:
         """The drain's reader of the buffer's durable consumer (created on first
         use, bound afterwards)."""
-        config = ConsumerConfig(
-            name=self.consumer,
-            durable_name=self.consumer,
-            filter_subject=self.subject,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            # Unbounded: every message fetched is either committed and acked
-            # or (its batch failing, e.g. a full inbox disk) handed back, and
-            # an unreadable one is acked too, so there is no poison message to
-            # bound; a bound only turned a long inbox fault into lost mail.
-            # (A durable created earlier with max_deliver=5 keeps its config.)
-            max_deliver=-1,
-        )
-        try:
-            with translated():
-                await self._js.consumer_info(self.stream, self.consumer)
-        except NotFound:
-            with translated():
-                await self._js.add_consumer(self.stream, config=config)
+        # Unbounded max_deliver (the spec's default): every message fetched is
+        # either committed and acked or (its batch failing, e.g. a full inbox
+        # disk) handed back, and an unreadable one is acked too, so there is no
+        # poison message to bound; a bound only turned a long inbox fault into
+        # lost mail. Bound as found, not asserted: a durable created earlier
+        # with max_deliver=5 keeps its config.
+        config = ConsumerSpec(self.consumer, self.subject).config()
+        config.name = self.consumer  # the create subject nats-py's pull_subscribe used
+        await _info_or_create(self._js, self.stream, self.consumer, config)
         reader = MailboxReader(self._client, self._js, self.stream, self.consumer)
         await reader.open()
         return reader
@@ -679,15 +681,8 @@ class JetStream:
         are logged as warnings: they mean someone changed a consumer it did
         not own, or an older version left a different configuration.
         """
-        found: ConsumerInfo | None
-        try:
-            with translated():
-                found = await self._js.consumer_info(stream, spec.name)
-        except NotFound:
-            found = None
+        found = await _info_or_create(self._js, stream, spec.name, spec.config())
         if found is None:
-            with translated():
-                await self._js.add_consumer(stream, config=spec.config())
             return "created"
         drift = spec.drift(found.config)
         if not drift:
