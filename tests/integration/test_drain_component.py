@@ -198,3 +198,69 @@ async def test_a_mailbox_created_without_a_look_up_is_still_brought_up_to_date(m
     finally:
         await conn.jetstream.native.delete_stream(stream)
         await conn.close()
+
+
+async def test_settled_copies_are_purged_not_acked_and_only_those_past_a_gap_are_acked(
+    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass lets the broker forget what it committed by purging the contiguous
+    run (one call a batch), not by an ack per copy; nats-server drops purged
+    messages from the consumer's pending acks. A copy still out (its live
+    handler runs) is a gap the purge cannot cross: the committed copies after
+    it are acked one by one, so nothing settled is ever redelivered."""
+    from meshnode.transport.messages import Message
+
+    node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
+                          inbox_prefix=node_inbox_prefix(node_key.public_key))
+    await conn.connect()
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    acked: list[int] = []
+    real_ack = Message.ack
+
+    async def counted_ack(self: Message) -> None:
+        acked.append(self.sequence)
+        await real_ack(self)
+
+    monkeypatch.setattr(Message, "ack", counted_ack)
+    try:
+        await ensure_inbox_stream(conn.jetstream, agent.public_key)
+        ids = []
+        for _ in range(10):
+            env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NodeStandIn(conn).now_ms(),
+                                               to=agent.public_key, payload={"offering": "echo"}), sender)
+            await conn.publish(subjects.agent_inbox(agent.public_key), encode_envelope(env))
+            ids.append(env["id"])
+        await conn.flush()
+        await stored(conn.jetstream.native.stream_info, agent.public_key, 10)
+        store.take(agent.public_key, sender.public_key, ids[6])  # seq 7: its live handler is running
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store)  # type: ignore[arg-type]
+        await drain.run_pass()
+
+        assert [r[0] for r in recorder.received] == ids[:6] + ids[7:]
+        assert drain.stats.purged_through == 6
+        assert sorted(acked) == [8, 9, 10]  # past the gap; 1-6 went with the purge
+        stream, consumer = subjects.inbox_stream_name(agent.public_key), subjects.inbox_consumer_name(agent.public_key)
+        assert (await conn.jetstream.stream_state(stream)).first_seq == 7
+        info = await conn.jetstream.native.consumer_info(stream, consumer)
+        assert info.num_ack_pending == 1 and info.ack_floor.stream_seq == 6  # only the copy still out
+
+        # The live handler settles; a later pass takes the handed-back copy and
+        # purges through the end, acking nothing more.
+        await store.commit_live(agent.public_key, sender.public_key, ids[6], NodeStandIn(conn).now_ms(), settled=True)
+
+        async def emptied() -> bool:
+            await drain.run_pass()
+            return drain.stats.purged_through == 10
+
+        await eventually_async(emptied, what="the handed-back copy settled and purged", detail=drain.status)
+        assert sorted(acked) == [8, 9, 10]
+        assert len(recorder.received) == 9  # seq 7 was committed by its live handler: a duplicate here
+        info = await conn.jetstream.native.consumer_info(stream, consumer)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await store.close()
+        await conn.close()

@@ -110,9 +110,13 @@ class InboxDrain:
         self._half_msgs = 0
         self._half_bytes = 0
         self._room_asked = False
-        # The stream sequences this pass acked (after their commit), and the
-        # deliveries it hands back at its end (with the redelivery delay).
-        self._acked: set[int] = set()
+        # The stream sequences this pass settled (committed: the broker may
+        # forget them), the settled copies not yet acked or purged, how far the
+        # pass may purge, and the deliveries it hands back at its end (with the
+        # redelivery delay).
+        self._settled: set[int] = set()
+        self._unreleased: list[Message] = []
+        self._through = 0
         self._hand_back: list[tuple[Message, float | None]] = []
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
@@ -266,7 +270,16 @@ class InboxDrain:
                 await self._purge(buffer, bound)
                 return  # an idle pass: nothing buffered that we have not acked
             floor = consumer_state.delivered_stream_seq
-            self._acked, self._hand_back = set(), []
+            self._settled, self._unreleased, self._hand_back = set(), [], []
+            # Make room as the pass goes: what is settled is committed (§16.4),
+            # so the buffer may drop it. Everything the consumer had acked when
+            # the pass began (or the buffer no longer holds), then each next
+            # sequence this pass settled; not the ack floor read now, which can
+            # lag the acks just sent. Copies still out (deferred while their
+            # live handler runs, redeliveries not yet due) stop it there: a busy
+            # agent always has some, and used to get no purge at all until it
+            # had none.
+            self._through = max(consumer_state.ack_floor_stream_seq, info.first_seq - 1)
             while True:
                 want = min(self.batch, max(1, bound - floor))
                 msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)  # [] on timeout
@@ -275,7 +288,8 @@ class InboxDrain:
                 within = [m for m in msgs if m.sequence <= bound]
                 beyond = [m for m in msgs if m.sequence > bound]
                 try:
-                    await self._commit_and_ack(within)
+                    await self._commit(within)
+                    await self._release(buffer)
                 except InboxUnwritable:
                     # Not committed, so not acked: hand the batch straight back
                     # (redelivered on the pass after the inbox recovers, not
@@ -290,22 +304,18 @@ class InboxDrain:
                     self.stats.beyond_bound += len(beyond)
                     self._hand_back.extend((m, None) for m in beyond)
                     break
-            # Make room: what is acked is committed (§16.4), so the buffer may drop
-            # it. Everything the consumer had acked when the pass began (or the
-            # buffer no longer holds), then each next sequence this pass acked;
-            # not the ack floor read now, which can lag the acks just sent. Copies
-            # still out (deferred while their live handler runs, redeliveries not
-            # yet due) stop it there: a busy agent always has some, and used to
-            # get no purge at all until it had none.
-            through = max(consumer_state.ack_floor_stream_seq, info.first_seq - 1)
-            while through + 1 in self._acked:
-                through += 1
-            if through >= bound:
+            if self._through >= bound:
                 self._settled_through = bound
-                await self._purge(buffer, bound)
-            elif through > self.stats.purged_through:
-                await self._purge(buffer, through)
+                if self.stats.purged_through < bound:
+                    await self._purge(buffer, bound)
         finally:
+            # Settled but neither acked nor purged (an error cut the pass short):
+            # acked now where the connection still takes it; else redelivered
+            # after the ack wait and judged duplicates then.
+            unreleased, self._unreleased = self._unreleased, []
+            for m in unreleased:
+                with contextlib.suppress(Exception):
+                    await m.ack()
             # Handed back only now, after the purge: nats-server drops a
             # redelivery queued before a purge of the stream, and the copy then
             # waits out the whole ack wait instead of coming back on the next pass.
@@ -317,6 +327,28 @@ class InboxDrain:
                 await psub.unsubscribe()
             except Exception:
                 pass
+
+    async def _release(self, buffer: MailboxBuffer) -> None:
+        """Let the broker forget what this pass has settled so far.
+
+        The contiguous run of settled copies is purged rather than acked one
+        by one: one JetStream call per batch instead of an ack per copy, the
+        most of what a re-read copy cost, and nats-server drops purged
+        messages from the consumer's pending acks (its ack floor moves past
+        them). A copy past a gap (a deferred one still out) cannot be purged
+        without the gap, so it is acked; so is everything when the purge fails.
+        """
+        through = self._through
+        while through + 1 in self._settled:
+            through += 1
+        self._through = through
+        if through > self.stats.purged_through:
+            await self._purge(buffer, through)
+        purged = self.stats.purged_through
+        self._unreleased = [m for m in self._unreleased if m.sequence > purged]
+        for m in self._unreleased:
+            await m.ack()  # should one fail, the pass's end acks them all again (harmless)
+        self._unreleased = []
 
     async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
         # Everything through ``bound`` is committed to the node inbox: drop it
@@ -336,7 +368,8 @@ class InboxDrain:
         else:
             self.stats.purged_through = bound
 
-    async def _commit_and_ack(self, msgs: list[Message]) -> None:
+    async def _commit(self, msgs: list[Message]) -> None:
+        """Commit a batch to the inbox; what it settles is released by _release."""
         if not msgs:
             return
         self.stats.fetched += len(msgs)
@@ -366,8 +399,8 @@ class InboxDrain:
         # Durable now: only after the commit may the broker forget (§16.4, D.3 #3).
         for m in msgs:
             if id(m) not in deferred:
-                await m.ack()
-                self._acked.add(m.sequence)
+                self._settled.add(m.sequence)
+                self._unreleased.append(m)
             else:
                 # Handed back (at the end of the pass) for a later pass, not after
                 # the whole ack wait: a process killed meanwhile finds it on its

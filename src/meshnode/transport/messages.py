@@ -20,6 +20,28 @@ from .errors import translated
 __all__ = ["Message", "MessageHandler", "Subscription"]
 
 
+#: Token counts of a JetStream ack subject: ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...``
+#: (9 tokens), or with domain and account hash after ``ACK`` (11, or 12 with a trailing token).
+_ACK_V1_TOKENS = 9
+_ACK_V2_TOKENS = 11
+
+
+def _stream_sequence(msg: Msg) -> int:
+    """The stream sequence from a JetStream delivery's ack subject.
+
+    Read straight from the one token, because the drain reads the sequence of
+    every buffered copy it re-reads: nats-py's ``metadata`` parses all of the
+    subject into a dataclass (a ``datetime`` included) at several µs a copy.
+    Anything not shaped like an ack subject goes to nats-py, which says why.
+    """
+    tokens = (msg.reply or "").split(".")
+    if (len(tokens) == _ACK_V1_TOKENS or len(tokens) >= _ACK_V2_TOKENS) and tokens[0] == "$JS" and tokens[1] == "ACK":
+        index = 5 if len(tokens) == _ACK_V1_TOKENS else 7
+        if tokens[index].isdigit():
+            return int(tokens[index])
+    return int(msg.metadata.sequence.stream)
+
+
 class Message:
     """One message off the mesh."""
 
@@ -51,7 +73,7 @@ class Message:
         """The stream sequence of a message a JetStream consumer delivered."""
         seq = self._sequence
         if seq is None:  # read from the ack subject once: the drain asks several times
-            seq = self._sequence = int(self._msg.metadata.sequence.stream)
+            seq = self._sequence = _stream_sequence(self._msg)
         return seq
 
     @property
