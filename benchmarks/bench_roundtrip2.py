@@ -39,7 +39,7 @@ from meshnode.transport.jwt import nats_auth_callbacks
 
 from .bench_roundtrip import PAYLOAD, _crypto_floor_us, issue21_figures, print_issue21_figures
 from .driver import time_concurrent, time_sequential
-from .harness import print_table, run_loop, write_result
+from .harness import print_table, proc_cpu_s, run_loop, write_result
 from .raw_responder import SUBJECT
 
 RAW_BODY = 700  # bytes: about a request envelope carrying PAYLOAD, as in ``roundtrip``
@@ -47,20 +47,14 @@ CONCURRENCY = 64
 ENVELOPE_SIZES = [900, 750, 800]  # request, accept, answer (for the crypto floor)
 
 
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 IDLE_WINDOW_S = 3.0
 
 
 def _idle_cpu_ms_per_s(pids: tuple[int, int], window_s: float) -> float:
     """Both daemons' CPU (ms per second) over ``window_s`` with no traffic."""
-    cpu0, t0 = sum(_proc_cpu_s(p) for p in pids), time.monotonic()
+    cpu0, t0 = sum(proc_cpu_s(p) for p in pids), time.monotonic()
     time.sleep(window_s)  # a measuring window: nothing is waited for
-    return (sum(_proc_cpu_s(p) for p in pids) - cpu0) / (time.monotonic() - t0) * 1000
+    return (sum(proc_cpu_s(p) for p in pids) - cpu0) / (time.monotonic() - t0) * 1000
 
 
 def _start_daemons(daemons: DaemonSet) -> tuple[DaemonProcess, DaemonProcess, str]:
@@ -83,11 +77,11 @@ def _raw_user(node_b: DaemonProcess, name: str) -> tuple[str, KeyPair]:
 
 def _drive(node_a: DaemonProcess, pids: tuple[int, int], target: str, mode: str, n: int) -> dict[str, Any]:
     """One driver batch on node A; adds both daemons' CPU per call (µs)."""
-    cpu0 = sum(_proc_cpu_s(p) for p in pids)
+    cpu0 = sum(proc_cpu_s(p) for p in pids)
     reply = node_a.call("driver", "run", {
         "target": target, "offering": "echo", "payload": PAYLOAD, "mode": mode, "n": n, "concurrency": CONCURRENCY,
     }, timeout=600)
-    cpu1 = sum(_proc_cpu_s(p) for p in pids)
+    cpu1 = sum(proc_cpu_s(p) for p in pids)
     if reply.get("status") != "completed":
         raise RuntimeError(f"driver batch failed: {reply}\nnode A log:\n{node_a.log_tail()}")
     out: dict[str, Any] = reply["output"]
@@ -136,13 +130,13 @@ def measure(*, n_lat: int, n_tp: int, repeats: int, warm: int = 100, idle_window
             floors: list[float] = []
             for _ in range(repeats):
                 floors.append(_crypto_floor_us(ENVELOPE_SIZES))
-                cpu0, rcpu0 = time.process_time(), _proc_cpu_s(responder.pid)
+                cpu0, rcpu0 = time.process_time(), proc_cpu_s(responder.pid)
                 p50, p99 = await time_sequential(raw_call, n_lat)
-                cpu_us = ((time.process_time() - cpu0) + (_proc_cpu_s(responder.pid) - rcpu0)) / n_lat * 1e6
+                cpu_us = ((time.process_time() - cpu0) + (proc_cpu_s(responder.pid) - rcpu0)) / n_lat * 1e6
                 lat = await asyncio.to_thread(_drive, node_a, mesh_pids, echo_id, "latency", n_lat)
-                cpu0, rcpu0 = time.process_time(), _proc_cpu_s(responder.pid)
+                cpu0, rcpu0 = time.process_time(), proc_cpu_s(responder.pid)
                 tp_raw = await time_concurrent(raw_call, n_tp, CONCURRENCY)
-                cpu_tp_us = ((time.process_time() - cpu0) + (_proc_cpu_s(responder.pid) - rcpu0)) / n_tp * 1e6
+                cpu_tp_us = ((time.process_time() - cpu0) + (proc_cpu_s(responder.pid) - rcpu0)) / n_tp * 1e6
                 tp = await asyncio.to_thread(_drive, node_a, mesh_pids, echo_id, "throughput", n_tp)
                 raw_runs.append({"p50_us": p50, "p99_us": p99, "throughput": tp_raw, "cpu_us": cpu_us,
                                  "cpu_us_at_64": cpu_tp_us})

@@ -28,7 +28,7 @@ from meshnode.config.values import parse_size
 from meshnode.testing import DaemonSet
 from meshnode.transport.streams import DEFAULT_STREAM_LIMITS
 
-from .harness import print_table, write_result
+from .harness import print_table, proc_cpu_s, proc_cpu_split, write_result
 
 DEFAULT_AGENTS = (100, 1000, 10000)
 BUFFER_BYTES = "1MiB"  # per-agent mailbox buffer ([inbox] buffer_max_bytes), see measure()
@@ -40,18 +40,6 @@ def _proc_rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _proc_cpu_split(pid: int) -> tuple[float, float]:
-    """(user, kernel) CPU seconds of ``pid`` (utime, stime)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks
-
-
-def _proc_cpu_s(pid: int) -> float:
-    return sum(_proc_cpu_split(pid))  # utime + stime
 
 
 def _children(pid: int) -> list[int]:
@@ -117,8 +105,8 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             # checks) and by its nats-server (mailbox streams, KV writes) until
             # every agent was registered, start-up included: where the time goes.
             servers = _children(pid)
-            daemon_user, daemon_kernel = _proc_cpu_split(pid)
-            server_split = [_proc_cpu_split(c) for c in servers]
+            daemon_user, daemon_kernel = proc_cpu_split(pid)
+            server_split = [proc_cpu_split(c) for c in servers]
             return {
                 "agents": n,
                 "startup_s": startup_s,
@@ -132,9 +120,9 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             }
         monitor = daemon.admin("Mesh.Info")["monitor_url"]
         time.sleep(settle_s)
-        cpu0, api0, w0 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
+        cpu0, api0, w0 = proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
         time.sleep(window_s)
-        cpu1, api1, w1 = _proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
+        cpu1, api1, w1 = proc_cpu_s(pid), _jsz_api_total(monitor), time.monotonic()
         servers = _children(pid)
         return {
             "agents": n,

@@ -52,6 +52,20 @@ def measure(name: str, fn: Callable[[], object], *, batch: int, repeats: int = 7
     return Measurement(name, median, 1e6 / median, rates)
 
 
+def proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, kernel) CPU seconds of process ``pid`` so far (``/proc``: utime, stime;
+    clock ticks, 10 ms here, so measure over enough work)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far, user and kernel."""
+    return sum(proc_cpu_split(pid))
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),

@@ -264,3 +264,100 @@ async def test_settled_copies_are_purged_not_acked_and_only_those_past_a_gap_are
     finally:
         await store.close()
         await conn.close()
+
+
+async def _buffer_of(mesh: EmbeddedNatsServer, count: int) -> tuple[MeshConnection, KeyPair, list[str]]:
+    """A connection and an agent whose buffer holds ``count`` requests."""
+    node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
+                          inbox_prefix=node_inbox_prefix(node_key.public_key))
+    await conn.connect()
+    await ensure_inbox_stream(conn.jetstream, agent.public_key)
+    ids = []
+    for _ in range(count):
+        env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NodeStandIn(conn).now_ms(),
+                                           to=agent.public_key, payload={"offering": "echo"}), sender)
+        await conn.publish(subjects.agent_inbox(agent.public_key), encode_envelope(env))
+        ids.append(env["id"])
+    await conn.flush()
+    await stored(conn.jetstream.native.stream_info, agent.public_key, count)
+    return conn, agent, ids
+
+
+async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
+    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies wait unacked for the next purge, and they count against the
+    consumer's max_ack_pending: with a durable that allows 8 (created by
+    another client, bound as found) one pass still takes all 50, purging every
+    4, and acks none. Were the purges spaced by PURGE_EVERY alone, the broker
+    would stop delivering at 8 and the pass would end there."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from meshnode.transport.messages import Message
+
+    acked: list[int] = []
+    real_ack = Message.ack
+
+    async def counted_ack(self: Message) -> None:
+        acked.append(self.sequence)
+        await real_ack(self)
+
+    monkeypatch.setattr(Message, "ack", counted_ack)
+    conn, agent, ids = await _buffer_of(mesh, 50)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        stream, consumer = subjects.inbox_stream_name(agent.public_key), subjects.inbox_consumer_name(agent.public_key)
+        await conn.jetstream.native.add_consumer(stream, ConsumerConfig(
+            durable_name=consumer, ack_policy=AckPolicy.EXPLICIT, max_ack_pending=8,
+            filter_subject=subjects.agent_inbox(agent.public_key)))
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store, batch=16)  # type: ignore[arg-type]
+        await drain.run_pass()
+        assert [r[0] for r in recorder.received] == ids
+        assert drain.stats.purged_through == 50 and acked == []
+        assert (await conn.jetstream.stream_state(stream)).messages == 0
+    finally:
+        await store.close()
+        await conn.close()
+
+
+async def test_a_refused_purge_falls_back_to_acking_every_settled_copy(
+    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A credential without the purge grant (minted before it existed) costs
+    room, never redeliveries: once the purge is refused the pass acks every
+    copy it settled, those it was holding for the purge included."""
+    from meshnode.transport.errors import TransportError
+    from meshnode.transport.jetstream import MailboxBuffer
+    from meshnode.transport.messages import Message
+
+    acked: list[int] = []
+    real_ack = Message.ack
+
+    async def counted_ack(self: Message) -> None:
+        acked.append(self.sequence)
+        await real_ack(self)
+
+    async def refused(self: MailboxBuffer, seq: int) -> None:
+        raise TransportError(f"permissions violation for publish to $JS.API.STREAM.PURGE.{self.stream}")
+
+    monkeypatch.setattr(Message, "ack", counted_ack)
+    monkeypatch.setattr(MailboxBuffer, "purge_through", refused)
+    conn, agent, ids = await _buffer_of(mesh, 30)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store, batch=8)  # type: ignore[arg-type]
+        await drain.run_pass()
+        assert len(recorder.received) == 30
+        assert sorted(acked) == list(range(1, 31)) and drain.stats.purge_failures >= 1
+        info = await conn.jetstream.native.consumer_info(subjects.inbox_stream_name(agent.public_key),
+                                                         subjects.inbox_consumer_name(agent.public_key))
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await store.close()
+        await conn.close()

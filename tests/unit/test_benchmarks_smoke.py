@@ -77,7 +77,7 @@ def test_summary_lists_every_issue21_target_measured_or_not() -> None:
     assert met["1,000 agents on one node registered < 5 s"] is True
     assert met["10,000 agents on one node registered < 60 s"] is False
     assert met["drain of an already-seen copy ≤ 30 µs"] is True
-    assert met["drain of an already-seen copy ≤ 30 µs, end to end (fetch, judge, ack, purge)"] is False
+    assert met["drain of an already-seen copy ≤ 30 µs, end to end (fetch, judge, release)"] is False
     assert met["local delivery p50 ≤ 1.3x raw nats-py"] is None  # `roundtrip` not run
 
 

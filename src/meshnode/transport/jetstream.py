@@ -107,6 +107,8 @@ class ConsumerState:
     """A push consumer (it has a deliver subject), as opposed to a pull consumer."""
     ack_floor_stream_seq: int = 0
     """Every message of the stream through this sequence is acknowledged."""
+    max_ack_pending: int = 0
+    """The most deliveries the consumer lets wait for an ack (0: no limit, or not known)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +256,7 @@ def _consumer_state(info: ConsumerInfo) -> ConsumerState:
         delivered_stream_seq=int(delivered.stream_seq or 0) if delivered is not None else 0,
         push_bound=bool(info.config.deliver_subject),
         ack_floor_stream_seq=int(ack_floor.stream_seq or 0) if ack_floor is not None else 0,
+        max_ack_pending=max(0, int(getattr(info.config, "max_ack_pending", 0) or 0)),
     )
 
 
