@@ -82,6 +82,9 @@ class FakeJetStream:
         stored.append(StoredMessage(seq, subject, bytes(data), headers))
         return PubAck(stream, seq, False)
 
+    async def publish_deduplicated(self, subject: str, data: bytes, *, msg_id: str, within_s: float = 20.0) -> PubAck:
+        return await self.publish(subject, data, headers={"Nats-Msg-Id": msg_id})
+
     def store(self, stream: str, data: bytes, subject: str = "x") -> int:
         """Put one message in ``stream`` as the server would (a sourced copy); its seq."""
         stored = self.streams.setdefault(stream, [])

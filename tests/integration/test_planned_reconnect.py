@@ -49,3 +49,22 @@ async def test_planned_reconnects_back_to_back_skip_the_failure_back_off(mesh: E
         await conn.ping(timeout=10.0)
     finally:
         await conn.close()
+
+
+async def test_a_ping_while_a_planned_reconnect_runs_waits_for_it(mesh: EmbeddedNatsServer) -> None:
+    """The broker watch pings every few seconds; one that finds the client between
+    servers because of a planned reconnect must not report the broker unresponsive
+    (the soak's churn logged an error and counted an episode for it)."""
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_node_credential(key.public_key, [], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="ping while reconnecting",
+                          inbox_prefix=node_inbox_prefix(key.public_key), connect_timeout=2.0)
+    await conn.connect()
+    try:
+        for _ in range(3):
+            await conn.reconnect()
+            assert not conn.is_connected  # the ping below finds the client between servers
+            await conn.ping(timeout=10.0)
+            assert conn.is_connected
+    finally:
+        await conn.close()

@@ -9,12 +9,10 @@ start or whose handler crashes is reported and stopped alone.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
 import random
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import orjson
 
 from meshnode.agent import Agent, AgentSettings, RemoteError, Reply
-from meshnode.aio import backoff, wait_for
+from meshnode.aio import wait_for
 from meshnode.node import tasktally
 from meshnode.node.allowance import AllowanceKeeper
 from meshnode.node.commerce import AgreementGate
@@ -65,7 +63,7 @@ from meshnode.protocol.preflight import (
 from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.protocol.tasks import TERMINAL_STATES, check_task_id
 from meshnode.transport.connection import MeshConnection, Message
-from meshnode.transport.errors import NoResponders, Reconnecting, TransportTimeout
+from meshnode.transport.errors import NoResponders, TransportTimeout
 from meshnode.transport.grants import Grants, register_subjects
 from meshnode.transport.jetstream import DurableSubscription
 from meshnode.transport.permissions import JS_STREAM_INFO
@@ -698,21 +696,8 @@ class Node:
         ``Nats-Msg-Id`` = envelope id (§18.8), recorded by MESH_TASKS."""
         data = encode_envelope(env)
         check_envelope_size(len(data), self.connection.max_payload)
-        headers = {"Nats-Msg-Id": str(env["id"])}
-        # A reconnect (an agent added or removed re-presents the credential)
-        # loses the ack of a publish in flight: the update was often stored, but
-        # raising here dropped a task's final answer (the soak found it). Retry
-        # with the same Nats-Msg-Id: MESH_TASKS deduplicates a stored repeat.
-        deadline = time.monotonic() + 20.0
-        for delay in backoff(0.2, 2.0):
-            try:
-                await self.connection.jetstream.publish(subject, data, headers=headers)
-                return
-            except (TransportTimeout, NoResponders, Reconnecting) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.info("task update %s not acked (%s); retrying", env.get("id"), type(exc).__name__)
-                await asyncio.sleep(delay)
+        # Retried through an ack lost in a reconnect: MESH_TASKS deduplicates a stored repeat.
+        await self.connection.jetstream.publish_deduplicated(subject, data, msg_id=str(env["id"]))
 
     async def publish_chunk(
         self,
@@ -749,9 +734,7 @@ class Node:
         if final or index % 64 == 63:
             # The final chunk, and every 64th, wait for the stream's ack: bounded
             # in-flight chunks (§11.4) and everything stored in order before "final".
-            await self.connection.jetstream.publish(
-                subject, encode_envelope(env), headers={"Nats-Msg-Id": str(env["id"])}
-            )
+            await self.connection.jetstream.publish_deduplicated(subject, encode_envelope(env), msg_id=str(env["id"]))
         else:
             await self.connection.publish(subject, encode_envelope(env))
 

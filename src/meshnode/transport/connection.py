@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import ssl
 import time
@@ -110,6 +111,8 @@ class MeshConnection:
         self._error_log = _RepeatLimiter()
         self._tasks = BackgroundTasks()
         self.last_error: str | None = None
+        # Set by every (re)connect; ping waits on it while the client is between servers.
+        self._back: asyncio.Event | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -315,11 +318,29 @@ class MeshConnection:
             # nats-py can close without calling closed_cb: see _report_lost.
             self._report_lost()
             raise ConnectionError(f"the connection is closed for good ({self._closed_reason()})")
+        started = time.monotonic()
         if not self.is_connected:
-            raise ConnectionError("not connected (the client is reconnecting)")
+            # Between servers. A planned reconnect (an agent added or removed
+            # re-presents the credential) takes milliseconds and says nothing
+            # about the broker: the soak's churn had the broker watch log an
+            # unresponsive broker and count an episode for one. Wait for the
+            # client to be back, within half the deadline; still away is the finding.
+            with contextlib.suppress(TimeoutError):
+                await wait_for(self._until_connected(), timeout=timeout / 2)
+            if not self.is_connected:
+                raise ConnectionError("not connected (the client is reconnecting)")
+        remaining = max(0.001, timeout - (time.monotonic() - started))
         with translated():
             # nats-py types the timeout as int but waits with asyncio.wait_for.
-            await self.nc.flush(timeout=timeout)  # type: ignore[arg-type]
+            await self.nc.flush(timeout=remaining)  # type: ignore[arg-type]
+
+    async def _until_connected(self) -> None:
+        if self._back is None:
+            self._back = asyncio.Event()
+        while not self.is_connected:
+            # Cleared only after looking: the reconnected callback sets it later.
+            self._back.clear()
+            await self._back.wait()
 
     async def fail_over(self) -> None:
         """Drop a connection whose broker stopped answering: the client reconnects,
@@ -377,6 +398,8 @@ class MeshConnection:
 
     async def _on_reconnected(self) -> None:
         self._planned_reconnect = False
+        if self._back is not None:
+            self._back.set()
         repeats = self._error_log.reset()
         if repeats:
             log.info("reconnected to the mesh at %s (after %d failed attempt(s))", self.connected_url, repeats)

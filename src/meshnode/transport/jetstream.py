@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,7 +31,16 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
 from nats.js.kv import KeyValue as NatsKeyValue
 
-from .errors import NotFound, TransportError, TransportTimeout, translated
+from meshnode.aio import backoff
+
+from .errors import (
+    NoResponders,
+    NotFound,
+    Reconnecting,
+    TransportError,
+    TransportTimeout,
+    translated,
+)
 from .messages import Message, MessageHandler, Subscription, wrap_handler
 
 __all__ = [
@@ -569,6 +579,31 @@ class JetStream:
             else:
                 ack = await self._js.publish(subject, data, headers=headers, timeout=timeout)
         return PubAck(str(ack.stream), int(ack.seq), bool(ack.duplicate))
+
+    async def publish_deduplicated(
+        self, subject: str, data: bytes, *, msg_id: str, within_s: float = 20.0
+    ) -> PubAck:
+        """:meth:`publish` with ``Nats-Msg-Id: msg_id``, retried through a lost ack.
+
+        A reconnect (an agent added or removed makes the node re-present its
+        credential) loses the ack of a publish in flight, though the message
+        was most often stored; a caller that gave up there dropped a task's
+        final answer or its last stream chunk (the soak found both). Retried
+        with the same id until acked or ``within_s`` has passed: the stream's
+        duplicate window (two minutes on MESH_TASKS, §18.8) answers a stored
+        repeat with the first copy's ack, so the message is stored once.
+        """
+        headers = {"Nats-Msg-Id": msg_id}
+        deadline = time.monotonic() + within_s
+        for delay in backoff(0.2, 2.0):
+            try:
+                return await self.publish(subject, data, headers=headers)
+            except (TransportTimeout, NoResponders, Reconnecting) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("publish %s on %s not acked (%s); retrying", msg_id, subject, type(exc).__name__)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable: backoff() never ends")
 
     # -- streams --
 
