@@ -77,6 +77,11 @@ def test_agent_added_at_runtime_gets_a_reminted_credential(meshnode_daemons: Dae
     result = a.call(added["id"], "echo", "hello late agent")
     assert result["status"] == "completed" and result["output"] == {"ok": "hello late agent"}
     assert b.status()["mesh"]["connected"]
+    # Its mailbox is drained too: the participant credential names each agent's
+    # mailbox, and the node judged the new agent against the credential read at
+    # start, which does not name it (no drain: offline mail stayed in the broker).
+    drained = b.admin("Drain.Now", {"agent": "late"})["drained"]
+    assert [d["agent"] for d in drained] == ["late"]
     b.admin("Agents.Remove", {"name": "late"})
     gone = a.admin("Discover", {"agent_ids": [added["id"]]})
     assert gone["agents"] == []

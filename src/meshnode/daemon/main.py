@@ -534,6 +534,7 @@ class Daemon:
             # The attestation is re-issued with the credential (same lifetime):
             # the manifests carry the fresh one before the old one lapses.
             await self.node.set_trust_attestation(mesh.trust_attestation())
+            self.node.grants = mesh.grants
         await mesh.present()
 
     async def _refresh_credential(self) -> None:
@@ -541,8 +542,9 @@ class Daemon:
         mesh = self._mesh()
         await mesh.reissue()
         if self.node is not None:
-            # Keep the attestation in step with the credential it was issued with.
+            # Keep the attestation and the grants in step with the credential.
             await self.node.set_trust_attestation(mesh.trust_attestation())
+            self.node.grants = mesh.grants
         await mesh.present(wait=True)
 
     # -- operations (admin methods, reload and plugins call these) ---------------

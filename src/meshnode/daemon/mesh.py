@@ -306,19 +306,35 @@ class MeshLink:
         if time.time() < renew_at(claims):
             return False
         if self.embedded is not None:
-            self.jwt = self._mint_own_jwt()
+            self._adopt(self._mint_own_jwt())
             for tenant, connection in self.tenant_connections.items():
                 self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
                 if connection.is_connected:
                     await connection.reconnect()
         else:
-            self.jwt = await self._obtain_joined_jwt()
+            self._adopt(await self._obtain_joined_jwt())
         log.info("node credential renewed")
         return True
 
     async def reissue(self) -> None:
         """A credential for the current roster now (§14.3); :meth:`present` it."""
-        self.jwt = self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt()
+        self._adopt(self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt())
+
+    def _adopt(self, jwt: str) -> None:
+        """Hold ``jwt`` as the node credential, and what it grants with it.
+
+        A participant's credential grants each agent's subjects and mailbox by
+        name, so a roster change changes its grants: an agent added at runtime
+        was judged against the credential read at start, which does not name
+        it, and got no drain (its offline mail stayed in the broker until the
+        daemon restarted; the soak's log said so). The reply prefix stays what
+        the connection was opened with.
+        """
+        self.jwt = jwt
+        try:
+            self.grants = Grants.from_claims(decode_jwt(jwt)[1])
+        except Exception as exc:  # kept as they were: the broker judges the credential itself
+            log.warning("cannot read the renewed node credential's permissions (%s); keeping the previous", exc)
 
     async def present(self, *, wait: bool = False) -> None:
         """Present the current credential by a reconnect.
