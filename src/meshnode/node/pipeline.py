@@ -297,6 +297,62 @@ async def vouched(hosted: HostedAgent, env: Mapping[str, Any]) -> None:
         raise Refused(SENDER_NOT_VOUCHED, "no node vouches for the sender", envelope=env)
 
 
+def _awaits_registry(hosted: HostedAgent, env: Mapping[str, Any]) -> bool:
+    """Whether :func:`vouched` would wait for the registry for ``env``'s sender."""
+    node = hosted.node
+    trust = node.trust
+    sender = env["from"]
+    return not (trust is None or sender in node.by_id or sender in node.platform_keys or trust.known(sender))
+
+
+async def _request(
+    hosted: HostedAgent,
+    env: dict[str, Any],
+    path: Path,
+    reply: str | None,
+    now_ms: int,
+    data: bytes,
+    inbox_id: int | None,
+    wait: bool,
+    taken: bool,
+) -> str:
+    """A request past the guard: routed by :meth:`HostedAgent.on_request`, its
+    live pair settled or released by the outcome."""
+    inbox = hosted.node.inbox
+    try:
+        outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
+    except BaseException:
+        if taken and inbox is not None:
+            # Failed before a handler ran (an answer that went out was
+            # committed first): a drain after a restart may still run it.
+            inbox.release(hosted.agent_id, env["from"], env["id"])
+        raise
+    if taken and inbox is not None and outcome != "running":
+        # Answered, refused or held without a background handler: the pair
+        # is finished. A running handler settles it itself.
+        inbox.settle(hosted.agent_id, env["from"], env["id"], now_ms)
+    return "answered" if outcome == "running" else outcome
+
+
+async def _request_logged(
+    hosted: HostedAgent,
+    env: dict[str, Any],
+    path: Path,
+    reply: str | None,
+    now_ms: int,
+    data: bytes,
+    inbox_id: int | None,
+    wait: bool,
+    taken: bool,
+) -> None:
+    """:func:`_request` on a task of its own: a failure is logged as the live
+    subscription logs one, never left in an unobserved task."""
+    try:
+        await _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)
+    except Exception:
+        hosted.agent.log.exception("inbound pipeline failed")
+
+
 def first_reply(path: Path, outcome: InboundOutcome, *, attended: bool = False) -> ReplyPlan:
     """What the requester gets first, by the pure rule :func:`plan_first_reply`:
     ``attended`` (an interactive agent with a node inbox) holds the request for
@@ -403,19 +459,18 @@ async def receive(
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=_PATH_NAME[path])
     if kind == "request":
-        try:
-            outcome = await hosted.on_request(env, path, reply, now_ms, data, inbox_id, wait)
-        except BaseException:
-            if taken and inbox is not None:
-                # Failed before a handler ran (an answer that went out was
-                # committed first): a drain after a restart may still run it.
-                inbox.release(hosted.agent_id, env["from"], env["id"])
-            raise
-        if taken and inbox is not None and outcome != "running":
-            # Answered, refused or held without a background handler: the pair
-            # is finished. A running handler settles it itself.
-            inbox.settle(hosted.agent_id, env["from"], env["id"], now_ms)
-        return "answered" if outcome == "running" else outcome
+        if path is Path.LIVE and _awaits_registry(hosted, env):
+            # The live subscription hands over one message at a time, so a
+            # registry look-up here held up every later message to this agent
+            # (up to the look-up's timeout when its answer was lost in a
+            # reconnect: the soak saw 5 s). A sender not judged lately is
+            # judged on a task of its own; the rest go on.
+            hosted.spawn(
+                _request_logged(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken),
+                f"{hosted.name}:{env['id']}:vouch",
+            )
+            return "answered"
+        return await _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)
     if kind == "respond":
         if node.on_respond(hosted, env):
             return "answered"

@@ -47,7 +47,9 @@ class VouchMemo:
         self.capacity = capacity
         # One registry look-up in flight per sender, however many envelopes of
         # it arrive at once (the registry counts each against the asker).
-        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity)
+        # Refreshed in the background from half its lifetime on: a sender that
+        # keeps writing is never made to wait for the registry again.
+        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity, refresh_ahead=0.5)
         self._outage_logged = False
         self.lookups = 0
         self._tiers: dict[str, tuple[str, int]] = {}  # sender -> (attested tier, expires ms)
@@ -98,6 +100,10 @@ class VouchMemo:
         if status == VOUCHED:
             return self.vouched_ttl_s
         return self.unvouched_ttl_s if status == UNVOUCHED else 0.0
+
+    def known(self, sender: str) -> bool:
+        """Whether :meth:`status` answers ``sender`` from memory, without the registry."""
+        return sender in self.node.by_id or self._memo.peek(sender) is not None
 
     async def status(self, asker: HostedAgent, sender: str) -> str:
         if sender in self.node.by_id:
