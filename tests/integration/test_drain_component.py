@@ -57,6 +57,13 @@ async def stored(stream_info: Any, agent_id: str, count: int) -> None:
     await eventually_async(holds, what=f"{count} message(s) stored in {stream}")
 
 
+async def _consumer(conn: MeshConnection, agent: KeyPair) -> Any:
+    """The agent's drain durable as the broker sees it (nats-py's ConsumerInfo)."""
+    return await conn.jetstream.native.consumer_info(
+        subjects.inbox_stream_name(agent.public_key), subjects.inbox_consumer_name(agent.public_key)
+    )
+
+
 class NodeStandIn:
     def __init__(self, connection: MeshConnection) -> None:
         self.connection = connection
@@ -123,8 +130,7 @@ async def test_a_pass_stops_at_the_bound_and_later_mail_waits(mesh: EmbeddedNats
         counts = await store.counts()
         assert counts == {"answered": 8}
         # Every inbox row was committed before its ack: the consumer has nothing pending.
-        info = await conn.jetstream.native.consumer_info(subjects.inbox_stream_name(agent.public_key),
-                                           subjects.inbox_consumer_name(agent.public_key))
+        info = await _consumer(conn, agent)
         assert info.num_pending == 0 and info.num_ack_pending == 0
     finally:
         await store.close()
@@ -200,74 +206,24 @@ async def test_a_mailbox_created_without_a_look_up_is_still_brought_up_to_date(m
         await conn.close()
 
 
-async def test_settled_copies_are_purged_not_acked_and_only_those_past_a_gap_are_acked(
-    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A pass lets the broker forget what it committed by purging the contiguous
-    run (one call a batch), not by an ack per copy; nats-server drops purged
-    messages from the consumer's pending acks. A copy still out (its live
-    handler runs) is a gap the purge cannot cross: the committed copies after
-    it are acked one by one, so nothing settled is ever redelivered."""
+@pytest.fixture
+def acks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The stream sequences acked one by one from here on (the drain's acks, counted)."""
     from meshnode.transport.messages import Message
 
-    node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
-    jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
-    conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
-                          inbox_prefix=node_inbox_prefix(node_key.public_key))
-    await conn.connect()
-    store = InboxStore(tmp_path / "inbox.sqlite3")
-    await store.open()
-    acked: list[int] = []
+    acks: list[int] = []
     real_ack = Message.ack
 
     async def counted_ack(self: Message) -> None:
-        acked.append(self.sequence)
+        acks.append(self.sequence)
         await real_ack(self)
 
     monkeypatch.setattr(Message, "ack", counted_ack)
-    try:
-        await ensure_inbox_stream(conn.jetstream, agent.public_key)
-        ids = []
-        for _ in range(10):
-            env = sign_envelope(build_envelope("request", sender.public_key, now_ms=NodeStandIn(conn).now_ms(),
-                                               to=agent.public_key, payload={"offering": "echo"}), sender)
-            await conn.publish(subjects.agent_inbox(agent.public_key), encode_envelope(env))
-            ids.append(env["id"])
-        await conn.flush()
-        await stored(conn.jetstream.native.stream_info, agent.public_key, 10)
-        store.take(agent.public_key, sender.public_key, ids[6])  # seq 7: its live handler is running
-        recorder = Recorder(agent.public_key)
-        drain = InboxDrain(NodeStandIn(conn), recorder, store)  # type: ignore[arg-type]
-        await drain.run_pass()
-
-        assert [r[0] for r in recorder.received] == ids[:6] + ids[7:]
-        assert drain.stats.purged_through == 6
-        assert sorted(acked) == [8, 9, 10]  # past the gap; 1-6 went with the purge
-        stream, consumer = subjects.inbox_stream_name(agent.public_key), subjects.inbox_consumer_name(agent.public_key)
-        assert (await conn.jetstream.stream_state(stream)).first_seq == 7
-        info = await conn.jetstream.native.consumer_info(stream, consumer)
-        assert info.num_ack_pending == 1 and info.ack_floor.stream_seq == 6  # only the copy still out
-
-        # The live handler settles; a later pass takes the handed-back copy and
-        # purges through the end, acking nothing more.
-        await store.commit_live(agent.public_key, sender.public_key, ids[6], NodeStandIn(conn).now_ms(), settled=True)
-
-        async def emptied() -> bool:
-            await drain.run_pass()
-            return drain.stats.purged_through == 10
-
-        await eventually_async(emptied, what="the handed-back copy settled and purged", detail=drain.status)
-        assert sorted(acked) == [8, 9, 10]
-        assert len(recorder.received) == 9  # seq 7 was committed by its live handler: a duplicate here
-        info = await conn.jetstream.native.consumer_info(stream, consumer)
-        assert info.num_ack_pending == 0 and info.num_pending == 0
-    finally:
-        await store.close()
-        await conn.close()
+    return acks
 
 
-async def _buffer_of(mesh: EmbeddedNatsServer, count: int) -> tuple[MeshConnection, KeyPair, list[str]]:
-    """A connection and an agent whose buffer holds ``count`` requests."""
+async def _buffer_of(mesh: EmbeddedNatsServer, count: int) -> tuple[MeshConnection, KeyPair, KeyPair, list[str]]:
+    """A connection, an agent whose buffer holds ``count`` requests, their sender and their ids."""
     node_key, agent, sender = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
     jwt = mesh.mint_node_credential(node_key.public_key, [agent.public_key], 300, role="service")
     conn = MeshConnection([mesh.url], node_key=node_key, jwt_source=lambda: jwt,
@@ -282,11 +238,55 @@ async def _buffer_of(mesh: EmbeddedNatsServer, count: int) -> tuple[MeshConnecti
         ids.append(env["id"])
     await conn.flush()
     await stored(conn.jetstream.native.stream_info, agent.public_key, count)
-    return conn, agent, ids
+    return conn, agent, sender, ids
+
+
+async def test_settled_copies_are_purged_not_acked_and_only_those_past_a_gap_are_acked(
+    mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int]
+) -> None:
+    """A pass lets the broker forget what it committed by purging the contiguous
+    run (one call per PURGE_EVERY copies, and at its end), not by an ack per
+    copy; nats-server drops purged messages from the consumer's pending acks. A
+    copy still out (its live handler runs) is a gap the purge cannot cross: the
+    committed copies after it are acked one by one, so nothing settled is ever
+    redelivered."""
+    conn, agent, sender, ids = await _buffer_of(mesh, 10)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        store.take(agent.public_key, sender.public_key, ids[6])  # seq 7: its live handler is running
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store)  # type: ignore[arg-type]
+        await drain.run_pass()
+
+        assert [r[0] for r in recorder.received] == ids[:6] + ids[7:]
+        assert drain.stats.purged_through == 6
+        assert sorted(acks) == [8, 9, 10]  # past the gap; 1-6 went with the purge
+        stream = subjects.inbox_stream_name(agent.public_key)
+        assert (await conn.jetstream.stream_state(stream)).first_seq == 7
+        info = await _consumer(conn, agent)
+        assert info.num_ack_pending == 1 and info.ack_floor.stream_seq == 6  # only the copy still out
+
+        # The live handler settles; a later pass takes the handed-back copy and
+        # purges through the end, acking nothing more.
+        await store.commit_live(agent.public_key, sender.public_key, ids[6], NodeStandIn(conn).now_ms(), settled=True)
+
+        async def emptied() -> bool:
+            await drain.run_pass()
+            return drain.stats.purged_through == 10
+
+        await eventually_async(emptied, what="the handed-back copy settled and purged", detail=drain.status)
+        assert sorted(acks) == [8, 9, 10]
+        assert len(recorder.received) == 9  # seq 7 was committed by its live handler: a duplicate here
+        info = await _consumer(conn, agent)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await store.close()
+        await conn.close()
 
 
 async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
-    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int]
 ) -> None:
     """Copies wait unacked for the next purge, and they count against the
     consumer's max_ack_pending: with a durable that allows 8 (created by
@@ -295,17 +295,7 @@ async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
     would stop delivering at 8 and the pass would end there."""
     from nats.js.api import AckPolicy, ConsumerConfig
 
-    from meshnode.transport.messages import Message
-
-    acked: list[int] = []
-    real_ack = Message.ack
-
-    async def counted_ack(self: Message) -> None:
-        acked.append(self.sequence)
-        await real_ack(self)
-
-    monkeypatch.setattr(Message, "ack", counted_ack)
-    conn, agent, ids = await _buffer_of(mesh, 50)
+    conn, agent, _sender, ids = await _buffer_of(mesh, 50)
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
     try:
@@ -317,7 +307,7 @@ async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
         drain = InboxDrain(NodeStandIn(conn), recorder, store, batch=16)  # type: ignore[arg-type]
         await drain.run_pass()
         assert [r[0] for r in recorder.received] == ids
-        assert drain.stats.purged_through == 50 and acked == []
+        assert drain.stats.purged_through == 50 and acks == []
         assert (await conn.jetstream.stream_state(stream)).messages == 0
     finally:
         await store.close()
@@ -325,28 +315,19 @@ async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
 
 
 async def test_a_refused_purge_falls_back_to_acking_every_settled_copy(
-    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A credential without the purge grant (minted before it existed) costs
     room, never redeliveries: once the purge is refused the pass acks every
     copy it settled, those it was holding for the purge included."""
     from meshnode.transport.errors import TransportError
     from meshnode.transport.jetstream import MailboxBuffer
-    from meshnode.transport.messages import Message
-
-    acked: list[int] = []
-    real_ack = Message.ack
-
-    async def counted_ack(self: Message) -> None:
-        acked.append(self.sequence)
-        await real_ack(self)
 
     async def refused(self: MailboxBuffer, seq: int) -> None:
         raise TransportError(f"permissions violation for publish to $JS.API.STREAM.PURGE.{self.stream}")
 
-    monkeypatch.setattr(Message, "ack", counted_ack)
     monkeypatch.setattr(MailboxBuffer, "purge_through", refused)
-    conn, agent, ids = await _buffer_of(mesh, 30)
+    conn, agent, _sender, ids = await _buffer_of(mesh, 30)
     store = InboxStore(tmp_path / "inbox.sqlite3")
     await store.open()
     try:
@@ -354,9 +335,8 @@ async def test_a_refused_purge_falls_back_to_acking_every_settled_copy(
         drain = InboxDrain(NodeStandIn(conn), recorder, store, batch=8)  # type: ignore[arg-type]
         await drain.run_pass()
         assert len(recorder.received) == 30
-        assert sorted(acked) == list(range(1, 31)) and drain.stats.purge_failures >= 1
-        info = await conn.jetstream.native.consumer_info(subjects.inbox_stream_name(agent.public_key),
-                                                         subjects.inbox_consumer_name(agent.public_key))
+        assert sorted(acks) == list(range(1, 31)) and drain.stats.purge_failures >= 1
+        info = await _consumer(conn, agent)
         assert info.num_ack_pending == 0 and info.num_pending == 0
     finally:
         await store.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from nats.js.api import StreamConfig
 
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import eventually_async
+from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.errors import NoResponders, TransportTimeout
 from meshnode.transport.jetstream import JetStream
@@ -24,30 +26,35 @@ from .conftest import connect
 pytestmark = pytest.mark.integration
 
 
-async def test_an_ack_lost_in_a_reconnect_is_retried_and_the_message_stored_once(
-    mesh: EmbeddedNatsServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+async def client(mesh: EmbeddedNatsServer) -> AsyncIterator[MeshConnection]:
     key = KeyPair.generate()
     conn = await connect(mesh, key, mesh.mint_user("t", key.public_key, [">"], [">"], 300))
     try:
-        await conn.jetstream.native.add_stream(StreamConfig(name="T", subjects=["t.>"], duplicate_window=120))
-        real_publish = JetStream.publish
-        attempts: list[bool] = []
-
-        async def first_ack_lost(self: JetStream, subject: str, data: bytes, **kw: Any) -> Any:
-            ack = await real_publish(self, subject, data, **kw)
-            attempts.append(ack.duplicate)
-            if len(attempts) == 1:
-                await conn.reconnect()  # stored, but its answer never reached the caller
-                raise TransportTimeout("nats: timeout")
-            return ack
-
-        monkeypatch.setattr(JetStream, "publish", first_ack_lost)
-        ack = await conn.jetstream.publish_deduplicated("t.final", b"last chunk", msg_id="m-1")
-        assert attempts == [False, True] and ack.duplicate and ack.seq == 1
-        assert (await conn.jetstream.stream_state("T")).messages == 1
+        yield conn
     finally:
         await conn.close()
+
+
+async def test_an_ack_lost_in_a_reconnect_is_retried_and_the_message_stored_once(
+    client: MeshConnection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.jetstream.native.add_stream(StreamConfig(name="T", subjects=["t.>"], duplicate_window=120))
+    real_publish = JetStream.publish
+    attempts: list[bool] = []
+
+    async def first_ack_lost(self: JetStream, subject: str, data: bytes, **kw: Any) -> Any:
+        ack = await real_publish(self, subject, data, **kw)
+        attempts.append(ack.duplicate)
+        if len(attempts) == 1:
+            await client.reconnect()  # stored, but its answer never reached the caller
+            raise TransportTimeout("nats: timeout")
+        return ack
+
+    monkeypatch.setattr(JetStream, "publish", first_ack_lost)
+    ack = await client.jetstream.publish_deduplicated("t.final", b"last chunk", msg_id="m-1")
+    assert attempts == [False, True] and ack.duplicate and ack.seq == 1
+    assert (await client.jetstream.stream_state("T")).messages == 1
 
 
 async def test_a_publish_nobody_stores_yet_is_retried_until_the_stream_is_there(
@@ -70,11 +77,6 @@ async def test_a_publish_nobody_stores_yet_is_retried_until_the_stream_is_there(
         await conn.close()
 
 
-async def test_a_publish_still_not_acked_after_its_time_raises(mesh: EmbeddedNatsServer) -> None:
-    key = KeyPair.generate()
-    conn = await connect(mesh, key, mesh.mint_user("t", key.public_key, [">"], [">"], 300))
-    try:
-        with pytest.raises(NoResponders):
-            await conn.jetstream.publish_deduplicated("v.x", b"m", msg_id="m-3", within_s=0.5)
-    finally:
-        await conn.close()
+async def test_a_publish_still_not_acked_after_its_time_raises(client: MeshConnection) -> None:
+    with pytest.raises(NoResponders):
+        await client.jetstream.publish_deduplicated("v.x", b"m", msg_id="m-3", within_s=0.5)

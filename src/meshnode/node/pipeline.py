@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
 
@@ -334,21 +334,11 @@ async def _request(
     return "answered" if outcome == "running" else outcome
 
 
-async def _request_logged(
-    hosted: HostedAgent,
-    env: dict[str, Any],
-    path: Path,
-    reply: str | None,
-    now_ms: int,
-    data: bytes,
-    inbox_id: int | None,
-    wait: bool,
-    taken: bool,
-) -> None:
-    """:func:`_request` on a task of its own: a failure is logged as the live
+async def _logged(hosted: HostedAgent, work: Awaitable[str]) -> None:
+    """``work`` on a task of its own: a failure is logged as the live
     subscription logs one, never left in an unobserved task."""
     try:
-        await _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)
+        await work
     except Exception:
         hosted.agent.log.exception("inbound pipeline failed")
 
@@ -466,7 +456,7 @@ async def receive(
             # reconnect: the soak saw 5 s). A sender not judged lately is
             # judged on a task of its own; the rest go on.
             hosted.spawn(
-                _request_logged(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken),
+                _logged(hosted, _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)),
                 f"{hosted.name}:{env['id']}:vouch",
             )
             return "answered"
