@@ -47,9 +47,11 @@ class VouchMemo:
         self.capacity = capacity
         # One registry look-up in flight per sender, however many envelopes of
         # it arrive at once (the registry counts each against the asker).
-        # Refreshed in the background from half its lifetime on: a sender that
-        # keeps writing is never made to wait for the registry again.
-        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity, refresh_ahead=0.5)
+        # Refreshed in the background from three quarters of its lifetime on: a
+        # sender that keeps writing is never made to wait for the registry again,
+        # for a third more look-ups than waiting for expiry (the registry counts
+        # them against the asking agent's budget, so not from half).
+        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity, refresh_ahead=0.75)
         self._outage_logged = False
         self.lookups = 0
         self._tiers: dict[str, tuple[str, int]] = {}  # sender -> (attested tier, expires ms)
