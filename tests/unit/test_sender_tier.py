@@ -56,3 +56,36 @@ def test_a_trusted_attestation_gives_the_tier_until_it_expires() -> None:
     assert memo.tier_of(stale) is None
     node.clock = NOW + HOUR_MS + 1  # the attestation has expired: it proves nothing now
     assert memo.tier_of(sandboxed) is None
+
+
+def test_a_sender_that_keeps_writing_is_re_checked_in_the_background_and_never_waits() -> None:
+    """The vouch memo answers from memory until the entry expires; from three
+    quarters of its lifetime on, a status asked for starts the registry look-up
+    in the background (one), so a sender that keeps writing never waits for it."""
+    operator = KeyPair.generate(Prefix.OPERATOR)
+    sender, manifest = sender_on_node(operator, "standard")
+    node = FakeNode(now_ms=NOW, manifests={sender: manifest}, trusted_operators=frozenset({operator.public_key}))
+    clock = [1000.0]
+    memo = VouchMemo(node, vouched_ttl_s=60.0, clock=lambda: clock[0])
+
+    async def scenario() -> list[tuple[str, bool, int]]:
+        seen = []
+        assert not memo.known(sender)
+        seen.append((await memo.status(None, sender), memo.known(sender), len(node.service_calls)))  # type: ignore[arg-type]
+        clock[0] += 40.0  # two thirds: answered from memory, nothing asked
+        seen.append((await memo.status(None, sender), memo.known(sender), len(node.service_calls)))  # type: ignore[arg-type]
+        clock[0] += 10.0  # past three quarters: answered from memory, the look-up starts aside
+        seen.append((await memo.status(None, sender), memo.known(sender), len(node.service_calls)))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)  # the background look-up's turn
+        clock[0] += 30.0  # past the first entry's expiry: the refreshed one answers, no wait
+        known_before = memo.known(sender)
+        seen.append((await memo.status(None, sender), known_before, len(node.service_calls)))  # type: ignore[arg-type]
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        ("vouched", True, 1),
+        ("vouched", True, 1),
+        ("vouched", True, 1),
+        ("vouched", True, 2),
+    ]

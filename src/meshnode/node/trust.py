@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshnode.node.resolver import discover_one, not_granted
@@ -40,7 +41,15 @@ VOUCHED, UNVOUCHED, REVOKED, UNKNOWN = "vouched", "unvouched", "revoked", "unkno
 
 
 class VouchMemo:
-    def __init__(self, node: NodePort, *, vouched_ttl_s: float = 60.0, unvouched_ttl_s: float = 5.0, capacity: int = 50_000) -> None:
+    def __init__(
+        self,
+        node: NodePort,
+        *,
+        vouched_ttl_s: float = 60.0,
+        unvouched_ttl_s: float = 5.0,
+        capacity: int = 50_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.node = node
         self.vouched_ttl_s = vouched_ttl_s
         self.unvouched_ttl_s = unvouched_ttl_s
@@ -51,7 +60,9 @@ class VouchMemo:
         # sender that keeps writing is never made to wait for the registry again,
         # for a third more look-ups than waiting for expiry (the registry counts
         # them against the asking agent's budget, so not from half).
-        self._memo: SingleFlightCache[str, str] = SingleFlightCache(capacity=capacity, refresh_ahead=0.75)
+        self._memo: SingleFlightCache[str, str] = SingleFlightCache(
+            capacity=capacity, refresh_ahead=0.75, clock=clock
+        )
         self._outage_logged = False
         self.lookups = 0
         self._tiers: dict[str, tuple[str, int]] = {}  # sender -> (attested tier, expires ms)
