@@ -49,7 +49,7 @@ async def echo_node(mesh: EmbeddedNatsServer, tmp_path: Path) -> AsyncIterator[t
         yield node, agent.public_key
     finally:
         await node.unhost("echo", grace=0.5)  # the slow look-up's task is cancelled, not waited for
-        await conn.close()
+        await conn.close(drain_timeout=1.0)  # a look-up held inline never finishes here
 
 
 async def test_a_slow_vouch_look_up_holds_up_only_its_own_request(
@@ -94,5 +94,43 @@ async def test_a_slow_vouch_look_up_holds_up_only_its_own_request(
         await eventually_async(quick_answered, what="the other sender's answer while the look-up waits")
         assert not answers[slow.public_key], "the slow sender's request is still waiting for the registry"
         assert asked == [subjects.registry_get(slow.public_key)]
+    finally:
+        await client.close()
+
+
+async def test_only_so_many_requests_wait_apart_and_then_the_subscription_waits_again(
+    mesh: EmbeddedNatsServer, echo_node: tuple[Node, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of new keys must not turn into unbounded tasks and registry
+    look-ups: past MAX_VOUCH_WAITS the look-up runs inline again, so the
+    subscription itself waits (the backpressure it always was)."""
+    from meshnode.node import pipeline
+
+    monkeypatch.setattr(pipeline, "MAX_VOUCH_WAITS", 2)
+    node, echo = echo_node
+    hosted = node.agents["echo"]
+    senders = [KeyPair.generate() for _ in range(4)]
+    client_key = KeyPair.generate()
+    client: MeshConnection = await connect(mesh, client_key, mesh.mint_user("c", client_key.public_key, [">"], [">"], 300))
+    asked: list[str] = []
+
+    async def never_answer(msg: Message) -> None:
+        asked.append(msg.subject)
+
+    try:
+        for sender in senders:
+            await client.subscribe(subjects.registry_get(sender.public_key), never_answer)
+        await client.flush()
+        for sender in senders:
+            env = build_envelope("request", sender.public_key, now_ms=time.time_ns() // 1_000_000, to=echo,
+                                 payload={"offering": "echo", "input": "x"})
+            await client.publish(subjects.agent_inbox(echo), encode_envelope(sign_envelope(env, sender)))
+        await client.flush()
+        # Two wait apart; the third's look-up runs inline and holds the subscription,
+        # so the fourth is not even judged yet.
+        await eventually_async(lambda: len(asked) >= 3, what="three vouch look-ups under way")
+        assert hosted.vouch_waits == 2
+        # (In any order: the inline look-up goes out before the parked ones' tasks run.)
+        assert sorted(asked) == sorted(subjects.registry_get(s.public_key) for s in senders[:3])
     finally:
         await client.close()

@@ -138,6 +138,9 @@ class HostedAgent:
         self._signal_logged: dict[str, float] = {}
         #: Digests of raw messages the live path could not verify (bounded, first in first out).
         self.refused_bytes: dict[bytes, None] = {}
+        #: Live requests waiting on a task of their own for their sender's vouch
+        #: look-up (pipeline.receive); bounded by pipeline.MAX_VOUCH_WAITS.
+        self.vouch_waits = 0
         self.describe_limiter = SlidingWindowLimiter(limit=60, window_ms=60_000)
         # Events get their own duplicate memory (§22.2): a flood of events must
         # not evict the entries that keep requests from running twice.

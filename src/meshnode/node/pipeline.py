@@ -297,6 +297,11 @@ async def vouched(hosted: HostedAgent, env: Mapping[str, Any]) -> None:
         raise Refused(SENDER_NOT_VOUCHED, "no node vouches for the sender", envelope=env)
 
 
+#: Live requests of one agent that may wait for their senders' vouch look-ups
+#: at once, each on a task of its own, while the agent's other mail goes on.
+MAX_VOUCH_WAITS: Final = 64
+
+
 def _awaits_registry(hosted: HostedAgent, env: Mapping[str, Any]) -> bool:
     """Whether :func:`vouched` would wait for the registry for ``env``'s sender."""
     node = hosted.node
@@ -334,13 +339,16 @@ async def _request(
     return "answered" if outcome == "running" else outcome
 
 
-async def _logged(hosted: HostedAgent, work: Awaitable[str]) -> None:
-    """``work`` on a task of its own: a failure is logged as the live
+async def _vouch_wait(hosted: HostedAgent, work: Awaitable[str]) -> None:
+    """A request waiting for its sender's vouch, on a task of its own: counted
+    against MAX_VOUCH_WAITS while it lasts; a failure is logged as the live
     subscription logs one, never left in an unobserved task."""
     try:
         await work
     except Exception:
         hosted.agent.log.exception("inbound pipeline failed")
+    finally:
+        hosted.vouch_waits -= 1
 
 
 def first_reply(path: Path, outcome: InboundOutcome, *, attended: bool = False) -> ReplyPlan:
@@ -449,14 +457,17 @@ async def receive(
         inbox.remember(hosted.agent_id, env["from"], env["id"], now_ms)
     node.audit(hosted, env, direction="in", path=_PATH_NAME[path])
     if kind == "request":
-        if path is Path.LIVE and _awaits_registry(hosted, env):
+        if path is Path.LIVE and hosted.vouch_waits < MAX_VOUCH_WAITS and _awaits_registry(hosted, env):
             # The live subscription hands over one message at a time, so a
             # registry look-up here held up every later message to this agent
             # (up to the look-up's timeout when its answer was lost in a
             # reconnect: the soak saw 5 s). A sender not judged lately is
-            # judged on a task of its own; the rest go on.
+            # judged on a task of its own; the rest go on. Only so many at
+            # once: past that (a flood of new keys) the subscription waits
+            # again, as the backpressure it always was.
+            hosted.vouch_waits += 1
             hosted.spawn(
-                _logged(hosted, _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)),
+                _vouch_wait(hosted, _request(hosted, env, path, reply, now_ms, data, inbox_id, wait, taken)),
                 f"{hosted.name}:{env['id']}:vouch",
             )
             return "answered"
