@@ -10,6 +10,7 @@ from typing import Any
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol.attestations import make_trust_attestation, make_vouch
 from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.testing import eventually_async
 from tests.fakes import FakeNode
 
 HOUR_MS = 3_600_000
@@ -76,8 +77,7 @@ def test_a_sender_that_keeps_writing_is_re_checked_in_the_background_and_never_w
         seen.append((await memo.status(None, sender), memo.known(sender), len(node.service_calls)))  # type: ignore[arg-type]
         clock[0] += 10.0  # past three quarters: answered from memory, the look-up starts aside
         seen.append((await memo.status(None, sender), memo.known(sender), len(node.service_calls)))  # type: ignore[arg-type]
-        for _ in range(5):
-            await asyncio.sleep(0)  # the background look-up's turn
+        await eventually_async(lambda: len(node.service_calls) == 2, what="the background look-up")
         clock[0] += 30.0  # past the first entry's expiry: the refreshed one answers, no wait
         known_before = memo.known(sender)
         seen.append((await memo.status(None, sender), known_before, len(node.service_calls)))  # type: ignore[arg-type]
