@@ -280,8 +280,7 @@ class InboxDrain:
             self._settled, self._unreleased, self._hand_back = set(), [], []
             self._acking_all = False
             max_out = consumer_state.max_ack_pending
-            if max_out:
-                self._purge_every = max(1, min(PURGE_EVERY, max_out // 2))
+            self._purge_every = max(1, min(PURGE_EVERY, max_out // 2)) if max_out else PURGE_EVERY
             # Make room as the pass goes: what is settled is committed (§16.4),
             # so the buffer may drop it. Everything the consumer had acked when
             # the pass began (or the buffer no longer holds), then each next

@@ -285,11 +285,10 @@ async def vouched(hosted: HostedAgent, env: Mapping[str, Any]) -> None:
     The same rule for every intake that runs it: requests and events alike,
     because §5.3 is stated for the receiver of any envelope.
     """
-    node = hosted.node
-    trust = node.trust
+    trust = hosted.node.trust
     sender = env["from"]
-    if trust is None or sender in node.by_id or sender in node.platform_keys:
-        return  # our own agents, and the platform's services (no node vouches for those)
+    if trust is None or _vouch_exempt(hosted, sender):
+        return
     standing = await trust.status(hosted, sender)
     if standing == "revoked":
         raise Refused(SENDER_KEY_REVOKED, "the sender's key was revoked", envelope=env)
@@ -302,12 +301,17 @@ async def vouched(hosted: HostedAgent, env: Mapping[str, Any]) -> None:
 MAX_VOUCH_WAITS: Final = 64
 
 
+def _vouch_exempt(hosted: HostedAgent, sender: str) -> bool:
+    """Our own agents, and the platform's services: no node vouches for those."""
+    node = hosted.node
+    return sender in node.by_id or sender in node.platform_keys
+
+
 def _awaits_registry(hosted: HostedAgent, env: Mapping[str, Any]) -> bool:
     """Whether :func:`vouched` would wait for the registry for ``env``'s sender."""
-    node = hosted.node
-    trust = node.trust
+    trust = hosted.node.trust
     sender = env["from"]
-    return not (trust is None or sender in node.by_id or sender in node.platform_keys or trust.known(sender))
+    return not (trust is None or _vouch_exempt(hosted, sender) or trust.known(sender))
 
 
 async def _request(

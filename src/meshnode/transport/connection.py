@@ -319,20 +319,25 @@ class MeshConnection:
             self._report_lost()
             raise ConnectionError(f"the connection is closed for good ({self._closed_reason()})")
         started = time.monotonic()
-        if not self.is_connected:
-            # Between servers. A planned reconnect (an agent added or removed
-            # re-presents the credential) takes milliseconds and says nothing
-            # about the broker: the soak's churn had the broker watch log an
-            # unresponsive broker and count an episode for one. Wait for the
-            # client to be back, within half the deadline; still away is the finding.
-            with contextlib.suppress(TimeoutError):
-                await wait_for(self._until_connected(), timeout=timeout / 2)
-            if not self.is_connected:
-                raise ConnectionError("not connected (the client is reconnecting)")
+        # Between servers? A planned reconnect (an agent added or removed
+        # re-presents the credential) takes milliseconds and says nothing about
+        # the broker: the soak's churn had the broker watch log an unresponsive
+        # broker and count an episode for one. Wait for the client to be back,
+        # within half the deadline; still away is the finding.
+        if not await self.wait_connected(timeout / 2):
+            raise ConnectionError("not connected (the client is reconnecting)")
         remaining = max(0.001, timeout - (time.monotonic() - started))
         with translated():
             # nats-py types the timeout as int but waits with asyncio.wait_for.
             await self.nc.flush(timeout=remaining)  # type: ignore[arg-type]
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Whether the client is connected, waiting up to ``timeout`` seconds for
+        it to be back while it is between servers (woken by the reconnect, not polled)."""
+        if not self.is_connected:
+            with contextlib.suppress(TimeoutError):
+                await wait_for(self._until_connected(), timeout=timeout)
+        return self.is_connected
 
     async def _until_connected(self) -> None:
         if self._back is None:
