@@ -285,6 +285,41 @@ async def test_settled_copies_are_purged_not_acked_and_only_those_past_a_gap_are
         await conn.close()
 
 
+@pytest.mark.parametrize("deferred", [(), (7, 30)])
+async def test_over_many_fetches_copies_wait_for_the_purge_unless_past_a_gap(
+    mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int], monkeypatch: pytest.MonkeyPatch,
+    deferred: tuple[int, ...],
+) -> None:
+    """The release after each fetch sorts out only what that fetch settled while
+    no purge happened since the last one; what the earlier releases kept for the
+    purge stays kept. Fetches of 8 against a purge every 20: copies before the
+    first gap wait for a purge across fetches and are never acked; every
+    settled copy past a gap is acked (the gap stops the purge); nothing settled
+    is left out for redelivery."""
+    import meshnode.node.drain as drain_module
+
+    monkeypatch.setattr(drain_module, "PURGE_EVERY", 20)
+    conn, agent, sender, ids = await _buffer_of(mesh, 40)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    try:
+        for seq in deferred:  # their live handlers are running
+            store.take(agent.public_key, sender.public_key, ids[seq - 1])
+        recorder = Recorder(agent.public_key)
+        drain = InboxDrain(NodeStandIn(conn), recorder, store, batch=8)  # type: ignore[arg-type]
+        await drain.run_pass()
+
+        first_gap = min(deferred, default=41)
+        assert len(recorder.received) == 40 - len(deferred)
+        assert drain.stats.purged_through == first_gap - 1
+        assert sorted(acks) == [s for s in range(first_gap + 1, 41) if s not in deferred]
+        info = await _consumer(conn, agent)
+        assert info.num_ack_pending == len(deferred)  # only the copies still out
+    finally:
+        await store.close()
+        await conn.close()
+
+
 async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
     mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int]
 ) -> None:

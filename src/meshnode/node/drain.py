@@ -121,6 +121,11 @@ class InboxDrain:
         # redelivery delay).
         self._settled: set[int] = set()
         self._unreleased: list[Message] = []
+        # How many of ``_unreleased`` (from its start) the last release sorted
+        # out and kept, and ``purged_through`` then: while no purge moved it,
+        # the next release only looks at the copies settled since.
+        self._kept = 0
+        self._kept_gone = -1
         self._through = 0
         self._purge_every = PURGE_EVERY
         self._acking_all = False  # the purge was refused this pass: ack instead
@@ -278,6 +283,7 @@ class InboxDrain:
                 return  # an idle pass: nothing buffered that we have not acked
             floor = consumer_state.delivered_stream_seq
             self._settled, self._unreleased, self._hand_back = set(), [], []
+            self._kept, self._kept_gone = 0, -1
             self._acking_all = False
             max_out = consumer_state.max_ack_pending
             self._purge_every = max(1, min(PURGE_EVERY, max_out // 2)) if max_out else PURGE_EVERY
@@ -300,8 +306,12 @@ class InboxDrain:
                 msgs = await psub.fetch(want, timeout=self.fetch_timeout_s)  # [] on timeout
                 if not msgs:
                     break
-                within = [m for m in msgs if m.sequence <= bound]
-                beyond = [m for m in msgs if m.sequence > bound]
+                top = max(m.sequence for m in msgs)
+                if top <= bound:
+                    within, beyond = msgs, []
+                else:
+                    within = [m for m in msgs if m.sequence <= bound]
+                    beyond = [m for m in msgs if m.sequence > bound]
                 try:
                     await self._commit(within)
                     await self._release(buffer)
@@ -313,7 +323,7 @@ class InboxDrain:
                         with contextlib.suppress(Exception):
                             await m.nak()
                     raise
-                floor = max([floor, *(m.sequence for m in msgs)])
+                floor = max(floor, top)
                 if beyond:
                     # Past the bound belongs to the live path: hand it back untouched.
                     self.stats.beyond_bound += len(beyond)
@@ -364,12 +374,23 @@ class InboxDrain:
             gone = self.stats.purged_through
             self._acking_all = gone < through
         later = not (final or self._acking_all)
-        keep = [m for m in self._unreleased if gone < m.sequence <= through and later]
-        ack = [m for m in self._unreleased if m.sequence > gone and not (m.sequence <= through and later)]
-        self._unreleased = keep + ack  # should an ack raise, the pass's end acks them all
+        unreleased = self._unreleased
+        # Kept copies lie in (gone, through] of the release that kept them; with
+        # no purge since, they still do (``through`` only grows). Re-sorting
+        # them on every batch cost ~3 µs per re-read copy at 512 to a purge.
+        start = self._kept if later and gone == self._kept_gone else 0
+        new = unreleased[start:]
+        if later:
+            keep = [m for m in new if gone < m.sequence <= through]
+            ack = [m for m in new if m.sequence > through and m.sequence > gone]
+        else:
+            keep, ack = [], [m for m in new if m.sequence > gone]
+        # Should an ack raise, the pass's end acks everything still listed.
+        unreleased[start:] = keep + ack
         for m in ack:
             await m.ack()
-        self._unreleased = keep  # the next purge takes them
+        del unreleased[start + len(keep):]  # the next purge takes the rest
+        self._kept, self._kept_gone = len(unreleased), gone
 
     async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
         # Everything through ``bound`` is committed to the node inbox: drop it
