@@ -62,6 +62,61 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 
+def _pairs_of(store: InboxStore, agent: str) -> list[tuple[str, int]]:
+    return [(str(m), int(ms)) for m, ms in store.db.execute(
+        "SELECT msg_id, seen_ms FROM seen WHERE agent=? ORDER BY seen_ms", (agent,))]
+
+
+async def test_the_remembered_pairs_are_bounded_as_they_are_written_not_by_the_hourly_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy agent's pairs are trimmed to seen_capacity by the write-behind's
+    own ticks, a chunk at a time, oldest first; nothing waits for the sweep
+    (hourly, which once deleted a whole hour's excess in one transaction on
+    the loop). A quiet agent beside it keeps everything it has."""
+    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 7)  # several statements per agent
+    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=40)
+    await store.open()
+    try:
+        for i in range(10):
+            store.remember("quiet", "S", f"q{i}", i)
+        for batch in range(5):
+            for i in range(30):
+                store.remember(A, "S", f"m{batch * 30 + i}", 1000 + batch * 30 + i)
+            await store.flush()
+        await eventually_async(lambda: not store._trim_queue and len(_pairs_of(store, A)) == 40,
+                               what="the busy agent trimmed to its capacity", detail=store.health)
+        kept = _pairs_of(store, A)
+        assert [m for m, _ in kept] == [f"m{i}" for i in range(110, 150)]  # the newest 40
+        assert len(_pairs_of(store, "quiet")) == 10
+        assert store.health()["seen_trimmed"] == 110
+    finally:
+        await store.close()
+
+
+async def test_the_sweep_deletes_aged_pairs_agent_by_agent_and_trims_the_rest_to_capacity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 5)
+    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=20, seen_max_age_ms=1000)
+    await store.open()
+    try:
+        # Written straight to the file (as an older version left it): no counts yet.
+        rows = [(agent, "S", f"{agent}-{i}", ms, 1) for agent, count, ms in
+                (("old", 12, 10), ("busy", 50, 5000), ("mixed", 30, 10)) for i in range(count)]
+        rows += [("mixed", "S", f"mixed-new-{i}", 5000, 1) for i in range(25)]
+        with store.db:
+            store.db.executemany("INSERT INTO seen VALUES (?,?,?,?,?)", rows)
+        result = await store.sweep(now_ms=5500)
+        assert result == {"expired_seen": 12 + 30, "trimmed_seen": 30 + 5}
+        assert _pairs_of(store, "old") == []
+        assert len(_pairs_of(store, "busy")) == 20 and len(_pairs_of(store, "mixed")) == 20
+        assert all(m.startswith("mixed-new-") for m, _ in _pairs_of(store, "mixed"))
+        assert not store._trim_queue and not store._trim_horizon
+    finally:
+        await store.close()
+
+
 async def test_close_during_a_write_behind_flush_loses_nothing(tmp_path: Path) -> None:
     """A stop landing while the write-behind writes must not roll back the pairs
     it took: a restart would answer an already-handled request again."""

@@ -479,8 +479,9 @@ class Daemon:
 
     async def _sweep(self, inbox: InboxStore) -> None:
         result = await inbox.sweep(time.time_ns() // 1_000_000)
-        if result.get("trimmed_seen"):
-            log.info("inbox sweep trimmed %d remembered pairs", result["trimmed_seen"])
+        if result.get("trimmed_seen") or result.get("expired_seen"):
+            log.info("inbox sweep: %d remembered pairs past their age and %d past the per-agent bound deleted",
+                     result["expired_seen"], result["trimmed_seen"])
 
     async def _stage_a2a(self) -> None:
         """The inbound A2A bridge (off unless ``[a2a] listen`` is set)."""

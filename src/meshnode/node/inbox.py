@@ -58,6 +58,7 @@ loss can still cost is written in docs/operations/exactly-once.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -145,6 +146,18 @@ _IDLE_TICK_S = 1.0
 #: After a failed settle barrier (disconnected), the next try waits this long.
 _BARRIER_RETRY_S = 0.5
 
+#: The remembered pairs are bounded as they are written, not once an hour: an
+#: agent's pairs may run a tenth of ``seen_capacity`` past it before the trimmer
+#: counts them (a count reads each of the agent's pairs, ~5 ms at 50,000). One
+#: statement deletes at most ``_TRIM_CHUNK`` pairs (~3 ms), and a flush tick
+#: spends at most ``_TRIM_BUDGET_S`` trimming, so catching up never holds the
+#: loop for long. (The hourly sweep used to delete everything past the bound in
+#: one transaction: 17 s on the loop for an agent at 1,000,000 pairs, which a
+#: busy agent wrote in minutes, and a file that grew by that much in between.)
+_TRIM_SLACK_DIVISOR = 10
+_TRIM_CHUNK = 250
+_TRIM_BUDGET_S = 0.005
+
 #: Past this size the WAL is caught up inline after a worker checkpoint (see
 #: ``InboxStore._maintain``), so a node under sustained load keeps it bounded.
 WAL_CATCH_UP_BYTES = 16 * 1024 * 1024
@@ -226,6 +239,17 @@ class InboxStore:
         # drain take its buffered copy for a duplicate (that copy is the only one left).
         self._forgotten: dict[tuple[str, str, str], None] = {}
         self._state_pending: list[tuple[str, str | None, int, int]] = []
+        # The trimmer (see _TRIM_CHUNK): pairs written per agent since its last
+        # count, the agents to count and trim (in order), how far past capacity
+        # a counted agent still is, and the sweep's age bound per agent.
+        self._seen_added: dict[str, int] = {}
+        self._trim_slack = max(1, seen_capacity // _TRIM_SLACK_DIVISOR)
+        self._trim_queue: dict[str, None] = {}
+        self._seen_excess: dict[str, int] = {}
+        self._trim_horizon: dict[str, int] = {}
+        self._written_since_trim = 0
+        self.trimmed_seen = 0
+        self.expired_seen = 0
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._idle = False  # the flusher sleeps until something is queued
@@ -432,6 +456,9 @@ class InboxStore:
             + len(self._live) + len(self._settle) + len(self._unsent) + len(self._passing)
             + len(self._unsent_states) + len(self._passing_states),
             "write_behind_dropped": self.dropped_behind,
+            "seen_trimmed": self.trimmed_seen,
+            "seen_expired": self.expired_seen,
+            "seen_trim_queued": len(self._trim_queue),
         }
 
     def _transaction(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> int:
@@ -567,7 +594,7 @@ class InboxStore:
 
     def _has_work(self) -> bool:
         return bool(self._live or self._settle or self._seen_pending or self._state_pending
-                    or self._unsent or self._unsent_states)
+                    or self._unsent or self._unsent_states or self._trim_queue)
 
     async def _wait_wake(self, timeout: float) -> None:
         """Until :meth:`_queued` (or close) wakes the loop, or ``timeout`` passes.
@@ -634,10 +661,12 @@ class InboxStore:
     ) -> None:
         """Inside a transaction: the queued live pairs, then the settle marks."""
         if live:
+            pairs = [pair for pair, _ in live]
             db.executemany(
                 "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,?)",
-                [pair for pair, _ in live],
+                pairs,
             )
+            self._count_written(pairs)
         if settle:
             db.executemany(
                 "INSERT INTO seen (agent, sender, msg_id, seen_ms, done) VALUES (?,?,?,?,1)"
@@ -787,6 +816,7 @@ class InboxStore:
                     "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
                     [(agent, r.sender, r.msg_id, now_ms) for r in rows],
                 )
+                self._count_written_for(agent, len(rows))
         if rows:
             # A claim lost to a power loss would put the rows back to pending
             # and run them again: on disk before any handler runs.
@@ -853,6 +883,7 @@ class InboxStore:
                     "INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)",
                     (agent, sender, msg_id, now_ms),
                 )
+            self._count_written_for(agent, 1)
         except InboxUnwritable:
             log.error("drained message %d was not started: the inbox cannot record it; it runs after a restart",
                       inbox_id)
@@ -1038,6 +1069,7 @@ class InboxStore:
                 self._write_live(db, live, settle)
                 if seen:
                     db.executemany("INSERT OR IGNORE INTO seen (agent, sender, msg_id, seen_ms) VALUES (?,?,?,?)", seen)
+                    self._count_written(seen)
                 if states:
                     db.executemany(
                         "UPDATE messages SET state=?, state_ms=?, note=COALESCE(?, note) WHERE inbox_id=?",
@@ -1079,6 +1111,7 @@ class InboxStore:
                 await self._pass_barrier()
                 await self.flush()  # the marks and outcomes that just passed it
                 await self._maintain()
+                self._trim_step()
             except InboxUnwritable:
                 pass  # recorded in self.fault; the next flush carries the backlog
             except Exception as exc:  # keep trying; the next flush carries the backlog
@@ -1135,29 +1168,107 @@ class InboxStore:
     # -- retention -------------------------------------------------------------------
 
     async def sweep(self, now_ms: int) -> dict[str, int]:
-        """Bound the file: finished rows past retention, and the memory by age and count."""
+        """Bound the file: finished rows past retention, and the remembered pairs
+        by age and by count, agent by agent, a few milliseconds at a time (the
+        loop serves everything else in between); returns how many pairs it
+        deleted past their age and past the count."""
         horizon = now_ms - self.retention_ms
         seen_horizon = now_ms - self.seen_max_age_ms
         placeholders = ",".join("?" * len(TERMINAL_STATES))
         self._transaction(
-            [
-                (f"DELETE FROM messages WHERE state IN ({placeholders}) AND state_ms < ?", (*TERMINAL_STATES, horizon)),
-                ("DELETE FROM seen WHERE seen_ms < ?", (seen_horizon,)),
-            ]
+            [(f"DELETE FROM messages WHERE state IN ({placeholders}) AND state_ms < ?", (*TERMINAL_STATES, horizon))]
         )
-        trimmed = 0
-        over = self.db.execute(
-            "SELECT agent, count(*) FROM seen GROUP BY agent HAVING count(*) > ?", (self.seen_capacity,)
-        ).fetchall()
-        for agent, count in over:
+        expired, trimmed = self.expired_seen, self.trimmed_seen
+        # Every agent with remembered pairs, one index step each (not a scan of the table).
+        agents: collections.deque[str] = collections.deque()
+        agent = ""
+        while (row := self.db.execute(
+            "SELECT agent FROM seen WHERE agent > ? ORDER BY agent LIMIT 1", (agent,)
+        ).fetchone()) is not None:
+            agent = str(row[0])
+            agents.append(agent)
+            self._trim_horizon[agent] = seen_horizon
+            self._trim_queue[agent] = None
+            if len(agents) % 256 == 0:
+                await asyncio.sleep(0)
+        # Trimmed here, a budget at a time, so that the figures returned are this
+        # sweep's (the flush loop takes its turns at the same queue meanwhile).
+        while agents and self._db is not None and self.fault is None:
+            while agents and agents[0] not in self._trim_queue:
+                agents.popleft()
+            if agents:
+                self._trim_step()
+                await asyncio.sleep(0)
+        return {"expired_seen": self.expired_seen - expired, "trimmed_seen": self.trimmed_seen - trimmed}
+
+    def _count_written(self, pairs: Sequence[Sequence[Any]]) -> None:
+        """Pairs (agent first) were written to ``seen``: an agent whose pairs
+        may have run past capacity by the slack is queued for the trimmer."""
+        added = self._seen_added
+        slack = self._trim_slack
+        for pair in pairs:
+            agent = pair[0]
+            count = added[agent] = added.get(agent, 0) + 1
+            if count >= slack and agent not in self._trim_queue:
+                self._trim_queue[agent] = None
+        self._written_since_trim += len(pairs)
+
+    def _count_written_for(self, agent: str, n: int) -> None:
+        self._written_since_trim += n
+        count = self._seen_added[agent] = self._seen_added.get(agent, 0) + n
+        if count >= self._trim_slack:
+            self._trim_queue.setdefault(agent, None)
+
+    def _trim_step(self) -> None:
+        """Trim the queued agents' remembered pairs (those older than the
+        sweep's bound, then the oldest past ``seen_capacity``: first-seen
+        eviction, §22.2's bounded memory) for ``_TRIM_BUDGET_S``, or for as many
+        pairs as were written since the last step if that is more: under any
+        steady load the memory stays bounded (a trimmed pair costs ~10-15 µs,
+        about half of what writing it did)."""
+        if self._db is None or self.fault is not None:
+            return
+        owed, self._written_since_trim = self._written_since_trim, 0
+        before = self.trimmed_seen + self.expired_seen
+        deadline = time.perf_counter() + _TRIM_BUDGET_S
+        while self._trim_queue and (
+            time.perf_counter() < deadline or self.trimmed_seen + self.expired_seen - before < owed
+        ):
+            agent = next(iter(self._trim_queue))
+            if self._trim_agent(agent):
+                del self._trim_queue[agent]
+
+    def _trim_agent(self, agent: str) -> bool:
+        """One bounded statement (or a count) for ``agent``; True when it is done."""
+        horizon = self._trim_horizon.get(agent)
+        if horizon is not None:
+            gone = self._transaction([(
+                "DELETE FROM seen WHERE (agent, sender, msg_id) IN (SELECT agent, sender, msg_id FROM seen"
+                " WHERE agent=? AND seen_ms < ? LIMIT ?)", (agent, horizon, _TRIM_CHUNK))])
+            self.expired_seen += gone
+            if gone >= _TRIM_CHUNK:
+                return False
+            del self._trim_horizon[agent]
+            return False  # the count next
+        excess = self._seen_excess.pop(agent, None)
+        if excess is None:
+            self._seen_added.pop(agent, None)  # what is written from here on counts toward the next time
+            (count,) = self.db.execute("SELECT count(*) FROM seen WHERE agent=?", (agent,)).fetchone()
             excess = int(count) - self.seen_capacity
-            # First-seen eviction: the oldest remembered pairs go first.
-            self._transaction(
-                [("DELETE FROM seen WHERE (agent, sender, msg_id) IN (SELECT agent, sender, msg_id FROM seen"
-                  " WHERE agent=? ORDER BY seen_ms LIMIT ?)", (agent, excess))]
-            )
-            trimmed += excess
-        return {"trimmed_seen": trimmed}
+            if excess <= 0:
+                return True
+            return self._keep_excess(agent, excess)
+        gone = self._transaction([(
+            "DELETE FROM seen WHERE (agent, sender, msg_id) IN (SELECT agent, sender, msg_id FROM seen"
+            " WHERE agent=? ORDER BY seen_ms LIMIT ?)", (agent, min(excess, _TRIM_CHUNK)))])
+        self.trimmed_seen += gone
+        return True if gone == 0 else self._keep_excess(agent, excess - gone)
+
+    def _keep_excess(self, agent: str, excess: int) -> bool:
+        if excess <= 0:
+            return True
+        self._seen_excess[agent] = excess
+        return False
 
 
 def _fsync_file(path: Path) -> None:
