@@ -107,8 +107,20 @@ async def test_the_sweep_deletes_aged_pairs_agent_by_agent_and_trims_the_rest_to
         rows += [("mixed", "S", f"mixed-new-{i}", 5000, 1) for i in range(25)]
         with store.db:
             store.db.executemany("INSERT INTO seen VALUES (?,?,?,?,?)", rows)
+            # Finished rows past the retention (14 days), and ones still within it or not finished.
+            store.db.executemany(
+                "INSERT INTO messages (agent, sender, msg_id, kind, envelope, received_ms, state, state_ms)"
+                " VALUES (?,?,?,'request',x'7b7d',0,?,?)",
+                [(A, "S", f"r{i}", state, ms) for i, (state, ms) in enumerate(
+                    [("answered", 0)] * 12 + [("answered", 5000), ("pending", 0)])])
+        result = await store.sweep(now_ms=14 * 86_400_000 + 10)
+        assert result == {"finished_rows": 12, "expired_seen": 12 + 30 + 25 + 50, "trimmed_seen": 0}
+        assert await store.counts() == {"answered": 1, "pending": 1}
+        # A later sweep's bound by count: the newest pairs stay.
+        with store.db:
+            store.db.executemany("INSERT INTO seen VALUES (?,?,?,?,?)", rows)
         result = await store.sweep(now_ms=5500)
-        assert result == {"expired_seen": 12 + 30, "trimmed_seen": 30 + 5}
+        assert result == {"finished_rows": 0, "expired_seen": 12 + 30, "trimmed_seen": 30 + 5}
         assert _pairs_of(store, "old") == []
         assert len(_pairs_of(store, "busy")) == 20 and len(_pairs_of(store, "mixed")) == 20
         assert all(m.startswith("mixed-new-") for m, _ in _pairs_of(store, "mixed"))

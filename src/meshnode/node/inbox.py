@@ -1175,9 +1175,13 @@ class InboxStore:
         horizon = now_ms - self.retention_ms
         seen_horizon = now_ms - self.seen_max_age_ms
         placeholders = ",".join("?" * len(TERMINAL_STATES))
-        self._transaction(
-            [(f"DELETE FROM messages WHERE state IN ({placeholders}) AND state_ms < ?", (*TERMINAL_STATES, horizon))]
-        )
+        finished = [int(r[0]) for r in self.db.execute(
+            f"SELECT inbox_id FROM messages WHERE state IN ({placeholders}) AND state_ms < ?",
+            (*TERMINAL_STATES, horizon))]
+        for start in range(0, len(finished), _TRIM_CHUNK):  # a chunk per transaction, the loop served between
+            chunk = finished[start:start + _TRIM_CHUNK]
+            self._transaction([(f"DELETE FROM messages WHERE inbox_id IN ({','.join('?' * len(chunk))})", chunk)])
+            await asyncio.sleep(0)
         expired, trimmed = self.expired_seen, self.trimmed_seen
         # Every agent with remembered pairs, one index step each (not a scan of the table).
         agents: collections.deque[str] = collections.deque()
@@ -1199,7 +1203,8 @@ class InboxStore:
             if agents:
                 self._trim_step()
                 await asyncio.sleep(0)
-        return {"expired_seen": self.expired_seen - expired, "trimmed_seen": self.trimmed_seen - trimmed}
+        return {"finished_rows": len(finished), "expired_seen": self.expired_seen - expired,
+                "trimmed_seen": self.trimmed_seen - trimmed}
 
     def _count_written(self, pairs: Sequence[Sequence[Any]]) -> None:
         """Pairs (agent first) were written to ``seen``: an agent whose pairs
