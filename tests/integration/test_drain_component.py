@@ -320,6 +320,44 @@ async def test_over_many_fetches_copies_wait_for_the_purge_unless_past_a_gap(
         await conn.close()
 
 
+async def test_the_nodes_passes_share_a_bound_on_reading_the_broker_at_once(
+    mesh: EmbeddedNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passes of several agents started together (as after a node's start) read
+    the broker a bounded number at a time, and each still drains all of its mail."""
+    import asyncio
+
+    running = peak = 0
+    real_drain = InboxDrain._drain
+
+    async def counted(self: InboxDrain) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await real_drain(self)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(InboxDrain, "_drain", counted)
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    buffers = [await _buffer_of(mesh, 5) for _ in range(3)]
+    try:
+        slots = asyncio.Semaphore(1)
+        recorders = [Recorder(agent.public_key) for _conn, agent, _s, _ids in buffers]
+        drains = [InboxDrain(NodeStandIn(conn), recorder, store, slots=slots)  # type: ignore[arg-type]
+                  for (conn, *_rest), recorder in zip(buffers, recorders, strict=True)]
+        await asyncio.gather(*(d.run_pass() for d in drains))
+        assert peak == 1
+        for recorder, (_conn, _agent, _sender, ids) in zip(recorders, buffers, strict=True):
+            assert [r[0] for r in recorder.received] == ids
+    finally:
+        await store.close()
+        for conn, *_rest in buffers:
+            await conn.close()
+
+
 async def test_a_pass_purges_often_enough_for_a_small_max_ack_pending(
     mesh: EmbeddedNatsServer, tmp_path: Path, acks: list[int]
 ) -> None:

@@ -19,7 +19,7 @@ from meshnode.daemon.lifecycle import (
     shutdown_budget_total,
 )
 from meshnode.daemon.sdnotify import Notifier
-from meshnode.node.periodic import PeriodicJob
+from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.plugins import PluginLoadError, load_plugins
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.testing import eventually_async
@@ -81,6 +81,49 @@ async def test_periodic_job_never_overlaps_and_logs_failure_once(caplog: pytest.
     assert calls >= 5 and job.failures == 3 and not job.failing
     assert sum("t failing" in r.message for r in caplog.records) == 1
     assert sum("t recovered" in r.message for r in caplog.records) == 1
+
+
+async def test_a_failed_run_is_tried_again_after_retry_s_not_a_whole_interval() -> None:
+    """A drain that timed out tries again within seconds (doubling), not a
+    whole interval later: the mail it could not reach waited for it."""
+    calls = 0
+
+    async def action() -> None:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise TimeoutError("the broker is busy")
+
+    job = PeriodicJob("t", action, 3600.0, jitter=0.0, first_delay=0.0, retry_s=0.01)
+    job.start()
+    try:
+        await eventually_async(lambda: calls >= 3 and not job.failing, what="two retries, then a success")
+    finally:
+        await job.stop()
+    assert job.failures == 2
+
+
+async def test_many_jobs_failing_at_once_log_a_digest_not_a_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("meshnode.test.digest")
+    caplog.set_level(logging.INFO, logger=logger.name)
+    digest = FailureDigest("drains", logger, window_s=0.05)
+    for i in range(100):
+        digest.failing(f"drain:a{i}", "TransportTimeout: nats: timeout")
+    for i in range(100):
+        digest.recovered(f"drain:a{i}")
+    assert [r.message for r in caplog.records] == ["drain:a0 failing: TransportTimeout: nats: timeout"]
+
+    def summarised() -> bool:
+        return any("99 more drains started failing" in r.message for r in caplog.records)
+
+    await eventually_async(summarised, what="the window's digest line")
+    digest_line = next(r.message for r in caplog.records if "99 more" in r.message)
+    assert "TransportTimeout: nats: timeout" in digest_line and "100 recovered" in digest_line
+    # Quiet again: the next failure is logged at once once the window after the digest closed.
+    await eventually_async(lambda: digest._window is None, what="the digest's windows closed")
+    digest.failing("drain:b", "boom")
+    assert caplog.records[-1].message == "drain:b failing: boom"
+    assert len(caplog.records) == 3
 
 
 async def test_periodic_job_trigger_during_a_run_causes_a_second_run() -> None:

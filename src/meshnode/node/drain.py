@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from meshnode.node.inbox import InboxUnwritable
-from meshnode.node.periodic import PeriodicJob
+from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.pipeline import Path
 from meshnode.protocol import subjects
 from meshnode.transport.messages import Message
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from meshnode.node.runtime import Node
     from meshnode.transport.jetstream import MailboxBuffer
 
-__all__ = ["DEFER_S", "FULL_CHECKS_PER_S", "DrainStats", "InboxDrain"]
+__all__ = ["DEFER_S", "FULL_CHECKS_PER_S", "PASSES_AT_ONCE", "DrainStats", "InboxDrain", "failure_digest", "pass_slots"]
 
 #: Node-wide budget of unconditional idle checks (JetStream calls per second).
 FULL_CHECKS_PER_S = 1.0
@@ -51,6 +51,31 @@ STORE_LAG_S = 0.1
 PURGE_EVERY = 512
 
 log = logging.getLogger("meshnode.drain")
+
+#: Drain passes reading the broker at once, node-wide (see :func:`pass_slots`).
+PASSES_AT_ONCE = 8
+#: A failed pass is tried again this soon (doubling up to the interval), not a
+#: whole interval later: the mail it could not reach waited for it.
+RETRY_S = 5.0
+
+
+def pass_slots() -> asyncio.Semaphore:
+    """The node's bound on drain passes that read the broker at the same time.
+
+    Every agent's first pass runs right after its registration, so a node
+    starting 10,000 agents had hundreds of passes asking JetStream at once
+    while the registry created mailboxes: half of them timed out (5,225 of
+    10,000) and waited a whole interval. Passes of different agents gain
+    nothing from running side by side beyond a few; bounded, they queue in the
+    node instead of in the broker. (Dispatching the rows a pass committed is
+    not bounded by it.)
+    """
+    return asyncio.Semaphore(PASSES_AT_ONCE)
+
+
+def failure_digest() -> FailureDigest:
+    """The node's digest of drain failures: a few lines for any number of agents."""
+    return FailureDigest("drains", log)
 
 
 @dataclass
@@ -87,6 +112,8 @@ class InboxDrain:
         fetch_timeout_s: float = 0.5,
         dispatch_concurrency: int = 16,
         full_every: int = 10,
+        slots: asyncio.Semaphore | None = None,
+        digest: FailureDigest | None = None,
     ) -> None:
         self.node = node
         self.hosted = hosted
@@ -97,6 +124,7 @@ class InboxDrain:
         self.stats = DrainStats()
         self.interval_s = interval_s
         self._pass_lock = asyncio.Lock()
+        self._slots = slots
         # The buffer's last sequence when a pass last found nothing left to do:
         # while it is unchanged an idle pass costs one JetStream call, not four.
         self._settled_through: int | None = None
@@ -139,6 +167,8 @@ class InboxDrain:
             # must not all hit JetStream in the same instant: spread them over ~2 s.
             first_delay=random.uniform(0.0, min(2.0, interval_s)),
             logger=log,
+            retry_s=min(RETRY_S, interval_s),
+            digest=digest,
         )
 
     def start(self) -> None:
@@ -229,7 +259,11 @@ class InboxDrain:
             self.stats.running = True
             self.stats.passes += 1
             try:
-                await self._drain()
+                if self._slots is None:
+                    await self._drain()
+                else:
+                    async with self._slots:
+                        await self._drain()
                 await self.dispatch_pending()
             except Exception as exc:
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"

@@ -3,7 +3,10 @@
 A job is rescheduled only after its run finishes (runs never overlap), its
 first run is jittered so N jobs started together do not fire together, and a
 failing job logs once when it starts failing and once when it recovers rather
-than once per tick.
+than once per tick. Jobs of one kind that run per agent (drains) share a
+:class:`FailureDigest`, so a broker that times out for thousands of agents at
+once makes a few lines, not two per agent; and a job with ``retry_s`` tries
+again after a failure sooner than its interval (doubling up to it).
 """
 
 from __future__ import annotations
@@ -13,7 +16,58 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-__all__ = ["PeriodicJob"]
+__all__ = ["FailureDigest", "PeriodicJob"]
+
+
+class FailureDigest:
+    """The failures and recoveries of many jobs of one kind, logged as a digest.
+
+    The first failure (or recovery) is logged at once, as a lone job's would
+    be; what follows within ``window_s`` is counted and logged as one line at
+    the end of the window, and so on while it lasts. (10,000 agents starting
+    against a broker busy creating their mailboxes logged 5,225 drain failures
+    and 5,225 recoveries, one line each.) Each job's own state stays in its
+    status (``failing``, ``last_error``).
+    """
+
+    def __init__(self, kind: str, logger: logging.Logger, *, window_s: float = 30.0) -> None:
+        self.kind = kind
+        self._log = logger
+        self.window_s = window_s
+        self._window: asyncio.TimerHandle | None = None
+        self._failed = 0
+        self._recovered = 0
+        self._last_error: str | None = None
+
+    def failing(self, name: str, error: str) -> None:
+        if self._window is None:
+            self._log.warning("%s failing: %s", name, error)
+            self._open_window()
+        else:
+            self._failed += 1
+            self._last_error = error
+
+    def recovered(self, name: str) -> None:
+        if self._window is None:
+            self._log.info("%s recovered", name)
+            self._open_window()
+        else:
+            self._recovered += 1
+
+    def _open_window(self) -> None:
+        self._window = asyncio.get_running_loop().call_later(self.window_s, self._close_window)
+
+    def _close_window(self) -> None:
+        self._window = None
+        failed, recovered, self._failed, self._recovered = self._failed, self._recovered, 0, 0
+        if failed:
+            self._log.warning(
+                "%d more %s started failing in the last %.0f s (the latest: %s); %d recovered; "
+                "`meshnode status` shows each", failed, self.kind, self.window_s, self._last_error, recovered)
+        elif recovered:
+            self._log.info("%d more %s recovered in the last %.0f s", recovered, self.kind, self.window_s)
+        if failed or recovered:
+            self._open_window()  # while it lasts: one line per window
 
 
 class PeriodicJob:
@@ -32,6 +86,8 @@ class PeriodicJob:
         jitter: float = 0.1,
         first_delay: float | None = None,
         logger: logging.Logger | None = None,
+        retry_s: float | None = None,
+        digest: FailureDigest | None = None,
     ) -> None:
         self.name = name
         self._action = action
@@ -39,6 +95,9 @@ class PeriodicJob:
         self._jitter = jitter
         self._first_delay = first_delay
         self._log = logger or logging.getLogger("meshnode.periodic")
+        self._retry_s = retry_s
+        self._digest = digest
+        self._failures_in_a_row = 0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.failing = False
@@ -84,14 +143,22 @@ class PeriodicJob:
             raise
         except Exception as exc:
             self.failures += 1
+            self._failures_in_a_row += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             if not self.failing:
-                self._log.warning("%s failing: %s", self.name, self.last_error)
+                if self._digest is not None:
+                    self._digest.failing(self.name, self.last_error)
+                else:
+                    self._log.warning("%s failing: %s", self.name, self.last_error)
             self.failing = True
         else:
             if self.failing:
-                self._log.info("%s recovered", self.name)
+                if self._digest is not None:
+                    self._digest.recovered(self.name)
+                else:
+                    self._log.info("%s recovered", self.name)
             self.failing = False
+            self._failures_in_a_row = 0
             self.last_error = None
 
     async def _sleep(self, seconds: float) -> None:
@@ -120,6 +187,9 @@ class PeriodicJob:
             self._wake.clear()
             await self.run_once()
             interval = self._next_interval()
+            if self._failures_in_a_row and self._retry_s is not None:
+                # Sooner after a failure (doubling), never later than the interval.
+                interval = min(interval, self._retry_s * 2 ** min(self._failures_in_a_row - 1, 16))
             if self._jitter:
                 interval *= random.uniform(1.0 - self._jitter / 2, 1.0 + self._jitter / 2)
             await self._sleep(interval)

@@ -27,7 +27,7 @@ from meshnode.node.commerce import AgreementGate
 from meshnode.node.consumers import bind_shared, request_for
 from meshnode.node.context import AgentContext
 from meshnode.node.directory import AgentDirectory
-from meshnode.node.drain import InboxDrain
+from meshnode.node.drain import InboxDrain, failure_digest, pass_slots
 from meshnode.node.gateway import CallContext, OutboundGateway
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
@@ -152,6 +152,10 @@ class Node:
         self.pubsub = PubSub(self, emit_limit=settings.emit_limit, emit_window_ms=settings.emit_window_ms)
         self.observability: Observability | None = None
         self.drains: dict[str, InboxDrain] = {}
+        # Shared by every agent's drain: how many passes read the broker at once,
+        # and one digest of their failures (see node/drain.py).
+        self._drain_slots = pass_slots()
+        self._drain_failures = failure_digest()
         # The outbound gateway ([a2a.peers]; the daemon plugs in the A2A bridge's
         # client, meshnode.a2a.outbound.A2AOutbound); None when no peer is configured.
         self.a2a: OutboundGateway | None = a2a
@@ -292,7 +296,8 @@ class Node:
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
         if self.inbox is not None and self._may_drain(hosted):
-            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s)
+            drain = InboxDrain(self, hosted, self.inbox, interval_s=self.settings.drain_interval_s,
+                               slots=self._drain_slots, digest=self._drain_failures)
             self.drains[name] = drain
             drain.start()
         return hosted
