@@ -65,7 +65,7 @@ class FailureDigest:
                 "%d more %s started failing in the last %.0f s (the latest: %s); %d recovered; "
                 "`meshnode status` shows each", failed, self.kind, self.window_s, self._last_error, recovered)
         elif recovered:
-            self._log.info("%d more %s recovered in the last %.0f s", recovered, self.kind, self.window_s)
+            self._log.info("%d %s recovered in the last %.0f s", recovered, self.kind, self.window_s)
         if failed or recovered:
             self._open_window()  # while it lasts: one line per window
 
