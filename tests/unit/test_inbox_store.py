@@ -94,6 +94,28 @@ async def test_the_remembered_pairs_are_bounded_as_they_are_written_not_by_the_h
         await store.close()
 
 
+async def test_pairs_written_while_an_agent_is_trimmed_bring_it_back_to_the_trimmer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 3)
+    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=20)
+    await store.open()
+    try:
+        with store.db:
+            store.db.executemany("INSERT INTO seen VALUES (?,?,?,?,?)", [(A, "S", f"m{i}", i, 1) for i in range(30)])
+        store._trim_queue[A] = None
+        assert not store._trim_agent(A)  # counted: 10 past the bound, not trimmed yet
+        for i in range(5):  # meanwhile the agent writes on (A is queued already)
+            store.remember(A, "S", f"late{i}", 1000 + i)
+        await store.flush()
+        while store._trim_queue:
+            store._trim_step()
+        kept = _pairs_of(store, A)
+        assert len(kept) == 20 and kept[-1][0] == "late4" and kept[0][0] == "m15"
+    finally:
+        await store.close()
+
+
 async def test_the_sweep_deletes_aged_pairs_agent_by_agent_and_trims_the_rest_to_capacity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

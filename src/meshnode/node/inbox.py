@@ -1242,6 +1242,8 @@ class InboxStore:
             agent = next(iter(self._trim_queue))
             if self._trim_agent(agent):
                 del self._trim_queue[agent]
+                if self._seen_added.get(agent, 0) >= self._trim_slack:
+                    self._trim_queue[agent] = None  # written past the slack again meanwhile: once more
 
     def _trim_agent(self, agent: str) -> bool:
         """One bounded statement (or a count) for ``agent``; True when it is done."""
