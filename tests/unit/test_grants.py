@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any, cast
 
 import pytest
@@ -250,6 +251,43 @@ async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
     await node.register(hosted)
     assert not hosted.registered and tried == ["bound"]
     assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
+
+
+async def test_registration_refusals_log_once_per_reason_then_a_digest(caplog: pytest.LogCaptureFixture) -> None:
+    """A registry that times out for many agents at once (a fleet restarting)
+    makes one line at once and a digest later, not a line per agent; a refusal
+    for another reason is still logged at once."""
+    caplog.set_level(logging.INFO, logger="meshnode.node")
+    node, _hosted, conn = _node(Grants.unrestricted())
+
+    def timeout(data: bytes) -> bytes:
+        raise TransportTimeout("nats: timeout")
+
+    conn.answers[subjects.registry_register(node.node_id)] = timeout
+    agents = [_node(Grants.unrestricted())[1] for _ in range(50)]
+    for hosted in agents:
+        await node.register(hosted)
+    assert all(not h.registered and str(h.registration_error).startswith("TRANSPORT_TIMEOUT") for h in agents)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].levelno == logging.ERROR
+    assert agents[0].agent_id in refusals[0].getMessage()
+
+    def refused_invalid(data: bytes) -> bytes:
+        raise ProtocolError("INVALID_MANIFEST", "the manifest names no offering")
+
+    conn.answers[subjects.registry_register(node.node_id)] = refused_invalid
+    other = _node(Grants.unrestricted())[1]
+    await node.register(other)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2 and "INVALID_MANIFEST" in refusals[1].getMessage()
+
+    # The 30 s window ends (run here rather than waited for): its digest line follows.
+    timeouts = node._refusals["TRANSPORT_TIMEOUT"]
+    assert timeouts._window is not None
+    timeouts._window.cancel()
+    timeouts._close_window()
+    digest = [r.getMessage() for r in caplog.records if "more registrations (TRANSPORT_TIMEOUT)" in r.getMessage()]
+    assert digest and digest[0].startswith("49 more registrations (TRANSPORT_TIMEOUT) refused")
 
 
 async def test_a_failed_registration_is_retried_soon_then_backing_off() -> None:

@@ -114,7 +114,7 @@ async def test_many_jobs_failing_at_once_log_a_digest_not_a_line_each(caplog: py
     assert [r.message for r in caplog.records] == ["drain:a0 failing: TransportTimeout: nats: timeout"]
 
     def summarised() -> bool:
-        return any("99 more drains started failing" in r.message for r in caplog.records)
+        return any("99 more drains failing" in r.message for r in caplog.records)
 
     await eventually_async(summarised, what="the window's digest line")
     digest_line = next(r.message for r in caplog.records if "99 more" in r.message)

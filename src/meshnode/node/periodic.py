@@ -30,10 +30,20 @@ class FailureDigest:
     status (``failing``, ``last_error``).
     """
 
-    def __init__(self, kind: str, logger: logging.Logger, *, window_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        kind: str,
+        logger: logging.Logger,
+        *,
+        window_s: float = 30.0,
+        level: int = logging.WARNING,
+        verb: str = "failing",
+    ) -> None:
         self.kind = kind
         self._log = logger
         self.window_s = window_s
+        self._level = level
+        self._verb = verb
         self._window: asyncio.TimerHandle | None = None
         self._failed = 0
         self._recovered = 0
@@ -41,7 +51,7 @@ class FailureDigest:
 
     def failing(self, name: str, error: str) -> None:
         if self._window is None:
-            self._log.warning("%s failing: %s", name, error)
+            self._log.log(self._level, "%s %s: %s", name, self._verb, error)
             self._open_window()
         else:
             self._failed += 1
@@ -61,9 +71,10 @@ class FailureDigest:
         self._window = None
         failed, recovered, self._failed, self._recovered = self._failed, self._recovered, 0, 0
         if failed:
-            self._log.warning(
-                "%d more %s started failing in the last %.0f s (the latest: %s); %d recovered; "
-                "`meshnode status` shows each", failed, self.kind, self.window_s, self._last_error, recovered)
+            also = f"; {recovered} recovered" if recovered else ""
+            self._log.log(
+                self._level, "%d more %s %s in the last %.0f s (the latest: %s)%s; `meshnode status` shows each",
+                failed, self.kind, self._verb, self.window_s, self._last_error, also)
         elif recovered:
             self._log.info("%d %s recovered in the last %.0f s", recovered, self.kind, self.window_s)
         if failed or recovered:

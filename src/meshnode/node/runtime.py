@@ -35,7 +35,7 @@ from meshnode.node.looplag import LoopWatchdog, running_for
 from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
-from meshnode.node.periodic import PeriodicJob
+from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
@@ -156,6 +156,7 @@ class Node:
         # and one digest of their failures (see node/drain.py).
         self._drain_slots = pass_slots()
         self._drain_failures = failure_digest()
+        self._refusals: dict[str, FailureDigest] = {}  # registration refusals, by reason
         # The outbound gateway ([a2a.peers]; the daemon plugs in the A2A bridge's
         # client, meshnode.a2a.outbound.A2AOutbound); None when no peer is configured.
         self.a2a: OutboundGateway | None = a2a
@@ -498,7 +499,13 @@ class Node:
         except ProtocolError as exc:
             hosted.registered = False
             hosted.registration_error = f"{exc.code}: {exc.message}"
-            log.error("registration of %s (%s) refused: %s", hosted.name, hosted.agent_id, hosted.registration_error)
+            # One digest per reason: a registry that times out for thousands of
+            # agents makes a few lines, and a different reason still shows at once.
+            digest = self._refusals.get(exc.code)
+            if digest is None:
+                digest = self._refusals[exc.code] = FailureDigest(
+                    f"registrations ({exc.code})", log, level=logging.ERROR, verb="refused")
+            digest.failing(f"registration of {hosted.name} ({hosted.agent_id})", hosted.registration_error)
             return
         hosted.registered = True
         hosted.registration_error = None
