@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,21 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 
+@contextlib.asynccontextmanager
+async def _trimmed_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, **bounds: int
+) -> AsyncIterator[InboxStore]:
+    """An open store with small bounds, trimming ``chunk`` pairs per statement
+    (so an agent takes several statements)."""
+    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", chunk)
+    store = InboxStore(tmp_path / "i.sqlite3", **bounds)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 def _pairs_of(store: InboxStore, agent: str) -> list[tuple[str, int]]:
     return [(str(m), int(ms)) for m, ms in store.db.execute(
         "SELECT msg_id, seen_ms FROM seen WHERE agent=? ORDER BY seen_ms", (agent,))]
@@ -74,10 +91,7 @@ async def test_the_remembered_pairs_are_bounded_as_they_are_written_not_by_the_h
     own ticks, a chunk at a time, oldest first; nothing waits for the sweep
     (hourly, which once deleted a whole hour's excess in one transaction on
     the loop). A quiet agent beside it keeps everything it has."""
-    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 7)  # several statements per agent
-    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=40)
-    await store.open()
-    try:
+    async with _trimmed_store(tmp_path, monkeypatch, 7, seen_capacity=40) as store:
         for i in range(10):
             store.remember("quiet", "S", f"q{i}", i)
         for batch in range(5):
@@ -90,17 +104,12 @@ async def test_the_remembered_pairs_are_bounded_as_they_are_written_not_by_the_h
         assert [m for m, _ in kept] == [f"m{i}" for i in range(110, 150)]  # the newest 40
         assert len(_pairs_of(store, "quiet")) == 10
         assert store.health()["seen_trimmed"] == 110
-    finally:
-        await store.close()
 
 
 async def test_pairs_written_while_an_agent_is_trimmed_bring_it_back_to_the_trimmer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 3)
-    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=20)
-    await store.open()
-    try:
+    async with _trimmed_store(tmp_path, monkeypatch, 3, seen_capacity=20) as store:
         with store.db:
             store.db.executemany("INSERT INTO seen VALUES (?,?,?,?,?)", [(A, "S", f"m{i}", i, 1) for i in range(30)])
         store._trim_queue[A] = None
@@ -112,17 +121,12 @@ async def test_pairs_written_while_an_agent_is_trimmed_bring_it_back_to_the_trim
             store._trim_step()
         kept = _pairs_of(store, A)
         assert len(kept) == 20 and kept[-1][0] == "late4" and kept[0][0] == "m15"
-    finally:
-        await store.close()
 
 
 async def test_the_sweep_deletes_aged_pairs_agent_by_agent_and_trims_the_rest_to_capacity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(inbox_module, "_TRIM_CHUNK", 5)
-    store = InboxStore(tmp_path / "i.sqlite3", seen_capacity=20, seen_max_age_ms=1000)
-    await store.open()
-    try:
+    async with _trimmed_store(tmp_path, monkeypatch, 5, seen_capacity=20, seen_max_age_ms=1000) as store:
         # Written straight to the file (as an older version left it): no counts yet.
         rows = [(agent, "S", f"{agent}-{i}", ms, 1) for agent, count, ms in
                 (("old", 12, 10), ("busy", 50, 5000), ("mixed", 30, 10)) for i in range(count)]
@@ -147,8 +151,6 @@ async def test_the_sweep_deletes_aged_pairs_agent_by_agent_and_trims_the_rest_to
         assert len(_pairs_of(store, "busy")) == 20 and len(_pairs_of(store, "mixed")) == 20
         assert all(m.startswith("mixed-new-") for m, _ in _pairs_of(store, "mixed"))
         assert not store._trim_queue and not store._trim_horizon
-    finally:
-        await store.close()
 
 
 async def test_close_during_a_write_behind_flush_loses_nothing(tmp_path: Path) -> None:
