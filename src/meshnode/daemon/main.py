@@ -531,22 +531,23 @@ class Daemon:
         mesh = self._mesh()
         if not await mesh.renew_if_due():
             return
-        if self.node is not None:
-            # The attestation is re-issued with the credential (same lifetime):
-            # the manifests carry the fresh one before the old one lapses.
-            await self.node.set_trust_attestation(mesh.trust_attestation())
-            self.node.grants = mesh.grants
+        await self._follow_credential(mesh)
         await mesh.present()
 
     async def _refresh_credential(self) -> None:
         """A credential for the current roster, presented by a reconnect (§14.3)."""
         mesh = self._mesh()
         await mesh.reissue()
+        await self._follow_credential(mesh)
+        await mesh.present(wait=True)
+
+    async def _follow_credential(self, mesh: MeshLink) -> None:
+        """The node takes what comes with a new credential: the attestation,
+        re-issued with it (same lifetime, so the manifests carry the fresh one
+        before the old one lapses), and the grants it carries."""
         if self.node is not None:
-            # Keep the attestation and the grants in step with the credential.
             await self.node.set_trust_attestation(mesh.trust_attestation())
             self.node.grants = mesh.grants
-        await mesh.present(wait=True)
 
     # -- operations (admin methods, reload and plugins call these) ---------------
 
