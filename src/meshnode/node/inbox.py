@@ -1209,14 +1209,8 @@ class InboxStore:
     def _count_written(self, pairs: Sequence[Sequence[Any]]) -> None:
         """Pairs (agent first) were written to ``seen``: an agent whose pairs
         may have run past capacity by the slack is queued for the trimmer."""
-        added = self._seen_added
-        slack = self._trim_slack
         for pair in pairs:
-            agent = pair[0]
-            count = added[agent] = added.get(agent, 0) + 1
-            if count >= slack and agent not in self._trim_queue:
-                self._trim_queue[agent] = None
-        self._written_since_trim += len(pairs)
+            self._count_written_for(pair[0], 1)
 
     def _count_written_for(self, agent: str, n: int) -> None:
         self._written_since_trim += n
