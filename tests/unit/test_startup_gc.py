@@ -1,4 +1,4 @@
-"""full_collections_deferred: young collections only during start-up, then one full collection."""
+"""start_up_heap: young collections only during start-up, then one full collection, then frozen."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 
-from meshnode.daemon.startup_gc import full_collections_deferred
+from meshnode.daemon.startup_gc import start_up_heap
 
 
 @pytest.fixture
 def collections() -> Iterator[list[int]]:
-    """The generation of every collection the interpreter runs while the test does."""
+    """The generation of every collection the interpreter runs while the test does
+    (and nothing left frozen for the tests after it)."""
+    assert gc.get_freeze_count() == 0
     seen: list[int] = []
 
     def record(phase: str, info: dict[str, Any]) -> None:
@@ -25,6 +27,7 @@ def collections() -> Iterator[list[int]]:
         yield seen
     finally:
         gc.callbacks.remove(record)
+        gc.unfreeze()
 
 
 def _enough() -> int:
@@ -45,7 +48,7 @@ def _build_long_lived(n: int) -> list[Any]:
 
 def test_no_full_collection_inside_and_one_on_the_way_out(collections: list[int]) -> None:
     before = gc.get_threshold()
-    with full_collections_deferred():
+    with start_up_heap():
         n = _enough()
         kept = _build_long_lived(n)
         inside = list(collections)
@@ -56,13 +59,25 @@ def test_no_full_collection_inside_and_one_on_the_way_out(collections: list[int]
     assert len(kept) == n
 
 
+def test_what_survives_the_start_is_frozen_and_later_collections_skip_it(collections: list[int]) -> None:
+    with start_up_heap():
+        kept = _build_long_lived(_enough())
+    assert gc.get_freeze_count() >= len(kept)
+    walked = {id(o) for o in gc.get_objects()}  # the generations a collection walks
+    assert id(kept[0]) not in walked and id(kept[-1]) not in walked
+    made_after: dict[str, object] = {}
+    made_after["self"] = made_after
+    assert id(made_after) in {id(o) for o in gc.get_objects()}, "what is made after the start is collected as before"
+
+
 def test_a_failed_start_restores_the_thresholds_and_forces_no_collection(collections: list[int]) -> None:
     # A failed or cancelled start shuts down next, promptly: no heap walk on its way.
     before = gc.get_threshold()
-    with pytest.raises(RuntimeError), full_collections_deferred():
+    with pytest.raises(RuntimeError), start_up_heap():
         raise RuntimeError("a start-up stage failed")
     assert gc.get_threshold() == before
     assert 2 not in collections
+    assert gc.get_freeze_count() == 0
 
 
 def test_without_the_block_the_same_work_runs_full_collections(collections: list[int]) -> None:

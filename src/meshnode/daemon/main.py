@@ -50,7 +50,7 @@ from meshnode.daemon.platform import (
     stream_limits,
 )
 from meshnode.daemon.sdnotify import Notifier
-from meshnode.daemon.startup_gc import full_collections_deferred
+from meshnode.daemon.startup_gc import start_up_heap
 from meshnode.daemon.statusboard import LISTED_AGENTS_MAX, StatusBoard
 from meshnode.daemon.storewatch import StoreWatch
 from meshnode.daemon.taskdump import dump_tasks
@@ -212,7 +212,7 @@ class Daemon:
             Stage("a2a", 30.0, self._stage_a2a),
         ]
         try:
-            with full_collections_deferred():
+            with start_up_heap():
                 for stage in stages:
                     self.stage = stage.name
                     self.notifier.status(f"starting: {stage.name}")
