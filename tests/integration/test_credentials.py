@@ -38,6 +38,27 @@ def test_renewal_before_expiry_and_reconnect_with_the_renewed_credential(meshnod
     assert a.call(b.agent_id("echo_b"), "echo", "both ways")["status"] == "completed"
 
 
+def test_a_renewal_re_registers_every_agent_with_the_fresh_attestation(meshnode_daemons: DaemonSet) -> None:
+    # Roster changes keep the attestation the manifests carry (issue #21); a renewal
+    # never does: the kept one would lapse before the next renewal.
+    names = [f"echo{i}" for i in range(5)]
+    a = meshnode_daemons.embedded("a", agents={n: {"plugin": "echo"} for n in names}, extra=SHORT)
+    ids = [a.agent_id(n) for n in names]
+
+    def carried() -> set[str]:
+        found = a.admin("Discover", {"agent_ids": ids})["agents"]
+        assert len(found) == len(ids)
+        return {m["node"]["trust_attestation"]["expires_at"] for m in found}
+
+    first = carried()
+    assert len(first) == 1
+    renewed = eventually(lambda: (c := carried()) != first and len(c) == 1 and c,
+                         what="every manifest carrying the renewed credential's attestation")
+    assert min(renewed) > min(first)
+    log = a.log_text()
+    assert all(log.count(f"registered {n} as") >= 2 for n in names)
+
+
 def test_renewal_after_a_lapse_heals_on_start(meshnode_daemons: DaemonSet) -> None:
     a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})

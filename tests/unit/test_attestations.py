@@ -27,6 +27,7 @@ from meshnode.protocol.attestations import (
     make_trust_attestation,
     make_vouch,
     renew_at_ms,
+    same_standing_until,
     sign_key_claim,
     standard_signed_bytes,
     verify_key_claim,
@@ -234,6 +235,22 @@ def test_trust_attestation_round_trip() -> None:
     assert claims == {"trust_tier": "standard", "role": "service"}
     account_issued = make_trust_attestation(ACCOUNT, NODE.public_key, {"role": "participant"}, T0, T0 + 1)
     assert verify_trust_attestation(account_issued, now_ms=T0) == {"role": "participant"}
+
+
+def test_an_attestation_stands_in_for_a_fresh_one_of_the_same_standing_while_it_lasts() -> None:
+    held = _trust(trust_tier="standard", role="service")
+    fresh = make_trust_attestation(OPERATOR, NODE.public_key, {"trust_tier": "standard", "role": "service"},
+                                   T0 + HOUR_MS, T0 + DAY_MS + HOUR_MS)
+    assert same_standing_until(held, fresh, T0 + DAY_MS)
+    assert not same_standing_until(held, fresh, T0 + DAY_MS + 1), "it would lapse before then"
+    other_tier = make_trust_attestation(OPERATOR, NODE.public_key, {"trust_tier": "sandbox", "role": "service"},
+                                        T0 + HOUR_MS, T0 + DAY_MS + HOUR_MS)
+    assert not same_standing_until(held, other_tier, T0), "a changed standing is always taken"
+    other_issuer = make_trust_attestation(ACCOUNT, NODE.public_key, {"trust_tier": "standard", "role": "service"},
+                                          T0 + HOUR_MS, T0 + DAY_MS + HOUR_MS)
+    assert not same_standing_until(held, other_issuer, T0)
+    assert not same_standing_until(None, fresh, T0) and not same_standing_until(held, None, T0)
+    assert not same_standing_until({**held, "expires_at": "soon"}, fresh, T0)
 
 
 def test_trust_attestation_signs_the_bare_canonical_with_in_object_type() -> None:

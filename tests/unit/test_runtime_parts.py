@@ -7,6 +7,7 @@ import importlib.metadata
 import logging
 import socket
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -20,9 +21,13 @@ from meshnode.daemon.lifecycle import (
 )
 from meshnode.daemon.sdnotify import Notifier
 from meshnode.node.periodic import FailureDigest, PeriodicJob
+from meshnode.node.runtime import Node
+from meshnode.node.settings import NodeSettings
 from meshnode.plugins import PluginLoadError, load_plugins
+from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.testing import eventually_async
+from tests.fakes import FakeConnection
 
 # -- rate limiter (§16.1) ---------------------------------------------------------
 
@@ -223,3 +228,29 @@ def test_strict_mode_fails_fast() -> None:
 def test_offerings_are_collected_with_their_specs() -> None:
     specs = Good.offerings()
     assert list(specs) == ["ping"] and specs["ping"].manifest_entry() == {"id": "ping"}
+
+
+async def test_each_agent_runs_a_bounded_number_at_once_and_every_agent_gets_its_turn() -> None:
+    # A new attestation or renew-now re-registers every agent: side by side, a
+    # bounded number at a time, and one failure neither stops the others nor is lost.
+    node = Node(settings=NodeSettings(name="t", registrations_at_once=3), node_key=KeyPair.generate(),
+                connection=cast(Any, FakeConnection()))
+    hosted = {f"a{i}": cast(Any, object()) for i in range(10)}
+    node.agents.update(hosted)
+    running, peak, done = 0, 0, []
+
+    async def step(agent: Any) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        for _ in range(3):  # turns of the loop, in which the others may start
+            await asyncio.sleep(0)
+        running -= 1
+        if agent is hosted["a4"]:
+            raise RuntimeError("a4's registry call failed")
+        done.append(agent)
+
+    with pytest.raises(RuntimeError, match="a4's registry call failed"):
+        await node.each_agent(step)
+    assert peak == 3
+    assert len(done) == 9 and hosted["a4"] not in done

@@ -94,8 +94,10 @@ class NodeConfig(BaseModel):
     strict_plugins: bool = False
     """Fail fast on a broken plugin instead of logging and skipping it (development)."""
     host_concurrency: Annotated[int, Field(ge=1, le=1024)] = 32
-    """Agents started (and registered) at once when the node starts; the rest wait
-    their turn. Each start is mostly waiting on the registry's answer."""
+    """Agents started (and registered) at once when the node starts, and
+    re-registered at once when every agent is (a new trust attestation,
+    ``meshnode renew``); the rest wait their turn. Each is mostly waiting on the
+    registry's answer."""
     plugin_modules: list[
         Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")]
     ] = Field(default_factory=list)

@@ -71,6 +71,7 @@ def node_settings(config: Config) -> NodeSettings:
         agent_start_timeout_s=config.node.agent_start_timeout.total_seconds(),
         agent_max_concurrency=config.node.agent_max_concurrency,
         loop_block_threshold_s=config.node.loop_block_threshold.total_seconds(),
+        registrations_at_once=config.node.host_concurrency,
     )
 
 
@@ -385,8 +386,5 @@ class AgentHost:
     async def revouch_all(self) -> dict[str, Any]:
         """Re-vouch and re-register every agent; their new vouch expiries by name."""
         node = self.running()
-        vouches = {}
-        for hosted in list(node.agents.values()):
-            await node.revouch(hosted)
-            vouches[hosted.name] = hosted.vouch.get("expires_at")
-        return vouches
+        await node.each_agent(node.revouch)
+        return {hosted.name: hosted.vouch.get("expires_at") for hosted in node.agents.values()}

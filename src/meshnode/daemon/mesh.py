@@ -291,6 +291,15 @@ class MeshLink:
         """Renew before connecting when due or lapsed (§4.8); fall back to the stored one."""
         return await obtain_credential(self.config, self.data_dir, self.node_key, self._roster())
 
+    def credential_span_ms(self) -> tuple[int, int] | None:
+        """When the current credential was issued and when it expires (ms since
+        the epoch), or None when it cannot be read."""
+        try:
+            claims = decode_jwt(self.jwt)[1]
+            return int(claims["iat"]) * 1000, int(claims["exp"]) * 1000
+        except Exception:
+            return None
+
     def _next_check(self) -> float:
         try:
             _, claims = decode_jwt(self.jwt)

@@ -9,6 +9,7 @@ start or whose handler crashes is reported and stopped alone.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -432,10 +433,29 @@ class Node:
         if attestation == self.trust_attestation:
             return
         self.trust_attestation = attestation
-        for hosted in list(self.agents.values()):
+
+        async def reregister(hosted: HostedAgent) -> None:
             if hosted.manifest:
                 hosted.manifest = self.build_manifest(hosted)
                 await self.register(hosted)
+
+        await self.each_agent(reregister)
+
+    async def each_agent(self, step: Callable[[HostedAgent], Awaitable[None]]) -> None:
+        """``step`` for every hosted agent, ``settings.registrations_at_once`` at a
+        time: each is mostly a wait on the registry, and one after another a
+        10,000-agent node took minutes. Every agent gets its step even when
+        another's fails; the first failure is raised once all are done."""
+        gate = asyncio.Semaphore(self.settings.registrations_at_once)
+
+        async def one(hosted: HostedAgent) -> None:
+            async with gate:
+                await step(hosted)
+
+        outcomes = await asyncio.gather(*(one(h) for h in list(self.agents.values())), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def build_manifest(self, hosted: HostedAgent) -> dict[str, Any]:
         """The manifest this node registers for ``hosted`` (:func:`meshnode.node.manifests.build_manifest`)."""

@@ -26,6 +26,8 @@ class NodeSettings:
     max_inbound_chars: int = 65536
     dedup_entries: int = 5000
     registry_timeout_s: float = 5.0
+    #: Agents re-registered at once when every agent is (a new attestation, renew-now).
+    registrations_at_once: int = 32
     resolve_ttl_s: float = 30.0
     #: Emits (events and feeds) per agent per subject per window (§6.6).
     emit_limit: int = 600

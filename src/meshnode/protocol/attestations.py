@@ -82,6 +82,7 @@ __all__ = [
     "make_trust_attestation",
     "make_vouch",
     "renew_at_ms",
+    "same_standing_until",
     "sign_key_claim",
     "standard_signed_bytes",
     "verify_key_claim",
@@ -204,6 +205,19 @@ def renew_at_ms(attestation: Mapping[str, Any]) -> int:
     issued_ms, expires_ms = issued // 1000, expires // 1000
     life_ms = max(0, expires_ms - issued_ms)
     return issued_ms + (2 * life_ms) // 3
+
+
+def same_standing_until(held: Mapping[str, Any] | None, fresh: Mapping[str, Any] | None, until_ms: int) -> bool:
+    """Whether ``held`` can stand in for ``fresh`` until ``until_ms``: the same
+    issuer attests the same claims about the same subject, and ``held`` is still
+    valid then. Only the lifetime differs, so a verifier learns the same from
+    either. False when either is missing or unreadable."""
+    if held is None or fresh is None:
+        return False
+    if any(held.get(k) != fresh.get(k) for k in ("type", "issuer", "subject", "claims")):
+        return False
+    expires = try_parse_rfc3339(held.get("expires_at"))
+    return expires is not None and expires // 1000 >= until_ms
 
 
 def vouch_needs_renewal(attestation: Mapping[str, Any], now_ms: int) -> bool:
