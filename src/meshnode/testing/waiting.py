@@ -28,7 +28,7 @@ import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, overload
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -147,15 +147,39 @@ def eventually(
         time.sleep(delay)
 
 
+@overload
 async def eventually_async(
-    probe: Callable[[], T | Awaitable[T]],
+    probe: Callable[[], Awaitable[T]],
     *,
     what: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     interval: float = _MAX_DELAY_S,
     retry_on: tuple[type[BaseException], ...] = (),
     detail: Callable[[], object] | None = None,
-) -> T:
+) -> T: ...
+
+
+@overload
+async def eventually_async(
+    probe: Callable[[], T],
+    *,
+    what: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    interval: float = _MAX_DELAY_S,
+    retry_on: tuple[type[BaseException], ...] = (),
+    detail: Callable[[], object] | None = None,
+) -> T: ...
+
+
+async def eventually_async(
+    probe: Callable[[], Any],
+    *,
+    what: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    interval: float = _MAX_DELAY_S,
+    retry_on: tuple[type[BaseException], ...] = (),
+    detail: Callable[[], object] | None = None,
+) -> Any:
     """:func:`eventually` for asyncio tests: the probe may be a plain function or
     return an awaitable (``lambda: manager.read(task_id)``); the loop keeps
     running between tries."""
@@ -173,7 +197,7 @@ async def eventually_async(
             error = exc
         else:
             if last:
-                return cast(T, last)
+                return last
         delay = poll.next_delay()
         if delay is None:
             raise _failure(what or _describe(probe), poll.timeout, last, error, detail)
