@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib.metadata
 import logging
 import socket
@@ -159,6 +160,37 @@ async def test_periodic_job_trigger_during_a_run_causes_a_second_run() -> None:
         assert calls == 2
     finally:
         await job.stop()
+
+
+async def test_a_trigger_ends_a_waiting_job_at_once_and_the_job_keeps_its_own_context() -> None:
+    # The wait is one future a timer or a trigger ends; the timer runs in a
+    # shared empty context, and the job must still see the context it started in.
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="none")
+    marker.set("the starter's")
+    seen: asyncio.Queue[str] = asyncio.Queue()
+
+    async def action() -> None:
+        seen.put_nowait(marker.get())
+
+    job = PeriodicJob("t", action, 0.01, jitter=0.0, first_delay=0.0)
+    job.start()
+    try:
+        assert await asyncio.wait_for(seen.get(), 5) == "the starter's"
+        assert await asyncio.wait_for(seen.get(), 5) == "the starter's", "after a wait the timer ended"
+    finally:
+        await job.stop()
+
+    slow = PeriodicJob("slow", action, 3600.0, jitter=0.0, first_delay=0.0)
+    slow.start()
+    try:
+        await asyncio.wait_for(seen.get(), 5)
+        await eventually_async(lambda: slow._waiter is not None, what="the job waiting for its next run")
+        slow.trigger()
+        await asyncio.wait_for(seen.get(), 5)  # not after the hour
+        assert slow.runs == 2
+    finally:
+        await slow.stop()
+    assert slow._waiter is None, "a stopped job holds no wait"
 
 
 # -- lifecycle stages -----------------------------------------------------------------

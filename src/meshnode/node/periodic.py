@@ -12,6 +12,7 @@ again after a failure sooner than its interval (doubling up to it).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -81,6 +82,15 @@ class FailureDigest:
             self._open_window()  # while it lasts: one line per window
 
 
+#: The context every job's wait timer runs in (see PeriodicJob._sleep).
+_TIMER_CONTEXT = contextvars.Context()
+
+
+def _end_wait(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class PeriodicJob:
     """Run ``action`` every ``interval`` seconds until stopped.
 
@@ -110,7 +120,9 @@ class PeriodicJob:
         self._digest = digest
         self._failures_in_a_row = 0
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        # A trigger since the last run began, and the wait a trigger ends (see _sleep).
+        self._woken = False
+        self._waiter: asyncio.Future[None] | None = None
         self.failing = False
         self.runs = 0
         self.failures = 0
@@ -130,7 +142,10 @@ class PeriodicJob:
         Called while a run is in flight, it causes one more run right after that
         run ends (triggers coalesce: several during one run give one extra run).
         """
-        self._wake.set()
+        self._woken = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -173,19 +188,33 @@ class PeriodicJob:
             self.last_error = None
 
     async def _sleep(self, seconds: float) -> None:
-        # The wake event is not cleared here: a trigger() that arrived while the
-        # previous run was in flight must end this wait at once (issue #23 item 5);
-        # _run clears it just before each run instead.
-        # asyncio.timeout, not aio.wait_for: Event.wait never swallows a
-        # cancellation, so the wait needs no task of its own. A node holds two
-        # jobs per agent (vouch renewal, drain), and that extra task per sleep
-        # was ~2 of each agent's ~5 tasks, plus a cancel-and-wait at every
-        # timeout (~6 % of the loop while 1,000 agents start, py-spy).
+        # A trigger that arrived while the previous run was in flight ends this
+        # wait at once (issue #23 item 5); _run clears the flag just before each
+        # run instead.
+        #
+        # One future, ended by a timer or by trigger(): the fewest objects a
+        # wait can hold. A node holds two jobs per agent, nearly all of them
+        # waiting at any moment, and what a wait holds is most of what the
+        # garbage collector walks at each full collection once the start-up
+        # world is frozen (issue #21): an Event wait under asyncio.timeout held
+        # ten objects per wait (two coroutines, the timeout and its bound
+        # method, a future, a context, a timer); 100 ms per collection at
+        # 10,000 agents. The timer runs in one shared empty context instead of
+        # a copy of the current one per wait (it only ends the future; the job
+        # resumes in its own task's context). Like the timeout before it, the
+        # wait needs no task of its own (a wait_for per wait was ~2 of each
+        # agent's ~5 tasks while 1,000 agents started).
+        if self._woken:
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(seconds, _end_wait, waiter, context=_TIMER_CONTEXT)
         try:
-            async with asyncio.timeout(seconds):
-                await self._wake.wait()
-        except TimeoutError:
-            pass
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     async def _run(self) -> None:
         first = self._first_delay
@@ -195,7 +224,7 @@ class PeriodicJob:
         while True:
             # Cleared before the run, not before the wait: a trigger during the run
             # stays set and makes the next wait return at once (a second run).
-            self._wake.clear()
+            self._woken = False
             await self.run_once()
             interval = self._next_interval()
             if self._failures_in_a_row and self._retry_s is not None:
