@@ -151,6 +151,7 @@ class FakeConnection:
         #: Reconnects that started. As in nats-py, one asked for while a reconnect
         #: is under way is ignored (not counted).
         self.reconnects = 0
+        self.lost_listeners: list[Callable[[], None]] = []
 
     @property
     def is_connected(self) -> bool:
@@ -172,6 +173,18 @@ class FakeConnection:
 
     def on_error(self, callback: Any) -> None:
         pass
+
+    async def connect(self) -> None:
+        self._connected = True
+
+    def on_lost(self, listener: Callable[[], None]) -> None:
+        """A test calls :meth:`lose` to play the client giving up for good."""
+        self.lost_listeners.append(listener)
+
+    def lose(self) -> None:
+        self._connected = False
+        for listener in self.lost_listeners:
+            listener()
 
     async def publish(self, subject: str, data: bytes, **_: Any) -> None:
         self.published.append((subject, bytes(data)))

@@ -59,3 +59,26 @@ async def test_without_wait_a_disconnected_link_is_left_to_its_own_reconnect(tmp
     connection.is_connected = True
     await _link(tmp_path, connection).present()
     assert connection.reconnects == 1
+
+
+async def test_a_tenant_connection_lost_for_good_is_reported_like_the_nodes_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node's own connection starts the node over when the client gives up for
+    # good (an expired credential); a tenant's service connection went unheard,
+    # leaving that tenant's registry and task manager deaf until a restart.
+    made: list[FakeConnection] = []
+
+    def fake_connection(*_: Any, **__: Any) -> FakeConnection:
+        made.append(FakeConnection())
+        return made[-1]
+
+    monkeypatch.setattr(mesh, "MeshConnection", fake_connection)
+    link = _link(tmp_path, FakeConnection())
+    monkeypatch.setattr(link, "_mint_tenant_jwt", lambda tenant: f"jwt for {tenant}")
+    lost: list[str] = []
+    shutdown = cast(Any, type("Shutdown", (), {"push": lambda self, *a: None})())
+    await link.connect_tenant("acme", shutdown, lambda: lost.append("acme"))
+    assert lost == [] and link.tenant_connections["acme"] is made[0]
+    made[0].lose()
+    assert lost == ["acme"]

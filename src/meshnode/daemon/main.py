@@ -333,7 +333,7 @@ class Daemon:
         # The services keep the same keys in every tenant: one platform, whose
         # replies an exported discovery query can pin like any other.
         for tenant in mesh.embedded.tenants if mesh.embedded is not None else ():
-            connection = await mesh.connect_tenant(tenant, self._shutdown)
+            connection = await mesh.connect_tenant(tenant, self._shutdown, self._on_connection_lost)
             await self._start_platform(connection, limiter, tenant, hosting)
             log.info("platform services serve tenant %s", tenant)
 

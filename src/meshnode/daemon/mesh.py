@@ -252,8 +252,11 @@ class MeshLink:
             )
         return choice
 
-    async def connect_tenant(self, tenant: str, shutdown: Shutdown) -> MeshConnection:
-        """The service connection into ``tenant``'s account (same node key, its own credential)."""
+    async def connect_tenant(self, tenant: str, shutdown: Shutdown, on_lost: Callable[[], None]) -> MeshConnection:
+        """The service connection into ``tenant``'s account (same node key, its own
+        credential). ``on_lost`` as for :meth:`connect`: a tenant connection the
+        client gave up for good leaves that tenant's platform services deaf until
+        the node starts over."""
         self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
         connection = MeshConnection(
             self.mesh_urls(),
@@ -265,6 +268,7 @@ class MeshLink:
         )
         shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
         await connection.connect()
+        connection.on_lost(on_lost)
         self.tenant_connections[tenant] = connection
         return connection
 
