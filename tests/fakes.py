@@ -151,6 +151,8 @@ class FakeConnection:
         #: Reconnects that started. As in nats-py, one asked for while a reconnect
         #: is under way is ignored (not counted).
         self.reconnects = 0
+        #: As MeshConnection.disconnects: a test bumps it to play a dropped connection.
+        self.disconnects = 0
         self.lost_listeners: list[Callable[[], None]] = []
 
     @property

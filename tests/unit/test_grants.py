@@ -253,6 +253,43 @@ async def test_a_timeout_or_a_refusal_is_not_retried_untokenized() -> None:
     assert hosted.registration_error is not None and hosted.registration_error.startswith("TRANSPORT_TIMEOUT")
 
 
+async def test_an_answer_lost_to_a_reconnect_is_asked_for_again_once_for_reads_and_registrations() -> None:
+    # A planned reconnect (a roster change) can fall inside a service call; the
+    # answer sent while the connection was down is gone (the soak saw a vouch
+    # look-up time out). Registrations and reads are asked for again, as a new
+    # envelope; a request that may not run twice is not.
+    node, hosted, conn = _node(Grants.unrestricted())
+    registry = KeyPair.generate()
+    sent: list[str] = []
+
+    def lost_once(data: bytes) -> bytes:
+        sent.append(decode_envelope(data)["id"])
+        if len(sent) == 1:
+            conn.disconnects += 1  # the connection dropped while the answer was on its way
+            raise TransportTimeout("nats: timeout")
+        return _registry_answer(registry)(data)
+
+    conn.answers[subjects.registry_register(node.node_id)] = lost_once
+    await node.register(hosted)
+    assert hosted.registered and len(sent) == 2 and sent[0] != sent[1]
+
+    sent.clear()
+
+    def timeout_without_a_reconnect(data: bytes) -> bytes:
+        sent.append(decode_envelope(data)["id"])
+        raise TransportTimeout("nats: timeout")
+
+    conn.answers[subjects.registry_register(node.node_id)] = timeout_without_a_reconnect
+    await node.register(hosted)
+    assert not hosted.registered and len(sent) == 1, "a plain timeout is the registry's, not the connection's"
+
+    sent.clear()
+    conn.answers["mesh.task.create"] = lost_once
+    with pytest.raises(ProtocolError, match="TRANSPORT_TIMEOUT"):
+        await node.service_call(hosted, "mesh.task.create", "request", {"task": "once"})
+    assert len(sent) == 1, "a request that may not run twice is not sent again"
+
+
 async def test_registration_refusals_log_once_per_reason_then_a_digest(caplog: pytest.LogCaptureFixture) -> None:
     """A registry that times out for many agents at once (a fleet restarting)
     makes one line at once and a digest later, not a line per agent; a refusal

@@ -74,6 +74,13 @@ __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 log = logging.getLogger("meshnode.node")
 
 
+
+#: Service calls asked again when their answer was lost to a reconnect: reads
+#: and registrations (deregistrations included), idempotent by construction.
+#: Other requests (tasks, artifacts, agreements) may not be run twice.
+_RESENDABLE_KINDS = frozenset({"discover", "register"})
+
+
 class Node:
     """One node: its key, its connection, and the agents it hosts."""
 
@@ -473,10 +480,6 @@ class Node:
     async def _service_call_as(
         self, key: KeyPair, subject: str, kind: str, payload: Any, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        env = build_envelope(
-            kind, key.public_key, now_ms=self.now_ms(), payload=payload, ids=self.ids
-        )
-        sign_envelope(env, key)
         if not self.grants.can_publish(subject):
             # The broker would drop it and the caller wait out the timeout; on a
             # mesh built elsewhere (§14.3's example grants no mesh.registry.get.*)
@@ -486,14 +489,29 @@ class Node:
                 f"the node credential does not grant publishing to {subject}",
                 {"reason": NOT_GRANTED, "subject": subject},
             )
-        try:
-            msg = await self.connection.request(
-                subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
+        for attempt in (1, 2):
+            env = build_envelope(
+                kind, key.public_key, now_ms=self.now_ms(), payload=payload, ids=self.ids
             )
-        except NoResponders:
-            raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
-        except TransportTimeout:
-            raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
+            sign_envelope(env, key)
+            disconnects = self.connection.disconnects
+            try:
+                msg = await self.connection.request(
+                    subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
+                )
+            except NoResponders:
+                raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
+            except TransportTimeout:
+                # An answer sent while the connection was down is lost with it:
+                # a planned reconnect (a roster change) falls inside a look-up
+                # now and then (the soak saw a vouch look-up time out, and the
+                # sender let through as unknown). Asked again once, as a new
+                # envelope (the service remembers ids), for the kinds that may
+                # be: reads and registrations, which write the same state twice.
+                if attempt == 1 and kind in _RESENDABLE_KINDS and self.connection.disconnects != disconnects:
+                    continue
+                raise ProtocolError("TRANSPORT_TIMEOUT", f"no answer on {subject}") from None
+            break
         reply = receive_service_reply(msg.data, env, subject, self.service_keys, self.refusals)
         self.platform_keys.add(reply["from"])  # verified and pinned: a platform key
         if reply.get("error"):

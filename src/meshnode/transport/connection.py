@@ -106,6 +106,8 @@ class MeshConnection:
         # A reconnect we asked for (a new credential to present): its disconnect
         # is routine, logged at INFO, not a WARNING about a lost mesh.
         self._planned_reconnect = False
+        #: Disconnects so far: a request that spans one may have lost its answer.
+        self.disconnects = 0
         # While the mesh is unreachable nats-py reports each failed attempt (every
         # reconnect_wait); the first is a WARNING, repeats only at a doubling interval.
         self._error_log = _RepeatLimiter()
@@ -392,6 +394,7 @@ class MeshConnection:
                 log.exception("connection error listener failed")
 
     async def _on_disconnected(self) -> None:
+        self.disconnects += 1
         if self._closing:
             log.info("disconnected from the mesh (closing)")
         elif self._planned_reconnect:
