@@ -270,19 +270,22 @@ async def test_each_agent_runs_a_bounded_number_at_once_and_every_agent_gets_its
     hosted = {f"a{i}": cast(Any, object()) for i in range(10)}
     node.agents.update(hosted)
     running, peak, done = 0, 0, []
+    release = asyncio.Event()  # the registry answers once the test has seen the bound reached
 
     async def step(agent: Any) -> None:
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
-        for _ in range(3):  # turns of the loop, in which the others may start
-            await asyncio.sleep(0)
+        await release.wait()
         running -= 1
         if agent is hosted["a4"]:
             raise RuntimeError("a4's registry call failed")
         done.append(agent)
 
+    each = asyncio.ensure_future(node.each_agent(step))
+    await eventually_async(lambda: running == 3, what="the first steps waiting on the registry")
+    release.set()
     with pytest.raises(RuntimeError, match="a4's registry call failed"):
-        await node.each_agent(step)
+        await each
     assert peak == 3
     assert len(done) == 9 and hosted["a4"] not in done

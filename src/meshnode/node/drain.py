@@ -259,11 +259,8 @@ class InboxDrain:
             self.stats.running = True
             self.stats.passes += 1
             try:
-                if self._slots is None:
+                async with self._slots if self._slots is not None else contextlib.nullcontext():
                     await self._drain()
-                else:
-                    async with self._slots:
-                        await self._drain()
                 await self.dispatch_pending()
             except Exception as exc:
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"

@@ -73,8 +73,6 @@ __all__ = ["Node", "NodeSettings", "wall_clock_ms"]
 
 log = logging.getLogger("meshnode.node")
 
-
-
 #: Service calls asked again when their answer was lost to a reconnect: reads
 #: and registrations (deregistrations included), idempotent by construction.
 #: Other requests (tasks, artifacts, agreements) may not be run twice.
