@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import importlib.metadata
 import logging
 import socket
+import weakref
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,6 +24,7 @@ from meshnode.daemon.lifecycle import (
     shutdown_budget_total,
 )
 from meshnode.daemon.sdnotify import Notifier
+from meshnode.node import periodic
 from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.runtime import Node
 from meshnode.node.settings import NodeSettings
@@ -163,8 +167,8 @@ async def test_periodic_job_trigger_during_a_run_causes_a_second_run() -> None:
 
 
 async def test_a_trigger_ends_a_waiting_job_at_once_and_the_job_keeps_its_own_context() -> None:
-    # The wait is one future a timer or a trigger ends; the timer runs in a
-    # shared empty context, and the job must still see the context it started in.
+    # A waiting job is an entry in its loop's schedule, whose one timer runs in
+    # a shared empty context: the job must still see the context it started in.
     marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="none")
     marker.set("the starter's")
     seen: asyncio.Queue[str] = asyncio.Queue()
@@ -184,13 +188,80 @@ async def test_a_trigger_ends_a_waiting_job_at_once_and_the_job_keeps_its_own_co
     slow.start()
     try:
         await asyncio.wait_for(seen.get(), 5)
-        await eventually_async(lambda: slow._waiter is not None, what="the job waiting for its next run")
+        await eventually_async(lambda: slow.waiting, what="the job waiting for its next run")
         slow.trigger()
         await asyncio.wait_for(seen.get(), 5)  # not after the hour
         assert slow.runs == 2
+        await eventually_async(lambda: slow.waiting, what="the job waiting again")
     finally:
         await slow.stop()
-    assert slow._waiter is None, "a stopped job holds no wait"
+    assert not slow.waiting and not slow.running, "a stopped job holds no wait"
+
+
+async def test_waiting_jobs_hold_no_task_and_run_in_the_order_they_are_due() -> None:
+    # Issue #21: a node holds two jobs per agent, nearly all waiting; a wait is
+    # an entry in the loop's one schedule, not a task suspended in a timed wait.
+    order: list[str] = []
+    all_ran = asyncio.Event()
+
+    def recorder(name: str) -> Callable[[], Awaitable[None]]:
+        async def action() -> None:
+            order.append(name)
+            if len(order) == 3:
+                all_ran.set()
+        return action
+
+    tasks_before = len(asyncio.all_tasks())
+    idle = [PeriodicJob(f"idle{i}", recorder("idle"), 3600.0, first_delay=3600.0) for i in range(500)]
+    for job in idle:
+        job.start()
+    assert all(job.waiting for job in idle)
+    assert len(asyncio.all_tasks()) == tasks_before, "a waiting job has no task"
+    # Scheduled out of order; each runs once (the next run is an hour away).
+    jobs = [PeriodicJob(name, recorder(name), 3600.0, jitter=0.0, first_delay=delay)
+            for name, delay in (("third", 0.15), ("first", 0.05), ("second", 0.1))]
+    for job in jobs:
+        job.start()
+    try:
+        await asyncio.wait_for(all_ran.wait(), 10)
+        assert order == ["first", "second", "third"]
+    finally:
+        for job in [*jobs, *idle]:
+            await job.stop()
+    assert len(asyncio.all_tasks()) == tasks_before
+
+
+async def test_a_stopped_or_triggered_job_is_not_held_by_its_old_wait() -> None:
+    # A removed agent's jobs stop: the schedule must not keep them (and through
+    # them the agent) until their old due time, hours away for a vouch renewal.
+    ran = asyncio.Event()
+
+    async def action() -> None:
+        ran.set()
+
+    stopped = PeriodicJob("stopped", action, 3600.0, first_delay=3600.0)
+    stopped.start()
+    await stopped.stop()
+    gone = weakref.ref(stopped)
+    del stopped
+    gc.collect()
+    assert gone() is None, "the stopped job's cancelled wait still refers to it"
+
+    triggered = PeriodicJob("triggered", action, 3600.0, jitter=0.0, first_delay=3600.0)
+    triggered.start()
+    triggered.trigger()
+    await asyncio.wait_for(ran.wait(), 5)
+    assert triggered.runs == 1
+    await eventually_async(lambda: triggered.waiting, what="the job waiting for its next run")
+    await triggered.stop()
+    # Cancelled waits are dropped from the schedule once they outnumber the rest.
+    many = [PeriodicJob(f"m{i}", action, 3600.0, first_delay=3600.0) for i in range(200)]
+    for job in many:
+        job.start()
+    schedule = periodic._SCHEDULES[asyncio.get_running_loop()]
+    for job in many:
+        await job.stop()
+    assert len(schedule._heap) <= 64 + 2
 
 
 # -- lifecycle stages -----------------------------------------------------------------

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import heapq
+import itertools
 import logging
+import math
 import random
+import weakref
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 __all__ = ["FailureDigest", "PeriodicJob"]
 
@@ -82,13 +87,85 @@ class FailureDigest:
             self._open_window()  # while it lasts: one line per window
 
 
-#: The context every job's wait timer runs in (see PeriodicJob._sleep).
+class _Schedule:
+    """The waits of every job on one event loop: a heap, and one loop timer for its earliest.
+
+    A waiting job holds no task, coroutine, future or timer of its own, only
+    its entry here (issue #21). A node holds two jobs per agent, nearly all of
+    them waiting at any moment, and what a wait holds is most of what the
+    garbage collector walks at each full collection once the start-up world
+    is frozen: at 10,000 agents a task suspended in a timed wait held seven
+    objects (coroutine, future, its iterator, timer handle and libuv timer,
+    bound method, arguments), ~70,000 in all, and the first full collection
+    under load held the loop for 86 ms.
+
+    An entry is ``[due, order, job]``. A wait ended early (a trigger) or
+    dropped (stop) is cancelled in place, its job replaced by None, so the
+    entry holds no job (a removed agent's, say) while it waits to come up and
+    be discarded; the heap is rebuilt without them when they outnumber the
+    live entries.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[list[Any]] = []
+        self._order = itertools.count()  # ties: first scheduled, first run; jobs never compared
+        self._cancelled = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    def add(self, job: PeriodicJob, delay: float) -> list[Any]:
+        entry: list[Any] = [self._loop.time() + delay, next(self._order), job]
+        heapq.heappush(self._heap, entry)
+        if entry[0] < self._timer_at:
+            self._arm(entry[0])
+        return entry
+
+    def cancel(self, entry: list[Any]) -> None:
+        entry[2] = None
+        self._cancelled += 1
+        if self._cancelled > 64 and self._cancelled * 2 > len(self._heap):
+            self._heap = [e for e in self._heap if e[2] is not None]
+            heapq.heapify(self._heap)
+            self._cancelled = 0
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        # The shared empty context: the timer only hands due jobs their runs,
+        # and each run goes on in its own job's context.
+        self._timer = self._loop.call_at(when, self._fire, context=_TIMER_CONTEXT)
+
+    def _fire(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        heap = self._heap
+        now = self._loop.time()
+        while heap and heap[0][0] <= now:
+            job = heapq.heappop(heap)[2]
+            if job is None:
+                self._cancelled -= 1
+            else:
+                job._entry = None
+                job._begin()
+        if heap:
+            self._arm(heap[0][0])
+        elif _SCHEDULES.get(self._loop) is self:
+            del _SCHEDULES[self._loop]  # nothing waits on this loop any more
+
+
+_SCHEDULES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Schedule] = weakref.WeakKeyDictionary()
+
+#: The context the schedules' timers run in (see _Schedule._arm).
 _TIMER_CONTEXT = contextvars.Context()
 
 
-def _end_wait(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+def _schedule() -> _Schedule:
+    loop = asyncio.get_running_loop()
+    schedule = _SCHEDULES.get(loop)
+    if schedule is None:
+        schedule = _SCHEDULES[loop] = _Schedule(loop)
+    return schedule
 
 
 class PeriodicJob:
@@ -119,10 +196,15 @@ class PeriodicJob:
         self._retry_s = retry_s
         self._digest = digest
         self._failures_in_a_row = 0
+        # Started and not stopped; the context every run continues in (the
+        # starter's, copied once); the task of the run in flight, if any; the
+        # wait in the loop's schedule, if waiting (see _Schedule).
+        self._active = False
+        self._context: contextvars.Context | None = None
         self._task: asyncio.Task[None] | None = None
-        # A trigger since the last run began, and the wait a trigger ends (see _sleep).
+        self._entry: list[Any] | None = None
+        # A trigger since the last run began: the next wait ends at once.
         self._woken = False
-        self._waiter: asyncio.Future[None] | None = None
         self.failing = False
         self.runs = 0
         self.failures = 0
@@ -133,8 +215,14 @@ class PeriodicJob:
         return max(0.0, base)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"job:{self.name}")
+        if self._active:
+            return
+        self._active = True
+        self._context = contextvars.copy_context()
+        first = self._first_delay
+        if first is None:
+            first = self._next_interval() * random.uniform(0.0, self._jitter) if self._jitter else 0.0
+        self._wait(first)
 
     def trigger(self) -> None:
         """Run as soon as possible (e.g. on reconnect); never overlaps.
@@ -143,11 +231,13 @@ class PeriodicJob:
         run ends (triggers coalesce: several during one run give one extra run).
         """
         self._woken = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._entry is not None:
+            self._drop_wait()
+            self._begin()
 
     async def stop(self) -> None:
+        self._active = False
+        self._drop_wait()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -158,7 +248,13 @@ class PeriodicJob:
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """Started and not stopped (running its action or waiting for the next run)."""
+        return self._active
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for its next run (in the loop's schedule)."""
+        return self._entry is not None
 
     async def run_once(self) -> None:
         """Run the action now, with the job's failure accounting."""
@@ -187,49 +283,42 @@ class PeriodicJob:
             self._failures_in_a_row = 0
             self.last_error = None
 
-    async def _sleep(self, seconds: float) -> None:
-        # A trigger that arrived while the previous run was in flight ends this
-        # wait at once (issue #23 item 5); _run clears the flag just before each
-        # run instead.
-        #
-        # One future, ended by a timer or by trigger(): the fewest objects a
-        # wait can hold. A node holds two jobs per agent, nearly all of them
-        # waiting at any moment, and what a wait holds is most of what the
-        # garbage collector walks at each full collection once the start-up
-        # world is frozen (issue #21): an Event wait under asyncio.timeout held
-        # ten objects per wait (two coroutines, the timeout and its bound
-        # method, a future, a context, a timer); 100 ms per collection at
-        # 10,000 agents. The timer runs in one shared empty context instead of
-        # a copy of the current one per wait (it only ends the future; the job
-        # resumes in its own task's context). Like the timeout before it, the
-        # wait needs no task of its own (a wait_for per wait was ~2 of each
-        # agent's ~5 tasks while 1,000 agents started).
+    def _wait(self, seconds: float) -> None:
         if self._woken:
-            return
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        self._waiter = waiter
-        timer = loop.call_later(seconds, _end_wait, waiter, context=_TIMER_CONTEXT)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
+            # A trigger that arrived while the previous run was in flight (or
+            # before the start) ends this wait at once (issue #23 item 5).
+            self._begin()
+        else:
+            self._entry = _schedule().add(self, seconds)
 
-    async def _run(self) -> None:
-        first = self._first_delay
-        if first is None:
-            first = self._next_interval() * random.uniform(0.0, self._jitter) if self._jitter else 0.0
-        await self._sleep(first)
-        while True:
-            # Cleared before the run, not before the wait: a trigger during the run
-            # stays set and makes the next wait return at once (a second run).
-            self._woken = False
+    def _drop_wait(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            schedule = _SCHEDULES.get(asyncio.get_running_loop())
+            if schedule is not None:
+                schedule.cancel(entry)
+            entry[2] = None
+
+    def _begin(self) -> None:
+        """Start the runs' task: its wait is over."""
+        assert self._context is not None and self._task is None
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._runs(), name=f"job:{self.name}", context=self._context)
+
+    async def _runs(self) -> None:
+        # Cleared before the run, not before the wait: a trigger during the run
+        # stays set and makes the next wait end at once (a second run).
+        self._woken = False
+        try:
             await self.run_once()
-            interval = self._next_interval()
-            if self._failures_in_a_row and self._retry_s is not None:
-                # Sooner after a failure (doubling), never later than the interval.
-                interval = min(interval, self._retry_s * 2 ** min(self._failures_in_a_row - 1, 16))
-            if self._jitter:
-                interval *= random.uniform(1.0 - self._jitter / 2, 1.0 + self._jitter / 2)
-            await self._sleep(interval)
+        finally:
+            self._task = None
+        if not self._active:
+            return  # stopped while the action ran to its end
+        interval = self._next_interval()
+        if self._failures_in_a_row and self._retry_s is not None:
+            # Sooner after a failure (doubling), never later than the interval.
+            interval = min(interval, self._retry_s * 2 ** min(self._failures_in_a_row - 1, 16))
+        if self._jitter:
+            interval *= random.uniform(1.0 - self._jitter / 2, 1.0 + self._jitter / 2)
+        self._wait(interval)
