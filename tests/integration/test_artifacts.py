@@ -141,7 +141,12 @@ def test_quota_and_object_size_refusals(meshnode_daemons: DaemonSet) -> None:
 
 
 def test_a_reclaimed_ref_answers_gone_and_an_invented_one_not_found(meshnode_daemons: DaemonSet, tmp_path: Path) -> None:
-    a = meshnode_daemons.embedded("a", agents={"arts": {"plugin": "test-artifacts"}}, node=NODE)
+    # The store's own sweep runs first at a random moment within a tenth of its
+    # interval (5 min: within 30 s of the start); when it fell between the
+    # artifact's expiry and the on-demand sweep below, that one found nothing to
+    # reclaim (seen once under load). A 30-day interval puts it days away.
+    a = meshnode_daemons.embedded("a", agents={"arts": {"plugin": "test-artifacts"}}, node=NODE,
+                                  extra={"artifacts": {"sweep_interval": "30d"}})
     source = tmp_path / "note.txt"
     source.write_text("kept for one second")
     put = _cli(a, "put", str(source), "--retention", "1s", "--json")
