@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from meshnode.agent import Reply
 from meshnode.node.pipeline import RefusalCounter
+from meshnode.node.port import NodePort
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.transport.errors import NotFound, TransportTimeout
@@ -277,6 +278,17 @@ class FakeNode:
         self.canceled: list[tuple[str, str, str]] = []
         self.emitted: list[tuple[str, str, Any]] = []
         self.subscribed: list[str] = []
+
+    def as_port(self) -> NodePort:
+        """This fake as the :class:`NodePort` it stands in for, to hand to the code under test.
+
+        Every member of the port is here, but ``connection`` and ``settings`` are
+        :class:`FakeConnection` and :class:`FakeSettings`: they fake only what the
+        code under test reads of ``MeshConnection`` and ``NodeSettings``, so the
+        fake is not structurally a ``NodePort``. This is the one place that says so;
+        a test keeps its ``FakeNode`` for what it asserts on.
+        """
+        return cast(NodePort, self)
 
     # -- the clock and bookkeeping ---------------------------------------------------
 
