@@ -21,6 +21,7 @@ from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.port import NodePort
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
+from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.errors import NotFound, TransportTimeout
 from meshnode.transport.grants import Grants
 from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
@@ -39,6 +40,13 @@ class FakeMsg:
 
     async def ack(self) -> None:
         pass
+
+    def as_message(self) -> Message:
+        """This fake as the :class:`~meshnode.transport.connection.Message` it stands in
+        for, to hand to code typed against it. It has the parts the node reads
+        (subject, data, reply, headers, ack), not a JetStream delivery's sequence,
+        nak or in_progress, so it is not one; this is the one place that says so."""
+        return cast(Message, self)
 
 
 class FakeJetStream:
@@ -205,6 +213,13 @@ class FakeConnection:
 
     async def flush(self, timeout: float | None = None) -> None:
         pass
+
+    def as_connection(self) -> MeshConnection:
+        """This fake as the :class:`~meshnode.transport.connection.MeshConnection` it
+        stands in for, to hand to code typed against it. It has what the code under
+        test uses, not the whole connection, so it is not one; this is the one
+        place that says so."""
+        return cast(MeshConnection, self)
 
     def responds_to(self, msg_id: object) -> list[dict[str, Any]]:
         out = []
