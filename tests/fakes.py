@@ -14,14 +14,16 @@ import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from meshnode.agent import Reply
 from meshnode.node.pipeline import RefusalCounter
+from meshnode.node.port import NodePort
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
+from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.errors import NotFound, TransportTimeout
 from meshnode.transport.grants import Grants
 from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
@@ -40,6 +42,13 @@ class FakeMsg:
 
     async def ack(self) -> None:
         pass
+
+    def as_message(self) -> Message:
+        """This fake as the :class:`~meshnode.transport.connection.Message` it stands in
+        for, to hand to code typed against it. It has the parts the node reads
+        (subject, data, reply, headers, ack), not a JetStream delivery's sequence,
+        nak or in_progress, so it is not one; this is the one place that says so."""
+        return cast(Message, self)
 
 
 class FakeJetStream:
@@ -222,6 +231,13 @@ class FakeConnection:
     async def flush(self, timeout: float | None = None) -> None:
         pass
 
+    def as_connection(self) -> MeshConnection:
+        """This fake as the :class:`~meshnode.transport.connection.MeshConnection` it
+        stands in for, to hand to code typed against it. It has what the code under
+        test uses, not the whole connection, so it is not one; this is the one
+        place that says so."""
+        return cast(MeshConnection, self)
+
     def responds_to(self, msg_id: object) -> list[dict[str, Any]]:
         out = []
         for _, data in self.published:
@@ -294,6 +310,17 @@ class FakeNode:
         self.canceled: list[tuple[str, str, str]] = []
         self.emitted: list[tuple[str, str, Any]] = []
         self.subscribed: list[str] = []
+
+    def as_port(self) -> NodePort:
+        """This fake as the :class:`NodePort` it stands in for, to hand to the code under test.
+
+        Every member of the port is here, but ``connection`` and ``settings`` are
+        :class:`FakeConnection` and :class:`FakeSettings`: they fake only what the
+        code under test reads of ``MeshConnection`` and ``NodeSettings``, so the
+        fake is not structurally a ``NodePort``. This is the one place that says so;
+        a test keeps its ``FakeNode`` for what it asserts on.
+        """
+        return cast(NodePort, self)
 
     # -- the clock and bookkeeping ---------------------------------------------------
 

@@ -429,10 +429,12 @@ class Streams(Agent):
             yield f"c{i}"
 
     async def _lie(self, ctx: Context, how: str) -> None:
+        from meshnode.node.context import AgentContext
         from meshnode.protocol import subjects
         from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
         from meshnode.protocol.nkeys import KeyPair
 
+        assert isinstance(ctx, AgentContext)  # the daemon's context, whose hosted agent this test reaches into
         hosted = ctx._hosted
         node = hosted.node
         task = await ctx.defer("working")

@@ -16,6 +16,7 @@ as the test asks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import threading
@@ -27,7 +28,7 @@ from typing import Any
 import nacl.signing
 import uvicorn
 from a2a.server.agent_execution import AgentExecutor, RequestContext
-from a2a.server.events.event_queue_v2 import EventQueue
+from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandlerV2
 from a2a.server.routes.agent_card_routes import create_agent_card_routes
 from a2a.server.routes.jsonrpc_routes import create_jsonrpc_routes
@@ -125,7 +126,7 @@ class Peer:
 
     @property
     def issuer_key(self) -> str:
-        return "ed25519:" + __import__("base64").urlsafe_b64encode(bytes(self.report_key.verify_key)).rstrip(b"=").decode()
+        return "ed25519:" + base64.urlsafe_b64encode(bytes(self.report_key.verify_key)).rstrip(b"=").decode()
 
     def sends(self) -> list[Received]:
         return [r for r in self.received if not r.outcome.startswith("401")]

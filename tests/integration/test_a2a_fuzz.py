@@ -231,7 +231,7 @@ def messages(draw: st.DrawFn) -> Any:
             json_values, envelopes(msg).map(lambda token: {"envelope": token}),
             envelopes(msg).map(lambda token: {"envelope": token}),
         ))
-    if meta or draw(st.booleans()):
+    if bool(meta) or draw(st.booleans()):  # bool(): mypy types draw() here by meta's type
         msg["metadata"] = meta if draw(st.integers(0, 4)) else draw(json_values)
     return msg if draw(st.integers(0, 9)) != 5 else draw(json_values)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -458,7 +458,7 @@ def test_a_trusted_callers_task_answers_only_to_its_issuer(bridge: Bridge) -> No
     unknown = error_of(task_call(bridge, "GetTask", "no-such-task"))
     assert unknown["code"] == NOT_FOUND
     mesh_key = nacl.signing.SigningKey(decode_seed(MESH_CALLER.seed)[1])
-    strangers = {
+    strangers: dict[str, Callable[[str], dict[str, str]]] = {
         "anonymous": lambda m: ACTIVATE,
         "not activated": lambda m: {**proof(m, task_id), "A2A-Extensions": ""},
         "claim naming the issuer": lambda m: proof(m, task_id, key=None),

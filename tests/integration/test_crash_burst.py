@@ -68,8 +68,12 @@ def test_kill_9_mid_burst_answers_everything_once_and_never_runs_a_handler_twice
                 calls[tag] = pool.submit(a.call, target, "work", {"tag": tag}, CALL_TIMEOUT)
             # Somewhere inside the burst: after a random number of handler runs.
             cut = ran_before + rng.randint(1, BURST - 1)
-            eventually(lambda cut=cut: len(_lines(tally)) >= cut, interval=0.002, timeout=30,
-                       what="the burst reaching the kill point", detail=b.log_tail)
+
+            def reached(n: int = cut) -> bool:
+                return len(_lines(tally)) >= n
+
+            eventually(reached, interval=0.002, timeout=30, what="the burst reaching the kill point",
+                       detail=b.log_tail)
             b.kill()
             b.start()
         results = {tag: future.result(timeout=CALL_TIMEOUT + 60) for tag, future in calls.items()}
@@ -135,7 +139,8 @@ def _kept_interrupted(node: DaemonProcess) -> set[str]:
     kept: set[str] = set()
     for row in rows:
         env = node.admin("Inbox.Show", {"id": row["id"]}).get("envelope") or {}
-        payload = env.get("payload") if isinstance(env.get("payload"), dict) else {}
+        given = env.get("payload")
+        payload = given if isinstance(given, dict) else {}
         tag = (payload.get("input") or {}).get("tag") if isinstance(payload.get("input"), dict) else None
         if isinstance(tag, str):
             kept.add(tag)

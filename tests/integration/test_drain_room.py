@@ -95,9 +95,15 @@ async def test_live_mail_filling_half_the_buffer_runs_a_pass_that_makes_room(bus
     total, half = 3 * BOUND, BOUND // 2
     for sent in range(half, total + 1, half):
         await busy.send(half)
-        await eventually_async(lambda n=sent: busy.hosted.counters["received"] >= n, what=f"{sent} handled live")
-        await eventually_async(lambda n=sent: drain.stats.purged_through >= n - BOUND // 4,
-                               what=f"room made after {sent}", detail=drain.status)
+
+        def handled_live(n: int = sent) -> bool:
+            return busy.hosted.counters["received"] >= n
+
+        def room_made(n: int = sent) -> bool:
+            return drain.stats.purged_through >= n - BOUND // 4
+
+        await eventually_async(handled_live, what=f"{sent} handled live")
+        await eventually_async(room_made, what=f"room made after {sent}", detail=drain.status)
 
     async def all_kept() -> bool:
         return (await busy.conn.jetstream.stream_state(busy.stream)).last_seq == total

@@ -132,8 +132,8 @@ def _daemon(
         config["registry"] = {"require_connection_bound": False}
     for table, values in (extra or {}).items():
         config.setdefault(table, {}).update(values)
-    for agent_name, table in agents.items():
-        config[f"agents.{agent_name}"] = dict(table)
+    for agent_name, agent_table in agents.items():
+        config[f"agents.{agent_name}"] = dict(agent_table)
     return DaemonProcess(work, name, config)
 
 

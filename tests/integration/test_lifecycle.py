@@ -105,7 +105,7 @@ def test_a_graceful_stop_is_offline_at_once(daemons: DaemonSet, first: DaemonPro
 
 
 def _availability(node: DaemonProcess, agent_id: str) -> str | None:
-    found = {a["id"]: a.get("availability") for a in node.admin("Discover", {})["agents"]}
+    found: dict[str, str | None] = {a["id"]: a.get("availability") for a in node.admin("Discover", {})["agents"]}
     return found.get(agent_id, "not listed")
 
 

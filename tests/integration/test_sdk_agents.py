@@ -205,9 +205,14 @@ async def test_an_sdk_credential_reads_nobody_elses_mail(hub: DaemonProcess) -> 
                         f"mesh.agent.{echo}.inbox"):
             await mallory.conn.subscribe(subject)
             await mallory.barrier()
-            await eventually_async(
+
+            def refused(s: str = subject) -> bool:
                 # nats-py lower-cases the server's message, subject included.
-                lambda s=subject: any(f'subscription to "{s.lower()}"' in str(e) for e in mallory.errors),
+                return any(f'subscription to "{s.lower()}"' in str(e) for e in mallory.errors)
+
+            await eventually_async(
+                refused,
+                what=f"the server refusing the subscription to {subject}",
                 timeout=10,
                 detail=lambda: [str(e) for e in mallory.errors],
             )

@@ -17,7 +17,6 @@ from typing import Any
 
 import orjson
 import pytest
-from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, RetentionPolicy
 from nats.js.errors import NotFoundError
 
@@ -41,7 +40,7 @@ from meshnode.services import (
 from meshnode.services.query import decode_cursor, encode_cursor, parse_discover_query
 from meshnode.services.semver import VersionRange
 from meshnode.testing import eventually_async
-from meshnode.transport.connection import MeshConnection
+from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.permissions import node_permissions
 
@@ -215,7 +214,7 @@ async def stream_exists(conn: MeshConnection, name: str) -> bool:
 async def collect(conn: MeshConnection, subject: str) -> tuple[list[dict[str, Any]], Callable[[], Awaitable[None]]]:
     seen: list[dict[str, Any]] = []
 
-    async def on(msg: Msg) -> None:
+    async def on(msg: Message) -> None:
         seen.append(decode_envelope(msg.data))
 
     sub = await conn.subscribe(subject, on)
@@ -610,7 +609,7 @@ async def _send_in_order(conn: MeshConnection, subject: str, envs: list[dict[str
     for _ in envs:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
 
-        async def on(msg: Msg, future: asyncio.Future[dict[str, Any]] = future) -> None:
+        async def on(msg: Message, future: asyncio.Future[dict[str, Any]] = future) -> None:
             if not future.done():
                 future.set_result(decode_envelope(msg.data))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 import pytest
-from nats.aio.msg import Msg
+from nats.js.api import ConsumerInfo
 
 from meshnode.protocol import subjects
 from meshnode.protocol.attestations import make_vouch
@@ -34,8 +34,9 @@ from meshnode.services import RegistryService, ServiceContext, ensure_mesh_strea
 from meshnode.services.task_record import Outcome, Record, Verdict
 from meshnode.services.tasks import CONSUMER_NAME, TaskManagerService
 from meshnode.testing import consistently_async, eventually_async
-from meshnode.transport.connection import MeshConnection
+from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.embedded import EmbeddedNatsServer
+from meshnode.transport.jetstream import KeyValue, KvEntry
 
 from .conftest import connect
 
@@ -191,9 +192,10 @@ async def world(mesh: EmbeddedNatsServer) -> AsyncIterator[World]:
     agents = [KeyPair.generate(Prefix.USER) for _ in range(4)]
     jwt = mesh.mint_node_credential(node_key.public_key, [a.public_key for a in agents], 300)
     conn = await connect(mesh, node_key, jwt)
-    world = World(mesh, service_key, service_conn, node_key, conn, *agents)
+    requester, responder, delegate, stranger = agents
+    world = World(mesh, service_key, service_conn, node_key, conn, requester, responder, delegate, stranger)
 
-    async def on_event(msg: Msg) -> None:
+    async def on_event(msg: Message) -> None:
         world.events.append(decode_envelope(msg.data))
 
     await conn.subscribe("mesh.event.>", on_event)
@@ -239,7 +241,11 @@ async def test_first_update_creates_the_record_and_every_legal_transition_applie
         await world.update(world.responder, task_id, _status(to))
         expected[task_id] = (to.value, len(PATHS[frm]) + 2)
     for task_id, (state, updates) in expected.items():
-        record = await world.record(task_id, lambda r, n=updates: len(r["history"]) == n)
+
+        def all_applied(r: Record, n: int = updates) -> bool:
+            return len(r["history"]) == n
+
+        record = await world.record(task_id, all_applied)
         assert record["state"] == state, task_id
         assert not record["meta"].get("rejected_updates"), record["meta"]
 
@@ -317,7 +323,7 @@ async def test_an_update_published_while_no_manager_runs_is_applied_when_one_sta
     await first.stop()
 
     async def no_pull_waiting() -> bool:  # its last pull request has expired
-        info = await world.service_conn.jetstream.native.consumer_info("MESH_TASKS", CONSUMER_NAME)
+        info: ConsumerInfo = await world.service_conn.jetstream.native.consumer_info("MESH_TASKS", CONSUMER_NAME)
         return info.num_waiting == 0
 
     await eventually_async(no_pull_waiting, what="the stopped manager's last pull request expiring")
@@ -428,7 +434,7 @@ async def test_overdue_mark_notice_and_completed_late(world: World) -> None:
     task_id = world.task_id()
     notices: list[dict[str, Any]] = []
 
-    async def on_update(msg: Msg) -> None:
+    async def on_update(msg: Message) -> None:
         env = decode_envelope(msg.data)
         if env["from"] == tm.ctx.service_id:
             notices.append(env)
@@ -688,9 +694,9 @@ async def test_canceled_receipt_carries_the_reason_and_never_the_note(world: Wor
 
 async def test_events_are_signed_by_the_task_manager_with_their_id_as_msg_id(world: World) -> None:
     tm = await world.manager()
-    seen: list[Msg] = []
+    seen: list[Message] = []
 
-    async def on(msg: Msg) -> None:
+    async def on(msg: Message) -> None:
         seen.append(msg)
 
     await world.conn.subscribe("mesh.event.metering.task_completed", on)
@@ -753,22 +759,23 @@ async def test_concurrent_writers_lose_nothing_one_write_wins_the_loser_reapplie
     conflicts_before = a.counters["write_conflicts"]
 
     class Interleaved:
-        def __init__(self) -> None:
+        def __init__(self, kv: KeyValue) -> None:
+            self.kv = kv
             self.raced = False
 
-        async def get(self, key: str) -> Any:
-            return await kv.get(key)
+        async def get(self, key: str) -> KvEntry:
+            return await self.kv.get(key)
 
         async def create(self, key: str, value: bytes) -> int:
-            return await kv.create(key, value)
+            return await self.kv.create(key, value)
 
-        async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        async def update(self, key: str, value: bytes, *, last: int) -> int:
             if not self.raced:
                 self.raced = True
                 await b.mutate(task_id, bump)
-            return await kv.update(key, value, last=last)
+            return await self.kv.update(key, value, last=last)
 
-    a._kv = Interleaved()  # type: ignore[assignment]
+    a._kv = Interleaved(kv)  # type: ignore[assignment]
     try:
         await a.mutate(task_id, bump)
     finally:
@@ -805,5 +812,6 @@ async def test_participants_may_ask_and_the_lookup_is_not_captured(world: World)
     assert "mesh.task.get.*" in pub
     info = await world.service_conn.jetstream.native.stream_info("MESH_TASKS")
     # The lookup subject is not captured, so no PubAck races the manager's answer.
+    assert info.config.subjects is not None
     assert "mesh.task.>" not in info.config.subjects
 

@@ -19,14 +19,13 @@ from urllib.parse import urlsplit
 
 import nats.errors
 import pytest
-from nats.aio.msg import Msg
 
 from meshnode.daemon.platform import PlatformServices, start_platform_services
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.services import ServiceContext
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, render_toml
-from meshnode.transport.connection import MeshConnection
+from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.embedded import (
     EmbeddedNatsServer,
     TenantExport,
@@ -168,7 +167,7 @@ async def test_an_exported_agent_resolves_through_the_importing_tenants_own_regi
 async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: Tenants) -> None:
     received: list[str] = []
 
-    async def on(msg: Msg) -> None:
+    async def on(msg: Message) -> None:
         received.append(msg.subject)
         if msg.reply:
             await tenants.a.conn.publish(msg.reply, b'{"delivered":true}')
@@ -194,9 +193,9 @@ async def test_only_an_exported_inbox_is_reachable_from_another_tenant(tenants: 
             await party.conn.nc.request(subject, b"{}", timeout=3.0)
     # An export is one-way: the mesh tenant cannot reach b's agent.
     b_inbox = f"mesh.agent.{tenants.b.agents[0].public_key}.inbox"
-    seen_in_b: list[Msg] = []
+    seen_in_b: list[Message] = []
 
-    async def in_b(msg: Msg) -> None:
+    async def in_b(msg: Message) -> None:
         seen_in_b.append(msg)
 
     await tenants.b.conn.subscribe(b_inbox, in_b)

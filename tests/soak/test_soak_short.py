@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 SECONDS = float(os.environ.get("MESHNODE_SOAK_SECONDS", "15"))
 WARMUP = float(os.environ.get("MESHNODE_SOAK_WARMUP", "6"))
 #: The growth a run may keep, per daemon, once traffic paused and the daemons settled.
-BOUNDS = {"asyncio_tasks": 8, "open_fds": 6, "threads": 4}
+BOUNDS: dict[str, float] = {"asyncio_tasks": 8, "open_fds": 6, "threads": 4}
 
 
 def test_short_soak_keeps_tasks_fds_and_memory_flat() -> None:

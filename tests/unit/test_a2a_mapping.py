@@ -39,13 +39,14 @@ def test_input_from_parts() -> None:
     assert input_from_parts([{"text": "a"}, {"text": "b"}], None) == "a\nb"
     assert input_from_parts([{"text": "hi"}], TEXT_SCHEMA) == {"text": "hi"}
     assert input_from_parts([], None) is None
-    for parts in (
+    refused: list[list[dict[str, Any]]] = [
         [{"url": "https://x/y"}],
         [{"raw": "AAAA"}],
         [{"data": 1}, {"text": "x"}],
         [{"data": 1}, {"data": 2}],
         [{"metadata": {}}],
-    ):
+    ]
+    for parts in refused:
         with pytest.raises(PartsRefused):
             input_from_parts(parts, None)
 

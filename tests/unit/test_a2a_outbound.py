@@ -48,7 +48,7 @@ def test_parts_both_ways() -> None:
     assert input_parts(None) == [{"data": {}}]
     assert output_of_parts([{"data": {"x": 1}}]) == {"x": 1}
     assert output_of_parts([{"text": "a"}, {"text": "b"}]) == "ab"
-    mixed = [{"text": "a"}, {"data": 1}]
+    mixed: list[dict[str, Any]] = [{"text": "a"}, {"data": 1}]
     assert output_of_parts(mixed) == mixed and output_of_parts([]) is None
 
 

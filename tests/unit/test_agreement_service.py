@@ -23,6 +23,7 @@ from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_env
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.agreements import authorize_owner, record_out, registered, revoked
+from meshnode.transport.connection import Message
 from tests.fakes import FakeConnection, FakeMsg, FakeNode
 
 NOW = 1_800_000_000_000
@@ -113,11 +114,11 @@ def _seller(node: Any) -> HostedAgent:
     return hosted
 
 
-def _event(key: KeyPair, event_type: str, data: dict[str, Any]) -> FakeMsg:
+def _event(key: KeyPair, event_type: str, data: dict[str, Any]) -> Message:
     env = build_envelope("emit", key.public_key, now_ms=NOW,
                          payload={"domain": "agreements", "event_type": event_type, "data": data})
     sign_envelope(env, key)
-    return FakeMsg(f"mesh.event.agreements.{event_type}", encode_envelope(env))
+    return FakeMsg(f"mesh.event.agreements.{event_type}", encode_envelope(env)).as_message()
 
 
 async def test_lookups_are_single_flight_cached_and_dropped_on_a_platform_event() -> None:
@@ -136,7 +137,7 @@ async def test_lookups_are_single_flight_cached_and_dropped_on_a_platform_event(
         return answer
 
     node.service_answers[subjects.AGREEMENTS_LOOKUP] = lookup
-    platform = PlatformAgreements(cast(Any, node), ttl_s=60)
+    platform = PlatformAgreements(node.as_port(), ttl_s=60)
     herd = [asyncio.create_task(platform.records(seller, OWNER.public_key, "summarize")) for _ in range(20)]
     await asyncio.sleep(0)
     gate_open.set()
@@ -167,7 +168,7 @@ async def test_an_unreachable_service_is_no_agreement_for_a_short_while() -> Non
         raise ProtocolError("AGENT_UNAVAILABLE", "no service answers on mesh.agreements.lookup")
 
     node.service_answers[subjects.AGREEMENTS_LOOKUP] = down
-    platform = PlatformAgreements(cast(Any, node), ttl_s=60, unavailable_ttl_s=60)
+    platform = PlatformAgreements(node.as_port(), ttl_s=60, unavailable_ttl_s=60)
     assert await platform.records(seller, OWNER.public_key, "summarize") == []
     assert await platform.records(seller, OWNER.public_key, "summarize") == []
     assert platform.lookups == 1  # remembered, not asked per request
@@ -197,7 +198,7 @@ async def test_the_gate_admits_on_a_registered_agreement_and_refuses_once_revoke
         return {"agreements": records}
 
     lookups.service_answers[subjects.AGREEMENTS_LOOKUP] = lookup
-    gate.platform = PlatformAgreements(cast(Any, lookups), ttl_s=60)
+    gate.platform = PlatformAgreements(lookups.as_port(), ttl_s=60)
     env = {"from": caller.agent_id, "id": "r1"}
     assert await gate.check(shop, env, "summarize", NOW) == sku  # nothing in the local store
     records[0] = {"agreement": doc, "revoked_at_ms": NOW + 5}

@@ -177,10 +177,22 @@ class ScriptedStore:
         raise AssertionError(subject)
 
 
+class _StoreNode(FakeNode):
+    """The fake node, its platform-service calls answered by a scripted artifact store."""
+
+    def __init__(self, store: ScriptedStore) -> None:
+        super().__init__(now_ms=1_800_000_000_000)
+        self.store = store
+
+    async def service_call(
+        self, hosted: Any, subject: str, kind: str, payload: Any, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return await self.store.service_call(hosted, subject, kind, payload, timeout=timeout)
+
+
 def _hosted(store: ScriptedStore, max_payload: int = 1024 * 1024) -> Any:
-    node = FakeNode(now_ms=1_800_000_000_000)
+    node = _StoreNode(store)
     node.connection.max_payload = max_payload
-    node.service_call = store.service_call  # the scripted artifact store answers
     return SimpleNamespace(node=node, counters=Counter())
 
 
@@ -201,13 +213,13 @@ async def test_fetch_verifies_size_and_digest_and_never_returns_bad_bytes() -> N
     with pytest.raises(ArtifactIntegrityError):  # ... or more
         await ArtifactClient(_hosted(ScriptedStore(data))).fetch({"ref": ref, "size": len(data) - 3})
     refused = ScriptedStore(data)
-    with pytest.raises(ProtocolError) as exc:
+    with pytest.raises(ProtocolError) as error:
         await ArtifactClient(_hosted(refused)).fetch({"ref": ref, "size": len(data)}, max_bytes=4)
-    assert exc.value.code == "PAYLOAD_TOO_LARGE" and not refused.calls  # refused before any byte moved
+    assert error.value.code == "PAYLOAD_TOO_LARGE" and not refused.calls  # refused before any byte moved
     for elsewhere in ("https://example.com/x", "mesh:rooms:r/drive/x"):
-        with pytest.raises(ProtocolError) as exc:
+        with pytest.raises(ProtocolError) as error:
             await ArtifactClient(_hosted(ScriptedStore(data))).fetch(elsewhere)
-        assert exc.value.details == {"ref": elsewhere, "reason": "unknown_scheme"}
+        assert error.value.details == {"ref": elsewhere, "reason": "unknown_scheme"}
 
 
 async def test_put_sends_one_message_or_a_session_of_chunks_within_the_budget() -> None:

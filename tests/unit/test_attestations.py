@@ -39,7 +39,7 @@ from meshnode.protocol.attestations import (
 )
 from meshnode.protocol.canonical import canonicalize
 from meshnode.protocol.errors import ProtocolError
-from meshnode.protocol.nkeys import KeyPair, Prefix
+from meshnode.protocol.nkeys import KeyPair, Prefix, verify
 from meshnode.protocol.signing import VOUCH_TAG, b64url_encode, verify_object
 from meshnode.protocol.timeutil import parse_rfc3339_ms
 from tests.conftest import load_fixture
@@ -302,11 +302,10 @@ def test_a_verified_trust_attestation_is_not_verified_again_but_still_checked(mo
     verified once; its lifetime, subject and issuer are checked on every call, and any
     byte changed is verified (and refused) afresh."""
     calls: list[bytes] = []
-    real = attestations.verify
 
     def counting(key: str, body: bytes, sig: bytes) -> bool:
         calls.append(body)
-        return real(key, body, sig)
+        return verify(key, body, sig)
 
     monkeypatch.setattr(attestations, "verify", counting)
     att = make_trust_attestation(OPERATOR, NODE.public_key, {"trust_tier": "verified"}, T0 + 7, T0 + DAY_MS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -98,7 +99,7 @@ def test_fixture_blocks() -> None:
     for block in fixture["block"]["valid"]:
         assert parse_budget(block).to_object() == block
     for case in fixture["block"]["invalid"]:
-        exc = raises("INVALID_ENVELOPE", lambda c=case: parse_budget(c["block"]))
+        exc = raises("INVALID_ENVELOPE", partial(parse_budget, case["block"]))
         assert exc.details["reason"] == case["case"]
 
 
@@ -252,7 +253,7 @@ def test_revision_refusals_in_order() -> None:
     raises("INVALID_ENVELOPE", lambda: revise({"revision": 1}, sender="someone else"))
     raises("UNAUTHORIZED", lambda: revise(RAISE, sender="UOTHER"))
     for terminal in ("completed", "failed", "canceled", "rejected", "exhausted"):
-        raises("TASK_INVALID_TRANSITION", lambda t=terminal: revise(RAISE, task_state=t))
+        raises("TASK_INVALID_TRANSITION", partial(revise, RAISE, task_state=terminal))
     exc = raises("TASK_INVALID_TRANSITION", lambda: revise({**RAISE, "revision": 0}))
     assert exc.details == {"revision": 0, "current_revision": 0}
     raises("TASK_INVALID_TRANSITION", lambda: revise(RAISE, now_ms=T16 + 301_000))

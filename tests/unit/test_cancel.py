@@ -186,8 +186,11 @@ def test_fixture_shapes_rebuild_byte_for_byte() -> None:
         else:
             stop = stop_fields_of_update(payload)
             assert stop is not None
-            builder = build_canceled_update_payload if payload["status"] == "canceled" else build_failed_update_payload
-            rebuilt = builder(stop.reason, **_kwargs(stop))
+            if payload["status"] == "canceled":
+                assert stop.reason is not None  # a canceled update names its reason
+                rebuilt = build_canceled_update_payload(stop.reason, **_kwargs(stop))
+            else:
+                rebuilt = build_failed_update_payload(stop.reason, **_kwargs(stop))
         assert rebuilt == payload, name
 
 

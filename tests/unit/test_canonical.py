@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import TypeAlias
 
 import pytest
 import rfc8785
@@ -28,6 +29,8 @@ BOUNDARY_FLOATS = st.sampled_from(
 )
 KEYS = st.text(max_size=8) | st.sampled_from(["\ufb00", "\U0001f600", "\ue000", "\uffff", "a", ""])
 SCALARS = st.none() | st.booleans() | SAFE_INTS | FINITE_FLOATS | BOUNDARY_FLOATS | st.text(max_size=20)
+#: What JSON_VALUES draws: decoded JSON.
+Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
 JSON_VALUES = st.recursive(
     SCALARS,
     lambda children: st.lists(children, max_size=5) | st.dictionaries(KEYS, children, max_size=5),
@@ -46,7 +49,7 @@ def test_every_fixture_vector() -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(JSON_VALUES)
-def test_identical_to_rfc8785_package(value: object) -> None:
+def test_identical_to_rfc8785_package(value: Json) -> None:
     assert canonicalize(value) == rfc8785.dumps(value)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from functools import partial
+from typing import Any, TypedDict
 
 import pytest
 from hypothesis import given, settings
@@ -165,7 +166,7 @@ def test_sku_refusals_name_the_member() -> None:
         (base | {"price": {"model": "free", "currency": "USD"}}, "foreign_field", "price.currency"),
     ]
     for obj, want, member in cases:
-        exc = raises("INVALID_MANIFEST", lambda o=obj: parse_sku(o))
+        exc = raises("INVALID_MANIFEST", partial(parse_sku, obj))
         assert (exc.details["reason"], exc.details["member"]) == (want, member)
 
 
@@ -246,7 +247,7 @@ def test_agreement_shape_refusals(change: dict[str, Any], want: str) -> None:
 def test_agreement_signature_binds_every_member() -> None:
     doc = make_agreement(OWNER, seller_agent=SELLER, sku=sku_of(PER_UNIT), agreed_at_ms=T0)
     for member, value in (("sku", "other"), ("agreed_at", format_ts(T0 + 1)), ("seller_agent", OWNER.public_key)):
-        exc = raises("IDENTITY_MISMATCH", lambda m=member, v=value: verify_agreement(doc | {m: v}))
+        exc = raises("IDENTITY_MISMATCH", partial(verify_agreement, doc | {member: value}))
         assert exc.details["reason"] == "bad_signature"
     exc = raises("IDENTITY_MISMATCH", lambda: verify_agreement(doc, consumer_owner=SELLER))
     assert exc.details["reason"] == "wrong_owner"
@@ -254,10 +255,20 @@ def test_agreement_signature_binds_every_member() -> None:
     assert raises("IDENTITY_MISMATCH", lambda: verify_agreement(unsafe)).details["reason"] == "bad_signature"
 
 
+class _Match(TypedDict):
+    """What :func:`agreement_applies` matches an agreement against, besides the time."""
+
+    consumer_owner: str
+    seller_agent: str
+    sku: str
+    sku_digest: str
+
+
 def test_agreement_applies_only_inside_its_life() -> None:
     sku = sku_of(PER_UNIT)
     agreement = agreement_to(sku, expires_at_ms=T0 + DAY)
-    want = {"consumer_owner": OWNER.public_key, "seller_agent": SELLER, "sku": sku.sku, "sku_digest": sku.digest}
+    want: _Match = {"consumer_owner": OWNER.public_key, "seller_agent": SELLER, "sku": sku.sku,
+                    "sku_digest": sku.digest}
     assert agreement_applies(agreement, **want, at_ms=T0)
     assert agreement_applies(agreement, **want, at_ms=T0 - 300_000), "owner clock ahead within §22.3 skew"
     assert not agreement_applies(agreement, **want, at_ms=T0 - 300_001)
@@ -265,8 +276,9 @@ def test_agreement_applies_only_inside_its_life() -> None:
     revoked = AgreementRecord(agreement, revoked_at_ms=T0 + 1000)
     assert agreement_applies(revoked, **want, at_ms=T0 + 999)
     assert not agreement_applies(revoked, **want, at_ms=T0 + 1000), "revocation is prospective only"
-    for member, value in (("seller_agent", OWNER.public_key), ("sku", "other"), ("sku_digest", "x" * 43)):
-        assert not agreement_applies(agreement, **(want | {member: value}), at_ms=T0)
+    assert not agreement_applies(agreement, **(want | {"seller_agent": OWNER.public_key}), at_ms=T0)
+    assert not agreement_applies(agreement, **(want | {"sku": "other"}), at_ms=T0)
+    assert not agreement_applies(agreement, **(want | {"sku_digest": "x" * 43}), at_ms=T0)
 
 
 # --- enforcement -------------------------------------------------------------------------

@@ -67,7 +67,8 @@ async def test_a_failing_or_stuck_undo_does_not_keep_the_later_stages_from_runni
 async def test_only_what_started_is_stopped(tmp_path: Path) -> None:
     config = Config.model_validate({"node": {"data_dir": str(tmp_path)}})
     daemon = Daemon(config)
-    assert daemon.state is DaemonState.CREATED
+    before = daemon.state  # read apart: mypy would keep daemon.state narrowed across stop()
+    assert before is DaemonState.CREATED
     await daemon.stop()  # nothing started: nothing to undo, and no error
     assert daemon.state is DaemonState.STOPPED
 
@@ -84,5 +85,6 @@ def test_status_shows_the_lifecycle_state(tmp_path: Path) -> None:
 
 def test_agent_states_are_the_strings_the_admin_api_always_showed() -> None:
     assert [s.value for s in AgentState] == ["starting", "running", "retrying", "failed", "stopped"]
-    assert AgentState.FAILED == "failed"
+    failed: str = AgentState.FAILED  # a str (StrEnum), which is the point
+    assert failed == "failed"
     assert orjson.dumps({"state": AgentState.RUNNING}) == b'{"state":"running"}'

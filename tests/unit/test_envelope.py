@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -41,8 +42,8 @@ def key() -> KeyPair:
     return KeyPair.generate()
 
 
-def signed(key: KeyPair, **kw: object) -> dict:
-    env = build_envelope("request", key.public_key, now_ms=NOW, payload={"offering": "echo", "input": {"text": "hi"}}, **kw)  # type: ignore[arg-type]
+def signed(key: KeyPair, **kw: Any) -> dict[str, Any]:
+    env = build_envelope("request", key.public_key, now_ms=NOW, payload={"offering": "echo", "input": {"text": "hi"}}, **kw)
     return sign_envelope(env, key)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
@@ -118,7 +119,8 @@ async def test_ask_input_returns_the_follow_ups_input_after_working_is_sent() ->
 
 async def test_require_input_still_returns_at_once_and_the_input_waits() -> None:
     task = working_task()
-    assert await task.require_auth("sign in") is None
+    pausing: Awaitable[object] = task.require_auth("sign in")  # typed to return nothing; checked here too
+    assert await pausing is None
     await task.take_follow_up(request(task_id="t1"), {"user": "ada"})
     assert await task.wait_for_input(timeout=1) == {"user": "ada"}
 

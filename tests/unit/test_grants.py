@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -124,7 +125,7 @@ def test_many_agents_grants_are_checked_without_scanning_them() -> None:
 def test_meshnodes_own_credentials_keep_the_private_prefix_and_the_bound_subject() -> None:
     node, agent = KeyPair.generate().public_key, KeyPair.generate().public_key
     for role in ("participant", "service"):
-        perms = node_permissions(node, [agent], role=role)  # type: ignore[arg-type]
+        perms = node_permissions(node, [agent], role=role)
         grants = Grants.from_claims(_claims(perms.pub_allow, perms.sub_allow))
         choice = choose_inbox_prefix(grants, node)
         assert (choice.prefix, choice.source) == (node_inbox_prefix(node), "private")
@@ -199,7 +200,7 @@ def _node(grants: Grants, node_key: KeyPair | None = None) -> tuple[Node, Hosted
     return node, hosted, conn
 
 
-def _registry_answer(registry: KeyPair) -> Any:
+def _registry_answer(registry: KeyPair) -> Callable[[bytes], bytes]:
     def answer(data: bytes) -> bytes:
         request = decode_envelope(data)
         env = build_envelope("respond", registry.public_key, now_ms=NOW, to=request["from"],
@@ -375,11 +376,11 @@ async def test_without_registry_get_targets_and_senders_are_looked_up_through_di
     node.service_answers[subjects.registry_get(agent.public_key)] = refuse
     node.service_answers[subjects.registry_get(hidden)] = refuse
     node.service_answers[subjects.REGISTRY_DISCOVER] = discover
-    assert (await ManifestCache(node).resolve(cast(Any, None), agent.public_key))["id"] == agent.public_key
+    assert (await ManifestCache(node.as_port()).resolve(cast(Any, None), agent.public_key))["id"] == agent.public_key
     with pytest.raises(ProtocolError) as raised:
-        await ManifestCache(node).resolve(cast(Any, None), hidden)
+        await ManifestCache(node.as_port()).resolve(cast(Any, None), hidden)
     assert raised.value.code == "NOT_FOUND"
-    memo = VouchMemo(node)
+    memo = VouchMemo(node.as_port())
     assert await memo.status(cast(Any, None), agent.public_key) == VOUCHED
     # Discovery does not show unlisted agents: not seen is unknown (let through), not unvouched.
     assert await memo.status(cast(Any, None), hidden) == UNKNOWN

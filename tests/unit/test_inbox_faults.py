@@ -180,7 +180,9 @@ async def test_a_pair_taken_back_after_its_commit_stays_taken_back(tmp_path: Pat
         await store.close()
 
 
-async def test_a_live_request_is_committed_before_its_handler_runs_and_settled_after(tmp_path: Path) -> None:
+async def test_a_live_request_is_committed_before_its_handler_runs_and_settled_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The pipeline's order (issue #23): the (from, id) pair is in the file when
     the handler's first statement runs; a drained copy meanwhile is left in the
     broker; once answered (and flushed), the copy is a plain duplicate."""
@@ -206,10 +208,12 @@ async def test_a_live_request_is_committed_before_its_handler_runs_and_settled_a
         copies.append((await store.accept_batch(probe.agent_id, [item], NOW))[0])
         return await real_work(self, ctx, input)
 
-    probe.agent.work = work.__get__(probe.agent)  # type: ignore[method-assign]
+    agent = probe.agent
+    assert isinstance(agent, Probe)
+    monkeypatch.setattr(agent, "work", work.__get__(agent))
     try:
         assert await probe.receive(data, source="live", reply="_INBOX.r") == "answered"
-        await eventually_async(lambda: probe.agent.ran == [env["id"]], what="the handler ran")  # type: ignore[attr-defined]
+        await eventually_async(lambda: agent.ran == [env["id"]], what="the handler ran")
         assert seen_at_start == [(0,)], "the pair was not committed before the handler ran"
         assert copies == [None], "the drain took the copy of a request whose handler was running"
         assert conn.responds_to(env["id"]), "no answer"

@@ -8,6 +8,7 @@ import sqlite3
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -64,9 +65,17 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 
+class _Bounds(TypedDict, total=False):
+    """The bounds of :class:`InboxStore` a trimming test sets."""
+
+    seen_capacity: int
+    seen_max_age_ms: int
+    retention_ms: int
+
+
 @contextlib.asynccontextmanager
 async def _trimmed_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, **bounds: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, **bounds: Unpack[_Bounds]
 ) -> AsyncIterator[InboxStore]:
     """An open store with small bounds, trimming ``chunk`` pairs per statement
     (so an agent takes several statements)."""

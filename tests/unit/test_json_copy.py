@@ -40,7 +40,7 @@ def test_a_json_value_is_copied_as_deepcopy_copies_it(value: Any) -> None:
 
 
 def test_changing_the_copy_leaves_the_original_alone() -> None:
-    manifest = {"offerings": [{"id": "echo", "tags": ["a"]}], "node": {"vouch": {"sig": "x"}}}
+    manifest: dict[str, Any] = {"offerings": [{"id": "echo", "tags": ["a"]}], "node": {"vouch": {"sig": "x"}}}
     copied = copy_json(manifest)
     copied["offerings"][0]["tags"].append("b")
     copied["node"]["vouch"]["sig"] = "y"
@@ -49,7 +49,7 @@ def test_changing_the_copy_leaves_the_original_alone() -> None:
 
 def test_other_types_are_left_to_deepcopy() -> None:
     inner = [1, 2]
-    value = {"t": (inner, "x"), "s": {3}}
+    value: dict[str, Any] = {"t": (inner, "x"), "s": {3}}
     copied = copy_json(value)
     assert copied == value
     assert copied["t"][0] is not inner and copied["s"] is not value["s"]
@@ -60,6 +60,7 @@ def test_a_read_only_mapping_becomes_a_dict() -> None:
     from types import MappingProxyType
 
     inner = [1]
-    copied = copy_json({"doc": MappingProxyType({"price": {"amount": 5}, "tags": inner})})
+    # A dict of JSON values, whatever mappings went in (copy_json's T -> T cannot say so).
+    copied: dict[str, Any] = copy_json({"doc": MappingProxyType({"price": {"amount": 5}, "tags": inner})})
     assert copied == {"doc": {"price": {"amount": 5}, "tags": [1]}}
     assert type(copied["doc"]) is dict and copied["doc"]["tags"] is not inner

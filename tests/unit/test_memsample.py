@@ -52,6 +52,7 @@ def plugin(short_tmp_path: Path) -> Iterator[ModuleType]:
 
 def test_agents_of_one_plugin_share_its_package_and_the_daemons_own_have_none(plugin: ModuleType) -> None:
     root = source_root_of(plugin.Hoarder())
+    assert plugin.__file__ is not None  # imported from its files
     assert root is not None and Path(root) == Path(plugin.__file__).resolve().parent
     roots = code_roots({"a": plugin.Hoarder(), "b": plugin.Quiet(), "cli": CliAgent("cli", AgentSettings())})
     assert roots == [CodeRoot(root, ("a", "b"))]

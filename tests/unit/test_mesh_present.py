@@ -20,7 +20,7 @@ from tests.fakes import FakeConnection
 def _link(tmp_path: Path, connection: FakeConnection) -> MeshLink:
     link = MeshLink(Config.model_validate({"node": {"data_dir": str(tmp_path)}}), tmp_path, KeyPair.generate(),
                     roster=list)
-    link.connection = cast(Any, connection)
+    link.connection = connection.as_connection()
     return link
 
 
@@ -78,6 +78,6 @@ async def test_a_tenant_connection_lost_for_good_is_reported_like_the_nodes_own(
     lost: list[str] = []
     shutdown = cast(Any, type("Shutdown", (), {"push": lambda self, *a: None})())
     await link.connect_tenant("acme", shutdown, lambda: lost.append("acme"))
-    assert lost == [] and link.tenant_connections["acme"] is made[0]
+    assert lost == [] and link.tenant_connections["acme"] is made[0].as_connection()
     made[0].lose()
     assert lost == ["acme"]

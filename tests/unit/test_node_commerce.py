@@ -141,7 +141,7 @@ async def test_no_agreement_refuses_and_an_agreement_at_the_digest_admits(setup:
     # Another offering's SKU is not covered by it; a free one needs nothing.
     with pytest.raises(ProtocolError):
         await gate.check(shop, _env(caller), "secret", NOW)
-    assert (await gate.check(shop, _env(caller), "free", NOW)).sku == "all-in"  # type: ignore[union-attr]
+    assert (await gate.check(shop, _env(caller), "free", NOW)).sku == "all-in"
 
 
 async def test_a_flat_price_above_the_cost_ceiling_is_refused_with_the_price_as_estimate(setup: Any) -> None:

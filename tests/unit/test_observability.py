@@ -120,7 +120,7 @@ def test_permission_violations_are_parsed_and_counted() -> None:
     assert parse_permission_violation('nats: permissions violation for subscription to "a.b"') == ("subscribe", "a.b")
     assert parse_permission_violation("nats: stale connection") is None
     node = FakeNode()
-    refusals = PublishRefusals(node)
+    refusals = PublishRefusals(node.as_port())
     refusals.on_error(message)
     refusals.on_error(message)
     assert node.counters["refused.publish.metrics"] == 2
@@ -144,7 +144,7 @@ T0 = 1_700_000_000_100
 
 async def test_one_hop_makes_a_consumer_and_a_producer_span() -> None:
     node, hosted = FakeNode(now_ms=T0), FakeHosted()
-    obs = Observability(node, ObservabilitySettings(spans=True))
+    obs = Observability(node.as_port(), ObservabilitySettings(spans=True))
     obs.start()
     req = request()
     obs.on_audit(hosted, req, "in", "live")  # type: ignore[arg-type]
@@ -179,7 +179,7 @@ async def test_one_hop_makes_a_consumer_and_a_producer_span() -> None:
 async def test_disabled_spans_publish_nothing_and_logs_carry_the_trace() -> None:
     node, hosted = FakeNode(now_ms=T0), FakeHosted()
     node.agents["echo"] = hosted
-    obs = Observability(node, ObservabilitySettings(logs=True, log_level=logging.WARNING))
+    obs = Observability(node.as_port(), ObservabilitySettings(logs=True, log_level=logging.WARNING))
     obs.start()
     req = request()
     obs.on_audit(hosted, req, "in", "live")  # type: ignore[arg-type]

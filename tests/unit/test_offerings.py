@@ -151,10 +151,10 @@ def test_declared_needs() -> None:
             {"id": "c"},
         ]
     }
-    assert declared_needs(manifest) == {"credential:Salesforce", "file:text/csv", "resource:git"}
-    assert declared_needs(manifest, "b") == {"resource:git"}
+    assert declared_needs(manifest) == frozenset({"credential:Salesforce", "file:text/csv", "resource:git"})
+    assert declared_needs(manifest, "b") == frozenset({"resource:git"})
     assert declared_needs(manifest, "c") == frozenset()
-    assert declared_needs({"skills": [{"id": "a", "needs": [{"text": "t"}]}]}) == {"text:t"}
+    assert declared_needs({"skills": [{"id": "a", "needs": [{"text": "t"}]}]}) == frozenset({"text:t"})
     # Unreadable declarations are None, which attribution fails closed on.
     assert declared_needs(None) is None
     assert declared_needs({"id": "no offerings"}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 from hypothesis import given
@@ -102,7 +103,7 @@ def test_sender_preflight_fixture_cases() -> None:
         if case["verdict"] == "publish":
             preflight_request(payload, manifest)
         else:
-            exc = refusal(lambda p=payload, m=manifest: preflight_request(p, m))
+            exc = refusal(partial(preflight_request, payload, manifest))
             assert (exc.code, exc.retryable) == (case["error_code"], case["retryable"])
 
 
@@ -210,7 +211,7 @@ def test_content_type_fixture_legacy_and_current_copies() -> None:
             if case["verdict"] == "publish":
                 check_content_type(manifest, "t", case["accepted_output"])
             else:
-                exc = refusal(lambda m=manifest, c=case: check_content_type(m, "t", c["accepted_output"]))
+                exc = refusal(partial(check_content_type, manifest, "t", case["accepted_output"]))
                 assert exc.code == case["error_code"]
 
 

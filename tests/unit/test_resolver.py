@@ -72,7 +72,7 @@ async def test_64_concurrent_first_calls_make_one_registry_lookup() -> None:
     target, manifest = _target()
     registry = Registry(node, target, manifest)
     registry.release.clear()  # the look-up stays in flight while all 64 arrive
-    cache = ManifestCache(node)
+    cache = ManifestCache(node.as_port())
 
     calls = [asyncio.ensure_future(cache.resolve(None, target)) for _ in range(64)]  # type: ignore[arg-type]
     await _until(lambda: registry.calls == 1)
@@ -90,7 +90,7 @@ async def test_refresh_ahead_of_expiry_never_makes_a_caller_wait() -> None:
     target, manifest = _target()
     registry = Registry(node, target, manifest)
     clock = Clock()
-    cache = ManifestCache(node, ttl_s=30.0, refresh_ahead=0.75, clock=clock)
+    cache = ManifestCache(node.as_port(), ttl_s=30.0, refresh_ahead=0.75, clock=clock)
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
 
     clock.t += 25.0  # past 3/4 of the lifetime, still valid
@@ -113,7 +113,7 @@ async def test_a_rate_limited_refresh_keeps_the_cached_manifest_and_retries_late
     target, manifest = _target()
     registry = Registry(node, target, manifest)
     clock = Clock()
-    cache = ManifestCache(node, ttl_s=30.0, refresh_ahead=0.75, clock=clock)
+    cache = ManifestCache(node.as_port(), ttl_s=30.0, refresh_ahead=0.75, clock=clock)
     await cache.resolve(None, target)  # type: ignore[arg-type]
 
     clock.t += 25.0
@@ -138,7 +138,7 @@ async def test_a_rate_limited_first_lookup_is_retried_when_the_registry_says() -
     target, manifest = _target()
     registry = Registry(node, target, manifest)
     registry.fail = [ProtocolError("RATE_LIMITED", "spent", retry_after_ms=1)]
-    cache = ManifestCache(node)
+    cache = ManifestCache(node.as_port())
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
     assert registry.calls == 2
 
@@ -149,7 +149,7 @@ async def test_errors_reach_every_waiting_caller_and_are_not_remembered() -> Non
     registry = Registry(node, target, manifest)
     registry.release.clear()
     registry.fail = [ProtocolError("NOT_FOUND", "no such agent")]
-    cache = ManifestCache(node)
+    cache = ManifestCache(node.as_port())
     calls = [asyncio.ensure_future(cache.resolve(None, target)) for _ in range(8)]  # type: ignore[arg-type]
     await _until(lambda: registry.calls == 1)
     registry.release.set()
@@ -166,7 +166,7 @@ async def test_a_manifest_for_another_agent_is_refused() -> None:
     other, manifest = _target()
     Registry(node, target, manifest)
     with pytest.raises(ProtocolError) as refused:
-        await ManifestCache(node).resolve(None, target)  # type: ignore[arg-type]
+        await ManifestCache(node.as_port()).resolve(None, target)  # type: ignore[arg-type]
     assert refused.value.code == "IDENTITY_MISMATCH"
 
 
@@ -198,7 +198,7 @@ async def test_the_vouch_memo_shares_the_single_flight() -> None:
     node = FakeNode(now_ms=NOW)
     registry = Registry(node, sender, manifest)
     registry.release.clear()
-    memo = VouchMemo(node)
+    memo = VouchMemo(node.as_port())
     calls = [asyncio.ensure_future(memo.status(None, sender)) for _ in range(64)]  # type: ignore[arg-type]
     await _until(lambda: registry.calls == 1)
     registry.release.set()

@@ -44,7 +44,7 @@ def test_a_trusted_attestation_gives_the_tier_until_it_expires() -> None:
     stale, m4 = sender_on_node(operator, "verified", lifetime_ms=-1)
     node = FakeNode(now_ms=NOW, manifests={sandboxed: m1, forged: m2, foreign: m3, stale: m4},
                     trusted_operators=frozenset({operator.public_key}))
-    memo = VouchMemo(node)
+    memo = VouchMemo(node.as_port())
 
     async def look_up_all() -> list[str]:
         return [await memo.status(None, s) for s in (sandboxed, forged, foreign, stale)]  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ def test_a_sender_that_keeps_writing_is_re_checked_in_the_background_and_never_w
     sender, manifest = sender_on_node(operator, "standard")
     node = FakeNode(now_ms=NOW, manifests={sender: manifest}, trusted_operators=frozenset({operator.public_key}))
     clock = [1000.0]
-    memo = VouchMemo(node, vouched_ttl_s=60.0, clock=lambda: clock[0])
+    memo = VouchMemo(node.as_port(), vouched_ttl_s=60.0, clock=lambda: clock[0])
 
     async def scenario() -> list[tuple[str, bool, int]]:
         seen = []

@@ -30,7 +30,7 @@ def requester() -> tuple[FakeNode, HostedAgent, RequesterTask]:
     node = FakeNode(now_ms=NOW, node_id=KeyPair.generate(Prefix.USER).public_key)
     node.connection.inbox_prefix = "_INBOX_NODE"  # type: ignore[attr-defined]  # a node's private prefix
     key, responder = KeyPair.generate(), KeyPair.generate()
-    hosted = HostedAgent(node, name="asker", kind="t", agent=Agent("asker", AgentSettings()), key=key,
+    hosted = HostedAgent(node.as_port(), name="asker", kind="t", agent=Agent("asker", AgentSettings()), key=key,
                          guard=node.new_guard(key.public_key), interaction="service")
     opening = sign_envelope(build_envelope("respond", responder.public_key, now_ms=NOW, to=key.public_key,
                                            in_reply_to="r1", task_id="t1", payload={"status": "working"}),

@@ -206,8 +206,8 @@ def test_a_duplicate_envelope_is_recognised_from_the_record() -> None:
     record, _ = run(env)
     assert fold(record, env).verdict is Verdict.DUPLICATE
     bad = update(payload={"status": "submitted"})
-    record = fold(record, bad).record
-    assert record is not None and fold(record, bad).verdict is Verdict.DUPLICATE
+    folded = fold(record, bad).record
+    assert folded is not None and fold(folded, bad).verdict is Verdict.DUPLICATE
 
 
 def test_history_and_rejections_are_capped_oldest_first() -> None:

@@ -15,7 +15,7 @@ author may rely on. The errors and values here are raised and returned by it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,7 +95,7 @@ class ResponderTask(Protocol):
 
     async def require_input(
         self,
-        problems: list[Mapping[str, Any]],
+        problems: Sequence[Mapping[str, Any]],
         message: str | None = None,
         *,
         schema: Mapping[str, Any] | None = None,
@@ -113,7 +113,7 @@ class ResponderTask(Protocol):
 
     async def ask_input(
         self,
-        problems: list[Mapping[str, Any]],
+        problems: Sequence[Mapping[str, Any]],
         message: str | None = None,
         *,
         schema: Mapping[str, Any] | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -181,7 +181,7 @@ class ResponderTask:
 
     async def require_input(
         self,
-        problems: list[Mapping[str, Any]],
+        problems: Sequence[Mapping[str, Any]],
         message: str | None = None,
         *,
         schema: Mapping[str, Any] | None = None,
@@ -211,7 +211,7 @@ class ResponderTask:
 
     async def ask_input(
         self,
-        problems: list[Mapping[str, Any]],
+        problems: Sequence[Mapping[str, Any]],
         message: str | None = None,
         *,
         schema: Mapping[str, Any] | None = None,

@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import nacl.signing
 
@@ -213,7 +213,7 @@ def _malformed(reason: str) -> MeshAuthError:
 
 
 def verify_envelope(
-    token: str,
+    token: object,
     *,
     own_application: str,
     issuer_keys: IssuerKeys,
@@ -237,7 +237,8 @@ def verify_envelope(
     4. ``bodyHash`` against :func:`body_hash` of ``message`` (the raw JSON as
        received) → ``mesh.body-mismatch``; required when signed.
 
-    ``now`` is epoch seconds. Raises :class:`MeshAuthError`.
+    ``token`` is whatever the message carried: anything but a compact JWS
+    string is malformed. ``now`` is epoch seconds. Raises :class:`MeshAuthError`.
     """
     try:
         parsed = parse_jws(token)
@@ -318,7 +319,7 @@ def verify_envelope(
         body_hash=claimed_hash if isinstance(claimed_hash, str) else None,
         issued_at_s=issued_at,
         expires_at_s=expires_at,
-        token_id="sha256:" + hashlib.sha256(token.encode("ascii")).hexdigest(),
+        token_id="sha256:" + hashlib.sha256(cast(str, token).encode("ascii")).hexdigest(),  # parsed: a str
     )
 
 

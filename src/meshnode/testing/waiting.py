@@ -28,7 +28,7 @@ import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -111,7 +111,7 @@ class _Poll:
 
 
 def eventually(
-    probe: Callable[[], T],
+    probe: Callable[[], T | Literal[False] | None],
     *,
     what: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -120,6 +120,10 @@ def eventually(
     detail: Callable[[], object] | None = None,
 ) -> T:
     """Call ``probe`` until it returns something truthy, and return that.
+
+    The value returned is never ``None`` or ``False``, and its type says so: a
+    probe typed ``X | None`` (a look-up), or ``cond and value`` (``Literal[False]
+    | X``), gives an ``X``.
 
     ``what`` names the condition in the failure message (default: the probe's
     source). ``retry_on`` lists exceptions that mean "not yet" besides
@@ -149,7 +153,7 @@ def eventually(
 
 @overload
 async def eventually_async(
-    probe: Callable[[], Awaitable[T]],
+    probe: Callable[[], Awaitable[T | Literal[False] | None]],
     *,
     what: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -161,7 +165,7 @@ async def eventually_async(
 
 @overload
 async def eventually_async(
-    probe: Callable[[], T],
+    probe: Callable[[], T | Literal[False] | None],
     *,
     what: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
