@@ -13,6 +13,7 @@ from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
 from meshnode.transport.embedded import EmbeddedNatsServer
+from meshnode.transport.messages import Message
 from meshnode.transport.permissions import node_inbox_prefix
 
 HOUR_S = 3600.0
@@ -66,5 +67,37 @@ async def test_a_ping_while_a_planned_reconnect_runs_waits_for_it(mesh: Embedded
             assert not conn.is_connected  # the ping below finds the client between servers
             await conn.ping(timeout=10.0)
             assert conn.is_connected
+    finally:
+        await conn.close()
+
+
+async def test_a_message_tail_left_in_the_parser_does_not_outlive_the_reconnect(mesh: EmbeddedNatsServer) -> None:
+    """Roster changes a few milliseconds apart at 1,000 agents wedged the
+    connection for good: nats-py empties its parser when a reconnect is asked
+    for, but the old connection's read loop can still feed it one more chunk
+    before it is cancelled, and nats-py's own reset at the new connection never
+    runs. The tail of a message cut at that chunk's end then stood in front of
+    every byte of the new connection. Here the tail is put there by hand, right
+    where the old read loop left it: the reconnected connection must still
+    answer PINGs and carry messages."""
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_user("parser-tail", key.public_key, ["test.>"], ["test.>", "_INBOX.>"], 300)
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="parser tail", connect_timeout=2.0)
+    await conn.connect()
+    received: list[bytes] = []
+
+    async def collect(msg: Message) -> None:
+        received.append(msg.data)
+
+    try:
+        await conn.subscribe("test.tail", collect)
+        await conn.reconnect()  # nats-py empties the parser here, synchronously
+        # What the old read loop parsed next: a message cut in its payload, longer
+        # than a control line may be, so the parser waits for "the rest" forever.
+        conn.nc._ps.buf.extend(b'"agent":"UCDJIAFQFRHZ6Q","issued_at":"2026-12-06' + b"x" * 5000)
+        await conn.ping(timeout=10.0)  # waits for the reconnect, then a PING answered
+        await conn.publish("test.tail", b"after the reconnect")
+        await conn.flush()
+        await eventually_async(lambda: received == [b"after the reconnect"], what="the message after the reconnect")
     finally:
         await conn.close()

@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 
 from meshnode.aio import BackgroundTasks, wait_for
@@ -60,6 +59,29 @@ async def flush_written(nc: Client, timeout: float = 5) -> None:
         await wait_for(write_pending(force_flush=True), timeout)
     # nats-py types the timeout as int but waits with asyncio.wait_for.
     await nc.flush(timeout=timeout)  # type: ignore[arg-type]
+
+
+class _Client(Client):
+    """nats-py's client, with its protocol parser emptied at every (re)connect.
+
+    nats-py means to reset its parser on a reconnect, but checks for the
+    reconnecting state only after ``_process_connect_init`` has set it to
+    connecting, so the reset never happens (nats-py 2.16). Its parser is
+    emptied only when the reconnect is asked for, and the old connection's
+    read loop can still feed it one more chunk before it is cancelled: the
+    tail of a message cut at the chunk's end stayed in the buffer, the new
+    connection's bytes were appended to it, and the parser never found a
+    control line again. Every PONG was lost with the rest: the reconnect's
+    flush timed out, every retry too, for good, while the broker showed the
+    connection up. Seen with roster changes a few milliseconds apart at 1,000
+    agents (issue #21); ``tests/integration/test_connection_reconnect.py``
+    plays it.
+    """
+
+    async def _process_connect_init(self) -> None:
+        # Every byte parsed from here on comes from the connection being set up.
+        self._ps.reset()
+        await super()._process_connect_init()
 
 
 class MeshConnection:
@@ -146,7 +168,9 @@ class MeshConnection:
             source = self._jwt_source
             options["user_jwt_cb"] = lambda: source().encode("ascii")
             options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
-        self._nc = await nats.connect(**options)
+        nc = _Client()
+        await nc.connect(**options)
+        self._nc = nc
         self._jetstream = JetStream(self._nc.jetstream(), self._nc)
 
     async def close(self, drain_timeout: float = 5.0) -> None:
