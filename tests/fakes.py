@@ -9,6 +9,8 @@ tasks, contexts and pub/sub depend on, recording what they ask of it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -156,6 +158,9 @@ class FakeConnection:
         self._connected = True
         #: How often the code under test looked at ``is_connected`` (a test waits on it).
         self.connected_checks = 0
+        #: Waits in :meth:`wait_connected` begun so far, and the event that ends them.
+        self.connected_waits = 0
+        self._back = asyncio.Event()
         self.connected_url: str | None = "nats://127.0.0.1:4222"
         #: Reconnects that started. As in nats-py, one asked for while a reconnect
         #: is under way is ignored (not counted).
@@ -172,11 +177,23 @@ class FakeConnection:
     @is_connected.setter
     def is_connected(self, value: bool) -> None:
         self._connected = value
+        if value:
+            self._back.set()
+        else:
+            self._back.clear()
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """As MeshConnection's: woken when a test sets ``is_connected``."""
+        self.connected_waits += 1
+        if not self._connected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._back.wait(), timeout)
+        return self._connected
 
     async def reconnect(self) -> None:
         if not self._connected:
             return
-        self._connected = False
+        self.is_connected = False
         self.reconnects += 1
 
     def on_reconnect(self, callback: Any) -> None:
@@ -186,14 +203,14 @@ class FakeConnection:
         pass
 
     async def connect(self) -> None:
-        self._connected = True
+        self.is_connected = True
 
     def on_lost(self, listener: Callable[[], None]) -> None:
         """A test calls :meth:`lose` to play the client giving up for good."""
         self.lost_listeners.append(listener)
 
     def lose(self) -> None:
-        self._connected = False
+        self.is_connected = False
         for listener in self.lost_listeners:
             listener()
 

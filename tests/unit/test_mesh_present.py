@@ -30,12 +30,11 @@ async def test_a_reconnect_under_way_is_waited_out_then_the_credential_is_presen
     connection = FakeConnection()
     connection.is_connected = False  # reconnecting already: it may have sent the previous credential
     presenting = asyncio.create_task(_link(tmp_path, connection).present(wait=True))
-    await eventually_async(lambda: connection.connected_checks >= 3, what="present() waiting")
+    await eventually_async(lambda: connection.connected_waits == 1, what="present() waiting")
     assert connection.reconnects == 0 and not presenting.done()  # a reconnect now would be ignored
     connection.is_connected = True  # the earlier reconnect ends
     await eventually_async(lambda: connection.reconnects == 1, what="a reconnect of its own")
-    checks = connection.connected_checks
-    await eventually_async(lambda: connection.connected_checks >= checks + 2, what="present() waiting again")
+    await eventually_async(lambda: connection.connected_waits == 2, what="present() waiting again")
     assert not presenting.done()  # it waits for its own reconnect to be back too
     connection.is_connected = True
     await asyncio.wait_for(presenting, 10)
