@@ -264,6 +264,29 @@ async def test_a_stopped_or_triggered_job_is_not_held_by_its_old_wait() -> None:
     assert len(schedule._heap) <= 64 + 2
 
 
+def test_a_loop_closed_with_jobs_still_waiting_is_not_kept_by_the_schedule() -> None:
+    # The schedules are held by a weak reference to their loop: one that
+    # referred to its loop would keep every closed loop that still had a job
+    # waiting (a test's, say) alive for good, with its jobs.
+    async def action() -> None:
+        pass
+
+    loop = asyncio.new_event_loop()
+
+    async def start_one() -> PeriodicJob:
+        job = PeriodicJob("left waiting", action, 3600.0, first_delay=3600.0)
+        job.start()
+        return job
+
+    job = loop.run_until_complete(start_one())
+    assert job.waiting and loop in periodic._SCHEDULES
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None, "the schedule kept its closed loop alive"
+
+
 # -- lifecycle stages -----------------------------------------------------------------
 
 

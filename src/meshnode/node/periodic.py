@@ -106,16 +106,20 @@ class _Schedule:
     live entries.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
+        # No strong reference to the loop, not even through the timer handle
+        # (it refers to its loop): the registry holds schedules by a weak
+        # reference to their loop, and a schedule that held its loop would keep
+        # a closed loop (a test's) and its jobs alive for good. The loop keeps
+        # a pending timer alive itself.
         self._heap: list[list[Any]] = []
         self._order = itertools.count()  # ties: first scheduled, first run; jobs never compared
         self._cancelled = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: weakref.ref[asyncio.TimerHandle] | None = None
         self._timer_at = math.inf
 
     def add(self, job: PeriodicJob, delay: float) -> list[Any]:
-        entry: list[Any] = [self._loop.time() + delay, next(self._order), job]
+        entry: list[Any] = [asyncio.get_running_loop().time() + delay, next(self._order), job]
         heapq.heappush(self._heap, entry)
         if entry[0] < self._timer_at:
             self._arm(entry[0])
@@ -130,17 +134,19 @@ class _Schedule:
             self._cancelled = 0
 
     def _arm(self, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        pending = self._timer() if self._timer is not None else None
+        if pending is not None:
+            pending.cancel()
         self._timer_at = when
         # The shared empty context: the timer only hands due jobs their runs,
         # and each run goes on in its own job's context.
-        self._timer = self._loop.call_at(when, self._fire, context=_TIMER_CONTEXT)
+        self._timer = weakref.ref(asyncio.get_running_loop().call_at(when, self._fire, context=_TIMER_CONTEXT))
 
     def _fire(self) -> None:
         self._timer, self._timer_at = None, math.inf
         heap = self._heap
-        now = self._loop.time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         while heap and heap[0][0] <= now:
             job = heapq.heappop(heap)[2]
             if job is None:
@@ -150,8 +156,8 @@ class _Schedule:
                 job._begin()
         if heap:
             self._arm(heap[0][0])
-        elif _SCHEDULES.get(self._loop) is self:
-            del _SCHEDULES[self._loop]  # nothing waits on this loop any more
+        elif _SCHEDULES.get(loop) is self:
+            del _SCHEDULES[loop]  # nothing waits on this loop any more
 
 
 _SCHEDULES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Schedule] = weakref.WeakKeyDictionary()
@@ -164,7 +170,7 @@ def _schedule() -> _Schedule:
     loop = asyncio.get_running_loop()
     schedule = _SCHEDULES.get(loop)
     if schedule is None:
-        schedule = _SCHEDULES[loop] = _Schedule(loop)
+        schedule = _SCHEDULES[loop] = _Schedule()
     return schedule
 
 
