@@ -74,7 +74,7 @@ class _Client(Client):
     control line again. Every PONG was lost with the rest: the reconnect's
     flush timed out, every retry too, for good, while the broker showed the
     connection up. Seen with roster changes a few milliseconds apart at 1,000
-    agents (issue #21); ``tests/integration/test_connection_reconnect.py``
+    agents (issue #21); ``tests/integration/test_planned_reconnect.py``
     plays it.
     """
 
