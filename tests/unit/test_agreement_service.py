@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import pytest
@@ -177,7 +177,7 @@ async def test_an_unreachable_service_is_no_agreement_for_a_short_while() -> Non
 
 async def test_the_gate_admits_on_a_registered_agreement_and_refuses_once_revoked(tmp_path: Path) -> None:
     node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
-                connection=cast(Any, FakeConnection()), clock=lambda: NOW)
+                connection=FakeConnection().as_connection(), clock=lambda: NOW)
     shop = _seller(node)
     shop.manifest = build_manifest(shop, {"id": node.node_id}, 65536)
     caller_key = KeyPair.generate()

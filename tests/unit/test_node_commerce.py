@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import pytest
 
@@ -75,7 +75,7 @@ def _host(node: Node, name: str, agent: Agent) -> HostedAgent:
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Node, HostedAgent, HostedAgent, AgreementGate]:
     node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
-                connection=cast(Any, FakeConnection()), clock=lambda: NOW)
+                connection=FakeConnection().as_connection(), clock=lambda: NOW)
     gate = AgreementGate(AgreementStore(tmp_path / "agreements.json"),
                          approval_surface="https://approve.example/ui", gate_free_terms=False)
     node.commerce = gate

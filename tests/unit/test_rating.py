@@ -75,7 +75,7 @@ class Published:
 @pytest.fixture
 def shop(tmp_path: Path) -> tuple[Node, HostedAgent, HostedAgent, AgreementGate, Published]:
     node = Node(settings=NodeSettings(name="t"), node_key=KeyPair.generate(),
-                connection=cast(Any, FakeConnection()), clock=lambda: NOW)
+                connection=FakeConnection().as_connection(), clock=lambda: NOW)
     published = Published()
     gate = AgreementGate(AgreementStore(tmp_path / "agreements.json"), approval_surface="https://a.example",
                          gate_free_terms=False, usage=UsageLog(tmp_path / "usage.jsonl"), publisher=published)

@@ -360,7 +360,7 @@ async def test_each_agent_runs_a_bounded_number_at_once_and_every_agent_gets_its
     # A new attestation or renew-now re-registers every agent: side by side, a
     # bounded number at a time, and one failure neither stops the others nor is lost.
     node = Node(settings=NodeSettings(name="t", registrations_at_once=3), node_key=KeyPair.generate(),
-                connection=cast(Any, FakeConnection()))
+                connection=FakeConnection().as_connection())
     hosted = {f"a{i}": cast(Any, object()) for i in range(10)}
     node.agents.update(hosted)
     running, peak, done = 0, 0, []
