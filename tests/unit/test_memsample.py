@@ -130,3 +130,30 @@ def test_the_innermost_agent_frame_takes_the_allocation() -> None:
     rows = found.as_dict([outer, inner], top=1)["agents"]
     assert [r["agents"] for r in rows] == [["inner"], ["outer"]]
     assert rows[0]["top_lines"] == [{"line": "/site/innerplug/b.py:7", "bytes": 100}]
+
+
+def test_the_daemons_own_allocations_are_charged_to_its_innermost_own_line() -> None:
+    """What no agent's code allocated is still located: at the innermost line of
+    meshnode's own package on its stack (where the daemon chose to keep what a
+    library allocated), else at the allocation's innermost frame."""
+    own = str(memsample._OWN_PACKAGE)
+    agent = CodeRoot("/site/plug", ("plug",))
+    traces = [
+        # the inbox kept what orjson decoded, called from the pipeline
+        _Trace(300, [_Frame(f"{own}/node/pipeline.py", 10), _Frame(f"{own}/node/inbox.py", 20),
+                     _Frame("/site/orjson/__init__.py", 1)]),
+        _Trace(200, [_Frame(f"{own}/node/pipeline.py", 10), _Frame(f"{own}/node/inbox.py", 20)]),
+        # nats-py's own buffer, with no meshnode frame on the stack
+        _Trace(50, [_Frame("/site/nats/aio/client.py", 5)]),
+        _Trace(7, [_Frame("/site/plug/a.py", 1)]),
+    ]
+    found = attribute(traces, [agent]).as_dict([agent], top=5)
+    assert found["daemon"] == {
+        "bytes": 550,
+        "blocks": 3,
+        "top_lines": [
+            {"line": f"{own}/node/inbox.py:20", "bytes": 500},
+            {"line": "/site/nats/aio/client.py:5", "bytes": 50},
+        ],
+    }
+    assert found["agents"][0]["bytes"] == 7

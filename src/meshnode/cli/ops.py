@@ -126,7 +126,7 @@ def register(commands: Any) -> None:
     p.add_argument("--for", dest="window", default="10s", metavar="DURATION",
                    help="how long to trace (e.g. 10s, 2m; 0.1 s to 10 min; default 10s)")
     p.add_argument("--frames", type=int, default=25, help="frames kept per allocation (default 25)")
-    p.add_argument("--top", type=int, default=5, help="allocating lines listed per agent (default 5)")
+    p.add_argument("--top", type=int, default=5, help="allocating lines listed per agent and for the daemon (default 5)")
     _client_args(p)
     p.set_defaults(handler=cmd_memory)
 
@@ -398,6 +398,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
             print(f"{'':>12}{human_size(line['bytes']):>10}  {line['line']}")
     daemon = result["daemon"]
     print(f"{human_size(daemon['bytes']):>10}  the daemon and its libraries (no agent code on the stack)")
+    for line in daemon.get("top_lines", ()):
+        print(f"{'':>12}{human_size(line['bytes']):>10}  {line['line']}")
     rss = result["process"]
     if rss.get("rss_bytes_after") is not None:
         print(f"process RSS {human_size(rss['rss_bytes_before'] or 0)} -> {human_size(rss['rss_bytes_after'])}")

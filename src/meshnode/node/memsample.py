@@ -80,6 +80,7 @@ class MemorySample:
     traced_blocks: int = 0
     daemon_bytes: int = 0
     daemon_blocks: int = 0
+    daemon_sites: Counter[str] = field(default_factory=Counter)
     by_root: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self, roots: Sequence[CodeRoot], top: int) -> dict[str, Any]:
@@ -99,7 +100,11 @@ class MemorySample:
             "traced_bytes": self.traced_bytes,
             "traced_blocks": self.traced_blocks,
             "agents": rows,
-            "daemon": {"bytes": self.daemon_bytes, "blocks": self.daemon_blocks},
+            "daemon": {
+                "bytes": self.daemon_bytes,
+                "blocks": self.daemon_blocks,
+                "top_lines": [{"line": line, "bytes": size} for line, size in self.daemon_sites.most_common(top)],
+            },
         }
 
 
@@ -140,10 +145,13 @@ def code_roots(agents: Mapping[str, object]) -> list[CodeRoot]:
 
 def attribute(traces: Iterable[_Trace], roots: Sequence[CodeRoot]) -> MemorySample:
     """Charge each trace to the root holding its innermost frame that lies in
-    any root; a trace with no such frame is the daemon's."""
+    any root; a trace with no such frame is the daemon's, charged to its
+    innermost frame in meshnode's own code (where the daemon decided to keep
+    it, even when a library allocated it), else to its innermost frame."""
     result = MemorySample()
     # file name -> the root that holds it (or None): frames repeat a lot.
     owner_of: dict[str, CodeRoot | None] = {}
+    own_code: dict[str, bool] = {}
     for trace in traces:
         result.traced_bytes += trace.size
         result.traced_blocks += 1
@@ -161,12 +169,28 @@ def attribute(traces: Iterable[_Trace], roots: Sequence[CodeRoot]) -> MemorySamp
         if owner is None:
             result.daemon_bytes += trace.size
             result.daemon_blocks += 1
+            result.daemon_sites[_daemon_site(trace.traceback, own_code)] += trace.size
             continue
         entry = result.by_root.setdefault(owner.path, {"bytes": 0, "blocks": 0, "sites": Counter()})
         entry["bytes"] += trace.size
         entry["blocks"] += 1
         entry["sites"][site] += trace.size
     return result
+
+
+def _daemon_site(traceback: Sequence[_Frame], own_code: dict[str, bool]) -> str:
+    """``file:line`` of the innermost frame in meshnode's own package, else of the innermost frame."""
+    for frame in reversed(traceback):
+        filename = frame.filename
+        own = own_code.get(filename)
+        if own is None:
+            own = own_code[filename] = filename.startswith(str(_OWN_PACKAGE) + os.sep)
+        if own:
+            return f"{filename}:{frame.lineno}"
+    if not traceback:
+        return "<unknown>"
+    innermost = traceback[-1]
+    return f"{innermost.filename}:{innermost.lineno}"
 
 
 async def sample(
