@@ -146,8 +146,10 @@ def code_roots(agents: Mapping[str, object]) -> list[CodeRoot]:
 def attribute(traces: Iterable[_Trace], roots: Sequence[CodeRoot]) -> MemorySample:
     """Charge each trace to the root holding its innermost frame that lies in
     any root; a trace with no such frame is the daemon's, charged to its
-    innermost frame in meshnode's own code (where the daemon decided to keep
-    it, even when a library allocated it), else to its innermost frame."""
+    innermost frame in meshnode's own code (the daemon's line that called the
+    library which allocated it), else to its innermost frame. That is where
+    the memory was made, not what holds it: a bounded cache of decoded ids
+    shows as the decoding line."""
     result = MemorySample()
     # file name -> the root that holds it (or None): frames repeat a lot.
     owner_of: dict[str, CodeRoot | None] = {}
