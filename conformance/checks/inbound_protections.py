@@ -122,12 +122,9 @@ def _run_dedup(fixture: dict[str, Any], rec: Recorder) -> None:
             # judged against the memory as the generated deliveries left it: run in
             # sequence, the second would be refused as a duplicate of the first
             # (remember-before-judging), yet the fixture pins `refused_by: freshness`
-            # for it. Each continuation gets a memory restored from the snapshot.
-            snapshot = guard.memory.entries()
+            # for it. Each continuation gets a copy of the memory in that state.
             for n, delivery in enumerate(case.get("then", [])):
-                restored = DedupMemory.from_entries(snapshot, guard.memory.capacity)
-                assert restored.entries() == snapshot
-                branch = InboundGuard(self_id, memory=restored)
+                branch = InboundGuard(self_id, memory=guard.memory.copy())
                 try:
                     _deliver_in_sequence(branch, [delivery], reference)
                 except AssertionError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import tracemalloc
 import uuid
 from typing import Any
 
@@ -37,6 +38,11 @@ from meshnode.protocol.protections import (
 )
 from meshnode.protocol.timeutil import format_ts, parse_rfc3339_ms
 from tests.conftest import load_fixture
+
+
+def held(memory: DedupMemory, msg_ids: str) -> list[str]:
+    """Which of ``msg_ids`` (one character each, from SENDER) ``memory`` holds, in order given."""
+    return [msg_id for msg_id in msg_ids if (SENDER, msg_id) in memory]
 
 SENDER = "UBMBH4BK6EIHQFVMHLSABFSQXB3JXUFZOXVZQTIERO33AD4HHAI3D7QP"
 OTHER_SENDER = "UBZM2TEHNKQ7RTPRPYO6TYZZZ4XRCYSVUNTLMX763XGEN65Z2RNURY2R"
@@ -89,9 +95,11 @@ class TestDedupMemory:
         memory = DedupMemory(3)
         for msg_id in "abcd":
             memory.check_and_remember(SENDER, msg_id)
-        assert memory.entries() == [(SENDER, "b"), (SENDER, "c"), (SENDER, "d")]
+        assert held(memory, "abcd") == ["b", "c", "d"]
         assert memory.check_and_remember(SENDER, "a") is False  # forgotten
-        assert memory.entries() == [(SENDER, "c"), (SENDER, "d"), (SENDER, "a")]
+        assert held(memory, "abcd") == ["a", "c", "d"]
+        memory.check_and_remember(SENDER, "e")  # evicts c, the oldest left
+        assert held(memory, "abcde") == ["a", "d", "e"]
 
     def test_a_repeat_does_not_refresh_its_age(self) -> None:
         memory = DedupMemory(2)
@@ -102,28 +110,77 @@ class TestDedupMemory:
         assert (SENDER, "a") not in memory
         assert (SENDER, "b") in memory
 
-    def test_entries_round_trip_through_json(self) -> None:
-        memory = DedupMemory(10)
-        for msg_id in ("x", "y", "z"):
-            memory.check_and_remember(SENDER, msg_id)
-        stored = json.loads(json.dumps(memory.entries()))  # lists, as a store gives them back
+    def test_restores_from_pairs_as_a_store_gives_them_back(self) -> None:
+        stored = json.loads(json.dumps([(SENDER, "x"), (SENDER, "y"), (SENDER, "z")]))  # lists
         restored = DedupMemory.from_entries(stored, capacity=10)
-        assert restored.entries() == memory.entries()
+        assert held(restored, "wxyz") == ["x", "y", "z"]
         assert restored.check_and_remember(SENDER, "y") is True
 
     def test_restore_keeps_the_newest_when_over_capacity(self) -> None:
         pairs = [(SENDER, str(i)) for i in range(5)]
         restored = DedupMemory.from_entries(pairs, capacity=2)
-        assert restored.entries() == pairs[3:]
+        assert held(restored, "01234") == ["3", "4"]
 
     def test_restore_keeps_a_repeated_pair_at_its_first_position(self) -> None:
-        restored = DedupMemory.from_entries([(SENDER, "a"), (SENDER, "b"), (SENDER, "a")])
-        assert restored.entries() == [(SENDER, "a"), (SENDER, "b")]
+        restored = DedupMemory.from_entries([(SENDER, "a"), (SENDER, "b"), (SENDER, "a")], capacity=2)
+        assert held(restored, "ab") == ["a", "b"]
+        restored.check_and_remember(SENDER, "c")  # a is still the oldest: it goes
+        assert held(restored, "abc") == ["b", "c"]
 
     @pytest.mark.parametrize("bad", [["ab"], [(SENDER,)], [(SENDER, "a", "b")], [(SENDER, 1)]])
     def test_restore_refuses_malformed_entries(self, bad: list[Any]) -> None:
         with pytest.raises(ValueError, match="pair"):
             DedupMemory.from_entries(bad)
+
+    def test_a_copy_goes_on_alone(self) -> None:
+        memory = DedupMemory(2)
+        memory.check_and_remember(SENDER, "a")
+        twin = memory.copy()
+        twin.check_and_remember(SENDER, "b")
+        twin.check_and_remember(SENDER, "c")  # evicts a in the copy only
+        assert held(memory, "abc") == ["a"]
+        assert held(twin, "abc") == ["b", "c"] and twin.capacity == 2
+
+    @pytest.mark.parametrize(
+        ("first", "second"),
+        [
+            # the same characters, split differently between sender and id
+            (("ab", "c"), ("a", "bc")),
+            (("a:", "b"), ("a", ":b")),
+            (("1:a", "b"), ("1", ":ab")),
+            # a lone surrogate (the stdlib decoder lets \\ud83d through) and its pair
+            (("s", "\ud83d\ude00"), ("s", "\U0001f600")),
+        ],
+    )
+    def test_pairs_that_share_their_characters_stay_apart(
+        self, first: tuple[str, str], second: tuple[str, str]
+    ) -> None:
+        memory = DedupMemory()
+        assert memory.check_and_remember(*first) is False
+        assert memory.check_and_remember(*second) is False
+        assert first in memory and second in memory and len(memory) == 2
+
+    def test_only_a_pair_of_strings_is_ever_held(self) -> None:
+        memory = DedupMemory()
+        memory.check_and_remember(SENDER, "a")
+        for probe in [SENDER, (SENDER,), (SENDER, "a", "b"), (SENDER, 1), [SENDER, "a"]]:
+            assert probe not in memory
+
+    def test_a_full_memory_costs_a_digest_an_entry_not_the_strings(self) -> None:
+        """A node holds one memory per agent: at the spec's 5,000 pairs the decoded
+        strings cost ~360 bytes an entry (1.8 MB an agent); the digests ~80."""
+        pairs = [(f"A{n % 50:055d}", str(uuid.uuid4())) for n in range(5000)]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            memory = DedupMemory(5000)
+            for sender, msg_id in pairs:
+                memory.check_and_remember(sender, msg_id)
+            per_entry = (tracemalloc.get_traced_memory()[0] - before) / len(memory)
+        finally:
+            tracemalloc.stop()
+        assert len(memory) == 5000
+        assert per_entry < 110, f"{per_entry:.0f} bytes an entry"
 
     def test_restore_refuses_a_zero_capacity(self) -> None:
         with pytest.raises(ValueError):
@@ -141,14 +198,15 @@ class TestDedupMemory:
     ) -> None:
         memory = DedupMemory(capacity)
         model: list[tuple[str, str]] = []
+        candidates = [(sender, msg_id) for sender in (SENDER, OTHER_SENDER) for msg_id in "abcdefghij"]
         for pair in deliveries:
             assert memory.check_and_remember(*pair) == (pair in model)
             if pair not in model:
                 model.append(pair)
                 if len(model) > capacity:
                     model.pop(0)
-            assert len(memory) <= capacity
-            assert memory.entries() == model
+            assert len(memory) == len(model) <= capacity
+            assert all((pair in memory) == (pair in model) for pair in candidates)
 
 
 # --------------------------------------------------------------------------- freshness
@@ -686,7 +744,7 @@ class TestInboundGuard:
         ]
         for env in refused:
             assert not guard.check(env, source="live", now_ms=NOW).accepted
-        assert guard.memory.entries() == [(SENDER, i) for i in "abcd"]
+        assert held(guard.memory, "abcd") == ["a", "b", "c", "d"] and len(guard.memory) == 4
         for env in refused:
             verdict = guard.check(env, source="live", now_ms=NOW)
             assert verdict.protection is Protection.DUPLICATE
@@ -771,7 +829,7 @@ class TestInboundGuard:
         memory = DedupMemory(1)
         guard = self.guard(memory=memory)
         guard.check(envelope("a"), source="live", now_ms=NOW)
-        assert memory.entries() == [(SENDER, "a")]
+        assert held(memory, "a") == ["a"]
         assert guard.self_id == SELF
 
     def test_does_not_modify_the_envelope(self) -> None:

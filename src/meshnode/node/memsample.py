@@ -148,8 +148,8 @@ def attribute(traces: Iterable[_Trace], roots: Sequence[CodeRoot]) -> MemorySamp
     any root; a trace with no such frame is the daemon's, charged to its
     innermost frame in meshnode's own code (the daemon's line that called the
     library which allocated it), else to its innermost frame. That is where
-    the memory was made, not what holds it: a bounded cache of decoded ids
-    shows as the decoding line."""
+    the memory was made, not what holds it: a bounded cache shows as the
+    line that made its entries."""
     result = MemorySample()
     # file name -> the root that holds it (or None): frames repeat a lot.
     owner_of: dict[str, CodeRoot | None] = {}

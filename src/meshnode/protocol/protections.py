@@ -21,6 +21,8 @@ make it forgeable.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,8 +93,15 @@ class DedupMemory:
     mailbox drain delivers it again. When full, the pair seen first is evicted
     first; a repeat does not refresh a pair's age.
 
-    The memory is bounded by construction (``capacity >= 1``). It can be
-    persisted with :meth:`entries` and restored with :meth:`from_entries`.
+    The memory is bounded by construction (``capacity >= 1``). It holds a
+    keyed 64-bit digest of each pair, not the pair: a node keeps one memory
+    per agent (5,000 pairs by the spec's recommendation), and the strings of a
+    decoded pair cost ~360 bytes an entry against ~80 for a digest (1.8 MB
+    against 0.4 MB a busy agent, times the roster). The key is random per
+    process, so no sender can choose an id whose digest collides with another
+    party's pair; a chance collision (~5,000 in 2**64 per check) would refuse
+    one message as a duplicate. Nothing is lost at a restart: the node
+    rebuilds the memory from the inbox's durable pairs (:meth:`from_entries`).
     """
 
     __slots__ = ("_capacity", "_order", "_seen")
@@ -104,11 +113,13 @@ class DedupMemory:
                 "the wire is a remote memory-exhaustion primitive (§22.2)"
             )
         self._capacity = capacity
-        # A deque for the first-seen order and a set for membership: both O(1).
+        # A deque for the first-seen order and a dict for membership: both O(1).
         # A dict used as a FIFO costs O(evicted) per eviction, because
-        # next(iter(d)) walks the holes that front deletions leave behind.
-        self._order: deque[tuple[str, str]] = deque()
-        self._seen: set[tuple[str, str]] = set()
+        # next(iter(d)) walks the holes that front deletions leave behind. The
+        # dict (values unused) rather than a set: at 5,000 keys a set's table
+        # takes ~105 bytes a key, the dict's compact one ~30.
+        self._order: deque[bytes] = deque()
+        self._seen: dict[bytes, None] = {}
 
     @property
     def capacity(self) -> int:
@@ -118,37 +129,45 @@ class DedupMemory:
         return len(self._order)
 
     def __contains__(self, pair: object) -> bool:
-        return pair in self._seen
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            return False
+        sender, msg_id = pair
+        if not isinstance(sender, str) or not isinstance(msg_id, str):
+            return False
+        return _pair_digest(sender, msg_id) in self._seen
 
     def check_and_remember(self, sender: str, msg_id: str) -> bool:
         """Record (sender, msg_id); True when the pair was already remembered."""
-        key = (sender, msg_id)
+        key = _pair_digest(sender, msg_id)
         if key in self._seen:
             return True
-        self._seen.add(key)
+        self._seen[key] = None
         self._order.append(key)
         if len(self._order) > self._capacity:
-            self._seen.discard(self._order.popleft())
+            del self._seen[self._order.popleft()]
         return False
 
     def forget(self, sender: str, msg_id: str) -> None:
         """Drop one pair (O(n); for the rare envelope that was remembered and
         then could not be handled at all, so a later delivery must still run it)."""
-        key = (sender, msg_id)
+        key = _pair_digest(sender, msg_id)
         if key in self._seen:
-            self._seen.discard(key)
+            del self._seen[key]
             self._order.remove(key)
 
-    def entries(self) -> list[tuple[str, str]]:
-        """Every remembered pair, oldest (first seen) first."""
-        return list(self._order)
+    def copy(self) -> DedupMemory:
+        """An independent memory in this one's state (same pairs, same order)."""
+        twin = DedupMemory(self._capacity)
+        twin._order = self._order.copy()
+        twin._seen = dict(self._seen)
+        return twin
 
     @classmethod
     def from_entries(
         cls, entries: Iterable[Sequence[str]], capacity: int = DEFAULT_DEDUP_CAPACITY
     ) -> DedupMemory:
-        """Restore a memory from (from, id) pairs in first-seen order, as
-        :meth:`entries` gives them (tuples, or two-element lists from JSON).
+        """Restore a memory from (from, id) pairs in first-seen order (tuples,
+        or two-element lists as a store gives them back).
 
         Restoring replays the pairs, so more pairs than ``capacity`` keep only
         the newest, and a repeated pair keeps its first position.
@@ -162,6 +181,20 @@ class DedupMemory:
                 raise ValueError(f"a dedup entry is a pair of strings, not {entry!r}")
             memory.check_and_remember(sender, msg_id)
         return memory
+
+
+# One keyed BLAKE2b state per process, copied per pair (cheaper than keying a
+# new one: ~0.45 against ~0.9 µs here).
+_DIGEST_BASE: Final = hashlib.blake2b(digest_size=8, key=os.urandom(16), person=b"meshnode-dedup")
+
+
+def _pair_digest(sender: str, msg_id: str) -> bytes:
+    """The memory's key for (sender, msg_id). The sender's length comes first,
+    so no two pairs share the digested bytes whatever characters they hold
+    (lone surrogates included: the stdlib decoder lets them through)."""
+    state = _DIGEST_BASE.copy()
+    state.update(f"{len(sender)}:{sender}{msg_id}".encode("utf-8", "surrogatepass"))
+    return state.digest()
 
 
 # --------------------------------------------------------------------------- §22.3
