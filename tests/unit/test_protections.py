@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import tracemalloc
 import uuid
 from typing import Any
@@ -160,15 +163,26 @@ class TestDedupMemory:
         assert memory.check_and_remember(*second) is False
         assert first in memory and second in memory and len(memory) == 2
 
+    def test_a_fixed_hash_seed_does_not_make_the_keys_predictable(self) -> None:
+        """An operator may pin PYTHONHASHSEED, which makes str hashes the same in
+        every process; a pair's key must still differ from one process to the next."""
+        probe = "from meshnode.protocol.protections import _pair_digest; print(_pair_digest('s', 'i'))"
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        keys = {
+            subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+            for _ in range(2)
+        }
+        assert len(keys) == 2
+
     def test_only_a_pair_of_strings_is_ever_held(self) -> None:
         memory = DedupMemory()
         memory.check_and_remember(SENDER, "a")
         for probe in [SENDER, (SENDER,), (SENDER, "a", "b"), (SENDER, 1), [SENDER, "a"]]:
             assert probe not in memory
 
-    def test_a_full_memory_costs_a_digest_an_entry_not_the_strings(self) -> None:
+    def test_a_full_memory_costs_a_hash_an_entry_not_the_strings(self) -> None:
         """A node holds one memory per agent: at the spec's 5,000 pairs the decoded
-        strings cost ~360 bytes an entry (1.8 MB an agent); the digests ~80."""
+        strings cost ~360 bytes an entry (1.8 MB an agent); their keyed hashes ~75."""
         pairs = [(f"A{n % 50:055d}", str(uuid.uuid4())) for n in range(5000)]
         tracemalloc.start()
         try:

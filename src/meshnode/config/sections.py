@@ -366,7 +366,7 @@ class ProtectionsConfig(BaseModel):
     mailbox_max_age: Duration = timedelta(days=7)
     """Must not exceed ``inbox.buffer_max_age``."""
     dedup_entries: Annotated[int, Field(ge=1)] = 5000
-    """The newest (from, id) pairs each agent keeps in memory against duplicates (§22.2; the spec recommends 5,000). About 80 bytes a pair."""
+    """The newest (from, id) pairs each agent keeps in memory against duplicates (§22.2; the spec recommends 5,000). About 75 bytes a pair."""
     check_sender_vouch: bool = True
     """Refuse requests from senders no node vouches for (§5.3 step 2), asking the registry."""
 
