@@ -18,7 +18,9 @@ the final sample the same way after the run. A leak shows as a final value
 well above the baseline. The run also counts every operation's outcome:
 ``unexpected`` are outcomes other than the one the operation must produce;
 ``timeout`` are calls reported failed to the caller for want of an answer in
-time (TRANSPORT_TIMEOUT), which the churn's reconnects can cause.
+time (TRANSPORT_TIMEOUT), which the churn's reconnects can cause. At the end
+it counts the ERROR lines in both daemons' logs: a platform service failing
+behind the callers' backs (a full task store) shows only there.
 
 The short variant runs in CI (tests/soak/test_soak_short.py); results of a
 run are written to ``benchmarks/results/soak.json``.
@@ -27,6 +29,7 @@ run are written to ``benchmarks/results/soak.json``.
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import threading
 import time
@@ -53,6 +56,9 @@ class SoakResult:
     final: dict[str, dict[str, float]] = field(default_factory=dict)
     peak: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    #: Per daemon: ERROR lines in its log, counted by logger, and the first few in full.
+    errors_logged: dict[str, dict[str, int]] = field(default_factory=dict)
+    first_errors: dict[str, list[str]] = field(default_factory=dict)
 
     def growth(self, node: str, gauge: str) -> float:
         return self.final[node][gauge] - self.baseline[node][gauge]
@@ -60,6 +66,27 @@ class SoakResult:
     def count(self, suffix: str) -> int:
         """Operations that ended ``:unexpected`` or ``:timeout``."""
         return sum(n for op, n in self.operations.items() if op.endswith(f":{suffix}"))
+
+
+_ERROR_LINE = re.compile(r"^\S+ \S+ ERROR\s+(\S+): (.*)$")
+
+
+def _errors_logged(daemon: DaemonProcess, keep: int = 3) -> tuple[dict[str, int], list[str]]:
+    """ERROR lines of ``daemon``'s log by logger, and the first ``keep`` of them.
+
+    The outcome counters see what callers see; a platform service failing behind
+    a caller's back (a task record that cannot be written) shows only here.
+    """
+    counts: Counter[str] = Counter()
+    first: list[str] = []
+    for line in daemon.log_text().splitlines():
+        found = _ERROR_LINE.match(line)
+        if found is None:
+            continue
+        counts[found.group(1)] += 1
+        if len(first) < keep:
+            first.append(line[:300])
+    return dict(counts), first
 
 
 def _gauges(daemon: DaemonProcess) -> dict[str, float]:
@@ -275,6 +302,7 @@ def soak(
             result.final = _settled(both)
         traffic.close()
         for name, daemon in both.items():
+            result.errors_logged[name], result.first_errors[name] = _errors_logged(daemon)
             if daemon.process is None or daemon.process.poll() is not None:
                 result.unexpected.append(f"daemon {name} exited")
                 result.operations["daemon-exit:unexpected"] += 1
@@ -295,6 +323,13 @@ def report(result: SoakResult) -> str:
                 unit = 1 / 1048576 if g == "rss_bytes" else 1
                 parts.append(f"{g} {b * unit:.0f} -> {f * unit:.0f} (peak {p * unit:.0f})")
         lines.append(f"  {name}: " + ", ".join(parts) + ("  [rss in MiB]" if parts else ""))
+    for name, by_logger in result.errors_logged.items():
+        if by_logger:
+            listed = ", ".join(f"{logger} {n:,}" for logger, n in sorted(by_logger.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  {name}: {sum(by_logger.values()):,} ERROR lines logged ({listed})")
+            lines.extend(f"    {line}" for line in result.first_errors.get(name, []))
+        else:
+            lines.append(f"  {name}: no ERROR line logged")
     for line in result.unexpected[:10]:
         lines.append(f"  unexpected: {line}")
     for line in result.timeouts[:5]:
