@@ -37,6 +37,7 @@ from meshnode.testing import consistently_async, eventually_async
 from meshnode.transport.connection import MeshConnection, Message
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jetstream import KeyValue, KvEntry
+from meshnode.transport.streams import StreamLimits
 
 from .conftest import connect
 
@@ -815,3 +816,37 @@ async def test_participants_may_ask_and_the_lookup_is_not_captured(world: World)
     assert info.config.subjects is not None
     assert "mesh.task.>" not in info.config.subjects
 
+
+
+# --- a full record store ---------------------------------------------------------------------
+
+
+async def test_a_full_record_store_makes_room_by_evicting_ended_tasks_oldest_first(world: World) -> None:
+    """The bucket keeps ended Tasks' records while there is room; when a write
+    does not fit, the records of the Tasks that ended longest ago give way, a
+    live Task's never does, no update is lost, and a get of an evicted Task
+    answers TASK_EXPIRED (found by a soak: a full store failed every update)."""
+    tm = await world.manager(context={"stream_limits": StreamLimits(task_records=48 * 1024)})
+    live = world.task_id()
+    await world.update(world.responder, live, {"status": "submitted", "offering": "summarize"})
+    await world.update(world.responder, live, {"status": "working"})
+    await world.record(live, lambda r: r["state"] == "working")
+    ended: list[str] = []
+    for _ in range(400):  # far more than 48 KiB holds: the store fills well before
+        task_id = world.task_id()
+        await world.update(world.responder, task_id, {"status": "submitted", "offering": "summarize"})
+        await world.update(world.responder, task_id, {"status": "working"})
+        await world.update(world.responder, task_id, {"status": "completed", "result": {"n": len(ended)}})
+        await world.record(task_id, lambda r: r["state"] == "completed")
+        ended.append(task_id)
+        if tm.counters["evicted.ended"] >= 2:
+            break
+    assert tm.counters["evicted.ended"] >= 2, f"{len(ended)} ended Tasks and the store never filled"
+    assert tm.counters["apply_failed"] == 0
+    # The oldest ended Task went first; the newest is still there, and so is the live one.
+    assert (await world.get(world.requester, ended[0]))["error"]["code"] == "TASK_EXPIRED"
+    assert "error" not in await world.get(world.requester, ended[-1])
+    await world.update(world.responder, live, {"status": "completed", "result": {"n": -1}})
+    record = await world.record(live, lambda r: r["state"] == "completed")
+    assert [e["payload"]["status"] for e in record["history"]] == ["submitted", "working", "completed"]
+    assert (await world.get(world.requester, "never-was"))["error"]["code"] == "TASK_NOT_FOUND"

@@ -421,7 +421,7 @@ class StorageConfig(BaseModel):
     registry_max_bytes: ByteSize = 32 * 1024**2
     """KV ``mesh_registry`` (manifests)."""
     task_records_max_bytes: ByteSize = 64 * 1024**2
-    """KV ``mesh_tasks`` (task records). Every record is kept for the spec's 7 days, ended or not, and a full bucket refuses writes: size it to tasks a day × 7 × their record size (up to ~5 KB with progress history; the default holds ~13,000 such). Past it, task updates fail and hold the update queue (docs/operations/reliability.md, "The task store fills")."""
+    """KV ``mesh_tasks`` (task records). Ended Tasks' records are kept for the spec's 7 days while they fit; a full bucket deletes the oldest of them to keep live Tasks written. To keep a week, size it to tasks a day × 7 × their record size (up to ~5 KB with progress history; the default holds ~13,000 such)."""
     feed_state_max_bytes: ByteSize = 16 * 1024**2
     """KV ``mesh_feed_state``."""
     artifacts_max_bytes: ByteSize = 512 * 1024**2

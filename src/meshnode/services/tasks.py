@@ -89,9 +89,9 @@ from meshnode.protocol.budget import DEADLINE_SKEW_TOLERANCE_MS
 from meshnode.protocol.envelope import build_envelope, child_trace, encode_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.protections import DedupMemory, DeliverySource, check_freshness
-from meshnode.protocol.tasks import is_valid_task_id
+from meshnode.protocol.tasks import TERMINAL_STATES, is_valid_task_id, parse_state
 from meshnode.transport.connection import Message
-from meshnode.transport.errors import Conflict, NotFound
+from meshnode.transport.errors import Conflict, NotFound, StoreFull
 from meshnode.transport.jetstream import KV_DELETE_OPS, KeyValue, PullConsumer
 from meshnode.transport.streams import (
     ensure_key_value,
@@ -128,6 +128,10 @@ TASK_GET_PATTERN = "mesh.task.get.*"
 
 #: Room left under the broker's maximum message size for the get reply's envelope.
 _REPLY_SLACK = 16 * 1024
+#: A full record store makes room by deleting up to this many ended Tasks' records,
+#: found among this many least recently written ones.
+_ROOM_EVICT = 64
+_ROOM_SCAN = 512
 _MAX_WRITE_ATTEMPTS = 16
 _APPLY_ATTEMPTS = 3
 _ORPHANS_PER_TASK = 16
@@ -312,6 +316,7 @@ class TaskManagerService(ServiceBase):
         decided to write nothing). Publishing its events is the caller's job.
         """
         assert self._kv is not None
+        made_room = False
         for attempt in range(_MAX_WRITE_ATTEMPTS):
             record, revision = await self._read(task_id)
             outcome = fold(record)
@@ -325,6 +330,13 @@ class TaskManagerService(ServiceBase):
                     new_revision = await self._kv.create(task_id, data)
                 else:
                     new_revision = await self._kv.update(task_id, data, last=revision)
+            except StoreFull:
+                # A new record, or one that grew, does not fit: ended Tasks give
+                # way to live ones. Nothing to evict: the store is full of live work.
+                if made_room or not await self._make_room():
+                    raise
+                made_room = True
+                continue
             except Conflict:
                 self.counters["write_conflicts"] += 1
                 # Jittered backoff, so writers that collided do not collide again.
@@ -333,6 +345,46 @@ class TaskManagerService(ServiceBase):
             self._index_apply(task_id, new_revision, outcome.record)
             return outcome
         raise RuntimeError(f"task record {task_id}: {_MAX_WRITE_ATTEMPTS} writes lost the race in a row")
+
+    async def _make_room(self) -> int:
+        """The record store is full: delete the records of the Tasks that ended
+        longest ago (up to ``_ROOM_EVICT``, among the ``_ROOM_SCAN`` least recently
+        written records), and return how many went.
+
+        Records are kept for the bucket's TTL (7 days, §18.4) while there is
+        room; under pressure an ended Task's record, which nothing will write
+        again, gives way to live work. A live Task's record, or one with a
+        stranded check pending, is never deleted. A delete leaves a marker, so
+        a get of an evicted Task answers TASK_EXPIRED, not TASK_NOT_FOUND.
+        Each delete is revision-checked: a record written since it was read stays.
+        """
+        assert self._kv is not None
+        evicted = 0
+        async with contextlib.aclosing(self._kv.least_recent(_ROOM_SCAN)) as oldest:
+            async for entry in oldest:
+                if not _evictable(_loads(entry.value)):
+                    continue
+                try:
+                    await self._kv.delete(entry.key, last=entry.revision)
+                except (Conflict, NotFound):
+                    continue
+                evicted += 1
+                if evicted >= _ROOM_EVICT:
+                    break
+        self.counters["evicted.ended"] += evicted
+        if evicted:
+            self.log.warning(
+                "the task record store is full ([storage] task_records_max_bytes): deleted the records of "
+                "%d ended Tasks, oldest first, to keep live ones written (%d so far); a get of one answers "
+                "TASK_EXPIRED. Raise the limit to keep ended Tasks for the full 7 days.",
+                evicted, self.counters["evicted.ended"],
+            )
+        else:
+            self.log.error(
+                "the task record store is full ([storage] task_records_max_bytes) and none of its %d least "
+                "recently written records is an ended Task's: raise the limit", _ROOM_SCAN,
+            )
+        return evicted
 
     # -- updates -----------------------------------------------------------------
 
@@ -460,7 +512,11 @@ class TaskManagerService(ServiceBase):
         payload = env.get("payload")
         if isinstance(payload, Mapping) and payload.get("task_id", task_id) != task_id:
             raise ProtocolError("INVALID_ENVELOPE", "payload.task_id names another task", {"member": "task_id"})
-        record = await self.read(task_id)
+        record, revision = await self._read(task_id)
+        if record is None and revision is not None:
+            # Only a full store deletes a record (see _make_room); the bucket's
+            # TTL removes one without a marker.
+            raise ProtocolError("TASK_EXPIRED", f"task {task_id} ended and its record was removed to make room")
         if record is None:
             raise ProtocolError("TASK_NOT_FOUND", f"no task {task_id}")
         if env["from"] not in (record.get("requester"), record.get("responder")):
@@ -565,3 +621,13 @@ def _loads(value: bytes | None) -> Any:
 async def _ack(msg: Message) -> None:
     with contextlib.suppress(Exception):
         await msg.ack()
+
+
+def _evictable(record: object) -> bool:
+    """Whether a stored record may give way in a full store: its Task ended and
+    the sweep has nothing left to do with it (no stranded check pending)."""
+    return (
+        isinstance(record, Mapping)
+        and parse_state(record.get("state")) in TERMINAL_STATES
+        and index_entry(record) is None
+    )

@@ -22,6 +22,7 @@ is by what a caller does about it, not by nats-py's class tree:
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -89,6 +90,9 @@ class TransportError(Exception):
 
 class NotFound(TransportError):
     """No such stream, consumer, message or key."""
+
+    #: For a deleted KV key: its delete marker (a ``KvEntry``), else None.
+    entry: Any = None
 
 
 class Conflict(TransportError):

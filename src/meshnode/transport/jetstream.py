@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
+from nats.js.errors import NotFoundError as NatsNotFoundError
 from nats.js.kv import KeyValue as NatsKeyValue
 
 from meshnode.aio import backoff
@@ -515,13 +516,22 @@ class KeyValue:
     """A KV bucket. A missing or deleted key raises :class:`NotFound`; a
     revision-checked write that lost raises :class:`Conflict`."""
 
-    def __init__(self, kv: NatsKeyValue, bucket: str) -> None:
+    def __init__(self, kv: NatsKeyValue, bucket: str, js: JetStreamContext | None = None) -> None:
         self._kv = kv
         self.bucket = bucket
+        self._js = js
 
     async def get(self, key: str) -> KvEntry:
-        with translated():
-            return _entry(await self._kv.get(key))
+        """The entry of ``key``. Raises NotFound; for a deleted key its ``entry``
+        is the delete marker (its revision is what a write must name)."""
+        try:
+            with translated():
+                return _entry(await self._kv.get(key))
+        except NotFound as exc:
+            marker = getattr(exc.__cause__, "entry", None)
+            if marker is not None:
+                exc.entry = _entry(marker)
+            raise
 
     async def create(self, key: str, value: bytes) -> int:
         """Write ``key`` only if it does not exist (or was deleted); the new revision."""
@@ -537,9 +547,44 @@ class KeyValue:
         with translated():
             return int(await self._kv.put(key, value))
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, last: int | None = None) -> None:
+        """Delete ``key`` (a marker stays); with ``last``, only while its revision is still ``last``."""
         with translated():
-            await self._kv.delete(key)
+            await self._kv.delete(key, last=last)
+
+    async def least_recent(self, limit: int) -> AsyncGenerator[KvEntry, None]:
+        """Up to ``limit`` live entries, the least recently written first, read
+        one request at a time as the caller iterates.
+
+        Read from the front of the bucket's stream, whose oldest messages are
+        the values written longest ago (a key's older values are gone: one
+        value per key). Delete and purge markers are skipped. For making room
+        in a full bucket.
+        """
+        if self._js is None:
+            raise RuntimeError(f"KV {self.bucket}: opened without its JetStream context")
+        stream = f"KV_{self.bucket}"
+        prefix = f"$KV.{self.bucket}."
+        with translated():
+            seq = int((await self._js.stream_info(stream)).state.first_seq or 1)
+        given = 0
+        while given < limit:
+            try:
+                with translated():
+                    try:
+                        # The next message at or after seq; the server finds one only with a subject.
+                        msg = await self._js.get_msg(stream, seq=seq, next=True, subject=prefix + ">")
+                    except NatsNotFoundError:
+                        return  # past the last message
+            except NotFound:
+                return
+            seq = int(msg.seq or seq) + 1
+            operation = (msg.headers or {}).get("KV-Operation")
+            subject = msg.subject or ""
+            if operation in KV_DELETE_OPS or not subject.startswith(prefix):
+                continue
+            given += 1
+            yield KvEntry(key=subject[len(prefix):], value=bytes(msg.data or b""), revision=int(msg.seq or 0))
 
     async def watch_all(self) -> KvWatch:
         with translated():
@@ -854,4 +899,4 @@ class JetStream:
 
     async def key_value(self, bucket: str) -> KeyValue:
         with translated():
-            return KeyValue(await self._js.key_value(bucket), bucket)
+            return KeyValue(await self._js.key_value(bucket), bucket, self._js)
