@@ -76,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ _REPLY_SLACK = 16 * 1024
 #: found among this many least recently written ones.
 _ROOM_EVICT = 64
 _ROOM_SCAN = 512
+_ROOM_LOG_EVERY_S = 60.0
 _MAX_WRITE_ATTEMPTS = 16
 _APPLY_ATTEMPTS = 3
 _ORPHANS_PER_TASK = 16
@@ -190,6 +192,7 @@ class TaskManagerService(ServiceBase):
         self._watch_task: asyncio.Task[None] | None = None
         self._pull: PullConsumer | None = None
         self._max_record_bytes = 0
+        self._room_logged_at = -_ROOM_LOG_EVERY_S
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -373,12 +376,16 @@ class TaskManagerService(ServiceBase):
                     break
         self.counters["evicted.ended"] += evicted
         if evicted:
-            self.log.warning(
-                "the task record store is full ([storage] task_records_max_bytes): deleted the records of "
-                "%d ended Tasks, oldest first, to keep live ones written (%d so far); a get of one answers "
-                "TASK_EXPIRED. Raise the limit to keep ended Tasks for the full 7 days.",
-                evicted, self.counters["evicted.ended"],
-            )
+            # A busy store makes room every few seconds: say so once a minute, with the total.
+            now = time.monotonic()
+            if now - self._room_logged_at >= _ROOM_LOG_EVERY_S:
+                self._room_logged_at = now
+                self.log.warning(
+                    "the task record store is full ([storage] task_records_max_bytes): deleting the records of "
+                    "ended Tasks, oldest first, to keep live ones written (%d so far); a get of one answers "
+                    "TASK_EXPIRED. Raise the limit to keep ended Tasks for the full 7 days.",
+                    self.counters["evicted.ended"],
+                )
         else:
             self.log.error(
                 "the task record store is full ([storage] task_records_max_bytes) and none of its %d least "
