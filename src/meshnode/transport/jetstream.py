@@ -29,7 +29,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
-from nats.js.errors import NotFoundError as NatsNotFoundError
 from nats.js.kv import KeyValue as NatsKeyValue
 
 from meshnode.aio import backoff
@@ -571,13 +570,10 @@ class KeyValue:
         while given < limit:
             try:
                 with translated():
-                    try:
-                        # The next message at or after seq; the server finds one only with a subject.
-                        msg = await self._js.get_msg(stream, seq=seq, next=True, subject=prefix + ">")
-                    except NatsNotFoundError:
-                        return  # past the last message
+                    # The next message at or after seq; the server finds one only with a subject.
+                    msg = await self._js.get_msg(stream, seq=seq, next=True, subject=prefix + ">")
             except NotFound:
-                return
+                return  # past the last message
             seq = int(msg.seq or seq) + 1
             operation = (msg.headers or {}).get("KV-Operation")
             subject = msg.subject or ""
