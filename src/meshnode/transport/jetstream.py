@@ -515,10 +515,10 @@ class KeyValue:
     """A KV bucket. A missing or deleted key raises :class:`NotFound`; a
     revision-checked write that lost raises :class:`Conflict`."""
 
-    def __init__(self, kv: NatsKeyValue, bucket: str, js: JetStreamContext | None = None) -> None:
+    def __init__(self, kv: NatsKeyValue, bucket: str, jetstream: JetStream | None = None) -> None:
         self._kv = kv
         self.bucket = bucket
-        self._js = js
+        self._jetstream = jetstream
 
     async def get(self, key: str) -> KvEntry:
         """The entry of ``key``. Raises NotFound; for a deleted key its ``entry``
@@ -560,27 +560,23 @@ class KeyValue:
         value per key). Delete and purge markers are skipped. For making room
         in a full bucket.
         """
-        if self._js is None:
-            raise RuntimeError(f"KV {self.bucket}: opened without its JetStream context")
+        if self._jetstream is None:
+            raise RuntimeError(f"KV {self.bucket}: opened without its JetStream")
         stream = f"KV_{self.bucket}"
         prefix = f"$KV.{self.bucket}."
-        with translated():
-            seq = int((await self._js.stream_info(stream)).state.first_seq or 1)
+        seq = max(1, (await self._jetstream.stream_state(stream)).first_seq)
         given = 0
         while given < limit:
             try:
-                with translated():
-                    # The next message at or after seq; the server finds one only with a subject.
-                    msg = await self._js.get_msg(stream, seq=seq, next=True, subject=prefix + ">")
+                # The next message at or after seq; the server finds one only with a subject.
+                msg = await self._jetstream.message(stream, seq=seq, subject=prefix + ">", next=True)
             except NotFound:
                 return  # past the last message
-            seq = int(msg.seq or seq) + 1
-            operation = (msg.headers or {}).get("KV-Operation")
-            subject = msg.subject or ""
-            if operation in KV_DELETE_OPS or not subject.startswith(prefix):
+            seq = msg.seq + 1
+            if (msg.headers or {}).get("KV-Operation") in KV_DELETE_OPS or not msg.subject.startswith(prefix):
                 continue
             given += 1
-            yield KvEntry(key=subject[len(prefix):], value=bytes(msg.data or b""), revision=int(msg.seq or 0))
+            yield KvEntry(key=msg.subject[len(prefix):], value=msg.data, revision=msg.seq)
 
     async def watch_all(self) -> KvWatch:
         with translated():
@@ -895,4 +891,4 @@ class JetStream:
 
     async def key_value(self, bucket: str) -> KeyValue:
         with translated():
-            return KeyValue(await self._js.key_value(bucket), bucket, self._js)
+            return KeyValue(await self._js.key_value(bucket), bucket, self)
