@@ -9,6 +9,8 @@ within the test's ordinary timeout, against a real nats-server.
 
 from __future__ import annotations
 
+import asyncio
+
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
@@ -99,5 +101,43 @@ async def test_a_message_tail_left_in_the_parser_does_not_outlive_the_reconnect(
         await conn.publish("test.tail", b"after the reconnect")
         await conn.flush()
         await eventually_async(lambda: received == [b"after the reconnect"], what="the message after the reconnect")
+    finally:
+        await conn.close()
+
+
+async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(mesh: EmbeddedNatsServer) -> None:
+    """The answers' barrier (the node's flush) outlives a planned reconnect.
+
+    nats-py forgets the PONGs it waits for when it reconnects, so a flush whose
+    PING went out just before a roster change waited its whole timeout (5 s):
+    with a change every two seconds no barrier got through, no live request's
+    pair was marked finished, the drain could purge nothing and the agent's
+    buffer filled until it refused mail. Here the PONG of the first PING never
+    comes (dropped as the cut connection drops it) and the connection is cut: the
+    flush must end on the new connection, well inside its own timeout."""
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_node_credential(key.public_key, [], 300, role="service")
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="flush across a reconnect",
+                          inbox_prefix=node_inbox_prefix(key.public_key), connect_timeout=2.0)
+    await conn.connect()
+    nc = conn.nc
+    original = nc._process_pong
+    dropped: list[bool] = []
+
+    async def lose_the_first_pong() -> None:
+        if not dropped:
+            dropped.append(True)  # its future stays waiting, as one on a cut connection does
+            return
+        await original()
+
+    nc._process_pong = lose_the_first_pong  # type: ignore[method-assign]
+    try:
+        flushing = asyncio.ensure_future(conn.flush(timeout=120))
+        await eventually_async(lambda: bool(dropped), what="the first PONG lost")
+        assert not flushing.done()
+        await conn.reconnect()
+        # Without the fix the flush waits for that PONG until its 120 s are up.
+        await asyncio.wait_for(flushing, timeout=60)
+        assert conn.is_connected
     finally:
         await conn.close()

@@ -137,6 +137,8 @@ class MeshConnection:
         self.last_error: str | None = None
         # Set by every (re)connect; ping waits on it while the client is between servers.
         self._back: asyncio.Event | None = None
+        # Flushes waiting for their PONG: a disconnect cancels them (see flush).
+        self._flushing: set[asyncio.Future[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -380,14 +382,40 @@ class MeshConnection:
         if self.is_connected:
             await self.nc.force_reconnect()
 
-    async def flush(self, timeout: int = 5) -> None:
-        """Return once everything published or subscribed so far has reached the broker.
+    async def flush(self, timeout: float = 5) -> None:
+        """Return once everything published or subscribed so far has reached the
+        broker, or went with a connection that was cut meanwhile.
 
         The exactly-once bookkeeping marks an answer delivered on this barrier;
         :func:`flush_written` says why nats-py's own flush is not enough.
+
+        A disconnect while the PING is out ends that attempt at once: nats-py
+        forgets the PONGs it waited for when it reconnects, so the flush used to
+        wait out its whole timeout. With a roster change every two seconds no
+        barrier got through; every live request's buffered copy then counted as
+        still running, the drain could purge nothing, and the agent's buffer
+        filled up and refused the mail of the next reconnect. The flush is tried
+        again on the new connection, within the same timeout (nats-py carries its
+        pending buffer over; what was already on the old socket is not proven).
+        Raises ConnectionError when not connected again within the timeout.
         """
-        with translated():
-            await flush_written(self.nc, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not await self.wait_connected(max(0.0, deadline - time.monotonic())):
+                raise ConnectionError("not connected (the client is reconnecting)")
+            attempt = asyncio.ensure_future(flush_written(self.nc, max(0.001, deadline - time.monotonic())))
+            self._flushing.add(attempt)
+            try:
+                with translated():
+                    await attempt
+                return
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not attempt.cancelled() or current is None or current.cancelling():
+                    raise  # this flush itself was cancelled
+                # Cut by a disconnect (_on_disconnected): its PONG will never come.
+            finally:
+                self._flushing.discard(attempt)
 
     # -- connection events -------------------------------------------------
 
@@ -419,6 +447,8 @@ class MeshConnection:
 
     async def _on_disconnected(self) -> None:
         self.disconnects += 1
+        for attempt in list(self._flushing):
+            attempt.cancel()  # the connection its PING went out on is gone (see flush)
         if self._closing:
             log.info("disconnected from the mesh (closing)")
         elif self._planned_reconnect:
