@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ class _CommitPerMessage(InboxDrain):
     """The baseline: the same fetches of 128, but one commit (one fsync) and
     one ack per message."""
 
-    async def _commit(self, msgs: list[Any]) -> None:
+    async def _commit(self, msgs: Sequence[Any]) -> None:
         for m in msgs:
             await super()._commit([m])
             for settled in self._unreleased:  # acked at once, not left for the batch's purge

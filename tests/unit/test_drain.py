@@ -72,3 +72,14 @@ async def test_the_drain_purges_what_it_committed_and_a_refused_purge_is_logged_
     assert drain.stats.purge_failures == 2 and drain.stats.purged_through == 41
     warnings = [r for r in caplog.records if "cannot purge" in r.getMessage()]
     assert len(warnings) == 1 and "MESH_INBOX_X" in warnings[0].getMessage()
+
+
+def test_a_copy_whose_live_handler_runs_comes_back_soon_then_less_often() -> None:
+    """The purge stops at a copy that is out: a flat second let a busy agent's
+    buffer fill. Most live handlers settle within the write-behind window."""
+    from meshnode.node.drain import DEFER_FIRST_S, DEFER_S, defer_delay
+
+    delays = [defer_delay(n) for n in range(1, 8)]
+    assert delays[0] == DEFER_FIRST_S < DEFER_S
+    assert delays == sorted(delays) and delays[-1] == DEFER_S
+    assert defer_delay(0) == DEFER_FIRST_S  # a count the server did not give

@@ -348,10 +348,11 @@ def test_participant_publishes_only_for_itself(roster: tuple[str, list[str]]) ->
     assert "mesh.feed.>" not in pub
     assert "$JS.API.>" not in pub
     # Besides INFO, only the purge of its own agents' mailboxes (the drain empties
-    # what it committed: the mailbox refuses new mail at its bound, issue #22.4).
-    own_purges = {f"$JS.API.STREAM.PURGE.MESH_INBOX_{agent}" for agent in agents}
-    assert own_purges <= set(pub)
-    assert not any(s.startswith("$JS.API.STREAM.") and "INFO" not in s and s not in own_purges for s in pub)
+    # what it committed: the mailbox refuses new mail at its bound, issue #22.4)
+    # and reading them by sequence (a copy a lost connection left out).
+    own_ops = {f"$JS.API.STREAM.{op}.MESH_INBOX_{agent}" for agent in agents for op in ("PURGE", "MSG.GET")}
+    assert own_ops <= set(pub)
+    assert not any(s.startswith("$JS.API.STREAM.") and "INFO" not in s and s not in own_ops for s in pub)
     assert not any(s.startswith("_INBOX") for s in pub)
 
 

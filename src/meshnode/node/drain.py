@@ -19,8 +19,9 @@ import hashlib
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -28,7 +29,8 @@ from meshnode.node.inbox import InboxUnwritable
 from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.pipeline import Path
 from meshnode.protocol import subjects
-from meshnode.transport.messages import Message
+from meshnode.transport.errors import NotFound
+from meshnode.transport.jetstream import StoredMessage
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -40,7 +42,12 @@ __all__ = ["DEFER_S", "FULL_CHECKS_PER_S", "PASSES_AT_ONCE", "DrainStats", "Inbo
 
 #: Node-wide budget of unconditional idle checks (JetStream calls per second).
 FULL_CHECKS_PER_S = 1.0
-#: A buffered copy whose live handler still runs is handed back for this long.
+#: A buffered copy whose live handler still runs is handed back for DEFER_FIRST_S, then twice
+#: as long at each delivery, up to DEFER_S. The purge stops at a copy that is out, so while one
+#: is away the buffer only fills: a flat second, found by a soak of 20 KB requests, let the
+#: live mail of that second fill a busy agent's buffer, and mail sent during a reconnect then
+#: found it full. Most live handlers settle within the inbox's write-behind window (50 ms).
+DEFER_FIRST_S = 0.1
 DEFER_S = 1.0
 #: How long after a pass that found the broker's copies lagging the live mail it looks again.
 STORE_LAG_S = 0.1
@@ -49,14 +56,33 @@ STORE_LAG_S = 0.1
 #: 128 the broker spent more than the acks it saved, at 512 less (issue #21's drain A/B).
 #: Never more than half the consumer's max_ack_pending, which unacked copies count against.
 PURGE_EVERY = 512
+#: The share of the buffer's bound (messages or bytes) that live mail since the last pass may
+#: fill before a pass runs early to make room, and that the settled copies of one pass may
+#: hold before it purges them (besides every PURGE_EVERY copies). The buffer refuses new mail
+#: when full, and mail sent while the node is briefly away (a reconnect) has only the buffer:
+#: at half, a busy agent's buffer of large messages was found full at a reconnect and that
+#: mail was lost. A quarter keeps three quarters free for the gap.
+ROOM_SHARE = 4
 
 log = logging.getLogger("meshnode.drain")
+
+#: Copies a pass reads by sequence, at most, to settle the ones a lost connection left out.
+REPAIR_MAX = 64
+#: After a refused read by sequence, how long before a pass tries again.
+REPAIR_RETRY_S = 60.0
 
 #: Drain passes reading the broker at once, node-wide (see :func:`pass_slots`).
 PASSES_AT_ONCE = 8
 #: A failed pass is tried again this soon (doubling up to the interval), not a
 #: whole interval later: the mail it could not reach waited for it.
 RETRY_S = 5.0
+
+
+def defer_delay(deliveries: int) -> float:
+    """How long a copy whose live handler still runs is handed back for, at its
+    ``deliveries``-th delivery: DEFER_FIRST_S, doubling up to DEFER_S (a long
+    handler costs one re-read a second, not ten)."""
+    return min(DEFER_S, DEFER_FIRST_S * 2.0 ** max(0, deliveries - 1))
 
 
 def pass_slots() -> asyncio.Semaphore:
@@ -71,6 +97,55 @@ def pass_slots() -> asyncio.Semaphore:
     not bounded by it.)
     """
     return asyncio.Semaphore(PASSES_AT_ONCE)
+
+
+class Copy(Protocol):
+    """A buffered copy as a pass handles it: a consumer's delivery, or one read by sequence."""
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def sequence(self) -> int: ...
+
+    @property
+    def deliveries(self) -> int: ...
+
+    async def ack(self) -> None: ...
+
+    async def nak(self, delay: float | None = None) -> None: ...
+
+
+class ReadCopy:
+    """A copy read straight from the buffer by sequence (see InboxDrain._repair).
+
+    No consumer delivered it in this pass, so there is nothing to ack or hand
+    back: its delivery, out with a connection that is gone, comes back after
+    the ack wait, or is dropped by the purge that takes it.
+    """
+
+    __slots__ = ("_stored",)
+
+    def __init__(self, stored: StoredMessage) -> None:
+        self._stored = stored
+
+    @property
+    def data(self) -> bytes:
+        return self._stored.data
+
+    @property
+    def sequence(self) -> int:
+        return self._stored.seq
+
+    @property
+    def deliveries(self) -> int:
+        return 1
+
+    async def ack(self) -> None:
+        return None
+
+    async def nak(self, delay: float | None = None) -> None:
+        return None
 
 
 def failure_digest() -> FailureDigest:
@@ -90,11 +165,13 @@ class DrainStats:
     last_error: str | None = None
     running: bool = False
     deferred: int = 0  # copies left in the broker while their live handler ran
+    repaired: int = 0  # copies read by sequence: their delivery was out with a lost connection
+    repair_failures: int = 0
     idle_skips: int = 0  # passes that found the buffer unchanged since it was settled
     quiet_skips: int = 0  # periodic passes skipped without a broker call (no mail seen since)
     purged_through: int = 0  # the last stream sequence removed from the broker buffer
     purge_failures: int = 0
-    room_passes: int = 0  # passes run early: live mail had filled half the buffer's bound
+    room_passes: int = 0  # passes run early: live mail had filled a quarter of the buffer's bound
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -136,19 +213,19 @@ class InboxDrain:
         self._maybe_new = True
         self.full_every = full_every
         self._quiet_passes = 0
-        # Live mail since the last pass, against half the buffer's bound (known
-        # from the first pass on; 0: unbounded): see note_live_mail.
+        # Live mail since the last pass, against a ROOM_SHARE of the buffer's
+        # bound (known from the first pass on; 0: unbounded): see note_live_mail.
         self._live_msgs = 0
         self._live_bytes = 0
-        self._half_msgs = 0
-        self._half_bytes = 0
+        self._room_msgs = 0
+        self._room_bytes = 0
         self._room_asked = False
         # The stream sequences this pass settled (committed: the broker may
         # forget them), the settled copies not yet acked or purged, how far the
         # pass may purge, and the deliveries it hands back at its end (with the
         # redelivery delay).
         self._settled: set[int] = set()
-        self._unreleased: list[Message] = []
+        self._unreleased: list[Copy] = []
         # How many of ``_unreleased`` (from its start) the last release sorted
         # out and kept, and ``purged_through`` then: while no purge moved it,
         # the next release only looks at the copies settled since.
@@ -156,8 +233,13 @@ class InboxDrain:
         self._kept_gone = -1
         self._through = 0
         self._purge_every = PURGE_EVERY
+        # Bytes of the copies settled since the last purge, and the share of the
+        # buffer's bound in bytes at which the pass purges them (0: by count only).
+        self._unpurged_bytes = 0
+        self._purge_bytes = 0
         self._acking_all = False  # the purge was refused this pass: ack instead
-        self._hand_back: list[tuple[Message, float | None]] = []
+        self._repair_not_before = 0.0  # loop time; set after a refused read by sequence
+        self._hand_back: list[tuple[Copy, float | None]] = []
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
             self._periodic_pass,
@@ -196,14 +278,14 @@ class InboxDrain:
         only every ``interval_s``, a busy agent's buffer filled up with handled
         copies, and mail sent during a gap (a reconnect, a restart) found it
         full and was not kept. Once the live mail since the last pass reaches
-        half the bound, in messages or in bytes, a pass runs now.
+        a ROOM_SHARE of the bound, in messages or in bytes, a pass runs now.
         """
         self._maybe_new = True
         self._live_msgs += 1
         self._live_bytes += size
         if not self._room_asked and (
-            (self._half_msgs and self._live_msgs >= self._half_msgs)
-            or (self._half_bytes and self._live_bytes >= self._half_bytes)
+            (self._room_msgs and self._live_msgs >= self._room_msgs)
+            or (self._room_bytes and self._live_bytes >= self._room_bytes)
         ):
             # The count goes on until the pass takes it (it compares it with the
             # copies it finds); asked once until then.
@@ -245,6 +327,7 @@ class InboxDrain:
             "purged_through": st.purged_through,
             "purge_failures": st.purge_failures,
             "room_passes": st.room_passes,
+            "repaired": st.repaired,
             "running": st.running,
             "failing": self.job.failing,
             "last_error": self.job.last_error,
@@ -287,12 +370,12 @@ class InboxDrain:
         info = await buffer.state()
         if info is None:
             return  # no buffer (sandbox, or not registered yet)
-        self._half_msgs, self._half_bytes = info.max_msgs // 2, info.max_bytes // 2
+        self._room_msgs, self._room_bytes = info.max_msgs // ROOM_SHARE, info.max_bytes // ROOM_SHARE
         if live and info.last_seq - self.stats.purged_through < live:
             # The broker stores its copy a moment after it delivers the live
             # message: a pass asked for by the live path can find fewer copies
             # than it came for. Look again shortly, or that room is made only
-            # after another half bound of mail, when the buffer may be full.
+            # after another room share of mail, when the buffer may be full.
             asyncio.get_running_loop().call_later(STORE_LAG_S, self.trigger)
         if info.max_age_s:
             # §22.3: the mailbox window never exceeds the retention actually configured.
@@ -318,6 +401,10 @@ class InboxDrain:
             self._acking_all = False
             max_out = consumer_state.max_ack_pending
             self._purge_every = max(1, min(PURGE_EVERY, max_out // 2)) if max_out else PURGE_EVERY
+            # Large messages fill the buffer's bytes long before PURGE_EVERY copies:
+            # a pass over a full buffer of 20 KB requests purged only at its end,
+            # and the buffer stayed full while it ran.
+            self._purge_bytes, self._unpurged_bytes = self._room_bytes, 0
             # Make room as the pass goes: what is settled is committed (§16.4),
             # so the buffer may drop it. Everything the consumer had acked when
             # the pass began (or the buffer no longer holds), then each next
@@ -361,6 +448,8 @@ class InboxDrain:
                     self._hand_back.extend((m, None) for m in beyond)
                     break
             await self._release(buffer, final=True)
+            if self._through < bound:
+                await self._repair(buffer, bound)
             if self._through >= bound:
                 self._settled_through = bound
         finally:
@@ -368,16 +457,16 @@ class InboxDrain:
             # acked now where the connection still takes it; else redelivered
             # after the ack wait and judged duplicates then.
             unreleased, self._unreleased = self._unreleased, []
-            for m in unreleased:
+            for copy in unreleased:
                 with contextlib.suppress(Exception):
-                    await m.ack()
+                    await copy.ack()
             # Handed back only now, after the purge: nats-server drops a
             # redelivery queued before a purge of the stream, and the copy then
             # waits out the whole ack wait instead of coming back on the next pass.
             hand_back, self._hand_back = self._hand_back, []
-            for m, delay in hand_back:
+            for copy, delay in hand_back:
                 with contextlib.suppress(Exception):
-                    await m.nak(delay=delay)
+                    await copy.nak(delay=delay)
             try:
                 await psub.unsubscribe()
             except Exception:
@@ -400,8 +489,12 @@ class InboxDrain:
             through += 1
         self._through = through
         gone = self.stats.purged_through
-        if through > gone and (final or through - gone >= self._purge_every) and not self._acking_all:
+        due = final or through - gone >= self._purge_every or (
+            0 < self._purge_bytes <= self._unpurged_bytes
+        )
+        if through > gone and due and not self._acking_all:
             await self._purge(buffer, through)
+            self._unpurged_bytes = 0
             gone = self.stats.purged_through
             self._acking_all = gone < through
         later = not (final or self._acking_all)
@@ -423,6 +516,54 @@ class InboxDrain:
         del unreleased[start + len(keep):]  # the next purge takes the rest
         self._kept, self._kept_gone = len(unreleased), gone
 
+    async def _repair(self, buffer: MailboxBuffer, bound: int) -> None:
+        """Settle, by reading them by sequence, the copies that stop the purge
+        short of ``bound`` without being out with a live handler.
+
+        Such a copy was delivered to this node and then neither acked nor handed
+        back, its delivery gone with a connection that was cut (a roster change
+        re-presents the credential); or it was handed back by an earlier pass and
+        a later pass's purge dropped the redelivery that queued. The consumer then
+        holds it for the whole ack wait (30 s) before delivering it again, and the
+        purge cannot pass it. (Sparing the copies handed back lately, waiting for
+        them to come back, lost as much mail as before in the same run.)
+        The soak of a busy agent measured that: the buffer filled within the
+        second and refused the mail of the next reconnect, which was lost. Read
+        here by sequence, each is judged as a delivery is (committed when new,
+        settled when seen); a copy whose live handler runs still stops the purge.
+        """
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._repair_not_before:
+            return
+        out = {m.sequence for m, _ in self._hand_back}  # handed back by this pass: their handlers run
+        js = self.node.connection.jetstream
+        read: list[Copy] = []
+        seq = self._through + 1
+        while seq <= bound and len(read) < REPAIR_MAX and seq not in out:
+            if seq not in self._settled:
+                try:
+                    read.append(ReadCopy(await js.message(buffer.stream, seq=seq)))
+                except NotFound:
+                    self._settled.add(seq)  # gone already (purged or expired): nothing to keep
+                except Exception as exc:
+                    # A credential minted before the read grant (the broker refuses
+                    # the subject): the copy comes back after the ack wait instead.
+                    self.stats.repair_failures += 1
+                    self._repair_not_before = loop.time() + REPAIR_RETRY_S
+                    if self.stats.repair_failures == 1:
+                        log.warning(
+                            "agent %s: cannot read its mailbox %s by sequence (%s); a copy left out by a "
+                            "lost connection then holds up the purge for the ack wait. A node credential "
+                            "minted by this version grants $JS.API.STREAM.MSG.GET on its agents' mailboxes",
+                            self.hosted.agent_id, buffer.stream, exc,
+                        )
+                    break
+            seq += 1
+        if read:
+            self.stats.repaired += len(read)
+            await self._commit(read)
+        await self._release(buffer, final=True)
+
     async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
         # Everything through ``bound`` is committed to the node inbox: drop it
         # from the broker, which refuses new mail once the buffer is full
@@ -441,13 +582,13 @@ class InboxDrain:
         else:
             self.stats.purged_through = bound
 
-    async def _commit(self, msgs: list[Message]) -> None:
+    async def _commit(self, msgs: Sequence[Copy]) -> None:
         """Commit a batch to the inbox; what it settles is released by _release."""
         if not msgs:
             return
         self.stats.fetched += len(msgs)
         items: list[tuple[str, str, str, bytes, int | None]] = []
-        item_msgs: list[Message] = []
+        item_msgs: list[Copy] = []
         unreadable = []
         refused_live = getattr(self.hosted, "refused_bytes", {})
         for m in msgs:
@@ -474,11 +615,12 @@ class InboxDrain:
             if id(m) not in deferred:
                 self._settled.add(m.sequence)
                 self._unreleased.append(m)
+                self._unpurged_bytes += len(m.data)
             else:
                 # Handed back (at the end of the pass) for a later pass, not after
                 # the whole ack wait: a process killed meanwhile finds it on its
                 # start-up pass.
-                self._hand_back.append((m, DEFER_S))
+                self._hand_back.append((m, defer_delay(m.deliveries)))
         new = sum(1 for f in fresh if f)
         self.stats.committed += new
         self.stats.deferred += len(deferred)

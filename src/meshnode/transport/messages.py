@@ -42,6 +42,17 @@ def _stream_sequence(msg: Msg) -> int:
     return int(msg.metadata.sequence.stream)
 
 
+def _delivery_count(msg: Msg) -> int:
+    """How many times the consumer has delivered this message, this time included
+    (the ack subject's ``delivered`` token, read as :func:`_stream_sequence` reads its own)."""
+    tokens = (msg.reply or "").split(".")
+    if (len(tokens) == _ACK_V1_TOKENS or len(tokens) >= _ACK_V2_TOKENS) and tokens[0] == "$JS" and tokens[1] == "ACK":
+        index = 4 if len(tokens) == _ACK_V1_TOKENS else 6
+        if tokens[index].isdigit():
+            return int(tokens[index])
+    return int(msg.metadata.num_delivered)
+
+
 class Message:
     """One message off the mesh."""
 
@@ -75,6 +86,11 @@ class Message:
         if seq is None:  # read from the ack subject once: the drain asks several times
             seq = self._sequence = _stream_sequence(self._msg)
         return seq
+
+    @property
+    def deliveries(self) -> int:
+        """How many times a JetStream consumer has delivered this message (1 the first time)."""
+        return _delivery_count(self._msg)
 
     @property
     def stored_ms(self) -> int:

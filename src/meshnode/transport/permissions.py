@@ -170,6 +170,7 @@ SHARED_STREAMS = ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED")
 JS_ACCOUNT_INFO = "$JS.API.INFO"
 JS_STREAM_INFO = "$JS.API.STREAM.INFO.{stream}"
 JS_STREAM_PURGE = "$JS.API.STREAM.PURGE.{stream}"
+JS_STREAM_MSG_GET = "$JS.API.STREAM.MSG.GET.{stream}"
 JS_CONSUMER_ANY_OP = "$JS.API.CONSUMER.*.{stream}.>"
 JS_CONSUMER_CREATE_NAMED = "$JS.API.CONSUMER.CREATE.{stream}.>"
 JS_CONSUMER_DURABLE_CREATE = "$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>"
@@ -240,9 +241,12 @@ def _own_stream_grants(stream: str) -> list[str]:
     # Purge too (issue #22.4): the mailbox discards new mail at its bound, so
     # the drain removes what it committed, or a busy agent's mailbox would
     # fill with mail already handled and refuse the next offline request.
+    # And read a message by sequence: a copy whose delivery went with a cut
+    # connection stops the purge for the ack wait unless the drain reads it.
     return [
         JS_STREAM_INFO.format(stream=stream),
         JS_STREAM_PURGE.format(stream=stream),
+        JS_STREAM_MSG_GET.format(stream=stream),
         JS_CONSUMER_ANY_OP.format(stream=stream),
         JS_CONSUMER_DURABLE_CREATE.format(stream=stream),
         JS_CONSUMER_NEXT.format(stream=stream),
