@@ -68,8 +68,10 @@ log = logging.getLogger("meshnode.drain")
 
 #: Copies a pass reads by sequence, at most, to settle the ones a lost connection left out.
 REPAIR_MAX = 64
-#: After a refused read by sequence, how long before a pass tries again.
+#: After reads by sequence kept failing, how long before a pass tries again.
 REPAIR_RETRY_S = 60.0
+#: Purges, or reads by sequence, failing in a row before the log says so (and repair rests).
+FAILURES_TO_WARN = 3
 
 #: Drain passes reading the broker at once, node-wide (see :func:`pass_slots`).
 PASSES_AT_ONCE = 8
@@ -238,7 +240,10 @@ class InboxDrain:
         self._unpurged_bytes = 0
         self._purge_bytes = 0
         self._acking_all = False  # the purge was refused this pass: ack instead
-        self._repair_not_before = 0.0  # loop time; set after a refused read by sequence
+        self._repair_not_before = 0.0  # loop time; set after reads by sequence kept failing
+        # Failures in a row (reset by a success), and whether the warning was logged.
+        self._purge_streak = self._repair_streak = 0
+        self._purge_warned = self._repair_warned = False
         self._hand_back: list[tuple[Copy, float | None]] = []
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
@@ -546,18 +551,25 @@ class InboxDrain:
                 except NotFound:
                     self._settled.add(seq)  # gone already (purged or expired): nothing to keep
                 except Exception as exc:
-                    # A credential minted before the read grant (the broker refuses
-                    # the subject): the copy comes back after the ack wait instead.
+                    # A reply lost in a reconnect, or a credential minted before the
+                    # read grant (refused every time, and only then given a rest): the
+                    # copy comes back after the ack wait instead.
                     self.stats.repair_failures += 1
-                    self._repair_not_before = loop.time() + REPAIR_RETRY_S
-                    if self.stats.repair_failures == 1:
-                        log.warning(
-                            "agent %s: cannot read its mailbox %s by sequence (%s); a copy left out by a "
-                            "lost connection then holds up the purge for the ack wait. A node credential "
-                            "minted by this version grants $JS.API.STREAM.MSG.GET on its agents' mailboxes",
-                            self.hosted.agent_id, buffer.stream, exc,
-                        )
+                    self._repair_streak += 1
+                    if self._repair_streak >= FAILURES_TO_WARN:
+                        self._repair_not_before = loop.time() + REPAIR_RETRY_S
+                        if not self._repair_warned:
+                            self._repair_warned = True
+                            log.warning(
+                                "agent %s: cannot read its mailbox %s by sequence (%s, %d times in a row); "
+                                "a copy left out by a lost connection then holds up the purge for the ack "
+                                "wait. A node credential grants $JS.API.STREAM.MSG.GET on its agents' "
+                                "mailboxes: renew it (meshnode renew) if it is older than that grant",
+                                self.hosted.agent_id, buffer.stream, exc, self._repair_streak,
+                            )
                     break
+                else:
+                    self._repair_streak = 0
             seq += 1
         if read:
             self.stats.repaired += len(read)
@@ -567,19 +579,27 @@ class InboxDrain:
     async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
         # Everything through ``bound`` is committed to the node inbox: drop it
         # from the broker, which refuses new mail once the buffer is full
-        # (discard-new, issue #22.4). A failure costs only room, never mail;
-        # a credential minted before the purge grant is logged once.
+        # (discard-new, issue #22.4). A failure costs only room, never mail.
+        # One failing now and then is a reply lost in a reconnect; a credential
+        # minted before the purge grant fails every time: logged once, when
+        # FAILURES_TO_WARN fail in a row (the reply to a refused subject never
+        # comes, so both look alike one at a time).
         try:
             await buffer.purge_through(bound)
         except Exception as exc:
             self.stats.purge_failures += 1
-            if self.stats.purge_failures == 1:
+            self._purge_streak += 1
+            if self._purge_streak == FAILURES_TO_WARN and not self._purge_warned:
+                self._purge_warned = True
                 log.warning(
-                    "agent %s: cannot purge its drained mailbox %s (%s); it fills with handled "
-                    "mail and then refuses new offline mail until max_age",
-                    self.hosted.agent_id, buffer.stream, exc,
+                    "agent %s: cannot purge its drained mailbox %s (%s, %d times in a row); it fills "
+                    "with handled mail and then refuses new offline mail until max_age. A node "
+                    "credential grants $JS.API.STREAM.PURGE on its agents' mailboxes: renew it "
+                    "(meshnode renew) if it is older than that grant",
+                    self.hosted.agent_id, buffer.stream, exc, self._purge_streak,
                 )
         else:
+            self._purge_streak = 0
             self.stats.purged_through = bound
 
     async def _commit(self, msgs: Sequence[Copy]) -> None:
