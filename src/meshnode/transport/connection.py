@@ -24,7 +24,7 @@ from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.protocol.nkeys import KeyPair
 
 from .cluster import cluster_size_of
-from .errors import translated
+from .errors import Reconnecting, translated
 from .jetstream import JetStream
 from .messages import Message, MessageHandler, Subscription, wrap_handler
 
@@ -397,12 +397,12 @@ class MeshConnection:
         filled up and refused the mail of the next reconnect. The flush is tried
         again on the new connection, within the same timeout (nats-py carries its
         pending buffer over; what was already on the old socket is not proven).
-        Raises ConnectionError when not connected again within the timeout.
+        Raises :class:`Reconnecting` when not connected again within the timeout.
         """
         deadline = time.monotonic() + timeout
         while True:
             if not await self.wait_connected(max(0.0, deadline - time.monotonic())):
-                raise ConnectionError("not connected (the client is reconnecting)")
+                raise Reconnecting("not connected within the flush's timeout (the client is reconnecting)")
             attempt = asyncio.ensure_future(flush_written(self.nc, max(0.001, deadline - time.monotonic())))
             self._flushing.add(attempt)
             try:
