@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from meshnode.protocol.nkeys import KeyPair, Prefix
 from meshnode.testing import eventually_async
 from meshnode.transport.connection import MeshConnection
@@ -140,4 +142,53 @@ async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(m
         await asyncio.wait_for(flushing, timeout=60)
         assert conn.is_connected
     finally:
+        await conn.close()
+
+
+async def test_a_planned_reconnect_lets_the_replies_already_due_come_first(
+    mesh: EmbeddedNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply sent to the connection being cut is lost and its request waits out
+    its whole timeout (a drain pass's JetStream call: 5 s, while a busy agent's
+    buffer filled). A planned reconnect waits a moment for the requests already
+    out: here the answer is held back until the reconnect has begun, and the
+    connection must not be cut before it came in."""
+    import meshnode.transport.connection as connection
+
+    monkeypatch.setattr(connection, "PLANNED_CUT_WAIT_S", 60.0)  # however slow this machine is
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_user("requester", key.public_key, ["test.>"], ["test.>", "_INBOX.>"], 300)
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="requester", connect_timeout=2.0)
+    other_key = KeyPair.generate(Prefix.USER)
+    other_jwt = mesh.mint_user("responder", other_key.public_key, ["test.>", "_INBOX.>"], ["test.>"], 300)
+    responder = MeshConnection([mesh.url], node_key=other_key, jwt_source=lambda: other_jwt, name="responder",
+                               connect_timeout=2.0)
+    await conn.connect()
+    await responder.connect()
+    held: list[Message] = []
+    replied_before_the_cut: list[bool] = []
+
+    async def hold(msg: Message) -> None:
+        held.append(msg)
+
+    try:
+        await responder.subscribe("test.slow", hold)
+        await responder.flush()
+        asking = asyncio.ensure_future(conn.request("test.slow", b"?", timeout=60))
+        await eventually_async(lambda: bool(held), what="the request at the responder")
+        (reply_due,) = conn.nc._resp_map.values()  # nats-py's future for that reply
+
+        async def cut() -> None:
+            replied_before_the_cut.append(reply_due.done())
+
+        conn.on_disconnect(cut)
+        reconnecting = asyncio.ensure_future(conn.reconnect())
+        await eventually_async(lambda: conn._planned_reconnect, what="the planned reconnect begun")
+        await held[0].respond(b"!")
+        reply = await asyncio.wait_for(asking, timeout=30)
+        await asyncio.wait_for(reconnecting, timeout=30)
+        await eventually_async(lambda: bool(replied_before_the_cut) and conn.is_connected, what="reconnected")
+        assert reply.data == b"!" and replied_before_the_cut == [True]
+    finally:
+        await responder.close()
         await conn.close()

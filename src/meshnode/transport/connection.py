@@ -84,6 +84,11 @@ class _Client(Client):
         await super()._process_connect_init()
 
 
+#: How long a planned reconnect waits for the replies of requests already out (see
+#: MeshConnection._replies_in_flight).
+PLANNED_CUT_WAIT_S = 1.0
+
+
 class MeshConnection:
     """One authenticated connection to the mesh, shared by every hosted agent.
 
@@ -268,7 +273,22 @@ class MeshConnection:
         server = getattr(nc, "_current_server", None)
         if server is not None and hasattr(server, "last_attempt"):
             server.last_attempt = None
+        await self._replies_in_flight(PLANNED_CUT_WAIT_S)
         await nc.force_reconnect()
+
+    async def _replies_in_flight(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for the replies of the requests already out.
+
+        A reply sent to the connection being cut is lost, and its request waits
+        out its whole timeout (5 s for JetStream calls). A drain pass waiting so
+        let a busy agent's buffer fill, and the mail of the next roster change
+        found it full and was lost. A planned cut can wait a moment for them:
+        they take milliseconds. Requests started meanwhile are not waited for.
+        """
+        nc = self.nc
+        waiting = [f for f in getattr(nc, "_resp_map", {}).values() if not f.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
 
     def on_reconnect(self, listener: ConnectionListener) -> None:
         self._reconnect_listeners.append(listener)
