@@ -6,7 +6,9 @@ this run measured and whether it is met; a target this run did not measure is
 printed as ``not measured`` with the reason. Also written as ``summary.json``.
 
 ``python -m benchmarks soak --minutes N`` is the long leak run (not part of the
-default set); see :mod:`benchmarks.soak`.
+default set); see :mod:`benchmarks.soak`. ``python -m benchmarks burst
+[--seconds N]`` is a busy agent's buffer across roster changes (not part of the
+default set either); see :mod:`benchmarks.burst`.
 """
 
 from __future__ import annotations
@@ -190,7 +192,15 @@ def main() -> int:
                         help="agent counts for the scale and register benchmarks (default 100,1000,10000 and "
                              "1000,10000; quick: 100,1000 and 1000)")
     parser.add_argument("--minutes", type=float, default=60.0, help="soak only: how long to run (default 60)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="burst only: how long to run (default 90)")
     args = parser.parse_args()
+    if "burst" in args.names:
+        from . import burst
+
+        burst.run(quick=args.quick, seconds=args.seconds)
+        args.names = [n for n in args.names if n != "burst"]
+        if not args.names:
+            return 0
     if "soak" in args.names:
         from . import soak
 
