@@ -276,3 +276,11 @@ def test_check_config_and_tasks_commands(meshnode_daemons: DaemonSet, tmp_path: 
     canceled = ok_json(node, "tasks", "cancel", task_id, "--agent", "counter", "--reason", "user_requested")
     assert canceled["status"] == "canceled"
     assert ok_json(node, "tasks", "list")["tasks"] == []
+    # The task manager's counters (records evicted from a full store, updates
+    # that failed, verdicts) are in Status, not only in its log lines.
+    counters = eventually(
+        lambda: (c := node.status()["service_counters"].get("tasks")) and any(k.startswith("verdict.") for k in c) and c,
+        what="the task service's verdicts counted in status",
+        detail=lambda: node.status()["service_counters"],
+    )
+    assert all(isinstance(n, int) for n in counters.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import meshnode
@@ -164,6 +165,13 @@ class CoreMethods:
             # The process as a whole: memory cannot be told apart by agent (one heap).
             "process": process_figures(count_tasks=agents_listed),
             "services": [type(s).__name__ for s in self.d.services],
+            # What the platform services count (ended task records evicted from a
+            # full store, updates that failed, mailbox sweeps), by service name.
+            "service_counters": {
+                s.name: dict(sorted(counters.items()))
+                for s in self.d.services
+                if isinstance(counters := getattr(s, "counters", None), Mapping)
+            },
             "replicas": self.d.services[0].ctx.replicas if self.d.services else None,
             "observability": self.d.node.observability.status() if self.d.node and self.d.node.observability else None,
             "a2a": self.d.gateways.status(),
