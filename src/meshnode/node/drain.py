@@ -530,12 +530,12 @@ class InboxDrain:
         re-presents the credential); or it was handed back by an earlier pass and
         a later pass's purge dropped the redelivery that queued. The consumer then
         holds it for the whole ack wait (30 s) before delivering it again, and the
-        purge cannot pass it. (Sparing the copies handed back lately, waiting for
-        them to come back, lost as much mail as before in the same run.)
-        The soak of a busy agent measured that: the buffer filled within the
+        purge cannot pass it: in ``benchmarks burst`` the buffer filled within the
         second and refused the mail of the next reconnect, which was lost. Read
         here by sequence, each is judged as a delivery is (committed when new,
         settled when seen); a copy whose live handler runs still stops the purge.
+        (Sparing the copies handed back lately, to let them come back by
+        themselves, lost as much mail as before in the same run.)
         """
         loop = asyncio.get_running_loop()
         if loop.time() < self._repair_not_before:
