@@ -96,3 +96,18 @@ def test_a_copy_whose_live_handler_runs_comes_back_soon_then_less_often() -> Non
     assert delays[0] == DEFER_FIRST_S < DEFER_S
     assert delays == sorted(delays) and delays[-1] == DEFER_S
     assert defer_delay(0) == DEFER_FIRST_S  # a count the server did not give
+
+
+async def test_a_pass_purges_by_bytes_before_it_reaches_its_count() -> None:
+    """A buffer of 20 KB requests holds fewer copies than the purge count (512):
+    settled copies worth a quarter of the bound's bytes are purged at once."""
+    drain = InboxDrain(object(), _Stub(), object(), interval_s=60)  # type: ignore[arg-type]
+    buffer = _Buffer(fail=False)
+    drain._settled = {1, 2, 3}
+    drain._purge_bytes = 50_000
+    drain._unpurged_bytes = 40_000  # three 20 KB copies would be 60,000; say two so far
+    await drain._release(buffer)  # type: ignore[arg-type]
+    assert buffer.purged == []  # under both the count and the bytes: kept for later
+    drain._unpurged_bytes = 60_000
+    await drain._release(buffer)  # type: ignore[arg-type]
+    assert buffer.purged == [3] and drain.stats.purged_through == 3 and drain._unpurged_bytes == 0
