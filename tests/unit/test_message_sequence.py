@@ -1,6 +1,7 @@
-"""A JetStream delivery's stream sequence, read from its ack subject: the drain
-reads it for every buffered copy, so it takes the one token instead of nats-py's
-whole metadata parse. It must agree with nats-py on both ack subject forms."""
+"""A JetStream delivery's stream sequence (and delivery count), read from its ack
+subject: the drain reads it for every buffered copy, so it takes the one token
+instead of nats-py's whole metadata parse. It must agree with nats-py on both ack
+subject forms."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ ACK_SUBJECTS = [
 def test_the_sequence_agrees_with_nats_py(reply: str) -> None:
     msg = Msg(_client=Client(), subject="mesh.agent.x.inbox", reply=reply, data=b"")
     assert Message(msg).sequence == msg.metadata.sequence.stream
+
+
+@pytest.mark.parametrize("reply", ACK_SUBJECTS)
+def test_the_delivery_count_agrees_with_nats_py(reply: str) -> None:
+    # The drain hands a copy whose live handler runs back for longer at each delivery.
+    msg = Msg(_client=Client(), subject="mesh.agent.x.inbox", reply=reply, data=b"")
+    assert Message(msg).deliveries == msg.metadata.num_delivered
 
 
 def test_a_subject_that_is_no_ack_subject_is_refused_as_nats_py_refuses_it() -> None:

@@ -26,6 +26,17 @@ _ACK_V1_TOKENS = 9
 _ACK_V2_TOKENS = 11
 
 
+def _ack_token(msg: Msg, v1_index: int, v2_index: int) -> int | None:
+    """A number token of a JetStream delivery's ack subject, or None when the
+    reply subject is not shaped like one."""
+    tokens = (msg.reply or "").split(".")
+    if (len(tokens) == _ACK_V1_TOKENS or len(tokens) >= _ACK_V2_TOKENS) and tokens[0] == "$JS" and tokens[1] == "ACK":
+        token = tokens[v1_index if len(tokens) == _ACK_V1_TOKENS else v2_index]
+        if token.isdigit():
+            return int(token)
+    return None
+
+
 def _stream_sequence(msg: Msg) -> int:
     """The stream sequence from a JetStream delivery's ack subject.
 
@@ -34,23 +45,15 @@ def _stream_sequence(msg: Msg) -> int:
     subject into a dataclass (a ``datetime`` included) at several µs a copy.
     Anything not shaped like an ack subject goes to nats-py, which says why.
     """
-    tokens = (msg.reply or "").split(".")
-    if (len(tokens) == _ACK_V1_TOKENS or len(tokens) >= _ACK_V2_TOKENS) and tokens[0] == "$JS" and tokens[1] == "ACK":
-        index = 5 if len(tokens) == _ACK_V1_TOKENS else 7
-        if tokens[index].isdigit():
-            return int(tokens[index])
-    return int(msg.metadata.sequence.stream)
+    seq = _ack_token(msg, 5, 7)
+    return seq if seq is not None else int(msg.metadata.sequence.stream)
 
 
 def _delivery_count(msg: Msg) -> int:
     """How many times the consumer has delivered this message, this time included
-    (the ack subject's ``delivered`` token, read as :func:`_stream_sequence` reads its own)."""
-    tokens = (msg.reply or "").split(".")
-    if (len(tokens) == _ACK_V1_TOKENS or len(tokens) >= _ACK_V2_TOKENS) and tokens[0] == "$JS" and tokens[1] == "ACK":
-        index = 4 if len(tokens) == _ACK_V1_TOKENS else 6
-        if tokens[index].isdigit():
-            return int(tokens[index])
-    return int(msg.metadata.num_delivered)
+    (the ack subject's ``delivered`` token)."""
+    count = _ack_token(msg, 4, 6)
+    return count if count is not None else int(msg.metadata.num_delivered)
 
 
 class Message:
