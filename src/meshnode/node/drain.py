@@ -150,6 +150,29 @@ class ReadCopy:
         return None
 
 
+class FailureRun:
+    """Failures of one kind in a row (a success ends the run). A failure now and
+    then is a reply lost in a reconnect; a grant the credential lacks fails every
+    time, and the reply to a refused subject never comes either, so the two look
+    alike one at a time: only a run of FAILURES_TO_WARN is worth a warning."""
+
+    __slots__ = ("length", "_warned")
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._warned = False
+
+    def failed(self) -> bool:
+        """Count one failure; True the first time a run reaches FAILURES_TO_WARN (warn now)."""
+        self.length += 1
+        warn = self.length >= FAILURES_TO_WARN and not self._warned
+        self._warned = self._warned or warn
+        return warn
+
+    def succeeded(self) -> None:
+        self.length = 0
+
+
 def failure_digest() -> FailureDigest:
     """The node's digest of drain failures: a few lines for any number of agents."""
     return FailureDigest("drains", log)
@@ -241,9 +264,8 @@ class InboxDrain:
         self._purge_bytes = 0
         self._acking_all = False  # the purge was refused this pass: ack instead
         self._repair_not_before = 0.0  # loop time; set after reads by sequence kept failing
-        # Failures in a row (reset by a success), and whether the warning was logged.
-        self._purge_streak = self._repair_streak = 0
-        self._purge_warned = self._repair_warned = False
+        self._purge_failures = FailureRun()
+        self._repair_failures = FailureRun()
         self._hand_back: list[tuple[Copy, float | None]] = []
         self.job = PeriodicJob(
             f"drain:{hosted.name}",
@@ -555,21 +577,19 @@ class InboxDrain:
                     # read grant (refused every time, and only then given a rest): the
                     # copy comes back after the ack wait instead.
                     self.stats.repair_failures += 1
-                    self._repair_streak += 1
-                    if self._repair_streak >= FAILURES_TO_WARN:
+                    if self._repair_failures.failed():
+                        log.warning(
+                            "agent %s: cannot read its mailbox %s by sequence (%s, %d times in a row); "
+                            "a copy left out by a lost connection then holds up the purge for the ack "
+                            "wait. A node credential grants $JS.API.STREAM.MSG.GET on its agents' "
+                            "mailboxes: renew it (meshnode renew) if it is older than that grant",
+                            self.hosted.agent_id, buffer.stream, exc, self._repair_failures.length,
+                        )
+                    if self._repair_failures.length >= FAILURES_TO_WARN:
                         self._repair_not_before = loop.time() + REPAIR_RETRY_S
-                        if not self._repair_warned:
-                            self._repair_warned = True
-                            log.warning(
-                                "agent %s: cannot read its mailbox %s by sequence (%s, %d times in a row); "
-                                "a copy left out by a lost connection then holds up the purge for the ack "
-                                "wait. A node credential grants $JS.API.STREAM.MSG.GET on its agents' "
-                                "mailboxes: renew it (meshnode renew) if it is older than that grant",
-                                self.hosted.agent_id, buffer.stream, exc, self._repair_streak,
-                            )
                     break
                 else:
-                    self._repair_streak = 0
+                    self._repair_failures.succeeded()
             seq += 1
         if read:
             self.stats.repaired += len(read)
@@ -579,27 +599,22 @@ class InboxDrain:
     async def _purge(self, buffer: MailboxBuffer, bound: int) -> None:
         # Everything through ``bound`` is committed to the node inbox: drop it
         # from the broker, which refuses new mail once the buffer is full
-        # (discard-new, issue #22.4). A failure costs only room, never mail.
-        # One failing now and then is a reply lost in a reconnect; a credential
-        # minted before the purge grant fails every time: logged once, when
-        # FAILURES_TO_WARN fail in a row (the reply to a refused subject never
-        # comes, so both look alike one at a time).
+        # (discard-new, issue #22.4). A failure costs only room, never mail;
+        # a run of them is logged once (FailureRun).
         try:
             await buffer.purge_through(bound)
         except Exception as exc:
             self.stats.purge_failures += 1
-            self._purge_streak += 1
-            if self._purge_streak == FAILURES_TO_WARN and not self._purge_warned:
-                self._purge_warned = True
+            if self._purge_failures.failed():
                 log.warning(
                     "agent %s: cannot purge its drained mailbox %s (%s, %d times in a row); it fills "
                     "with handled mail and then refuses new offline mail until max_age. A node "
                     "credential grants $JS.API.STREAM.PURGE on its agents' mailboxes: renew it "
                     "(meshnode renew) if it is older than that grant",
-                    self.hosted.agent_id, buffer.stream, exc, self._purge_streak,
+                    self.hosted.agent_id, buffer.stream, exc, self._purge_failures.length,
                 )
         else:
-            self._purge_streak = 0
+            self._purge_failures.succeeded()
             self.stats.purged_through = bound
 
     async def _commit(self, msgs: Sequence[Copy]) -> None:
