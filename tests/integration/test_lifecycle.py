@@ -61,6 +61,22 @@ def test_a_taken_port_is_named(daemons: DaemonSet, first: DaemonProcess, listene
     assert "JETSTREAM" not in log and "Version:" not in log, "the broker's banner is not the error"
 
 
+def test_a_taken_a2a_port_is_named_and_the_daemon_exits(daemons: DaemonSet) -> None:
+    # The bridge binds [a2a] listen itself: a taken port fails the start with a
+    # line naming the setting (uvicorn's own bind ended in sys.exit inside the
+    # daemon's loop, and the daemon hung, serving nothing).
+    held = daemons.listening_socket()
+    port = held.getsockname()[1]
+    second = daemons.embedded(
+        "taken-a2a", agents={"echo": {"plugin": "echo"}}, start=False,
+        extra={"a2a": {"listen": f"127.0.0.1:{port}", "expose": ["echo"]}},
+    )
+    with pytest.raises(RuntimeError, match="exited with 1 during start-up"):
+        second.start()
+    log = second.log_text()
+    assert f"[a2a] listen 127.0.0.1:{port}: the address is in use" in log and 'listen = "fd://N"' in log, log
+
+
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
     invite = tmp_path / "laptop.creds"
     assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0

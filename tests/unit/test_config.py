@@ -746,6 +746,13 @@ def test_a2a_section_loads(short_tmp_path: Path) -> None:
     assert cfg.a2a.issuers["billing"].key == key
 
 
+def test_a2a_listen_takes_an_inherited_socket(short_tmp_path: Path) -> None:
+    cfg = load_text(short_tmp_path, '[agents.echo]\n[a2a]\nlisten = "fd://3"\nexpose = ["echo"]\n')
+    assert cfg.a2a.listen == "fd://3"
+    found = "\n".join(problems_of(short_tmp_path, '[agents.echo]\n[a2a]\nlisten = "fd://three"\n'))
+    assert "a2a.listen" in found and '"fd://N"' in found
+
+
 def test_a2a_errors_name_the_key(short_tmp_path: Path) -> None:
     text = (
         '[agents.echo]\n[a2a]\nlisten = "localhost"\nexpose = ["echo", "ghost"]\nmax_mesh_hops = 0\n'

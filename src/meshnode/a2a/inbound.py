@@ -63,6 +63,9 @@ class BridgeSettings:
     port: int
     application: str
     expose: tuple[str, ...]
+    #: ``listen = "fd://N"``: serve on this inherited listening socket (host and
+    #: port are then read from it, see :meth:`bound_to`).
+    listen_fd: int | None = None
     public_url: str | None = None
     max_mesh_hops: int = 8
     idempotency_retention_s: float = 86400.0
@@ -71,11 +74,14 @@ class BridgeSettings:
     clock_skew_s: float = CLOCK_SKEW_S
     trust: IssuerTrust = field(default_factory=IssuerTrust)
 
-    def bound_to(self, port: int) -> BridgeSettings:
-        """These settings once the server has bound ``port``: a configured port 0
-        ("any free port") becomes the bound one, so every URL the bridge publishes
-        (cards, discovery document, Status) names where it really serves. An
-        explicit port is kept as configured."""
+    def bound_to(self, port: int, host: str | None = None) -> BridgeSettings:
+        """These settings once the server listens on ``host:port``: a configured
+        port 0 ("any free port") becomes the bound one, and an inherited socket
+        (``listen_fd``) gives both, so every URL the bridge publishes (cards,
+        discovery document, Status) names where it really serves. An explicit
+        port is kept as configured."""
+        if self.listen_fd is not None and host is not None:
+            return replace(self, host=host, port=port)
         return replace(self, port=port) if self.port == 0 else self
 
     @property

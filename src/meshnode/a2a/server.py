@@ -87,6 +87,7 @@ from starlette.applications import Starlette
 from meshnode.a2a.execution import InboundTasks
 from meshnode.a2a.inbound import BridgeNode, BridgeSettings
 from meshnode.a2a.intake import HttpIntake
+from meshnode.a2a.listen import adopt_listener, bind_listeners
 from meshnode.a2a.store import BridgeStore
 from meshnode.aio import wait_for
 
@@ -122,12 +123,24 @@ class A2ABridge:
         self._serve_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.store.open()
-        await self.tasks.recover()
+        """Open the store, recover its tasks, listen (raising
+        :class:`~meshnode.a2a.listen.ListenError` naming ``[a2a] listen`` when
+        it cannot) and serve."""
+        # Listen first: a taken port fails the start before anything is recovered.
+        settings = self.settings
+        if settings.listen_fd is not None:
+            sockets = [adopt_listener(settings.listen_fd)]
+        else:
+            sockets = await asyncio.to_thread(bind_listeners, settings.host, settings.port)
+        try:
+            await self.store.open()
+            await self.tasks.recover()
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
         config = uvicorn.Config(
             self.app(),
-            host=self.settings.host.strip("[]"),
-            port=self.settings.port,
             log_level="warning",
             lifespan="off",
             access_log=False,
@@ -135,16 +148,17 @@ class A2ABridge:
         )
         server = _Uvicorn(config)
         self._server = server
-        self._serve_task = asyncio.get_running_loop().create_task(server.serve(), name="a2a-server")
+        self._serve_task = asyncio.get_running_loop().create_task(server.serve(sockets=sockets), name="a2a-server")
         while not server.started:
             if self._serve_task.done():
                 exc = self._serve_task.exception()
                 raise RuntimeError(f"[a2a] listen {self.settings.host}:{self.settings.port}: {exc or 'server exited'}")
             await asyncio.sleep(0.02)
-        # Read the bound port back from uvicorn's own listening socket (``listen =
-        # "host:0"`` binds any free port); nothing has the URL before this, so no
+        # The address really served (``listen = "host:0"`` binds any free port, an
+        # inherited socket has its own); nothing has the URL before this, so no
         # card can have been served with the unbound one.
-        self._publish(self.settings.bound_to(_bound_port(server, self.settings.port)))
+        host, port = sockets[0].getsockname()[:2]
+        self._publish(self.settings.bound_to(int(port), str(host)))
         log.info(
             "A2A bridge serving %s at %s (application %r, report key %s)",
             ", ".join(self.settings.expose) or "no agents",
@@ -186,12 +200,3 @@ class A2ABridge:
     def app(self) -> Starlette:
         return self.intake.app()
 
-
-def _bound_port(server: uvicorn.Server, configured: int) -> int:
-    """The TCP port a started ``server`` listens on (the first socket's: a host
-    name that resolves to several addresses binds each), or ``configured`` when
-    it shows none."""
-    for listener in server.servers:
-        for sock in listener.sockets:
-            return int(sock.getsockname()[1])
-    return configured

@@ -84,6 +84,9 @@ class A2APeerConfig(BaseModel):
 _LISTEN = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})")
 
 
+_LISTEN_FD = re.compile(r"fd://\d{1,9}")
+
+
 def _listen_address(value: object) -> str | None:
     if value is None:
         return None
@@ -91,7 +94,12 @@ def _listen_address(value: object) -> str | None:
         m = _LISTEN.fullmatch(value.strip())
         if m is not None and int(m.group("port")) <= 65535:
             return value.strip()
-    raise ValueError(f'expected "host:port" (e.g. "127.0.0.1:8700" or "[::1]:8700"), got {value!r}')
+        if _LISTEN_FD.fullmatch(value.strip()):
+            return value.strip()
+    raise ValueError(
+        'expected "host:port" (e.g. "127.0.0.1:8700" or "[::1]:8700") or "fd://N" (a listening socket '
+        f"passed as file descriptor N), got {value!r}"
+    )
 
 
 def _verify_key_text(value: object) -> str:
@@ -119,7 +127,9 @@ class A2AConfig(BaseModel):
     listen: Annotated[
         str | None, BeforeValidator(_listen_address), WithJsonSchema({"type": "string"})
     ] = None
-    """Address the A2A HTTP server binds (``"127.0.0.1:8700"``); unset = not served."""
+    """Address the A2A HTTP server binds (``"127.0.0.1:8700"``), or ``"fd://N"``: the
+    listening TCP socket a supervisor passed as file descriptor N (a systemd socket
+    unit's first is 3). Unset = not served."""
     public_url: OptionalHttpUrl = None
     """Base URL the Agent Cards advertise; defaults to ``http://<listen>``."""
     application: Annotated[str, Field(min_length=1, max_length=253)] | None = None

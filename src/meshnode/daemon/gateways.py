@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_event
+from meshnode.a2a.listen import listen_fd
 from meshnode.config import Config
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
@@ -94,7 +95,9 @@ class A2AGateways:
             raise RuntimeError(
                 f"[a2a] listen is set but the A2A dependencies are missing ({exc}): install meshnode[a2a]"
             ) from None
-        host, _, port = a2a.listen.rpartition(":")
+        fd = listen_fd(a2a.listen)
+        # "fd://N": host and port are the inherited socket's, read when it is adopted.
+        host, _, port = ("", "", "0") if fd is not None else a2a.listen.rpartition(":")
         trust = IssuerTrust(
             {name: parse_verify_key(issuer.key) for name, issuer in a2a.issuers.items()},
             allow=a2a.allow_issuers,
@@ -102,6 +105,7 @@ class A2AGateways:
         settings = BridgeSettings(
             host=host,
             port=int(port),
+            listen_fd=fd,
             application=a2a.application or config.node.name,
             expose=tuple(a2a.expose),
             public_url=a2a.public_url,

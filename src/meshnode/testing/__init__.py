@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,10 @@ class DaemonProcess:
         self.config = config
         self.config_path.write_text(render_toml(config), encoding="utf-8")
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
+        #: Descriptors every start passes on, under the same numbers (a listening
+        #: socket held across restarts: ``[a2a] listen = "fd://N"``).
+        self.pass_fds: tuple[int, ...] = ()
 
     @property
     def pid(self) -> int | None:
@@ -112,6 +117,8 @@ class DaemonProcess:
         env.pop("NOTIFY_SOCKET", None)
         env.update(env_extra or {})
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        # Where this run's lines begin: a restart's failure shows its own log.
+        self._log_start = log.tell()
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "meshnode.cli", "run", "--config", str(self.config_path)],
@@ -121,6 +128,7 @@ class DaemonProcess:
                 env=env,
                 start_new_session=True,
                 preexec_fn=_stop_with_parent,
+                pass_fds=self.pass_fds,
             )
         finally:
             log.close()
@@ -128,10 +136,12 @@ class DaemonProcess:
             return self
         started = time.monotonic()
         deadline = started + timeout
+        seen = "no answer on the admin socket"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"daemon {self.name} exited with {self.process.returncode} during start-up:\n{self.log_tail()}"
+                    f"daemon {self.name} exited with {self.process.returncode} during start-up:\n"
+                    f"{self.log_tail(since_start=True)}"
                 )
             if os.path.exists(self.socket_path):
                 try:
@@ -139,13 +149,18 @@ class DaemonProcess:
                     status = call_sync(self.socket_path, "Status", {"agents": False}, timeout=5.0)
                     if status.get("state") == "serving":
                         return self
-                except Exception:
-                    pass
+                    seen = f"state {status.get('state')!r}, stage {status.get('stage')!r}"
+                except Exception as exc:
+                    seen = f"admin socket: {type(exc).__name__}: {exc}"
             # A Status costs the daemon O(agents): polled ten times a second through
             # a 10,000-agent start it was 7 % of the daemon's samples (py-spy), so a
             # long start is polled once a second (a quick one as often as before).
             time.sleep(0.1 if time.monotonic() - started < 5.0 else 1.0)
-        raise RuntimeError(f"daemon {self.name} did not become ready in {timeout}s:\n{self.log_tail()}")
+        # What the daemon last said comes first: a long log tail gets cut in the middle.
+        raise RuntimeError(
+            f"daemon {self.name} did not become ready in {timeout}s (last seen: {seen}); "
+            f"this start's log:\n{self.log_tail(since_start=True)}"
+        )
 
     def stop(self, timeout: float = 40.0) -> int | None:
         """SIGTERM and wait; SIGKILL if it overruns. Returns the exit status."""
@@ -190,8 +205,17 @@ class DaemonProcess:
         except FileNotFoundError:
             return ""
 
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+    def log_tail(self, lines: int = 60, *, since_start: bool = False) -> str:
+        """The log's last ``lines``; with ``since_start``, only the latest start's."""
+        text = self.log_text()
+        if since_start:
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(self._log_start)
+                    text = f.read().decode("utf-8", errors="replace")
+            except FileNotFoundError:
+                text = ""
+        return "\n".join(text.splitlines()[-lines:])
 
 
 class DaemonSet:
@@ -201,6 +225,18 @@ class DaemonSet:
         # Short paths: a Unix socket path must stay under ~100 bytes.
         self.root = Path(tempfile.mkdtemp(prefix="mn-", dir="/tmp"))
         self.daemons: list[DaemonProcess] = []
+        self._held: list[socket.socket] = []
+
+    def listening_socket(self) -> socket.socket:
+        """A loopback TCP socket listening on a free port, held open until :meth:`close`.
+
+        For ``[a2a] listen = "fd://N"`` with :attr:`DaemonProcess.pass_fds`: a
+        daemon restarted on it serves the same port, and nothing can take the
+        port between its runs (no bind-then-release race).
+        """
+        sock = socket.create_server(("127.0.0.1", 0))
+        self._held.append(sock)
+        return sock
 
     def _workdir(self, name: str) -> Path:
         path = self.root / name
@@ -226,8 +262,10 @@ class DaemonSet:
         node: dict[str, Any] | None = None,
         extra: dict[str, dict[str, Any]] | None = None,
         start: bool = True,
+        pass_fds: tuple[int, ...] = (),
     ) -> DaemonProcess:
-        """A daemon running the embedded mesh (and the platform services)."""
+        """A daemon running the embedded mesh (and the platform services);
+        ``pass_fds`` go to every start (see :meth:`listening_socket`)."""
         workdir = self._workdir(name)
         config = self._base(name, workdir, agents or {}, node)
         # Port 0 for both listeners: each binds a free port itself and Mesh.Info reports
@@ -237,6 +275,7 @@ class DaemonSet:
         for table, values in (extra or {}).items():
             config.setdefault(table, {}).update(values)
         daemon = DaemonProcess(workdir, name, config)
+        daemon.pass_fds = pass_fds
         self.daemons.append(daemon)
         return daemon.start() if start else daemon
 
@@ -276,6 +315,8 @@ class DaemonSet:
                 daemon.stop()
             except Exception:
                 daemon.kill()
+        for sock in self._held:
+            sock.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
