@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +179,27 @@ class Picky(TierProbe):
     refuse_sandbox_senders = True
 
 
+class Quitter(Agent):
+    """Calls ``sys.exit`` (a plugin author's mistake) in its handler, or with
+    ``on_start`` in its start: the SystemExit leaves the daemon's event loop,
+    and the daemon must end, not hang."""
+
+    description = "exits the process"
+
+    class Settings(AgentSettings):
+        on_start: bool = False
+
+    async def on_start(self, ctx: Context) -> None:
+        settings = self.settings
+        assert isinstance(settings, Quitter.Settings)
+        if settings.on_start:
+            sys.exit(4)
+
+    @offering("quit", framing=False)
+    async def quit(self, ctx: Context, input: Any) -> Any:
+        sys.exit(3)
+
+
 class TestAgents:
     @hookimpl
     def meshnode_register_agents(self, register: Callable[[str, type[Agent]], None]) -> None:
@@ -189,6 +211,7 @@ class TestAgents:
         register("test-presence-watch", PresenceWatch)
         register("test-tier", TierProbe)
         register("test-picky", Picky)
+        register("test-quitter", Quitter)
 
 
 plugin = TestAgents()
@@ -968,3 +991,4 @@ class TallyPlugin:
 
 
 tally_plugin = TallyPlugin()
+

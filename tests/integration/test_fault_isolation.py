@@ -13,6 +13,7 @@ import time
 import pytest
 
 from meshnode.admin.client import call_sync
+from meshnode.admin.exitcodes import EX_ERROR
 from meshnode.testing import DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,30 @@ def test_an_unavailable_keystore_backend_exits_ex_config(meshnode_daemons: Daemo
         node.start()
     text = node.log_text()
     assert "systemd-credentials" in text and "LoadCredential" in text  # the backend and the fix
+
+
+def test_sys_exit_in_a_plugin_ends_the_daemon_with_70_and_says_so(meshnode_daemons: DaemonSet) -> None:
+    # A SystemExit raised in one of the daemon's tasks leaves its event loop.
+    # In a handler the shutdown still ran, but the exit status was the
+    # plugin's (0 would tell a supervisor all was well); during start-up the
+    # shutdown never ran and the inbox's SQLite thread held the process up, a
+    # daemon that served nothing, for ever (found with uvicorn's sys.exit on a
+    # taken [a2a] port). Now both end at once with 70, the log naming it.
+    node = meshnode_daemons.embedded("quitter", agents={"quitter": {"plugin": "test-quitter"}}, node=TEST_PLUGINS)
+    assert node.process is not None
+    with pytest.raises(Exception):  # noqa: B017 - the daemon goes away mid-call
+        node.call("quitter", "quit", timeout=10)
+    assert node.process.wait(timeout=60) == EX_ERROR
+    text = node.log_text()
+    assert "SystemExit(3) was raised inside the daemon" in text and "must not call sys.exit()" in text, text[-3000:]
+
+    starting = meshnode_daemons.embedded(
+        "quit-start", agents={"quitter": {"plugin": "test-quitter", "on_start": True}}, node=TEST_PLUGINS,
+        start=False,
+    )
+    with pytest.raises(RuntimeError, match=f"exited with {EX_ERROR} during start-up"):
+        starting.start()
+    assert "SystemExit(4) was raised inside the daemon" in starting.log_text()
 
 
 def test_a_second_sigint_still_does_the_inbox_final_write(meshnode_daemons: DaemonSet) -> None:

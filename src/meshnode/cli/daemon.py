@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
 from meshnode.admin.offloop import read_status_socket
@@ -19,6 +20,7 @@ from .exitcodes import (
     EX_CHECK_FAILED,
     EX_CONFIG,
     EX_DATAERR,
+    EX_ERROR,
     EX_INTERRUPTED,
     EX_LOOP_BLOCKED,
     EX_OK,
@@ -94,12 +96,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        result = asyncio.run(run_daemon(config))
+        run = asyncio.run
     else:
-        result = uvloop.run(run_daemon(config))
+        run = uvloop.run
+    try:
+        result = run(run_daemon(config))
+    except (SystemExit, KeyboardInterrupt) as exc:
+        _exit_after_escape(exc)
     if result == RELAUNCH:
         relaunch_process()  # does not return
     return int(result)
+
+
+def _exit_after_escape(exc: SystemExit | KeyboardInterrupt) -> NoReturn:
+    """The daemon's own stops return an exit status, so a SystemExit (or
+    KeyboardInterrupt) here was raised inside one of its tasks (a plugin's
+    ``sys.exit()``, a library's) and left the event loop. The shutdown ran as
+    far as asyncio's clean-up let it; a worker thread it could not end would
+    keep the interpreter from exiting, a daemon alive and serving nothing. So
+    the process ends now, as after kill -9, which the inbox and the broker's
+    store recover from. Never status 0: a supervisor restarts it."""
+    log = logging.getLogger("meshnode.daemon")
+    if isinstance(exc, KeyboardInterrupt):
+        log.error("interrupted before the daemon could handle the signal; exiting")
+        code = EX_INTERRUPTED
+    else:
+        log.critical(
+            "SystemExit(%r) was raised inside the daemon (traceback below) and ended its event loop; "
+            "exiting with status %d (nothing acknowledged is lost: the next start recovers). "
+            "A plugin must not call sys.exit(): raise an exception, or ask the daemon to stop",
+            exc.code, EX_ERROR, exc_info=exc,
+        )
+        code = EX_ERROR
+    logging.shutdown()
+    os._exit(code)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

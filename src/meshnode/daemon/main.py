@@ -729,6 +729,13 @@ async def run_daemon(config: Config) -> int:
             )
             return EX_TEMPFAIL
         return 1
+    except BaseException:
+        # Cancelled from outside start-up: asyncio.run's clean-up after a
+        # SystemExit raised in one of the daemon's tasks (uvicorn's, once, on a
+        # taken port). What did start is undone all the same, or a thread it
+        # opened (the inbox's SQLite worker) holds the process up for ever.
+        await daemon.stop()
+        raise
     try:
         if serving:
             await daemon.wait()
