@@ -38,7 +38,7 @@ from meshnode.protocol.a2a_extension import (
     verify_report,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, eventually_async, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, eventually_async
 
 pytestmark = pytest.mark.integration
 
@@ -78,13 +78,17 @@ class Bridge:
 def bridge() -> Iterator[Bridge]:
     daemons = DaemonSet()
     try:
+        # The bridge serves on a socket this test holds (listen = "fd://N"): the
+        # restart test's second run serves the same port, and nothing can take
+        # the port while the daemon is down (no bind-then-release race).
+        listener = daemons.listening_socket()
         daemon = daemons.embedded(
             "a2a",
             agents={"target": {"plugin": "test-a2a"}, "echo": {"plugin": "echo"}, "asker": {"plugin": "test-asker"}},
             node={"plugin_modules": ["tests.agents:a2a_target_plugin", "tests.agents:asker_plugin"]},
             extra={
                 "a2a": {
-                    "listen": "127.0.0.1:0",
+                    "listen": f"fd://{listener.fileno()}",
                     "expose": ["target", "echo", "asker"],
                     "application": APP,
                     "max_mesh_hops": 3,
@@ -93,12 +97,11 @@ def bridge() -> Iterator[Bridge]:
                 },
                 "a2a.issuers.caller": {"key": CALLER.public_key},
             },
+            pass_fds=(listener.fileno(),),
         )
         found = Bridge(daemon)
-        # The restart test restarts it on the port this run bound (read back, and
-        # held by the daemon until then: no bind-then-release race).
-        daemon.config["a2a"]["listen"] = found.base.removeprefix("http://")
-        daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")
+        # It serves where the inherited socket listens.
+        assert found.base == f"http://127.0.0.1:{listener.getsockname()[1]}"
         yield found
     finally:
         daemons.close()

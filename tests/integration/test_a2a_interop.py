@@ -40,7 +40,7 @@ from meshnode.protocol.a2a_extension import (
     unsecured_envelope,
 )
 from meshnode.protocol.nkeys import KeyPair, decode_seed
-from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, eventually_async
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +75,10 @@ class Acme:
 def acme() -> Iterator[Acme]:
     daemons = DaemonSet()
     try:
+        # Its own bridge as its peers: it serves on a socket this test holds
+        # (listen = "fd://N"), so its URL is known before it starts.
+        listener = daemons.listening_socket()
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
         daemon = daemons.embedded(
             APP,
             agents={"longtask": {"plugin": "longtask"}, "caller": {"plugin": "test-a2a-caller"},
@@ -82,27 +86,21 @@ def acme() -> Iterator[Acme]:
             node={"plugin_modules": ["tests.agents.a2a_caller:plugin", "tests.agents:a2a_target_plugin"]},
             extra={
                 "a2a": {
-                    "listen": "127.0.0.1:0",
+                    "listen": f"fd://{listener.fileno()}",
                     "expose": ["longtask", "target"],
                     "application": APP,
                     # Trust agent-id issuers: the outbound signs as the calling agent.
                     "allow_issuers": ["*"],
                     "send_wait": "2s",
                 },
+                "a2a.peers.self": {"url": f"{base}/agents/longtask", "contract_price": "0.05"},
+                "a2a.peers.target": {"url": f"{base}/agents/target", "contract_price": "0.05"},
+                # Our own bridge, called with an envelope addressed to someone else: a 401.
+                "a2a.peers.wrong": {"url": f"{base}/agents/longtask", "contract_price": "0.05",
+                                    "audience": "someone-else"},
             },
+            pass_fds=(listener.fileno(),),
         )
-        # Its own bridge as its peers: restarted pinned to the port the first run
-        # bound (read back from Status; the daemon held it, so no bind-then-release race).
-        base = daemon.status()["a2a"]["url"]
-        daemon.stop()
-        daemon.config["a2a"]["listen"] = base.removeprefix("http://")
-        daemon.config["a2a.peers.self"] = {"url": f"{base}/agents/longtask", "contract_price": "0.05"}
-        daemon.config["a2a.peers.target"] = {"url": f"{base}/agents/target", "contract_price": "0.05"}
-        # Our own bridge, called with an envelope addressed to someone else: a 401.
-        daemon.config["a2a.peers.wrong"] = {"url": f"{base}/agents/longtask", "contract_price": "0.05",
-                                            "audience": "someone-else"}
-        daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")
-        daemon.start()
         yield Acme(daemon)
     finally:
         daemons.close()

@@ -23,7 +23,7 @@ from a2a.types.a2a_pb2 import Message
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from meshnode.protocol.a2a_extension import EXTENSION_URI, build_envelope_claims, unsecured_envelope
-from meshnode.testing import DaemonProcess, DaemonSet, render_toml
+from meshnode.testing import DaemonProcess, DaemonSet
 from tests.integration.a2a_peer import Behaviour, Peer
 
 pytestmark = pytest.mark.integration
@@ -42,29 +42,27 @@ def weather() -> Iterator[Peer]:
 def acme(weather: Peer) -> Iterator[tuple[DaemonProcess, int]]:
     daemons = DaemonSet()
     try:
+        # acme as its own peer too (meshnode -> meshnode): its bridge serves on a
+        # socket this test holds (listen = "fd://N"), so its URL is known before
+        # it starts. No audience or issuer key configured: a meshnode card
+        # publishes both in the extension's params.
+        listener = daemons.listening_socket()
+        port = listener.getsockname()[1]
         daemon = daemons.embedded(
             "acme",
             agents={"entry": {"plugin": "test-a2a-caller"}, "caller": {"plugin": "test-a2a-caller"}},
             node={"plugin_modules": ["tests.agents.a2a_caller:plugin"]},
             extra={
-                "a2a": {"listen": "127.0.0.1:0", "expose": ["entry"], "application": "acme"},
+                "a2a": {
+                    "listen": f"fd://{listener.fileno()}", "expose": ["entry"], "application": "acme",
+                    "allow_issuers": ["*"],  # trust agent-id issuers: reports for them
+                },
                 "a2a.peers.weather": {"url": weather.url, "contract_price": "0.10",
                                       "issuer_key": weather.issuer_key},
+                "a2a.peers.self": {"url": f"http://127.0.0.1:{port}/agents/entry", "contract_price": "0.05"},
             },
+            pass_fds=(listener.fileno(),),
         )
-        # acme as its own peer too (meshnode -> meshnode). No audience or issuer
-        # key configured: a meshnode card publishes both in the extension's params.
-        # It restarts pinned to the port its first run bound (read back from
-        # Status): the daemon held that port, so this is no bind-then-release race.
-        port = int(daemon.status()["a2a"]["url"].rsplit(":", 1)[1])
-        daemon.stop()
-        daemon.config["a2a"]["listen"] = f"127.0.0.1:{port}"
-        daemon.config["a2a.peers.self"] = {
-            "url": f"http://127.0.0.1:{port}/agents/entry", "contract_price": "0.05",
-        }
-        daemon.config["a2a"]["allow_issuers"] = ["*"]  # trust agent-id issuers: reports for them
-        daemon.config_path.write_text(render_toml(daemon.config), encoding="utf-8")
-        daemon.start()
         yield daemon, port
     finally:
         daemons.close()
