@@ -36,7 +36,11 @@ def _broker(node: Any) -> dict[str, Any]:
 
 
 def test_a_frozen_embedded_broker_is_reported_and_restarted(meshnode_daemons: DaemonSet) -> None:
-    node = meshnode_daemons.embedded("frozen", agents={"echo": {"plugin": "echo"}}, extra={"mesh": WATCH})
+    # The broker comes back on its port while the joined node keeps reconnecting to
+    # it: a port no connection can take meanwhile (a port-0 one could be).
+    broker_port = meshnode_daemons.port_for_restarts()
+    node = meshnode_daemons.embedded("frozen", agents={"echo": {"plugin": "echo"}},
+                                     extra={"mesh": WATCH, "mesh.embedded": {"port": broker_port}})
     # A joined node on the same broker sees it freeze too, and reconnects once it is back.
     joined = meshnode_daemons.joined("beside", node, agents={"echo2": {"plugin": "echo"}}, extra={"mesh": WATCH})
     assert node.call("echo", "echo", "before")["output"] == {"ok": "before"}

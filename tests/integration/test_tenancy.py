@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import nats.errors
 import pytest
@@ -251,15 +250,14 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
 
 
 def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: DaemonSet) -> None:
+    # The embedded node restarts below on the same broker and control-plane ports,
+    # so the joined node reconnects to the addresses it knows: ports no connection
+    # can take while it is down (a port-0 one could be).
+    ports = {"port": meshnode_daemons.port_for_restarts(), "control_port": meshnode_daemons.port_for_restarts()}
     a = meshnode_daemons.embedded(
         "a", agents={"echo": {"plugin": "echo"}},
-        extra={"mesh.embedded": {"tenants": ["family"]}},
+        extra={"mesh.embedded": {"tenants": ["family"], **ports}},
     )
-    # The broker and the control plane took free ports (port 0); the embedded node
-    # restarts below on the same ones, read back here, so the joined node reconnects
-    # to the addresses it knows.
-    info = a.admin("Mesh.Info")
-    broker_port, control_port = urlsplit(info["nats_urls"][0]).port, urlsplit(info["control_plane"]).port
     f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
     echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
     before = f.call(echo, "echo", "hi", timeout=5)
@@ -269,7 +267,6 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     # The operator exports a's echo to family and f's caller back to mesh (an
     # answer travels to the requester's inbox), then restarts the mesh node.
     a.stop()
-    a.config["mesh.embedded"].update(port=broker_port, control_port=control_port)
     a.config["mesh.embedded"]["exports"] = [
         {"from": "mesh", "to": "family", "agents": [echo]},
         {"from": "family", "to": "mesh", "agents": [f_cli]},

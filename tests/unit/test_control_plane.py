@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
@@ -644,12 +645,13 @@ async def test_client_renews_over_http(
 
 
 async def test_client_when_nothing_listens() -> None:
-    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    port = probe.sockets[0].getsockname()[1]
-    probe.close()
-    await probe.wait_closed()
-    with pytest.raises(ControlPlaneUnreachable):
-        await ControlPlaneClient(f"http://127.0.0.1:{port}").mesh_info()
+    # A port held bound but not listening refuses connections, and nothing
+    # else can take it meanwhile (a released port could be).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises(ControlPlaneUnreachable):
+            await ControlPlaneClient(f"http://127.0.0.1:{port}").mesh_info()
 
 
 async def _fake_server(answer: bytes, *, hang: bool = False) -> asyncio.Server:

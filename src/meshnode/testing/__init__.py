@@ -15,8 +15,10 @@ test started::
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -81,6 +83,19 @@ def render_toml(tables: dict[str, dict[str, Any]]) -> str:
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
         lines.append("")
     return "\n".join(lines)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+#: Offsets into this process's slice for :meth:`DaemonSet.port_for_restarts`:
+#: random start (runs do not all try the same ports first), never repeated.
+_RESTART_PORTS = itertools.count(random.randrange(1_000_000))
 
 
 class DaemonProcess:
@@ -227,6 +242,35 @@ class DaemonSet:
         self.daemons: list[DaemonProcess] = []
         self._held: list[socket.socket] = []
 
+    def port_for_restarts(self) -> int:
+        """A free loopback port that no port-0 bind and no outgoing connection can take.
+
+        For a listener that only the child itself can bind (the embedded
+        nats-server) and that must come back on the same port after a restart.
+        A port read back from a port-0 bind lies in the kernel's ephemeral
+        range, which every outgoing connection draws from: while the listener
+        is down, any connection on the host may take it. A port below that range
+        is only ever taken by a bind that names it; these are spread over the
+        xdist workers (each its own slice) and never handed out twice, and a
+        port found taken is skipped.
+        """
+        low = _ephemeral_low()
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+        slices = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        first, last = (10_000 if low > 11_000 else 1024), low - 1
+        span = (last - first + 1) // slices
+        if span < 100:
+            raise RuntimeError(f"the ephemeral port range starts at {low}: too few ports below it for tests")
+        start = first + (worker % slices) * span
+        while True:
+            port = start + next(_RESTART_PORTS) % span
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+
     def listening_socket(self) -> socket.socket:
         """A loopback TCP socket listening on a free port, held open until :meth:`close`.
 
@@ -269,8 +313,8 @@ class DaemonSet:
         workdir = self._workdir(name)
         config = self._base(name, workdir, agents or {}, node)
         # Port 0 for both listeners: each binds a free port itself and Mesh.Info reports
-        # the bound one (no bind-then-release race). A restart binds anew;
-        # a test that restarts this node under joined ones pins the ports it read back.
+        # the bound one (no bind-then-release race). A restart binds anew; a test
+        # that restarts this node under joined ones gives it ports from port_for_restarts.
         config["mesh.embedded"] = {"port": 0, "control_port": 0}
         for table, values in (extra or {}).items():
             config.setdefault(table, {}).update(values)
