@@ -180,20 +180,28 @@ class Picky(TierProbe):
 
 
 class Quitter(Agent):
-    """Calls ``sys.exit`` (a plugin author's mistake) in its handler, or with
-    ``on_start`` in its start: the SystemExit leaves the daemon's event loop,
-    and the daemon must end, not hang."""
+    """Calls ``sys.exit`` (a plugin author's mistake) in its handler, with
+    ``on_start`` in its start (both this agent's failure only), or with
+    ``in_background`` in a task of its own, which ends the daemon's event loop:
+    the daemon must exit, not hang."""
 
     description = "exits the process"
 
     class Settings(AgentSettings):
         on_start: bool = False
+        in_background: bool = False
 
     async def on_start(self, ctx: Context) -> None:
         settings = self.settings
         assert isinstance(settings, Quitter.Settings)
         if settings.on_start:
             sys.exit(4)
+        if settings.in_background:
+            self._quitting = asyncio.get_running_loop().create_task(self._quit_soon())
+
+    async def _quit_soon(self) -> None:
+        await asyncio.sleep(0)
+        sys.exit(5)
 
     @offering("quit", framing=False)
     async def quit(self, ctx: Context, input: Any) -> Any:

@@ -587,9 +587,17 @@ class HostedAgent:
             if ctx.task is not None and ctx.task.state == "canceled":
                 return  # stopped by a cancel; its update is already out
             raise
-        except Exception:
+        except (Exception, SystemExit) as exc:
+            # SystemExit too (a plugin's sys.exit()): past this task it would end
+            # the daemon's event loop, every other agent with it.
             self.counters["failed"] += 1
-            self.agent.log.exception("handler for %s raised", spec.id)
+            if isinstance(exc, SystemExit):
+                self.agent.log.error(
+                    "handler for %s called sys.exit(%r): a plugin cannot end the daemon; answered as failed",
+                    spec.id, exc.code, exc_info=exc,
+                )
+            else:
+                self.agent.log.exception("handler for %s raised", spec.id)
             error = error_object("INTERNAL_ERROR", "the agent failed while handling the request")
             if ctx.task is not None:
                 await self._finish_task(ctx.task, "failed", error=error)

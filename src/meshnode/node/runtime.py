@@ -42,7 +42,7 @@ from meshnode.node.pubsub import PubSub
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
-from meshnode.node.supervise import supervise_retrying
+from meshnode.node.supervise import PluginExited, supervise_retrying
 from meshnode.node.tasks import RequesterTask, cancel_task
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
@@ -279,7 +279,15 @@ class Node:
                 # Tasks on_start leaves running (a plugin's background loop) are
                 # the agent's, and so is a block of the loop while it runs.
                 with running_for(hosted.name, hosted.spawned):
-                    await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+                    try:
+                        await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
+                    except SystemExit as exc:
+                        # Past this task it would end the daemon's event loop,
+                        # every other agent with it: this agent's failure only.
+                        raise PluginExited(
+                            f"on_start called sys.exit({exc.code!r}); a plugin cannot end the daemon "
+                            "(raise an exception instead)"
+                        ) from exc
 
             await supervise_retrying(
                 on_start,
