@@ -8,7 +8,9 @@ printed as ``not measured`` with the reason. Also written as ``summary.json``.
 ``python -m benchmarks soak --minutes N`` is the long leak run (not part of the
 default set); see :mod:`benchmarks.soak`. ``python -m benchmarks burst
 [--seconds N]`` is a busy agent's buffer across roster changes (not part of the
-default set either); see :mod:`benchmarks.burst`.
+default set either); see :mod:`benchmarks.burst`. ``python -m benchmarks subscribers
+[--agents N,...]`` is the start-up of agents that each subscribe to events, beside
+plain ones (not in the default set); see :func:`benchmarks.bench_scale.run_subscribers`.
 """
 
 from __future__ import annotations
@@ -199,6 +201,11 @@ def main() -> int:
 
         burst.run(quick=args.quick, seconds=args.seconds)
         args.names = [n for n in args.names if n != "burst"]
+        if not args.names:
+            return 0
+    if "subscribers" in args.names:
+        bench_scale.run_subscribers(args.agents)
+        args.names = [n for n in args.names if n != "subscribers"]
         if not args.names:
             return 0
     if "soak" in args.names:

@@ -63,15 +63,21 @@ def _store_for(n: int) -> int:
     return max(4 * gib, DEFAULT_STREAM_LIMITS.platform_total() + n * parse_size(BUFFER_BYTES) + gib)
 
 
-def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> dict[str, Any]:
+def measure(
+    n: int, *, settle_s: float, window_s: float, idle: bool = True, subscribing: bool = False
+) -> dict[str, Any]:
     """One daemon hosting ``n`` agents: start-up until all are registered, then
-    (``idle``) RSS, idle CPU and idle JetStream API rate."""
+    (``idle``) RSS, idle CPU and idle JetStream API rate. With ``subscribing``
+    each agent also subscribes to an event pattern (``accepts``): one consumer
+    on MESH_EVENTS each, made by the platform's consumer service."""
     daemons = DaemonSet()
     try:
-        agents = {f"a{i:05d}": {"plugin": "echo"} for i in range(n)}
+        plugin = "test-listener" if subscribing else "echo"
+        agents = {f"a{i:05d}": {"plugin": plugin} for i in range(n)}
         daemon = daemons.embedded(
             "scale",
             agents=agents,
+            node={"plugin_modules": ["tests.agents:listener_plugin"]} if subscribing else None,
             # Every mailbox stream reserves its max_bytes in the JetStream store:
             # 10,000 x the 25 MiB default is more disk than this machine has.
             # And each reserves it out of the embedded server's store (default
@@ -91,6 +97,8 @@ def measure(n: int, *, settle_s: float, window_s: float, idle: bool = True) -> d
             registered = int(summary["registered"])  # n agents plus the node's own cli agent (hosted first)
             if registered >= n:
                 break
+            if int(summary.get("failed", 0)):
+                raise RuntimeError(f"{summary['failed']} agent(s) failed to start:\n{daemon.log_tail(20)}")
             if time.monotonic() - t0 > 600:
                 raise RuntimeError(f"only {registered} of {n} agents registered after 600 s")
             # A Status is O(agents + tasks) for the daemon: polled every 0.2 s it
@@ -150,4 +158,27 @@ def run(quick: bool = False, agents: tuple[int, ...] | None = None) -> dict[str,
           f"mailbox buffer {BUFFER_BYTES} per agent")
     result = {"results": results, "settle_s": settle, "window_s": window, "buffer_max_bytes": BUFFER_BYTES}
     print(f"written {write_result('scale', result)}")
+    return result
+
+
+def run_subscribers(agents: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks subscribers [--agents N,...]``: start-up of N agents that
+    each subscribe to events, beside N that do not (not in the default set)."""
+    counts = agents or (1000, 2000)
+    results = []
+    for n in counts:
+        plain = measure(n, settle_s=0, window_s=0, idle=False)
+        subscribing = measure(n, settle_s=0, window_s=0, idle=False, subscribing=True)
+        results.append({"agents": n, "plain_startup_s": plain["startup_s"],
+                        "subscribing_startup_s": subscribing["startup_s"],
+                        "subscribing_daemon_cpu_s": subscribing["daemon_cpu_s"],
+                        "subscribing_nats_server_cpu_s": subscribing["nats_server_cpu_s"],
+                        "loadavg_1m": os.getloadavg()[0]})
+    rows = [("agents", "start-up s (echo)", "start-up s (one event subscription each)", "daemon CPU s", "nats-server CPU s")]
+    for r in results:
+        rows.append((f"{r['agents']:,}", f"{r['plain_startup_s']:.1f}", f"{r['subscribing_startup_s']:.1f}",
+                     f"{r['subscribing_daemon_cpu_s']:.1f}", f"{r['subscribing_nats_server_cpu_s']:.1f}"))
+    print_table("subscribing agents: one daemon, N agents with one MESH_EVENTS consumer each", rows)
+    result = {"results": results, "buffer_max_bytes": BUFFER_BYTES}
+    print(f"written {write_result('subscribers', result)}")
     return result

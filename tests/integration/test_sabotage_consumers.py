@@ -214,6 +214,12 @@ async def _own_consumers(world: World, b_node: str) -> None:
         gone = await _ask(client, world, "delete", {"kind": "event", "pattern": "flood.0"})
         assert gone["payload"] == {"stream": "MESH_EVENTS", "name": subjects.event_consumer_name(
             world.agent.public_key, "flood.0"), "deleted": True}
+        room = await _ask(client, world, "ensure", {"kind": "event", "pattern": "flood.again",
+                                                    "deliver_subject": f"{prefix}.c.again"})
+        assert room["payload"]["action"] == "created", room
+        full = await _ask(client, world, "ensure", {"kind": "event", "pattern": "flood.more",
+                                                    "deliver_subject": f"{prefix}.c.more"})
+        assert full["error"]["code"] == "QUOTA_EXCEEDED", full
         assert errors.seen == []
     finally:
         await client.close()

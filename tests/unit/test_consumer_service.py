@@ -4,13 +4,21 @@ the agent that signed it, never from what the requester would like them to be.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.js.api import ConsumerConfig
 
 from meshnode.protocol import subjects
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from meshnode.services.consumers import TASK_CONSUMER_IDLE_S, consumer_spec
+from meshnode.services.consumers import (
+    LISTING_TTL_S,
+    TASK_CONSUMER_IDLE_S,
+    _Holdings,
+    consumer_owner,
+    consumer_spec,
+)
 from meshnode.transport.jetstream import ConsumerSpec
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -70,3 +78,70 @@ def test_drift_names_each_field_that_moved() -> None:
         ConsumerSpec("mesh_task_manager", "mesh.task.x.update", max_deliver=1, deliver_subject="_INBOX_X.y")
         .config().as_dict())
     assert [d.split()[0] for d in spec.drift(retargeted)] == ["filter_subject", "deliver_subject", "max_deliver"]
+
+
+def test_every_consumer_form_names_its_owner() -> None:
+    names = [
+        subjects.event_consumer_name(AGENT, "billing.*"),
+        subjects.feed_consumer_name(AGENT),
+        subjects.feed_consumer_name(AGENT, f"mesh.feed.{OTHER_NODE}.*"),
+        subjects.task_update_consumer_name("t-1", AGENT),
+        subjects.task_update_consumer_name("t-1", AGENT) + "_stream",
+        # A task id that itself contains an agent-shaped token still names its requester.
+        subjects.task_update_consumer_name(f"x_{OTHER_NODE}", AGENT),
+    ]
+    assert [consumer_owner(name) for name in names] == [AGENT] * len(names)
+    for foreign in ("JS_SRC_g07BLAX3", "drain", "mesh_event_short_1234", "mesh_task_t-1", f"mesh_feed_{AGENT}x"):
+        assert consumer_owner(foreign) is None, foreign
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Listing:
+    """The stream's consumer names, counting how often they are listed."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.calls = 0
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self) -> list[str]:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        return list(self.names)
+
+
+async def test_holdings_list_once_per_window_and_count_their_own_changes_on_top() -> None:
+    mine = [subjects.event_consumer_name(AGENT, f"p{i}") for i in range(3)]
+    listing, clock = Listing([*mine, subjects.event_consumer_name(OTHER_NODE, "p")]), Clock()
+    holdings = _Holdings(listing, clock)
+    assert await holdings.held(AGENT) == 3 and await holdings.held(OTHER_NODE) == 1
+    holdings.created(AGENT)
+    holdings.deleted(OTHER_NODE)
+    holdings.deleted(OTHER_NODE)  # never below zero
+    clock.now = LISTING_TTL_S - 0.1
+    assert (await holdings.held(AGENT), await holdings.held(OTHER_NODE), listing.calls) == (4, 0, 1)
+    # Past the window the stream is listed again: what it says now counts.
+    clock.now = LISTING_TTL_S
+    assert (await holdings.held(AGENT), listing.calls) == (3, 2)
+    # Fresh (before a refusal): listed at once, whatever the window says.
+    listing.names = mine[:1]
+    assert (await holdings.held(AGENT, fresh=True), listing.calls) == (1, 3)
+
+
+async def test_concurrent_askers_share_one_listing() -> None:
+    listing, clock = Listing([subjects.event_consumer_name(AGENT, "p")]), Clock()
+    listing.gate = asyncio.Event()
+    holdings = _Holdings(listing, clock)
+    askers = [asyncio.ensure_future(holdings.held(AGENT)) for _ in range(5)]
+    await asyncio.sleep(0)
+    listing.gate.set()
+    assert await asyncio.gather(*askers) == [1] * 5
+    assert listing.calls == 1

@@ -10,7 +10,7 @@ from nats.js.api import DiscardPolicy
 
 from meshnode.services.base import store_full_error
 from meshnode.transport.embedded import EmbeddedNatsServer
-from meshnode.transport.errors import StoreFull, translate
+from meshnode.transport.errors import ConsumerLimit, StoreFull, translate
 from meshnode.transport.serverconf import render_server_config
 from meshnode.transport.storeusage import BoundedStream, StoreUsage
 from meshnode.transport.streams import (
@@ -44,7 +44,12 @@ def test_every_platform_stream_and_bucket_is_bounded_and_reserves_its_share() ->
                feed_state_bucket_config(1, limits), agreements_bucket_config(1, limits), index, uploads]
     assert all(b.max_bytes and b.max_bytes > 0 for b in buckets)
     assert store.max_bytes == limits.artifacts
-    assert DEFAULT_STREAM_LIMITS.platform_total() == 808 * MIB
+    assert DEFAULT_STREAM_LIMITS.platform_total() == 808 * MIB  # the consumer ceiling reserves no bytes
+    # Consumers: set on every stream that holds one per agent or per task
+    # (nats-server 2.15 caps a stream that sets none at 1,000).
+    for name in ("MESH_TASKS", "MESH_EVENTS", "MESH_FEED"):
+        assert streams[name].max_consumers == DEFAULT_STREAM_LIMITS.max_consumers > 1000, name
+    assert StreamLimits(max_consumers=7).max_consumers == 7
 
 
 def test_a_mailbox_refuses_new_mail_at_its_bound_instead_of_evicting() -> None:
@@ -89,6 +94,11 @@ def test_insufficient_resources_is_a_full_store_answered_quota_exceeded() -> Non
     assert answer["code"] == "QUOTA_EXCEEDED"
     assert "JetStream store" in answer["message"] and "jetstream_max_store" in answer["message"]
     assert answer["details"] == {"store": "jetstream", "service": "registry", "err_code": 10023}
+
+
+def test_a_stream_at_its_consumer_ceiling_is_its_own_error() -> None:
+    err = translate(_api_error(400, 10026, "maximum consumers limit reached"))
+    assert isinstance(err, ConsumerLimit) and not isinstance(err, StoreFull)
 
 
 def test_store_pressure_names_the_store_and_headroom_is_what_is_left() -> None:

@@ -434,6 +434,11 @@ class StorageConfig(BaseModel):
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED`` and ``MESH_HEARTBEAT``;
     None (absent) is ``[mesh.embedded] max_payload`` (1 MiB by default), so a raised
     payload limit is not refused by the streams."""
+    max_consumers_per_stream: Annotated[int, Field(ge=1)] = 100_000
+    """Consumers ``MESH_TASKS``, ``MESH_EVENTS`` and ``MESH_FEED`` each hold at most:
+    one per agent's event or feed subscription and per task followed. Set on the
+    streams because nats-server 2.15 otherwise limits every stream to 1,000
+    consumers; ``[services] max_consumers_per_agent`` bounds each agent's share."""
     low_store_warning: Annotated[float, Field(gt=0, le=1)] = 0.8
     """Share of the store (account limit, or a platform object's bound) in use at
     which the node logs a warning once and ``status`` says ``low``."""

@@ -79,6 +79,7 @@ def stream_limits(config: Config) -> StreamLimits:
         artifact_uploads=s.artifact_uploads_max_bytes,
         agreements=s.agreements_max_bytes,
         max_msg_size=s.max_msg_size if s.max_msg_size is not None else config.mesh.embedded.max_payload,
+        max_consumers=s.max_consumers_per_stream,
     )
 
 

@@ -28,14 +28,19 @@ the push consumer itself (:meth:`JetStream.bind_push`), which needs no API
 permission, and acks what it receives.
 
 **Bounds.** An agent holds at most ``max_per_agent`` consumers per stream
-(QUOTA_EXCEEDED to the requester, naming the limit and the stream); task
-consumers are additionally reaped by the server after 120 s idle, and the
-shared streams carry a ``max_consumers`` ceiling (:mod:`meshnode.transport.streams`).
+(QUOTA_EXCEEDED to the requester, naming the limit and the stream), counted
+by :class:`_Holdings`; task consumers are additionally reaped by the server
+after 120 s idle, and the shared streams carry a ``max_consumers`` ceiling
+(:mod:`meshnode.transport.streams`; past it, QUOTA_EXCEEDED too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from meshnode.protocol import subjects
@@ -43,13 +48,20 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import Prefix, is_valid_public
 from meshnode.protocol.subjects import SubjectError
 from meshnode.transport.connection import Message
-from meshnode.transport.errors import NotFound
+from meshnode.transport.errors import ConsumerLimit, NotFound
 from meshnode.transport.jetstream import ConsumerSpec
 from meshnode.transport.permissions import node_inbox_prefix
 
 from .base import Envelope, ServiceBase, ServiceContext
 
-__all__ = ["DEFAULT_MAX_PER_AGENT", "TASK_CONSUMER_IDLE_S", "ConsumerService", "consumer_spec"]
+__all__ = [
+    "DEFAULT_MAX_PER_AGENT",
+    "LISTING_TTL_S",
+    "TASK_CONSUMER_IDLE_S",
+    "ConsumerService",
+    "consumer_owner",
+    "consumer_spec",
+]
 
 DEFAULT_MAX_PER_AGENT = 256
 """Consumers one agent may hold on one shared stream (``services.max_consumers_per_agent``)."""
@@ -132,12 +144,71 @@ def consumer_spec(node_id: str, agent_id: str, payload: Mapping[str, Any]) -> tu
     return stream, spec
 
 
-def _owned_by(name: str, agent_id: str) -> bool:
-    """Whether consumer ``name`` is one of ``agent_id``'s (§18.6 forms)."""
-    return (
-        name.startswith((f"mesh_event_{agent_id}_", f"mesh_feed_{agent_id}"))
-        or (name.startswith("mesh_task_") and name.endswith((f"_{agent_id}", f"_{agent_id}_stream")))
-    )
+_KEY_LEN = 56  # an nkey public key's length: the agent id in a consumer's name
+
+
+def consumer_owner(name: str) -> str | None:
+    """The agent whose consumer ``name`` is (§18.6 forms), None for any other name:
+    ``mesh_event_{agent}_{hash}``, ``mesh_feed_{agent}[_{hash}]``,
+    ``mesh_task_{task}_{agent}[_stream]``."""
+    for prefix in ("mesh_event_", "mesh_feed_"):
+        if name.startswith(prefix):
+            owner = name[len(prefix):len(prefix) + _KEY_LEN]
+            rest = name[len(prefix) + _KEY_LEN:]
+            return owner if len(owner) == _KEY_LEN and (not rest or rest.startswith("_")) else None
+    if name.startswith("mesh_task_"):
+        base = name.removesuffix("_stream")
+        if len(base) > len("mesh_task_") + _KEY_LEN and base[-_KEY_LEN - 1] == "_":
+            return base[-_KEY_LEN:]
+    return None
+
+
+#: How long one listing of a stream's consumers stands for it in the quota (see _Holdings).
+LISTING_TTL_S = 5.0
+
+
+class _Holdings:
+    """How many consumers each agent holds on one stream, for the quota.
+
+    Listing the stream's consumers for every creation made creating n of them
+    O(n²): starting 2,000 agents that subscribe to events took 86 s (13 s now),
+    half the daemon's CPU decoding CONSUMER.LIST pages (py-spy) and the broker
+    serving them. Now one listing of the names stands for up to LISTING_TTL_S, with
+    this service's own creations and deletions counted on top of it. A count
+    at the limit is listed afresh before anything is refused, so a consumer the
+    server removed by itself (an idle task consumer) never causes a refusal;
+    what other service instances created since the last listing (and what this
+    one created while a listing was being read) is seen at the next one, at
+    most LISTING_TTL_S later: the bound is exact at a refusal, and can be passed
+    by what an agent gets created within that window elsewhere.
+    """
+
+    def __init__(self, list_names: Callable[[], Awaitable[list[str]]], clock: Callable[[], float]) -> None:
+        self._list_names = list_names
+        self._clock = clock
+        self._counts: Counter[str] = Counter()
+        self._listed_at = -math.inf
+        self._listing = asyncio.Lock()
+
+    async def held(self, agent: str, *, fresh: bool = False) -> int:
+        asked = self._clock()
+        if fresh or asked - self._listed_at >= LISTING_TTL_S:
+            async with self._listing:
+                # One listing at a time: one that began while this call waited
+                # serves it too (fresh: one begun after it asked).
+                if (self._listed_at <= asked) if fresh else (asked - self._listed_at >= LISTING_TTL_S):
+                    started = self._clock()
+                    names = await self._list_names()
+                    self._counts = Counter(owner for name in names if (owner := consumer_owner(name)))
+                    self._listed_at = started
+        return self._counts[agent]
+
+    def created(self, agent: str) -> None:
+        self._counts[agent] += 1
+
+    def deleted(self, agent: str) -> None:
+        if self._counts[agent] > 0:
+            self._counts[agent] -= 1
 
 
 class ConsumerService(ServiceBase):
@@ -146,6 +217,14 @@ class ConsumerService(ServiceBase):
     def __init__(self, ctx: ServiceContext, *, max_per_agent: int = DEFAULT_MAX_PER_AGENT) -> None:
         super().__init__(ctx, name="consumers", queue="mesh_consumers")
         self.max_per_agent = max_per_agent
+        self._holdings: dict[str, _Holdings] = {}
+
+    def _holdings_on(self, stream: str) -> _Holdings:
+        holdings = self._holdings.get(stream)
+        if holdings is None:
+            js = self.ctx.connection.jetstream
+            holdings = self._holdings[stream] = _Holdings(lambda: js.consumer_names(stream), time.monotonic)
+        return holdings
 
     async def admit(self, msg: Message, env: Envelope) -> bool:
         """Not charged to the sender's or node's service budget: these requests
@@ -182,7 +261,17 @@ class ConsumerService(ServiceBase):
             await js.consumer_state(stream, spec.name)
         except NotFound:
             await self._check_quota(stream, agent)
-        action = await js.ensure_consumer(stream, spec)
+        try:
+            action = await js.ensure_consumer(stream, spec)
+        except ConsumerLimit:
+            raise ProtocolError(
+                "QUOTA_EXCEEDED",
+                f"{stream} holds as many consumers as it may ([storage] max_consumers_per_stream on the "
+                "node running the platform services); the operator raises it, or agents unsubscribe",
+                {"stream": stream, "limit": "max_consumers_per_stream"},
+            ) from None
+        if action == "created":
+            self._holdings_on(stream).created(agent)
         if action in ("updated", "recreated"):
             self.log.warning("consumer %s of %s on %s was %s: its configuration had drifted", spec.name, agent, stream, action)
         return {"stream": stream, "name": spec.name, "deliver_subject": spec.deliver_subject, "action": action}
@@ -197,11 +286,14 @@ class ConsumerService(ServiceBase):
             await self.ctx.connection.jetstream.delete_consumer(stream, spec.name)
         except NotFound:
             return {"stream": stream, "name": spec.name, "deleted": False}
+        self._holdings_on(stream).deleted(agent)
         return {"stream": stream, "name": spec.name, "deleted": True}
 
     async def _check_quota(self, stream: str, agent: str) -> None:
-        names = await self.ctx.connection.jetstream.consumer_names(stream)
-        held = sum(1 for name in names if _owned_by(name, agent))
+        holdings = self._holdings_on(stream)
+        held = await holdings.held(agent)
+        if held >= self.max_per_agent:
+            held = await holdings.held(agent, fresh=True)  # never refused on a stale count
         if held >= self.max_per_agent:
             raise ProtocolError(
                 "QUOTA_EXCEEDED",

@@ -29,6 +29,7 @@ import nats.js.errors
 
 __all__ = [
     "Conflict",
+    "ConsumerLimit",
     "EmbeddedMeshError",
     "NoResponders",
     "NotConnected",
@@ -51,6 +52,7 @@ __all__ = [
 _STORE_FULL_CODES = frozenset({10002, 10023, 10047, 10054, 10077})
 _ALREADY_IN_USE = 10058  # stream name already in use with a different configuration
 _WRONG_LAST_SEQUENCE = 10071
+_CONSUMER_LIMIT = 10026  # "maximum consumers limit reached" (the stream's max_consumers)
 
 
 class EmbeddedMeshError(RuntimeError):
@@ -111,6 +113,10 @@ class StoreFull(TransportError):
     """The store has no room left (account limits, insufficient resources, full disk)."""
 
 
+class ConsumerLimit(TransportError):
+    """The stream holds as many consumers as its ``max_consumers`` allows."""
+
+
 class Unavailable(TransportError):
     """JetStream is temporarily unavailable (503: no leader yet, recovering)."""
 
@@ -148,6 +154,8 @@ def translate(exc: BaseException) -> TransportError:
             kind = Conflict
         elif err_code in _STORE_FULL_CODES:
             kind = StoreFull
+        elif err_code == _CONSUMER_LIMIT:
+            kind = ConsumerLimit
         elif isinstance(exc, nats.js.errors.ServiceUnavailableError) or code == 503:
             kind = Unavailable
         elif code == 403:

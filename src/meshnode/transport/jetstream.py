@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, StreamInfo
+from nats.js.errors import APIError
 from nats.js.kv import KeyValue as NatsKeyValue
 
 from meshnode.aio import backoff
@@ -722,14 +723,24 @@ class JetStream:
         with translated():
             await self._js.delete_consumer(stream, consumer)
 
-    async def consumer_names(self, stream: str) -> list[str]:
-        """Every consumer name on ``stream`` (paged by the server)."""
+    async def consumer_names(self, stream: str, *, timeout: float = 5.0) -> list[str]:
+        """Every consumer name on ``stream`` (``$JS.API.CONSUMER.NAMES``, paged by the server).
+
+        Names only: nats-py's ``consumers_info`` reads every consumer's whole
+        info (CONSUMER.LIST, 256 a page, each decoded into objects), which at
+        2,000 consumers was half a busy daemon's CPU.
+        """
         names: list[str] = []
+        subject = f"{_JS_API}.CONSUMER.NAMES.{stream}"
         with translated():
             while True:
-                page = await self._js.consumers_info(stream, offset=len(names))
-                names += [info.name for info in page]
-                if not page:
+                reply = await self._client.request(subject, orjson.dumps({"offset": len(names)}), timeout=timeout)
+                answer = orjson.loads(reply.data)
+                if "error" in answer:
+                    raise APIError.from_error(answer["error"])
+                page = answer.get("consumers") or []
+                names += page
+                if not page or len(names) >= int(answer.get("total", 0)):
                     return names
 
     async def consumer_filters(self, stream: str) -> list[list[str]]:

@@ -25,7 +25,9 @@ participant can write into a stream it may publish on (``MESH_TASKS``,
 ``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``, the mailboxes) can then
 never eat into the registry's, the task records' or the artifacts' share.
 The participant-writable streams also carry ``max_msg_size``, refused at the
-publisher's PubAck (10054 "message size exceeds maximum allowed").
+publisher's PubAck (10054 "message size exceeds maximum allowed"), and the
+streams that hold a consumer per subscription or per task followed carry
+``max_consumers`` (nats-server 2.15 caps a stream that sets none at 1,000).
 Discard policy per stream:
 
 * the shared streams discard the **oldest** message at their bound: a flood
@@ -142,12 +144,21 @@ class StreamLimits:
     """KV ``mesh_agreements``: the agreements registered with the platform (§19.5)."""
     max_msg_size: int = 1 * _MIB
     """One message on ``MESH_TASKS``, ``MESH_EVENTS``, ``MESH_FEED``, ``MESH_HEARTBEAT``."""
+    max_consumers: int = 100_000
+    """Consumers on ``MESH_TASKS``, ``MESH_EVENTS`` and ``MESH_FEED`` (one per agent's
+    event or feed subscription, one per task followed). Always set: nats-server 2.15
+    gives a stream that sets none a limit of 1,000 (and reads 0 or -1 as "its
+    default"), so the 1,001st agent with an event subscription failed to start."""
 
     def platform_total(self) -> int:
         """Bytes the platform objects of one account reserve (mailboxes not included)."""
         return sum(
-            getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "max_msg_size"
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_BYTES
         )
+
+
+#: StreamLimits fields that are no reservation in the store.
+_NOT_BYTES = ("max_msg_size", "max_consumers")
 
 
 DEFAULT_STREAM_LIMITS = StreamLimits()
@@ -167,6 +178,7 @@ _OWNED_FIELDS = (
     "duplicate_window",
     "num_replicas",
     "storage",
+    "max_consumers",
 )
 
 
@@ -200,6 +212,7 @@ def mesh_stream_configs(
             max_age=7 * DAY_S,
             max_bytes=limits.tasks,
             max_msg_size=limits.max_msg_size,
+            max_consumers=limits.max_consumers,
             discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=replicas,
@@ -213,6 +226,7 @@ def mesh_stream_configs(
             max_age=DAY_S,
             max_bytes=limits.events,
             max_msg_size=limits.max_msg_size,
+            max_consumers=limits.max_consumers,
             discard=DiscardPolicy.OLD,
             storage=StorageType.FILE,
             num_replicas=replicas,
@@ -312,6 +326,7 @@ def feed_stream_config(replicas: int, limits: StreamLimits = DEFAULT_STREAM_LIMI
         max_age=DAY_S,
         max_bytes=limits.feed,
         max_msg_size=limits.max_msg_size,
+        max_consumers=limits.max_consumers,
         discard=DiscardPolicy.OLD,
         storage=StorageType.FILE,
         num_replicas=replicas,
@@ -426,7 +441,7 @@ def _normalized(field: str, value: Any) -> Any:
         return sorted(value or [])
     if field in ("max_age", "duplicate_window"):
         return float(value or 0)
-    if field in ("max_bytes", "max_msgs", "max_msg_size"):
+    if field in ("max_bytes", "max_msgs", "max_msg_size", "max_consumers"):
         return -1 if value in (None, 0) else int(value)
     if field in ("retention", "discard", "storage"):
         return getattr(value, "value", value)
