@@ -258,11 +258,9 @@ class ConsumerService(ServiceBase):
         stream, spec = consumer_spec(node, agent, payload)
         js = self.ctx.connection.jetstream
         try:
-            await js.consumer_state(stream, spec.name)
-        except NotFound:
-            await self._check_quota(stream, agent)
-        try:
-            action = await js.ensure_consumer(stream, spec)
+            # The quota is checked only for a consumer that does not exist yet,
+            # between ensure's look-up and its creation (one look-up, not two).
+            action = await js.ensure_consumer(stream, spec, before_create=lambda: self._check_quota(stream, agent))
         except ConsumerLimit:
             raise ProtocolError(
                 "QUOTA_EXCEEDED",

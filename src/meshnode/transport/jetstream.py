@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -242,14 +242,23 @@ def _stream_state(info: StreamInfo) -> StreamState:
     )
 
 
-async def _info_or_create(js: JetStreamContext, stream: str, name: str, config: ConsumerConfig) -> ConsumerInfo | None:
-    """Consumer ``name``'s info, or None after creating it with ``config`` (it did not exist)."""
+async def _info_or_create(
+    js: JetStreamContext,
+    stream: str,
+    name: str,
+    config: ConsumerConfig,
+    before_create: Callable[[], Awaitable[None]] | None = None,
+) -> ConsumerInfo | None:
+    """Consumer ``name``'s info, or None after creating it with ``config`` (it did not
+    exist; ``before_create`` is awaited first, and what it raises stops the creation)."""
     try:
         with translated():
             found: ConsumerInfo = await js.consumer_info(stream, name)
             return found
     except NotFound:
         pass
+    if before_create is not None:
+        await before_create()
     with translated():
         await js.add_consumer(stream, config=config)
     return None
@@ -757,8 +766,13 @@ class JetStream:
                     one = [config.filter_subject] if config.filter_subject else []
                     filters.append(one + list(config.filter_subjects or []))
 
-    async def ensure_consumer(self, stream: str, spec: ConsumerSpec) -> ConsumerAction:
+    async def ensure_consumer(
+        self, stream: str, spec: ConsumerSpec, *, before_create: Callable[[], Awaitable[None]] | None = None
+    ) -> ConsumerAction:
         """Create the consumer ``spec`` describes, or assert an existing one's config.
+
+        ``before_create`` is awaited when the consumer does not exist yet, right
+        before it is created (a quota check: what it raises stops the creation).
 
         An existing consumer whose configuration drifted (another party
         retargeted its filter, moved its deliver subject, ...) is updated in
@@ -767,7 +781,7 @@ class JetStream:
         are logged as warnings: they mean someone changed a consumer it did
         not own, or an older version left a different configuration.
         """
-        found = await _info_or_create(self._js, stream, spec.name, spec.config())
+        found = await _info_or_create(self._js, stream, spec.name, spec.config(), before_create)
         if found is None:
             return "created"
         drift = spec.drift(found.config)
