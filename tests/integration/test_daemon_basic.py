@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -98,7 +99,14 @@ def test_agent_added_at_runtime_gets_a_reminted_credential(meshnode_daemons: Dae
     assert gone["agents"] == []
     # Each change re-minted B's credential, and its attestation with it: the
     # other agent kept the one it carries (no re-registration per change).
-    assert b.log_text().count("registered echo_b as") == 1
+    log = b.log_text()
+    assert log.count("registered echo_b as") == 1
+    # Presented by a reconnect on purpose: routine, not a warning.
+    assert "to present a new credential" in log
+    assert not re.search(r"WARNING .*disconnected from the mesh", log), b.log_tail()
+    # The embedded node's service-role credential names no agent: A's own roster
+    # changes would not reconnect it (test_lifecycle); B's did not either.
+    assert "to present a new credential" not in a.log_text()
 
 
 def test_a_roster_change_keeps_the_other_agents_registrations(meshnode_daemons: DaemonSet) -> None:
@@ -117,6 +125,11 @@ def test_a_roster_change_keeps_the_other_agents_registrations(meshnode_daemons: 
     # the new agent's manifest carries the same one, and it answers.
     later = node.admin("Discover", {"agent_ids": [node.agent_id("later")]})["agents"][0]
     assert later["node"]["trust_attestation"] == carried
+    # Added without a reconnect (the service-role credential names no agent), and
+    # served: live, and its mailbox drained.
+    assert node.call("later", "echo", "on time")["output"] == {"ok": "on time"}
+    assert [d["agent"] for d in node.admin("Drain.Now", {"agent": "later"})["drained"]] == ["later"]
+    assert "to present a new credential" not in log
     assert node.admin("Discover", {"agent_ids": [echo]})["agents"][0]["node"]["trust_attestation"] == carried
     assert node.call("later", "echo", "hi")["output"] == {"ok": "hi"}
 

@@ -540,10 +540,14 @@ class Daemon:
         await self._follow_credential(mesh)
         await mesh.present()
 
-    async def _refresh_credential(self) -> None:
-        """A credential for the current roster, presented by a reconnect (§14.3)."""
+    async def _refresh_credential(self, *, force: bool = False) -> None:
+        """A credential for the current roster, presented by a reconnect (§14.3);
+        none when it would grant exactly what the one in force grants (a
+        service-role node's grants name no agent), unless ``force``."""
         mesh = self._mesh()
-        await mesh.reissue()
+        if not await mesh.reissue(force=force):
+            log.debug("the roster change leaves the node credential's grants as they are: no reconnect")
+            return
         await self._follow_credential(mesh)
         await mesh.present(wait=True)
 
@@ -580,7 +584,8 @@ class Daemon:
         return self.methods.snapshot(agents_listed=agents_listed)
 
     async def add_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
-        """Host a new agent at runtime: key, re-minted credential, reconnect, register."""
+        """Host a new agent at runtime: key, re-minted credential and reconnect (when
+        its grants change), register."""
         return await self._hosting().add(self.config, name, table, self._refresh_credential)
 
     async def remove_agent(self, name: str, *, deregister: bool = True, reconnect: bool = True) -> None:
@@ -607,7 +612,7 @@ class Daemon:
     async def renew_now(self) -> dict[str, Any]:
         """Re-vouch and re-register every agent and renew the node credential now."""
         vouches = await self._hosting().revouch_all()
-        await self._refresh_credential()
+        await self._refresh_credential(force=True)
         return {"credential": self.credential_status(), "vouches": vouches}
 
     async def reload(self) -> dict[str, Any]:
