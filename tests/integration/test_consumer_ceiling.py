@@ -50,6 +50,7 @@ async def test_more_than_the_servers_default_of_consumers_fit_on_mesh_events(nod
     for i in range(SERVER_DEFAULT + 5):
         await native.add_consumer(subjects.MESH_EVENTS, ConsumerConfig(
             durable_name=f"c{i}", filter_subject=f"mesh.event.ceiling.{i}", ack_policy=AckPolicy.EXPLICIT,
+            mem_storage=True,  # nothing for the broker to write at its stop
         ))
     # Every name, across the names API's pages (besides ours, MESH_METERING's source).
     names = await js.consumer_names(subjects.MESH_EVENTS)
