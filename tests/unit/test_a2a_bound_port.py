@@ -74,15 +74,20 @@ def test_a_name_that_does_not_resolve_is_named() -> None:
         bind_listeners("no-such-host.invalid", 0)
 
 
-def test_an_inherited_listening_socket_is_adopted_under_its_number(listener: socket.socket) -> None:
+def test_an_inherited_listening_socket_is_served_by_a_duplicate_and_outlives_it(listener: socket.socket) -> None:
     fd = os.dup(listener.fileno())
-    adopted = adopt_listener(fd)
+    os.set_inheritable(fd, True)  # as a supervisor passes it
     try:
-        assert adopted.fileno() == fd
-        assert adopted.getsockname() == listener.getsockname()
+        adopted = adopt_listener(fd)
+        assert adopted.fileno() != fd and adopted.getsockname() == listener.getsockname()
         assert adopted.getblocking() is False
-    finally:
+        # The server closes its socket at a stop; descriptor fd stays open and
+        # inheritable for a daemon that re-executes itself.
         adopted.close()
+        os.fstat(fd)
+        assert os.get_inheritable(fd)
+    finally:
+        os.close(fd)
 
 
 def test_a_descriptor_that_cannot_serve_is_refused_and_left_open() -> None:

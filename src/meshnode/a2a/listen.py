@@ -20,6 +20,7 @@ taken port into an ordinary start-up error that names ``[a2a] listen``.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import socket
 
@@ -44,10 +45,14 @@ def listen_fd(listen: str) -> int | None:
 
 
 def adopt_listener(fd: int) -> socket.socket:
-    """The listening TCP socket passed as descriptor ``fd`` (``listen = "fd://N"``).
+    """A socket serving the listening TCP socket passed as descriptor ``fd``
+    (``listen = "fd://N"``): a duplicate of it. Descriptor ``fd`` itself stays
+    open and as it was, whatever becomes of the duplicate: the server closes
+    its socket at a stop, and a daemon that re-executes itself (a lapsed
+    credential) must find descriptor ``fd`` again.
 
     Raises :class:`ListenError` when ``fd`` is not open, not a socket, not TCP
-    or not listening; the descriptor is left as it was.
+    or not listening.
     """
     where = f'[a2a] listen "fd://{fd}"'
     try:
@@ -64,11 +69,11 @@ def adopt_listener(fd: int) -> socket.socket:
             raise ListenError(f"{where}: file descriptor {fd} is not a TCP socket ({sock.family.name}, {sock.type.name})")
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             raise ListenError(f"{where}: the socket on file descriptor {fd} is not listening (call listen() on it first)")
-    except ListenError:
-        sock.detach()  # the descriptor is the caller's: not closed here
-        raise
-    sock.setblocking(False)
-    return sock
+    finally:
+        sock.detach()  # the descriptor is the caller's: never closed here
+    serving = socket.socket(fileno=os.dup(fd))  # not inheritable, unlike fd
+    serving.setblocking(False)
+    return serving
 
 
 def bind_listeners(host: str, port: int) -> list[socket.socket]:
