@@ -1,4 +1,4 @@
-"""Fakes shared by the unit tests: the transport, and the one fake of the node.
+"""Fakes shared by the unit tests: the transport, the one fake of the node, and a clock.
 
 :class:`FakeConnection` stands in for :class:`meshnode.transport.connection.MeshConnection`
 (records publishes, answers requests from a script). :class:`FakeNode` is the
@@ -28,7 +28,24 @@ from meshnode.transport.errors import NotFound, TransportTimeout
 from meshnode.transport.grants import Grants
 from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
 
-__all__ = ["FakeConnection", "FakeJetStream", "FakeMsg", "FakeNode", "FakeSettings"]
+__all__ = ["FakeConnection", "FakeJetStream", "FakeMsg", "FakeNode", "FakeSettings", "ManualClock"]
+
+
+class ManualClock:
+    """A clock a test sets: ``clock()`` is ``clock.now``, which only the test
+    moves (``clock.now += 5``), or :meth:`sleep` (an injected sleep that
+    advances the clock instead of waiting, and records each delay)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        self.sleeps.append(delay)
+        self.now += delay
 
 
 @dataclass

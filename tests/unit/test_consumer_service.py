@@ -21,6 +21,7 @@ from meshnode.services.consumers import (
 )
 from meshnode.transport.jetstream import ConsumerSpec
 from meshnode.transport.permissions import node_inbox_prefix
+from tests.fakes import ManualClock
 
 NODE = KeyPair.generate(Prefix.USER).public_key
 OTHER_NODE = KeyPair.generate(Prefix.USER).public_key
@@ -95,14 +96,6 @@ def test_every_consumer_form_names_its_owner() -> None:
         assert consumer_owner(foreign) is None, foreign
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Listing:
     """The stream's consumer names, counting how often they are listed."""
 
@@ -120,7 +113,7 @@ class Listing:
 
 async def test_holdings_list_once_per_window_and_count_their_own_changes_on_top() -> None:
     mine = [subjects.event_consumer_name(AGENT, f"p{i}") for i in range(3)]
-    listing, clock = Listing([*mine, subjects.event_consumer_name(OTHER_NODE, "p")]), Clock()
+    listing, clock = Listing([*mine, subjects.event_consumer_name(OTHER_NODE, "p")]), ManualClock()
     holdings = _Holdings(listing, clock)
     assert await holdings.held(AGENT) == 3 and await holdings.held(OTHER_NODE) == 1
     holdings.created(AGENT)
@@ -137,7 +130,7 @@ async def test_holdings_list_once_per_window_and_count_their_own_changes_on_top(
 
 
 async def test_concurrent_askers_share_one_listing() -> None:
-    listing, clock = Listing([subjects.event_consumer_name(AGENT, "p")]), Clock()
+    listing, clock = Listing([subjects.event_consumer_name(AGENT, "p")]), ManualClock()
     listing.gate = asyncio.Event()
     holdings = _Holdings(listing, clock)
     askers = [asyncio.ensure_future(holdings.held(AGENT)) for _ in range(5)]

@@ -37,6 +37,7 @@ from meshnode.control_plane import (
 from meshnode.protocol.nkeys import KeyPair, Prefix, verify
 from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.jwt import decode_jwt, format_creds, verify_jwt
+from tests.fakes import ManualClock
 
 NOW = 1_790_000_000
 NATS_URL = "nats://127.0.0.1:4222"
@@ -233,24 +234,14 @@ def mesh_keys_only(tmp_path: Path) -> EmbeddedNatsServer:
     return EmbeddedNatsServer(tmp_path / "data")
 
 
-class Clock:
-    """A settable clock (unix seconds) for the control plane."""
-
-    def __init__(self, now: float = NOW) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(NOW)
 
 
 @pytest.fixture
 def control(
-    tmp_path: Path, mesh_keys_only: EmbeddedNatsServer, clock: Clock
+    tmp_path: Path, mesh_keys_only: EmbeddedNatsServer, clock: ManualClock
 ) -> ControlPlaneServer:
     return ControlPlaneServer(
         mesh_keys_only, tmp_path / "cp", port=0, nats_urls=[NATS_URL], clock=clock
@@ -395,7 +386,7 @@ def _code(control: ControlPlaneServer, body: dict[str, Any]) -> tuple[int, str |
 
 
 def test_reads_follow_every_change_of_nodes_json(
-    tmp_path: Path, control: ControlPlaneServer, mesh_keys_only: EmbeddedNatsServer, clock: Clock,
+    tmp_path: Path, control: ControlPlaneServer, mesh_keys_only: EmbeddedNatsServer, clock: ManualClock,
     agents: list[KeyPair],
 ) -> None:
     # The registry asks on every registration (retired? which tier?), so reads are
@@ -427,7 +418,7 @@ def test_reads_follow_every_change_of_nodes_json(
 
 
 def test_refusals_carry_the_revocation_codes(
-    control: ControlPlaneServer, clock: Clock, agents: list[KeyPair]
+    control: ControlPlaneServer, clock: ManualClock, agents: list[KeyPair]
 ) -> None:
     stranger = KeyPair.generate()
     assert _code(control, node_credential_request(stranger, [], NOW)) == (403, "node_unknown")
@@ -466,7 +457,7 @@ def test_refusals_carry_the_revocation_codes(
 
 
 def test_retire_message_when_nothing_is_valid_any_more(
-    control: ControlPlaneServer, clock: Clock
+    control: ControlPlaneServer, clock: ManualClock
 ) -> None:
     node_id = control.invite("alpha").node_id
     clock.now = NOW + 8 * 24 * 3600
@@ -527,7 +518,7 @@ def test_role_of_picks_the_permissions(tmp_path: Path, mesh_keys_only: EmbeddedN
 
 
 @pytest.fixture
-async def running(control: ControlPlaneServer, clock: Clock) -> AsyncIterator[ControlPlaneServer]:
+async def running(control: ControlPlaneServer, clock: ManualClock) -> AsyncIterator[ControlPlaneServer]:
     clock.now = time.time()
     await control.start()
     try:
@@ -759,7 +750,7 @@ def test_token_is_stored_hashed_and_exchanged_once(
 
 
 def test_expired_revoked_and_unknown_tokens_are_refused(
-    control: ControlPlaneServer, clock: Clock, agents: list[KeyPair]
+    control: ControlPlaneServer, clock: ManualClock, agents: list[KeyPair]
 ) -> None:
     agent = agents[0].public_key
     short, _ = control.create_token("short", ttl_s=60)

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from meshnode.transport.liveness import BrokerWatch, LivenessState
+from tests.fakes import ManualClock
 
 
 def test_an_episode_starts_once_and_ends_on_the_first_answer() -> None:
@@ -37,18 +38,10 @@ def test_the_remedy_is_due_after_the_bound_and_then_at_that_interval() -> None:
     assert state.remedy_due(80.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_a_round_reports_the_first_failing_probe_and_applies_the_remedy(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     answers = {"process": True, "ping": True}
     calls: list[str] = []
     remedies: list[float] = []

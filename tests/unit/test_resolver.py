@@ -20,17 +20,9 @@ from meshnode.protocol import subjects
 from meshnode.protocol.attestations import make_vouch
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, Prefix
-from tests.fakes import FakeNode
+from tests.fakes import FakeNode, ManualClock
 
 NOW = 1_800_000_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Registry:
@@ -89,11 +81,11 @@ async def test_refresh_ahead_of_expiry_never_makes_a_caller_wait() -> None:
     node = FakeNode(now_ms=NOW)
     target, manifest = _target()
     registry = Registry(node, target, manifest)
-    clock = Clock()
+    clock = ManualClock(1000.0)
     cache = ManifestCache(node.as_port(), ttl_s=30.0, refresh_ahead=0.75, clock=clock)
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
 
-    clock.t += 25.0  # past 3/4 of the lifetime, still valid
+    clock.now += 25.0  # past 3/4 of the lifetime, still valid
     registry.release.clear()
     registry.manifest = {**manifest, "description": "v2"}
     # Answered at once from the cache while the refresh is held in flight...
@@ -112,11 +104,11 @@ async def test_a_rate_limited_refresh_keeps_the_cached_manifest_and_retries_late
     node = FakeNode(now_ms=NOW)
     target, manifest = _target()
     registry = Registry(node, target, manifest)
-    clock = Clock()
+    clock = ManualClock(1000.0)
     cache = ManifestCache(node.as_port(), ttl_s=30.0, refresh_ahead=0.75, clock=clock)
     await cache.resolve(None, target)  # type: ignore[arg-type]
 
-    clock.t += 25.0
+    clock.now += 25.0
     # A refresh the registry refuses for longer than the look-up may wait.
     registry.fail = [ProtocolError("RATE_LIMITED", "spent", retry_after_ms=60_000)]
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
@@ -124,10 +116,10 @@ async def test_a_rate_limited_refresh_keeps_the_cached_manifest_and_retries_late
     # The caller never saw it; nor does the next, and no new look-up starts before retry_after.
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
     assert registry.calls == 2
-    clock.t += 4.0  # retry_after is past the expiry: nothing is tried before it
+    clock.now += 4.0  # retry_after is past the expiry: nothing is tried before it
     assert await cache.resolve(None, target) == manifest  # type: ignore[arg-type]
     assert registry.calls == 2
-    clock.t += 2.0  # expired now: the caller waits for a look-up, which succeeds
+    clock.now += 2.0  # expired now: the caller waits for a look-up, which succeeds
     registry.manifest = {**manifest, "description": "v2"}
     assert await cache.resolve(None, target) == registry.manifest  # type: ignore[arg-type]
     assert registry.calls == 3

@@ -7,29 +7,15 @@ import pytest
 from meshnode.agent import NotReady
 from meshnode.node import supervise
 from meshnode.node.supervise import NotReadyTooLong, StartTimeout, supervise_retrying
-
-
-class Clock:
-    """Advances by each sleep, so the bounds are checked without waiting."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, delay: float) -> None:
-        self.sleeps.append(delay)
-        self.now += delay
+from tests.fakes import ManualClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-async def test_not_ready_twice_then_started(clock: Clock) -> None:
+async def test_not_ready_twice_then_started(clock: ManualClock) -> None:
     attempts = 0
     retries: list[tuple[int, str, float]] = []
 
@@ -45,7 +31,7 @@ async def test_not_ready_twice_then_started(clock: Clock) -> None:
     assert retries == [(1, "database down (1)", 1.0), (2, "database down (2)", 2.0)]
 
 
-async def test_the_delays_are_capped_and_the_timeout_gives_up(clock: Clock) -> None:
+async def test_the_delays_are_capped_and_the_timeout_gives_up(clock: ManualClock) -> None:
     async def never() -> None:
         raise NotReady("never")
 
@@ -56,7 +42,7 @@ async def test_the_delays_are_capped_and_the_timeout_gives_up(clock: Clock) -> N
     assert issubclass(NotReadyTooLong, StartTimeout)  # failed like a hung start (no traceback logged)
 
 
-async def test_retry_after_is_honoured_within_the_cap_and_other_errors_are_not_retried(clock: Clock) -> None:
+async def test_retry_after_is_honoured_within_the_cap_and_other_errors_are_not_retried(clock: ManualClock) -> None:
     attempts = 0
 
     async def start() -> None:
