@@ -86,6 +86,8 @@ class FakeJetStream:
         self.fail_publishes = 0
         self.calls: Counter[str] = Counter()
         self._msg_ids: dict[str, set[str]] = {}
+        #: stream -> each consumer's filter subjects, as ``consumer_filters`` lists them.
+        self.consumer_filter_lists: dict[str, list[list[str]]] = {}
 
     def _check(self, call: str) -> None:
         self.calls[call] += 1
@@ -137,6 +139,10 @@ class FakeJetStream:
             if m.seq == seq or (next and m.seq > seq and (subject is None or m.subject == subject)):
                 return m
         raise NotFound(f"no message at {seq} in {stream}")
+
+    async def consumer_filters(self, stream: str) -> list[list[str]]:
+        self._check("consumer_filters")
+        return [list(f) for f in self.consumer_filter_lists.get(stream, [])]
 
     async def reader(self, stream: str, *, start_seq: int, inactive_threshold_s: float = 60.0) -> _FakeReader:
         self._check("reader")

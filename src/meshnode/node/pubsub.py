@@ -25,6 +25,7 @@ subjects: the signed ``from`` must be the subject's owner token.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -95,6 +96,10 @@ class SubscriptionRecord:
         return out
 
 
+#: How long one listing of MESH_EVENTS' consumer filters answers the interest hint.
+INTEREST_LISTING_TTL_MS = 30_000
+
+
 class PubSub:
     """The node's publish/subscribe state (see the module docstring)."""
 
@@ -109,6 +114,11 @@ class PubSub:
         # read after the subscription delivered something newer returns that.
         self._latest: OrderedDict[tuple[str, str, str], Mapping[str, Any]] = OrderedDict()
         self._tasks = BackgroundTasks()
+        # MESH_EVENTS' consumer filters for the interest hint, listed at most
+        # every INTEREST_LISTING_TTL_MS (see _event_filters).
+        self._filters: list[list[str]] = []
+        self._filters_at_ms: int | None = None
+        self._filters_listing = asyncio.Lock()
 
     # -- the emit side ---------------------------------------------------------------
 
@@ -167,6 +177,21 @@ class PubSub:
                 domain,
             )
 
+    async def _event_filters(self) -> list[list[str]]:
+        """MESH_EVENTS' consumer filters, from a listing at most INTEREST_LISTING_TTL_MS old.
+
+        A listing reads every consumer's whole info (CONSUMER.LIST, 256 a page):
+        with one consumer per subscribing agent, asking it at every agent's first
+        emit in a domain cost O(subscribers) each. The hint it serves is said
+        once per agent and domain, so a listing some seconds old does.
+        """
+        async with self._filters_listing:
+            now = self.node.now_ms()
+            if self._filters_at_ms is None or now - self._filters_at_ms >= INTEREST_LISTING_TTL_MS:
+                self._filters = await self.node.connection.jetstream.consumer_filters(subjects.MESH_EVENTS)
+                self._filters_at_ms = now
+            return self._filters
+
     async def _domain_retained(self, domain: str) -> bool:
         """Whether any consumer of MESH_EVENTS holds interest in ``domain``'s events.
 
@@ -183,7 +208,7 @@ class PubSub:
                 domain_events = subjects.event_filter(f"{domain}.>")
                 return any(
                     not filters or any(subjects.patterns_intersect(f, domain_events) for f in filters)
-                    for filters in await js.consumer_filters(subjects.MESH_EVENTS)
+                    for filters in await self._event_filters()
                 )
             return (await js.stream_state(subjects.MESH_EVENTS)).consumer_count > 0
         except Exception as exc:  # no stream, no permission, no connection: nothing to say
