@@ -19,6 +19,7 @@ from meshnode.services.consumers import (
     consumer_owner,
     consumer_spec,
 )
+from meshnode.testing import eventually_async
 from meshnode.transport.jetstream import ConsumerSpec
 from meshnode.transport.permissions import node_inbox_prefix
 from tests.fakes import ManualClock
@@ -134,7 +135,7 @@ async def test_concurrent_askers_share_one_listing() -> None:
     listing.gate = asyncio.Event()
     holdings = _Holdings(listing, clock)
     askers = [asyncio.ensure_future(holdings.held(AGENT)) for _ in range(5)]
-    await asyncio.sleep(0)
+    await eventually_async(lambda: listing.calls == 1, what="the first listing under way")
     listing.gate.set()
     assert await asyncio.gather(*askers) == [1] * 5
     assert listing.calls == 1

@@ -25,7 +25,6 @@ subjects: the signed ``from`` must be the subject's owner token.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from meshnode.agent import Event
 from meshnode.aio import BackgroundTasks
 from meshnode.node.pipeline import Intake, Path, Refused, decode_verified, guard
+from meshnode.node.singleflight import SingleFlightCache
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import (
     build_envelope,
@@ -114,11 +114,10 @@ class PubSub:
         # read after the subscription delivered something newer returns that.
         self._latest: OrderedDict[tuple[str, str, str], Mapping[str, Any]] = OrderedDict()
         self._tasks = BackgroundTasks()
-        # MESH_EVENTS' consumer filters for the interest hint, listed at most
-        # every INTEREST_LISTING_TTL_MS (see _event_filters).
-        self._filters: list[list[str]] = []
-        self._filters_at_ms: int | None = None
-        self._filters_listing = asyncio.Lock()
+        # MESH_EVENTS' consumer filters for the interest hint (see _event_filters).
+        self._filters: SingleFlightCache[str, list[list[str]]] = SingleFlightCache(
+            capacity=1, clock=lambda: self.node.now_ms() / 1000
+        )
 
     # -- the emit side ---------------------------------------------------------------
 
@@ -178,19 +177,19 @@ class PubSub:
             )
 
     async def _event_filters(self) -> list[list[str]]:
-        """MESH_EVENTS' consumer filters, from a listing at most INTEREST_LISTING_TTL_MS old.
+        """MESH_EVENTS' consumer filters, from a listing at most INTEREST_LISTING_TTL_MS
+        old (one listing at a time: :class:`SingleFlightCache`).
 
         A listing reads every consumer's whole info (CONSUMER.LIST, 256 a page):
         with one consumer per subscribing agent, asking it at every agent's first
         emit in a domain cost O(subscribers) each. The hint it serves is said
         once per agent and domain, so a listing some seconds old does.
         """
-        async with self._filters_listing:
-            now = self.node.now_ms()
-            if self._filters_at_ms is None or now - self._filters_at_ms >= INTEREST_LISTING_TTL_MS:
-                self._filters = await self.node.connection.jetstream.consumer_filters(subjects.MESH_EVENTS)
-                self._filters_at_ms = now
-            return self._filters
+        async def listing() -> tuple[list[list[str]], float]:
+            filters = await self.node.connection.jetstream.consumer_filters(subjects.MESH_EVENTS)
+            return filters, INTEREST_LISTING_TTL_MS / 1000
+
+        return await self._filters.get(subjects.MESH_EVENTS, listing)
 
     async def _domain_retained(self, domain: str) -> bool:
         """Whether any consumer of MESH_EVENTS holds interest in ``domain``'s events.
@@ -552,6 +551,7 @@ class PubSub:
 
     async def stop(self) -> None:
         await self._tasks.cancel()
+        await self._filters.close()
 
 
 def _feed_event(subject: str, env: Mapping[str, Any], payload: FeedPayload) -> Event:

@@ -36,13 +36,12 @@ after 120 s idle, and the shared streams carry a ``max_consumers`` ceiling
 
 from __future__ import annotations
 
-import asyncio
-import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from meshnode.node.singleflight import SingleFlightCache
 from meshnode.protocol import subjects
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import Prefix, is_valid_public
@@ -165,6 +164,7 @@ def consumer_owner(name: str) -> str | None:
 
 #: How long one listing of a stream's consumers stands for it in the quota (see _Holdings).
 LISTING_TTL_S = 5.0
+_STREAM = "stream"  # a _Holdings is one stream's: its cache's only key
 
 
 class _Holdings:
@@ -173,8 +173,9 @@ class _Holdings:
     Listing the stream's consumers for every creation made creating n of them
     O(n²): starting 2,000 agents that subscribe to events took 86 s (13 s now),
     half the daemon's CPU decoding CONSUMER.LIST pages (py-spy) and the broker
-    serving them. Now one listing of the names stands for up to LISTING_TTL_S, with
-    this service's own creations and deletions counted on top of it. A count
+    serving them. Now one listing of the names stands for up to LISTING_TTL_S
+    (one at a time, shared: :class:`SingleFlightCache`), with this service's
+    own creations and deletions counted on top of it. A count
     at the limit is listed afresh before anything is refused, so a consumer the
     server removed by itself (an idle task consumer) never causes a refusal;
     what other service instances created since the last listing (and what this
@@ -185,30 +186,31 @@ class _Holdings:
 
     def __init__(self, list_names: Callable[[], Awaitable[list[str]]], clock: Callable[[], float]) -> None:
         self._list_names = list_names
-        self._clock = clock
-        self._counts: Counter[str] = Counter()
-        self._listed_at = -math.inf
-        self._listing = asyncio.Lock()
+        # One key (the stream): one listing at a time, shared by every caller.
+        self._listing: SingleFlightCache[str, Counter[str]] = SingleFlightCache(capacity=1, clock=clock)
+
+    async def _load(self) -> tuple[Counter[str], float]:
+        names = await self._list_names()
+        return Counter(owner for name in names if (owner := consumer_owner(name))), LISTING_TTL_S
 
     async def held(self, agent: str, *, fresh: bool = False) -> int:
-        asked = self._clock()
-        if fresh or asked - self._listed_at >= LISTING_TTL_S:
-            async with self._listing:
-                # One listing at a time: one that began while this call waited
-                # serves it too (fresh: one begun after it asked).
-                if (self._listed_at <= asked) if fresh else (asked - self._listed_at >= LISTING_TTL_S):
-                    started = self._clock()
-                    names = await self._list_names()
-                    self._counts = Counter(owner for name in names if (owner := consumer_owner(name)))
-                    self._listed_at = started
-        return self._counts[agent]
+        if fresh:
+            self._listing.forget(_STREAM)
+        counts = await self._listing.get(_STREAM, self._load)
+        return counts[agent]
 
     def created(self, agent: str) -> None:
-        self._counts[agent] += 1
+        counts = self._listing.peek(_STREAM)
+        if counts is not None:
+            counts[agent] += 1
 
     def deleted(self, agent: str) -> None:
-        if self._counts[agent] > 0:
-            self._counts[agent] -= 1
+        counts = self._listing.peek(_STREAM)
+        if counts is not None and counts[agent] > 0:
+            counts[agent] -= 1
+
+    async def close(self) -> None:
+        await self._listing.close()
 
 
 class ConsumerService(ServiceBase):
@@ -218,6 +220,11 @@ class ConsumerService(ServiceBase):
         super().__init__(ctx, name="consumers", queue="mesh_consumers")
         self.max_per_agent = max_per_agent
         self._holdings: dict[str, _Holdings] = {}
+
+    async def stop(self) -> None:
+        await super().stop()
+        for holdings in self._holdings.values():
+            await holdings.close()
 
     def _holdings_on(self, stream: str) -> _Holdings:
         holdings = self._holdings.get(stream)
