@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 import time
 from collections.abc import Callable
@@ -180,27 +181,44 @@ class Picky(TierProbe):
 
 
 class Quitter(Agent):
-    """Calls ``sys.exit`` (a plugin author's mistake) in its handler, with
-    ``on_start`` in its start (both this agent's failure only), or with
-    ``in_background`` in a task of its own, which ends the daemon's event loop:
-    the daemon must exit, not hang."""
+    """Calls ``sys.exit`` (a plugin author's mistake): in its handler, in
+    ``on_event`` (``quit.*`` events), in ``on_stop`` (``on_stop``), in
+    ``on_start`` (``on_start``), in a task of its own (``in_background``), each
+    that call's failure only; or in a task made in a context of its own
+    (``untracked``), which the node cannot tell from its own and which ends
+    the daemon's event loop: the daemon must exit, not hang."""
 
     description = "exits the process"
+    accepts = ("quit.*",)
 
     class Settings(AgentSettings):
         on_start: bool = False
+        on_stop: bool = False
         in_background: bool = False
+        untracked: bool = False
 
     async def on_start(self, ctx: Context) -> None:
         settings = self.settings
         assert isinstance(settings, Quitter.Settings)
         if settings.on_start:
             sys.exit(4)
+        loop = asyncio.get_running_loop()
         if settings.in_background:
-            self._quitting = asyncio.get_running_loop().create_task(self._quit_soon())
+            self._quitting = loop.create_task(self._quit_soon(5))
+        if settings.untracked:
+            self._quitting = loop.create_task(self._quit_soon(8), context=contextvars.Context())
 
-    async def _quit_soon(self) -> None:
-        sys.exit(5)  # runs once on_start has returned: the task's first step comes after
+    async def _quit_soon(self, status: int) -> None:
+        sys.exit(status)  # runs once on_start has returned: the task's first step comes after
+
+    async def on_event(self, ctx: Context, event: Any) -> None:
+        sys.exit(6)
+
+    async def on_stop(self) -> None:
+        settings = self.settings
+        assert isinstance(settings, Quitter.Settings)
+        if settings.on_stop:
+            sys.exit(7)
 
     @offering("quit", framing=False)
     async def quit(self, ctx: Context, input: Any) -> Any:

@@ -55,34 +55,50 @@ def test_an_unavailable_keystore_backend_exits_ex_config(meshnode_daemons: Daemo
     assert "systemd-credentials" in text and "LoadCredential" in text  # the backend and the fix
 
 
-def test_sys_exit_in_a_plugin_fails_its_agent_or_ends_the_daemon_never_hangs(meshnode_daemons: DaemonSet) -> None:
-    # A SystemExit raised in a task leaves the daemon's event loop. In a handler
-    # or on_start it is caught first: that agent's failure, the rest serve on.
+def test_sys_exit_in_a_plugin_fails_its_call_or_ends_the_daemon_never_hangs(meshnode_daemons: DaemonSet) -> None:
+    # A SystemExit raised in a task leaves the daemon's event loop. Wherever the
+    # node runs plugin code it is stopped first: that call's failure, the rest
+    # serve on (meshnode.node.pluginexit).
     node = meshnode_daemons.embedded(
         "quitters",
-        agents={"quitter": {"plugin": "test-quitter"}, "starter": {"plugin": "test-quitter", "on_start": True},
-                "echo": {"plugin": "echo"}},
-        node=TEST_PLUGINS,
+        agents={"quitter": {"plugin": "test-quitter", "on_stop": True},
+                "starter": {"plugin": "test-quitter", "on_start": True},
+                "background": {"plugin": "test-quitter", "in_background": True},
+                "emitter": {"plugin": "test-listener"}, "echo": {"plugin": "echo"}},
+        node={"plugin_modules": [*TEST_PLUGINS["plugin_modules"], "tests.agents:listener_plugin"]},
     )
     answer = node.call("quitter", "quit", timeout=10)
     assert answer["status"] == "failed" and answer["error"]["code"] == "INTERNAL_ERROR", answer
     starter = next(a for a in node.status()["agents"] if a["name"] == "starter")
     assert starter["state"] == "failed" and "on_start called sys.exit(4)" in starter["failure"], starter
+    refused = "a plugin cannot end the daemon"
+    eventually(lambda: f"a task of agent background called sys.exit(5); {refused}" in node.log_text(),
+               what="the background task's sys.exit logged")
+    # An event handler's: counted failed, the agent still subscribed and serving.
+    assert node.call("emitter", "emit", {"domain": "quit", "event_type": "now"})["output"]["emitted"]
+    eventually(lambda: f"on_event for mesh.event.quit.now called sys.exit(6); {refused}" in node.log_text(),
+               what="the event handler's sys.exit logged")
+    node.admin("Agents.Remove", {"name": "quitter"})
+    text = node.log_text()
+    assert f"the handler for quit called sys.exit(3); {refused}" in text
+    assert f"on_stop called sys.exit(7); {refused}" in text, text[-3000:]
     assert node.call("echo", "echo", "still")["output"] == {"ok": "still"}
-    assert "handler for quit called sys.exit(3): a plugin cannot end the daemon" in node.log_text()
-    # Anywhere else (a task the plugin made itself) it ends the loop. It used to
-    # leave, during start-up, a process that served nothing and never exited (the
-    # shutdown never ran, the inbox's SQLite thread held it up; found with
-    # uvicorn's sys.exit on a taken [a2a] port), and otherwise to exit with the
-    # plugin's status (0 tells a supervisor all is well). Now: 70, at once, said.
-    background = meshnode_daemons.embedded(
-        "quit-bg", agents={"quitter": {"plugin": "test-quitter", "in_background": True}}, node=TEST_PLUGINS,
+    assert node.call("background", "quit", timeout=10)["error"]["code"] == "INTERNAL_ERROR"
+    assert node.process is not None and node.process.poll() is None
+    # A task made in a context of its own is not known as the plugin's: its
+    # SystemExit ends the loop. It used to leave, during start-up, a process that
+    # served nothing and never exited (the shutdown never ran, the inbox's SQLite
+    # thread held it up; found with uvicorn's sys.exit on a taken [a2a] port), and
+    # otherwise to exit with the plugin's status (0 tells a supervisor all is
+    # well). Now: 70, at once, said.
+    untracked = meshnode_daemons.embedded(
+        "quit-bg", agents={"quitter": {"plugin": "test-quitter", "untracked": True}}, node=TEST_PLUGINS,
         start=False,
     )
     with pytest.raises(RuntimeError, match=f"exited with {EX_ERROR} during start-up"):
-        background.start()
-    text = background.log_text()
-    assert "SystemExit(5) was raised inside the daemon" in text and "must not call sys.exit()" in text, text[-3000:]
+        untracked.start()
+    text = untracked.log_text()
+    assert "SystemExit(8) was raised inside the daemon" in text and "must not call sys.exit()" in text, text[-3000:]
 
 
 def test_a_second_sigint_still_does_the_inbox_final_write(meshnode_daemons: DaemonSet) -> None:

@@ -36,6 +36,7 @@ from meshnode.node.looplag import running_for
 from meshnode.node.manifests import describe
 from meshnode.node.metrics import LatencyHistogram
 from meshnode.node.pipeline import SIGNAL_PREFIX, Intake, Path, first_reply
+from meshnode.node.pluginexit import PluginExited
 from meshnode.node.states import AgentState
 from meshnode.node.tasks import ResponderTask, cancel_task, new_task_id, propagated
 from meshnode.node.tasktally import TaskCount
@@ -157,7 +158,7 @@ class HostedAgent:
         self.max_concurrency = max_concurrency
         #: The asyncio tasks this agent's handlers made (and those made in
         #: turn), counted by the loop's task factory (issue #23 item 10).
-        self.spawned = TaskCount()
+        self.spawned = TaskCount(name)
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -275,7 +276,7 @@ class HostedAgent:
         ctx = AgentContext(self, envelope=env)
         ok = True
         try:
-            with running_for(self.name, self.spawned):
+            with running_for(self.name, self.spawned, f"on_event for {event.subject}"):
                 await self.agent.on_event(ctx, event)
         except asyncio.CancelledError:
             raise
@@ -565,7 +566,7 @@ class HostedAgent:
         try:
             try:
                 # The loop-lag watchdog names this agent if its handler blocks the loop.
-                with running_for(self.name, self.spawned):
+                with running_for(self.name, self.spawned, f"the handler for {spec.id}"):
                     if self.node.allowance is not None:
                         # Held for the owner at admission (ask_owner): waits here, unstarted.
                         await self.node.allowance.before_handler(self, env, lambda: self.open_task(ctx, "working"))
@@ -587,15 +588,10 @@ class HostedAgent:
             if ctx.task is not None and ctx.task.state == "canceled":
                 return  # stopped by a cancel; its update is already out
             raise
-        except (Exception, SystemExit) as exc:
-            # SystemExit too (a plugin's sys.exit()): past this task it would end
-            # the daemon's event loop, every other agent with it.
+        except Exception as exc:
             self.counters["failed"] += 1
-            if isinstance(exc, SystemExit):
-                self.agent.log.error(
-                    "handler for %s called sys.exit(%r): a plugin cannot end the daemon; answered as failed",
-                    spec.id, exc.code, exc_info=exc,
-                )
+            if isinstance(exc, PluginExited):  # its sys.exit(), stopped at running_for
+                self.agent.log.error("%s; answered as failed", exc, exc_info=exc)
             else:
                 self.agent.log.exception("handler for %s raised", spec.id)
             error = error_object("INTERNAL_ERROR", "the agent failed while handling the request")

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshnode.node import tasktally
+from meshnode.node.pluginexit import exited
 
 __all__ = ["UNATTRIBUTED", "LoopWatchdog", "running_for"]
 
@@ -46,20 +47,25 @@ _owners: dict[asyncio.Task[Any], str] = {}
 
 
 class running_for:  # noqa: N801 - used as a function (``with running_for(...)``)
-    """Attribute the current task to agent ``name`` while the block runs.
+    """Attribute the current task to agent ``name`` while the block, which runs
+    the agent's code ``call`` (e.g. "on_start"), runs.
 
     ``tasks``: the agent's count of the asyncio tasks its handlers spawn
     (:mod:`.tasktally`); a task made inside the block is counted there.
+    A ``SystemExit`` leaving the block leaves it as
+    :class:`~meshnode.node.pluginexit.PluginExited`: it fails the call, not
+    the daemon.
     Nested uses (a drain running a handler in its own task) restore the outer
     owner; costs one dict write and one pop per handler. (A class, not a
     generator context manager: it runs around every handler, and
     ``contextlib``'s machinery cost three times as much.)
     """
 
-    __slots__ = ("_name", "_outer", "_task", "_tasks", "_token")
+    __slots__ = ("_call", "_name", "_outer", "_task", "_tasks", "_token")
 
-    def __init__(self, name: str, tasks: tasktally.TaskCount | None = None) -> None:
+    def __init__(self, name: str, tasks: tasktally.TaskCount | None = None, call: str = "a handler") -> None:
         self._name = name
+        self._call = call
         self._tasks = tasks
         self._task: asyncio.Task[Any] | None = None
         self._outer: str | None = None
@@ -74,16 +80,17 @@ class running_for:  # noqa: N801 - used as a function (``with running_for(...)``
         if self._tasks is not None:
             self._token = tasktally.CURRENT.set(self._tasks)
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         task = self._task
-        if task is None:
-            return
-        if self._token is not None:
-            tasktally.CURRENT.reset(self._token)
-        if self._outer is None:
-            _owners.pop(task, None)
-        else:
-            _owners[task] = self._outer
+        if task is not None:
+            if self._token is not None:
+                tasktally.CURRENT.reset(self._token)
+            if self._outer is None:
+                _owners.pop(task, None)
+            else:
+                _owners[task] = self._outer
+        if isinstance(exc, SystemExit):
+            raise exited(self._call, exc) from exc
 
 
 class LoopWatchdog:

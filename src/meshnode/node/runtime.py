@@ -42,7 +42,7 @@ from meshnode.node.pubsub import PubSub
 from meshnode.node.resolver import NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
-from meshnode.node.supervise import PluginExited, supervise_retrying
+from meshnode.node.supervise import supervise_retrying
 from meshnode.node.tasks import RequesterTask, cancel_task
 from meshnode.node.trust import VouchMemo
 from meshnode.protocol import subjects
@@ -248,8 +248,9 @@ class Node:
         """
         if name in self.agents:
             raise ValueError(f"an agent named {name!r} is already hosted")
-        parsed: AgentSettings = agent_class.Settings.model_validate(dict(settings))
-        agent = agent_class(name, parsed)
+        with running_for(name, None, "its settings or constructor"):  # the plugin's code too
+            parsed: AgentSettings = agent_class.Settings.model_validate(dict(settings))
+            agent = agent_class(name, parsed)
         memory = None
         if self.inbox is not None:
             # The duplicate memory survives restarts: reload what was remembered.
@@ -278,16 +279,9 @@ class Node:
             async def on_start() -> None:
                 # Tasks on_start leaves running (a plugin's background loop) are
                 # the agent's, and so is a block of the loop while it runs.
-                with running_for(hosted.name, hosted.spawned):
-                    try:
-                        await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
-                    except SystemExit as exc:
-                        # Past this task it would end the daemon's event loop,
-                        # every other agent with it: this agent's failure only.
-                        raise PluginExited(
-                            f"on_start called sys.exit({exc.code!r}); a plugin cannot end the daemon "
-                            "(raise an exception instead)"
-                        ) from exc
+                # A sys.exit() in it fails this agent only (PluginExited).
+                with running_for(hosted.name, hosted.spawned, "on_start"):
+                    await agent.on_start(AgentContext(hosted, trace=new_root_trace()))
 
             await supervise_retrying(
                 on_start,
@@ -354,8 +348,12 @@ class Node:
             await drain.stop()
         await self._unsubscribe(hosted)
         await hosted.cancel_tasks(grace)
+        async def on_stop() -> None:
+            with running_for(name, hosted.spawned, "on_stop"):  # a sys.exit() in it: PluginExited
+                await hosted.agent.on_stop()
+
         try:
-            await wait_for(hosted.agent.on_stop(), timeout=grace)
+            await wait_for(on_stop(), timeout=grace)
         except Exception as exc:
             log.warning("agent %s on_stop failed: %s", name, exc)
         if deregister and hosted.registered:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from meshnode.agent import NotReady
 from meshnode.aio import backoff
 
-__all__ = ["NotReadyTooLong", "PluginExited", "StartTimeout", "supervise_retrying", "supervise_start"]
+__all__ = ["NotReadyTooLong", "StartTimeout", "supervise_retrying", "supervise_start"]
 
 log = logging.getLogger("meshnode.node")
 
@@ -42,10 +42,6 @@ class StartTimeout(Exception):
 
 class NotReadyTooLong(StartTimeout):
     """An agent's ``on_start`` kept raising NotReady until its timeout had passed."""
-
-
-class PluginExited(Exception):
-    """An agent's ``on_start`` called ``sys.exit()``: that agent fails, the daemon goes on."""
 
 
 async def supervise_start(start: Awaitable[None], *, name: str, warn_s: float, timeout_s: float) -> None:

@@ -9,7 +9,9 @@ The tally attributes every task to the agent whose handler created it:
   a task copies its creator's context, so a task spawned by a handler (and a
   task *that* task spawns) carries the same count;
 * a loop task factory (:func:`install`) reads the variable as each task is
-  made, counts it, and uncounts it in a done callback.
+  made, counts it, and uncounts it in a done callback. It also runs a counted
+  task's coroutine through :func:`meshnode.node.pluginexit.contained`, so a
+  ``sys.exit()`` in it ends that task, not the daemon.
 
 Cost: one context-variable read per task made anywhere on the loop, and for a
 handler's task an increment plus one done callback — well under a microsecond
@@ -25,15 +27,18 @@ import contextvars
 from collections.abc import Coroutine, Generator
 from typing import Any, Protocol
 
+from meshnode.node.pluginexit import contained
+
 __all__ = ["CURRENT", "TaskCount", "install", "installed", "uninstall"]
 
 
 class TaskCount:
-    """One agent's tasks: ``live`` still running, ``total`` made since its start."""
+    """Agent ``agent``'s tasks: ``live`` still running, ``total`` made since its start."""
 
-    __slots__ = ("live", "total")
+    __slots__ = ("agent", "live", "total")
 
-    def __init__(self) -> None:
+    def __init__(self, agent: str = "") -> None:
+        self.agent = agent
         self.live = 0
         self.total = 0
 
@@ -73,6 +78,8 @@ class _Tally:
         # task then runs in it, so that is the context to read.
         context: contextvars.Context | None = kwargs.get("context")
         count = CURRENT.get() if context is None else context.get(CURRENT)
+        if count is not None and asyncio.iscoroutine(coro):
+            coro = contained(coro, count.agent)
         if self.previous is not None:
             task = self.previous(loop, coro, **kwargs)
         else:
