@@ -349,6 +349,51 @@ SILENT_REFUSALS: dict[str, tuple[Callable[[Wire], Awaitable[bytes]], str]] = {
 }
 
 
+async def test_a_replay_after_the_node_restarted_is_still_a_duplicate(
+    meshnode_daemons: DaemonSet, tmp_path: Path
+) -> None:
+    """§22.2 across a restart: the node reads an agent's remembered pairs at
+    its first delivery (not at start-up, issue #21), and that first delivery
+    can be the replay itself."""
+    hub = await asyncio.to_thread(meshnode_daemons.embedded, "hub")
+    node = await asyncio.to_thread(meshnode_daemons.joined, "far", via=hub, agents={"echo": {"plugin": "echo"}})
+    invite_path = tmp_path / "wire-client.creds"
+    await asyncio.to_thread(
+        run_cli, "mesh", "invite", "wire-client", "--out", str(invite_path), "--socket", hub.socket_path
+    )
+    client = WireClient(read_invite(invite_path))
+    agent = WireAgent(UserKey.generate(), "wire-agent")
+    try:
+        await client.join([agent])
+        await client.serve(agent)
+        await client.register(agent)
+        echo_id = await asyncio.to_thread(node.agent_id, "echo")
+        inbox = (await client.get_manifest(agent, echo_id))["endpoints"]["inbox"]
+        request = client.request_envelope(agent, echo_id, "echo", "once")
+        await client.publish_request(request, inbox)
+        (*_, answer) = await client.wait_for(agent, request["id"], timeout=REPLY_TIMEOUT_S)
+        assert _status(answer) == "completed", answer
+
+        await asyncio.to_thread(node.stop)
+        await asyncio.to_thread(node.start)
+
+        async def echo_counters() -> dict[str, int]:
+            status = await asyncio.to_thread(node.status)
+            return dict(next(a for a in status["agents"] if a["name"] == "echo")["counters"])
+
+        await client.publish_request(request, inbox)
+
+        async def refused() -> bool:
+            return (await echo_counters()).get("refused.inbound_duplicate", 0) == 1
+
+        await eventually_async(refused, what="the replay refused as a duplicate after the restart")
+        counters = await echo_counters()
+        assert counters.get("completed", 0) == 0 and counters.get("failed", 0) == 0, counters
+        assert len(agent.responds_to(request["id"])) == len([answer]) + 1  # the accept and the answer, once
+    finally:
+        await client.close()
+
+
 @pytest.mark.parametrize("case", list(SILENT_REFUSALS))
 async def test_silent_refusal_on_the_live_path(wire: Wire, case: str) -> None:
     make, counter = SILENT_REFUSALS[case]

@@ -54,11 +54,11 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
         assert (await store.get(held)).state == "held"  # type: ignore[union-attr]
         await store.set_state(held, "replied", 500)
 
-        remembered = await store.load_seen(A, 100)
+        remembered = store.load_seen(A, 100)
         assert ("s2", "live1") in remembered and len(remembered) == 6
         await store.sweep(5000)  # replied row past retention goes; memory trimmed to capacity
         assert await store.get(held) is None
-        assert len(await store.load_seen(A, 100)) == 3
+        assert len(store.load_seen(A, 100)) == 3
         assert store.commits > 5
     finally:
         await store.close()
@@ -177,7 +177,7 @@ async def test_close_during_a_write_behind_flush_loses_nothing(tmp_path: Path) -
         await store.close()  # ... and the stop arrives at a different point each round
         reopened = InboxStore(path)
         await reopened.open()
-        remembered = set(await reopened.load_seen("A", 100_000))
+        remembered = set(reopened.load_seen("A", 100_000))
         await reopened.close()
         assert {("S", f"m{attempt}-{i}") for i in range(50)} <= remembered
 
@@ -191,7 +191,7 @@ async def test_a_failed_write_behind_keeps_its_batch_for_the_next(tmp_path: Path
         await store.flush()
     store.db.execute("PRAGMA query_only = 0")
     await store.flush()
-    assert await store.load_seen("A", 10) == [("S", "m1")]
+    assert store.load_seen("A", 10) == [("S", "m1")]
     await store.close()
 
 
@@ -234,7 +234,7 @@ async def test_a_drained_copy_never_overtakes_the_commit_of_its_live_pair(tmp_pa
         # Committed by the batch's transaction, its handler about to run: the copy waits.
         assert await store.accept_batch(A, [("s", "q1", "request", b"{}", 1)], 101) == [None]
         assert await waiting == "committed"
-        assert ("s", "q1") in await store.load_seen(A, 10)
+        assert ("s", "q1") in store.load_seen(A, 10)
     finally:
         await store.close()
 
@@ -299,7 +299,7 @@ async def test_an_unwritable_inbox_degrades_the_live_commit_to_write_behind(tmp_
         store.db.execute("PRAGMA query_only = 0")
         await store.probe()
         await store.flush()  # the write-behind carries it once the disk is back
-        assert ("s", "d1") in await store.load_seen(A, 10)
+        assert ("s", "d1") in store.load_seen(A, 10)
     finally:
         await store.close()
 
@@ -419,7 +419,7 @@ async def test_a_claimed_row_runs_once_after_a_crash_and_a_started_one_is_interr
     try:
         assert await reopened.recover_interrupted(200) == 1
         assert {r.msg_id: r.state for r in await reopened.rows()} == {"claimed": "pending", "started": "interrupted"}
-        assert await reopened.load_seen(A, 10) == [("s", "started")]
+        assert reopened.load_seen(A, 10) == [("s", "started")]
         # The buffered copies drained again add nothing; the claimed row runs once.
         assert await reopened.accept_batch(A, items, 201) == [False, False]
         (again,) = await reopened.pending_rows(A, 10)
@@ -455,7 +455,7 @@ async def test_live_responds_and_settle_marks_ride_the_next_commit(tmp_path: Pat
     reopened = InboxStore(path)
     await reopened.open()
     try:
-        assert {("s", "at-close"), ("s", "r9"), ("s", "late")} <= set(await reopened.load_seen(A, 100))
+        assert {("s", "at-close"), ("s", "r9"), ("s", "late")} <= set(reopened.load_seen(A, 100))
     finally:
         await reopened.close()
 

@@ -130,6 +130,17 @@ class TestDedupMemory:
         restored.check_and_remember(SENDER, "c")  # a is still the oldest: it goes
         assert held(restored, "abc") == ["b", "c"]
 
+    def test_restore_into_a_used_memory_keeps_its_own_pairs_newest(self) -> None:
+        memory = DedupMemory(3)
+        memory.check_and_remember(SENDER, "c")
+        memory.restore([(SENDER, "x"), (SENDER, "a"), (SENDER, "c")])  # c: its own, and stored too
+        assert held(memory, "xac") == ["x", "a", "c"]
+        memory.restore([(SENDER, "y")])  # restored as older than all it holds: y is the one past capacity
+        assert held(memory, "xacy") == ["x", "a", "c"]
+        memory.check_and_remember(SENDER, "d")  # the oldest, x, goes first; c stays the newest but d
+        memory.check_and_remember(SENDER, "e")
+        assert held(memory, "xacde") == ["c", "d", "e"]
+
     @pytest.mark.parametrize("bad", [["ab"], [(SENDER,)], [(SENDER, "a", "b")], [(SENDER, 1)]])
     def test_restore_refuses_malformed_entries(self, bad: list[Any]) -> None:
         with pytest.raises(ValueError, match="pair"):

@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -106,6 +106,9 @@ class HostedAgent:
         self.key = key
         self.agent_id = key.public_key
         self.guard = guard
+        #: Reads the pairs the node inbox remembers for this agent (§22.2) into
+        #: ``guard``'s memory; None once read (or with no inbox). See load_remembered.
+        self.remembered: Callable[[], list[tuple[str, str]]] | None = None
         self.interaction = interaction
         self.offerings: dict[str, OfferingSpec] = type(agent).offerings()
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
@@ -159,6 +162,22 @@ class HostedAgent:
         #: The asyncio tasks this agent's handlers made (and those made in
         #: turn), counted by the loop's task factory (issue #23 item 10).
         self.spawned = TaskCount(name)
+
+    def load_remembered(self) -> None:
+        """Read what the node inbox remembers into the duplicate memory, once.
+
+        Called by the inbox intake before this agent's first §22.2 check, not
+        at start-up: a restarted node whose agents had been busy read 5,000
+        pairs for each of them before it could register any (~13 ms of CPU
+        an agent, over a minute at 1,000 busy agents on this machine's disk),
+        and held the memories of agents that never heard from anyone again.
+        Synchronous, so nothing else reaches the memory first. A failed read
+        is raised, and tried again at the next delivery.
+        """
+        read = self.remembered
+        if read is not None:
+            self.guard.memory.restore(read())
+            self.remembered = None
 
     # -- bookkeeping ---------------------------------------------------------
 

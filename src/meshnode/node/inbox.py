@@ -1034,16 +1034,20 @@ class InboxStore:
             with contextlib.suppress(InboxUnwritable):
                 self._transaction([("DELETE FROM seen WHERE agent=? AND sender=? AND msg_id=?", key)])
 
-    async def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
-        """The newest ``limit`` remembered pairs of ``agent``, oldest first."""
-        return [
-            (str(s), str(m))
-            for s, m in self.db.execute(
-                "SELECT sender, msg_id FROM (SELECT sender, msg_id, seen_ms FROM seen WHERE agent=?"
-                " ORDER BY seen_ms DESC LIMIT ?) ORDER BY seen_ms ASC",
-                (agent, limit),
-            )
-        ]
+    def load_seen(self, agent: str, limit: int) -> list[tuple[str, str]]:
+        """The newest ``limit`` remembered pairs of ``agent``, oldest first.
+
+        Synchronous (an indexed read, ~1 µs a pair): the node calls it at an
+        agent's first delivery, which must not yield before its §22.2 check.
+        """
+        # Newest first straight off the (agent, seen_ms) index, which covers the
+        # pair (the table has no rowid), then reversed here: sorting the rows
+        # back in SQL took a temporary B-tree per agent.
+        pairs: list[tuple[str, str]] = self.db.execute(
+            "SELECT sender, msg_id FROM seen WHERE agent=? ORDER BY seen_ms DESC LIMIT ?", (agent, limit)
+        ).fetchall()
+        pairs.reverse()
+        return pairs
 
     async def final_write(self) -> None:
         """The write a forced exit still does: every pair and outcome written

@@ -418,6 +418,8 @@ async def receive(
                 if len(refused_bytes) > _REFUSED_BYTES_CAP:
                     refused_bytes.pop(next(iter(refused_bytes)))
             raise
+        if hosted.remembered is not None:
+            hosted.load_remembered()  # the first delivery since the start
         try:
             guard(hosted.guard, env, path, now_ms)
         except Refused as refused:

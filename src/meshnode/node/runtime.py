@@ -251,21 +251,22 @@ class Node:
         with running_for(name, None, "its settings or constructor"):  # the plugin's code too
             parsed: AgentSettings = agent_class.Settings.model_validate(dict(settings))
             agent = agent_class(name, parsed)
-        memory = None
-        if self.inbox is not None:
-            # The duplicate memory survives restarts: reload what was remembered.
-            remembered = await self.inbox.load_seen(key.public_key, self.settings.dedup_entries)
-            memory = DedupMemory.from_entries(remembered, self.settings.dedup_entries)
         hosted = HostedAgent(
             self,
             name=name,
             kind=kind,
             agent=agent,
             key=key,
-            guard=self.new_guard(key.public_key, memory),
+            guard=self.new_guard(key.public_key),
             interaction=interaction or agent_class.interaction,
             max_concurrency=max_concurrency or self.settings.agent_max_concurrency,
         )
+        inbox = self.inbox
+        if inbox is not None:
+            # The duplicate memory survives restarts: what the inbox remembers is
+            # read at the agent's first delivery (HostedAgent.load_remembered).
+            agent_id, entries = key.public_key, self.settings.dedup_entries
+            hosted.remembered = lambda: inbox.load_seen(agent_id, entries)
         self.agents[name] = hosted
         self.by_id[hosted.agent_id] = hosted
         try:

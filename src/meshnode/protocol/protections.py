@@ -100,7 +100,8 @@ class DedupMemory:
     random per process, so no sender can choose an id whose hash collides with
     another party's pair; a chance collision (~5,000 in 2**64 per check) would
     refuse one message as a duplicate. Nothing is lost at a restart: the node
-    rebuilds the memory from the inbox's durable pairs (:meth:`from_entries`).
+    rebuilds the memory from the inbox's durable pairs (:meth:`restore`), at
+    the agent's first delivery.
     """
 
     __slots__ = ("_capacity", "_order", "_seen")
@@ -172,14 +173,28 @@ class DedupMemory:
         the newest, and a repeated pair keeps its first position.
         """
         memory = cls(capacity)
+        memory.restore(entries)
+        return memory
+
+    def restore(self, entries: Iterable[Sequence[str]]) -> None:
+        """Add pairs remembered before this memory was made (a store's, oldest
+        first), as older than any pair it already holds."""
+        held = self._order
+        self._order, self._seen = deque(), {}
+        remember = self.check_and_remember
         for entry in entries:
             if isinstance(entry, str) or len(entry) != 2:
                 raise ValueError(f"a dedup entry is a (from, id) pair, not {entry!r}")
             sender, msg_id = entry
             if not isinstance(sender, str) or not isinstance(msg_id, str):
                 raise ValueError(f"a dedup entry is a pair of strings, not {entry!r}")
-            memory.check_and_remember(sender, msg_id)
-        return memory
+            remember(sender, msg_id)
+        for key in held:  # the newest: kept last, a repeat keeping its first position
+            if key not in self._seen:
+                self._seen[key] = None
+                self._order.append(key)
+                if len(self._order) > self._capacity:
+                    del self._seen[self._order.popleft()]
 
 
 # Mixed into every pair's hash: with it, even an operator's fixed PYTHONHASHSEED
