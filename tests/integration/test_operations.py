@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from meshnode.admin.protocol import InvalidParameter
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
 from tests.integration.cli_here import cli_here
@@ -97,6 +98,32 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
     assert prom.returncode == 0
     assert 'meshnode_agent_events_total{agent="echo"' in prom.stdout
     assert "# TYPE meshnode_handler_duration_ms histogram" in prom.stdout
+
+
+def test_the_agent_list_comes_in_pages_that_say_where_the_roster_moved(meshnode_daemons: DaemonSet) -> None:
+    # At 10,000 agents the whole list was larger than an admin reply may be:
+    # `meshnode status` failed with "reply too large". A page holds what fits;
+    # agents_limit makes pages small here.
+    node = meshnode_daemons.embedded("pages", agents={f"e{i}": {"plugin": "echo"} for i in range(5)})
+    everyone = ["cli", "e0", "e1", "e2", "e3", "e4"]
+    for method in ("Status", "Agents.List"):
+        names: list[str] = []
+        offset: int | None = 0
+        versions = set()
+        while offset is not None:
+            page = node.admin(method, {"agents_offset": offset, "agents_limit": 2})
+            assert len(page["agents"]) <= 2 and page["agents_total"] == len(everyone), page
+            names += [a["name"] for a in page["agents"]]
+            versions.add(page["roster_version"])
+            offset = page["agents_next"]
+        assert names == everyone and len(versions) == 1, (method, names, versions)
+    first = node.admin("Status", {"agents_limit": 2})
+    node.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    later = node.admin("Status", {"agents_offset": first["agents_next"], "agents_limit": 2})
+    assert later["roster_version"] != first["roster_version"]  # a reader of pages starts again
+    assert [a["name"] for a in node.status()["agents"]] == [*everyone, "late"]  # every page, read whole
+    with pytest.raises(InvalidParameter, match="agents_offset"):
+        node.admin("Status", {"agents_offset": -1})
 
 
 def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "ApiMismatch",
     "DaemonNotRunning",
     "ProtocolViolation",
+    "call_listing",
     "call_sync",
     "exit_code_for",
 ]
@@ -314,20 +315,60 @@ class AdminClient:
         return reply
 
 
+#: A listing whose roster changed between its pages is read again from the start, this many times in all.
+LISTING_ATTEMPTS = 5
+
+
+async def call_listing(client: AdminClient, method: str, params: Mapping[str, Any] | None = None) -> Any:
+    """``method`` (``Status``, ``Agents.List``) with its whole agent list.
+
+    The daemon answers an agent list in pages that fit a reply
+    (:mod:`meshnode.daemon.paging`); this reads them all and returns the first
+    reply with ``agents`` holding every page's entries. A roster change
+    between pages (``roster_version`` moved) starts over; after
+    LISTING_ATTEMPTS changes in a row the last reading is returned with
+    ``roster_changed: true`` (an agent may be missing from it, or listed twice).
+    """
+    base = dict(params or {})
+    for attempt in range(1, LISTING_ATTEMPTS + 1):
+        first = await client.call(method, base)
+        if not isinstance(first, dict) or first.get("agents_next") is None:
+            return first
+        agents = list(first["agents"])
+        page: dict[str, Any] = first
+        changed = False
+        while page.get("agents_next") is not None:
+            page = await client.call(method, {**base, "agents_offset": page["agents_next"]})
+            agents.extend(page["agents"])
+            if page.get("roster_version") != first.get("roster_version"):
+                changed = True
+                break
+        if not changed or attempt == LISTING_ATTEMPTS:
+            merged = {**first, "agents": agents, "agents_next": None}
+            if changed:
+                merged["roster_changed"] = True
+            return merged
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def call_sync(
     socket_path: str | os.PathLike[str],
     method: str,
     params: Mapping[str, Any] | None = None,
     *,
     timeout: float | None = 30.0,
+    listing: bool = False,
 ) -> Any:
     """One call from synchronous code (the CLI): connect, check the API, call, close.
 
-    Must not be called from a running event loop.
+    ``listing``: the call answers an agent list in pages; read them all
+    (:func:`call_listing`). Must not be called from a running event loop.
     """
 
     async def run() -> Any:
         async with AdminClient(socket_path, timeout=timeout) as client:
+            if listing:
+                return await call_listing(client, method, params)
             return await client.call(method, params)
 
     return asyncio.run(run())

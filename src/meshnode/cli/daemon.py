@@ -11,7 +11,13 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from meshnode.admin.client import AdminClient, AdminClientError, call_sync, exit_code_for
+from meshnode.admin.client import (
+    AdminClient,
+    AdminClientError,
+    call_listing,
+    call_sync,
+    exit_code_for,
+)
 from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
 from meshnode.config import Config, ConfigError, describe_sources, format_size, load_config
@@ -185,16 +191,30 @@ def _socket(args: argparse.Namespace) -> str | None:
 
 
 def _admin(
-    args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, *, timeout: float = 30.0
+    args: argparse.Namespace,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    timeout: float = 30.0,
+    listing: bool = False,
 ) -> tuple[int, Any]:
+    """``method`` on the daemon; ``listing``: it answers an agent list in pages, read them all."""
     socket = _socket(args)
     if socket is None:
         return EX_CONFIG, None
     try:
-        return EX_OK, call_sync(socket, method, params, timeout=timeout)
+        result = call_sync(socket, method, params, timeout=timeout, listing=listing)
+        _warn_if_roster_changed(result)
+        return EX_OK, result
     except (AdminClientError, AdminError) as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return exit_code_for(exc), None
+
+
+def _warn_if_roster_changed(result: Any) -> None:
+    if isinstance(result, dict) and result.get("roster_changed"):
+        print("meshnode: the roster kept changing while the agent list was read in pages: an agent "
+              "may be missing or listed twice; run it again", file=sys.stderr)
 
 
 #: How long ``status`` waits on the admin socket before it asks the status
@@ -212,7 +232,7 @@ def _status_or_blocked(args: argparse.Namespace, params: dict[str, Any] | None) 
 
     async def ask() -> tuple[int, Any]:
         client = AdminClient(socket, timeout=30.0)
-        call = asyncio.create_task(client.call("Status", params))
+        call = asyncio.create_task(call_listing(client, "Status", params))
         try:
             done, _ = await asyncio.wait({call}, timeout=STATUS_SOCKET_AFTER_S)
             while not done:
@@ -253,6 +273,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     code, status = _status_or_blocked(args, {"agents": False} if args.brief else None)
     if code not in (EX_OK, EX_LOOP_BLOCKED):
         return code
+    _warn_if_roster_changed(status)
     if code == EX_LOOP_BLOCKED and args.brief:
         status["agents"] = []  # the snapshot may hold the list; --brief asked for counts
     if args.json:

@@ -65,7 +65,7 @@ def _feed_owner(args: argparse.Namespace, owner: str) -> str | None:
     """A local agent name becomes its id; an id passes as given."""
     if owner.startswith("U") and len(owner) == 56:
         return owner
-    code, result = _admin(args, "Agents.List")
+    code, result = _admin(args, "Agents.List", listing=True)
     if code != EX_OK:
         return None
     for agent in result["agents"]:

@@ -147,7 +147,7 @@ def _simple(args: argparse.Namespace, method: str, params: dict[str, Any] | None
 
 
 def cmd_agents_list(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Agents.List")
+    code, result = _admin(args, "Agents.List", listing=True)
     if code != EX_OK:
         return code
     if args.json:

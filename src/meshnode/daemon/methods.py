@@ -23,6 +23,7 @@ from meshnode.config import AgentConfig
 from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.daemon.operations import process_figures
+from meshnode.daemon.paging import agent_page_params, page_of
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
@@ -44,10 +45,17 @@ __all__ = ["CoreMethods", "register_core_methods"]
 log = logging.getLogger("meshnode.daemon")
 
 
+
 def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethods:
     """Add the core methods (module docstring) to ``methods``."""
     ops = CoreMethods(daemon)
-    methods.add("Status", ops.status, level="operator", doc="params {agents?: true} -> node and agent status; agents=false is the brief form for polling: counts instead of the agent list, process.asyncio_tasks null")
+    methods.add(
+        "Status", ops.status, level="operator",
+        doc="params {agents?: true, agents_offset?, agents_limit?} -> node and agent status; the agent list is "
+        "one page (as many as fit a reply; agents_next: the next page's agents_offset, null on the last; "
+        "agents_total; roster_version moves when an agent is hosted or unhosted); agents=false is the brief "
+        "form for polling: counts instead of the agent list, process.asyncio_tasks null",
+    )
     methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
@@ -85,30 +93,21 @@ class CoreMethods:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
-    def snapshot(self, *, agents_listed: bool = True) -> dict[str, Any]:
+    def snapshot(
+        self, *, agents_listed: bool = True, agents_offset: int = 0, agents_limit: int | None = None
+    ) -> dict[str, Any]:
         """Node and agent status. ``agents_listed=False`` is the brief form for
         scripts that poll: it leaves out the per-agent list (the counts in
-        ``agent_summary`` remain; at 10,000 agents the list is larger than an
-        admin reply may be) and the asyncio task count (``process.asyncio_tasks``
-        is null: counting walks every task, ~20 ms of the loop at 10,000 agents;
-        ``Metrics`` and the full form count them)."""
+        ``agent_summary`` remain) and the asyncio task count
+        (``process.asyncio_tasks`` is null: counting walks every task, ~20 ms of
+        the loop at 10,000 agents; ``Metrics`` and the full form count them).
+        The list is one page (:meth:`agent_page`) from ``agents_offset``."""
         node = self.d.node
-        agents: list[dict[str, Any]] = []
         hosted = list(node.agents.values()) if node is not None else []
-        if agents_listed and node is not None:
-            agents = [node.agent_status(h) for h in hosted]
-            for entry, h in zip(agents, hosted, strict=True):
-                if h.state == AgentState.FAILED:
-                    entry["failure"] = self.d.failed_agents.get(h.name)
+        agents: list[dict[str, Any]] = []
+        page: dict[str, Any] = {}
         if agents_listed:
-            # An agent whose on_start failed stays hosted (state failed) *and* is
-            # recorded in failed_agents: list it once, as the hosted entry above
-            # (issue #23 item 12); failed_agents adds only those never hosted
-            # (unknown kind, a plugin that did not load, a failed instantiation).
-            listed = {h.name for h in hosted} if node is not None else set()
-            for name, why in self.d.failed_agents.items():
-                if name not in listed:
-                    agents.append({"name": name, "state": AgentState.FAILED.value, "failure": why})
+            agents, page = self.agent_page(agents_offset, agents_limit)
         # One pass, the enum member read once: a script polls this at any
         # roster size, and on Python 3.11 each AgentState.FAILED is a
         # descriptor call (the per-agent cost tripled with it in the loop).
@@ -156,6 +155,7 @@ class CoreMethods:
             "storage": self.d.store_watch.snapshot() if self.d.store_watch is not None else None,
             "keystore": self.d.keystore.describe() if self.d.keystore else None,
             "agents": agents,
+            **page,
             "agent_summary": summary,
             # The loop-lag watchdog: lag now, worst, blocks by agent (#23).
             "loop": self.d.node.watchdog.status() if self.d.node is not None else None,
@@ -177,6 +177,48 @@ class CoreMethods:
             "a2a": self.d.gateways.status(),
         }
 
+    def agent_page(self, offset: int = 0, limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One page of the agent list (Status, Agents.List), from ``offset``, and its place in it.
+
+        The list is every hosted agent in hosting order, then the agents that
+        failed before they were hosted. A page holds as many entries as fit in
+        ``paging.AGENTS_PAGE_BYTES`` (at least one) and at most ``limit``: at 10,000 agents
+        the whole list is larger than an admin reply may be, and `meshnode
+        status` failed with "reply too large". The second value says where the
+        page lies: ``agents_total``, ``agents_next`` (the offset of the next
+        page; null on the last) and ``roster_version`` (it moves whenever an
+        agent is hosted or unhosted: a client reading pages compares it).
+        """
+        node = self.d.node
+        hosted = list(node.agents.values()) if node is not None else []
+        # An agent whose on_start failed stays hosted (state failed) *and* is
+        # recorded in failed_agents: list it once, as the hosted entry (issue
+        # #23 item 12); failed_agents adds only those never hosted (unknown
+        # kind, a plugin that did not load, a failed instantiation).
+        names = {h.name for h in hosted}
+        never_hosted = [(name, why) for name, why in self.d.failed_agents.items() if name not in names]
+        failed_state = AgentState.FAILED
+
+        def entry_at(index: int) -> dict[str, Any]:
+            if index >= len(hosted):
+                name, why = never_hosted[index - len(hosted)]
+                return {"name": name, "state": failed_state.value, "failure": why}
+            agent = hosted[index]
+            assert node is not None  # hosted is empty without a node
+            entry = node.agent_status(agent)
+            if agent.state is failed_state:
+                entry["failure"] = self.d.failed_agents.get(agent.name)
+            return entry
+
+        total = len(hosted) + len(never_hosted)
+        entries, following = page_of(total, entry_at, offset, limit)
+        place = {
+            "agents_total": total,
+            "agents_next": following,
+            "roster_version": node.roster_version if node is not None else 0,
+        }
+        return entries, place
+
     def broker_status(self) -> dict[str, Any] | None:
         watch = self.d.broker_watch
         if watch is None:
@@ -192,8 +234,9 @@ class CoreMethods:
         listed = params.get("agents", True)
         if not isinstance(listed, bool):
             raise InvalidParameter("agents must be true or false")
-        status = self.snapshot(agents_listed=listed)
-        if listed:
+        offset, limit = agent_page_params(params)
+        status = self.snapshot(agents_listed=listed, agents_offset=offset, agents_limit=limit)
+        if listed and offset == 0 and status["agents_next"] is None:
             self.d.status_board.publish(status)  # the freshest figures for a later block
         return status
 

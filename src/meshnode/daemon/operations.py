@@ -23,6 +23,7 @@ from meshnode.config import AgentConfig, ConfigError, load_config
 from meshnode.daemon.allowance import reload_allowances
 from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
+from meshnode.daemon.paging import agent_page_params
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node import memsample
 from meshnode.node.builtin import CLI_AGENT_NAME
@@ -42,7 +43,9 @@ log = logging.getLogger("meshnode.operations")
 def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     ops = _Operations(daemon)
     methods.add("Agents.List", ops.agents_list, level="operator",
-                doc="params {} -> {agents: [status...]} (the same records as Status)")
+                doc="params {agents_offset?, agents_limit?} -> {agents: [status...], agents_total, agents_next, "
+                "roster_version}: the same records as Status, one page (agents_next: the next page's "
+                "agents_offset, null on the last)")
     methods.add("Agents.Show", ops.agents_show, level="operator",
                 doc="params {name} -> {status, manifest (as registered), presence, latency}")
     methods.add("Agents.Restart", ops.agents_restart, level="admin",
@@ -101,7 +104,9 @@ class _Operations:
         return hosted
 
     async def agents_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        return {"agents": self.daemon.status()["agents"]}
+        offset, limit = agent_page_params(params)
+        agents, place = self.daemon.methods.agent_page(offset, limit)
+        return {"agents": agents, **place}
 
     async def agents_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         hosted = self._hosted(params)

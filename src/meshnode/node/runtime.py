@@ -113,6 +113,9 @@ class Node:
         self.ids = IdGenerator()
         self.pending = PendingRequests()
         self.agents: dict[str, HostedAgent] = {}
+        #: Moves whenever an agent is hosted or unhosted: a client reading the
+        #: roster in pages (Status, Agents.List) sees whether it changed between them.
+        self.roster_version = 0
         self.by_id: dict[str, HostedAgent] = {}
         self.started_ms = clock()
         self.counters: Counter[str] = Counter()
@@ -269,6 +272,7 @@ class Node:
             hosted.remembered = lambda: inbox.load_seen(agent_id, entries)
         self.agents[name] = hosted
         self.by_id[hosted.agent_id] = hosted
+        self.roster_version += 1
         try:
             hosted.vouch = self._vouch(hosted.agent_id)
             hosted.manifest = self.build_manifest(hosted)
@@ -365,6 +369,7 @@ class Node:
         hosted.state = AgentState.STOPPED
         del self.agents[name]
         self.by_id.pop(hosted.agent_id, None)
+        self.roster_version += 1
         self.pubsub.forget(hosted)
 
     async def _subscribe_inbox(self, hosted: HostedAgent) -> None:

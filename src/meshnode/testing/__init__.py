@@ -198,7 +198,8 @@ class DaemonProcess:
         return call_sync(self.socket_path, method, params, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = self.admin("Status")
+        """``Status`` with every page of its agent list."""
+        result: dict[str, Any] = call_sync(self.socket_path, "Status", timeout=60.0, listing=True)
         return result
 
     def agent_id(self, name: str) -> str:
