@@ -124,6 +124,23 @@ def test_the_agent_list_comes_in_pages_that_say_where_the_roster_moved(meshnode_
     assert [a["name"] for a in node.status()["agents"]] == [*everyone, "late"]  # every page, read whole
     with pytest.raises(InvalidParameter, match="agents_offset"):
         node.admin("Status", {"agents_offset": -1})
+    # Metrics too (its Prometheus text passed a reply's limit at ~400 agents).
+    assert node.call("e3", "echo", "counted")["status"] == "completed"
+    figures = node.admin("Metrics", {"agents_limit": 2})
+    assert len(figures["agents"]) == 2 and figures["agents_next"] == 2 and figures["agents_total"] == 7
+    paged = cli_here("metrics", "--json", "--socket", node.socket_path)  # read whole by the CLI
+    assert paged.returncode == 0, paged.stderr
+    assert sorted(json.loads(paged.stdout)["agents"]) == sorted([*everyone, "late"])
+    texts = []
+    offset = 0
+    while offset is not None:
+        page = node.admin("Metrics", {"format": "prometheus", "agents_offset": offset, "agents_limit": 3})
+        texts.append(page["text"])
+        offset = page["agents_next"]
+    assert len(texts) == 3 and sum("meshnode_loop_lag_seconds " in t for t in texts) == 1  # the node's, once
+    prom = cli_here("metrics", "--prometheus", "--socket", node.socket_path).stdout
+    assert prom.count("# TYPE meshnode_agent_events_total counter") == 1
+    assert 'meshnode_agent_events_total{agent="e3",' in prom and 'meshnode_agent_in_flight{agent="late"}' in prom
 
 
 def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:

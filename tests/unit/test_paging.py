@@ -10,10 +10,11 @@ from typing import Any
 import orjson
 import pytest
 
-from meshnode.admin.client import LISTING_ATTEMPTS, AdminClient, call_listing
+from meshnode.admin.client import LISTING_ATTEMPTS, AdminClient, call_listing, merge_pages
 from meshnode.admin.protocol import InvalidParameter
 from meshnode.admin.server import AdminServer, CallContext, MethodRegistry
 from meshnode.daemon.paging import agent_page_params, page_of
+from meshnode.node.metrics import LatencyHistogram, loop_text, merge_exposition, prometheus_text
 
 
 def _entry(index: int) -> dict[str, Any]:
@@ -92,3 +93,30 @@ async def test_a_roster_change_between_pages_starts_the_listing_again(short_tmp_
     assert "roster_changed" not in result
     endless = await _listed(short_tmp_path / "b.sock", _Roster(8, changes=10 * LISTING_ATTEMPTS))
     assert endless["roster_changed"] is True  # said, never hidden
+
+
+def test_prometheus_pages_merge_into_one_family_each() -> None:
+    def agent(name: str) -> str:
+        return prometheus_text([(name, f"U{name}", {"completed": 1}, LatencyHistogram())], {}) + loop_text(
+            None, {name: (0, 64)}, {name: (0, 0)}
+        )
+
+    node_part = prometheus_text([], {"heartbeats": 3}, {}) + loop_text({"lag_s": 0.0, "max_lag_s": 0.1, "blocks": {}}, {})
+    merged = merge_exposition([node_part, agent("a") + agent("b"), agent("c")])
+    lines = merged.splitlines()
+    types = [line for line in lines if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))  # one HELP and TYPE per family
+    assert sum(line.startswith("# HELP ") for line in lines) == len(types)
+    for family in ("meshnode_agent_events_total", "meshnode_agent_in_flight", "meshnode_handler_duration_ms"):
+        at = [i for i, line in enumerate(lines) if line.startswith(family)]
+        assert at == list(range(at[0], at[0] + len(at))), family  # its samples together
+    events = [line for line in lines if line.startswith("meshnode_agent_events_total")]
+    assert [e.split('agent="')[1][0] for e in events] == ["a", "b", "c"]  # in page order
+    assert sum(line.startswith("meshnode_loop_lag_seconds ") for line in lines) == 1 and 'meshnode_node_events_total{event="heartbeats"} 3' in merged
+
+
+def test_pages_merge_a_list_by_joining_and_a_mapping_by_name() -> None:
+    listed = merge_pages([{"n": 1, "agents": [1, 2], "agents_next": 2}, {"n": 2, "agents": [3], "agents_next": None}])
+    assert listed == {"n": 1, "agents": [1, 2, 3], "agents_next": None}
+    named = merge_pages([{"agents": {"a": 1}, "agents_next": 1}, {"agents": {"b": 2}, "agents_next": None}])
+    assert named["agents"] == {"a": 1, "b": 2}

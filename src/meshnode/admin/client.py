@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -77,6 +77,7 @@ __all__ = [
     "call_listing",
     "call_sync",
     "exit_code_for",
+    "merge_pages",
 ]
 
 
@@ -319,12 +320,31 @@ class AdminClient:
 LISTING_ATTEMPTS = 5
 
 
-async def call_listing(client: AdminClient, method: str, params: Mapping[str, Any] | None = None) -> Any:
-    """``method`` (``Status``, ``Agents.List``) with its whole agent list.
+def merge_pages(pages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first page with ``agents`` holding every page's entries (a list is
+    joined, a mapping by name is merged)."""
+    merged = dict(pages[0])
+    agents = merged.get("agents")
+    if isinstance(agents, list):
+        merged["agents"] = [entry for page in pages for entry in page.get("agents") or []]
+    elif isinstance(agents, dict):
+        merged["agents"] = {name: entry for page in pages for name, entry in (page.get("agents") or {}).items()}
+    merged["agents_next"] = None
+    return merged
+
+
+async def call_listing(
+    client: AdminClient,
+    method: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    combine: Callable[[list[dict[str, Any]]], dict[str, Any]] = merge_pages,
+) -> Any:
+    """``method`` (``Status``, ``Agents.List``, ``Metrics``) with its whole agent list.
 
     The daemon answers an agent list in pages that fit a reply
-    (:mod:`meshnode.daemon.paging`); this reads them all and returns the first
-    reply with ``agents`` holding every page's entries. A roster change
+    (:mod:`meshnode.daemon.paging`); this reads them all and returns
+    ``combine(pages)`` (by default :func:`merge_pages`). A roster change
     between pages (``roster_version`` moved) starts over; after
     LISTING_ATTEMPTS changes in a row the last reading is returned with
     ``roster_changed: true`` (an agent may be missing from it, or listed twice).
@@ -334,17 +354,16 @@ async def call_listing(client: AdminClient, method: str, params: Mapping[str, An
         first = await client.call(method, base)
         if not isinstance(first, dict) or first.get("agents_next") is None:
             return first
-        agents = list(first["agents"])
-        page: dict[str, Any] = first
+        pages = [first]
         changed = False
-        while page.get("agents_next") is not None:
-            page = await client.call(method, {**base, "agents_offset": page["agents_next"]})
-            agents.extend(page["agents"])
+        while (offset := pages[-1].get("agents_next")) is not None:
+            page = await client.call(method, {**base, "agents_offset": offset})
+            pages.append(page)
             if page.get("roster_version") != first.get("roster_version"):
                 changed = True
                 break
         if not changed or attempt == LISTING_ATTEMPTS:
-            merged = {**first, "agents": agents, "agents_next": None}
+            merged = combine(pages)
             if changed:
                 merged["roster_changed"] = True
             return merged
@@ -358,17 +377,19 @@ def call_sync(
     *,
     timeout: float | None = 30.0,
     listing: bool = False,
+    combine: Callable[[list[dict[str, Any]]], dict[str, Any]] = merge_pages,
 ) -> Any:
     """One call from synchronous code (the CLI): connect, check the API, call, close.
 
     ``listing``: the call answers an agent list in pages; read them all
-    (:func:`call_listing`). Must not be called from a running event loop.
+    (:func:`call_listing`, with ``combine``). Must not be called from a
+    running event loop.
     """
 
     async def run() -> Any:
         async with AdminClient(socket_path, timeout=timeout) as client:
             if listing:
-                return await call_listing(client, method, params)
+                return await call_listing(client, method, params, combine=combine)
             return await client.call(method, params)
 
     return asyncio.run(run())

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from meshnode.admin.client import (
@@ -17,6 +18,7 @@ from meshnode.admin.client import (
     call_listing,
     call_sync,
     exit_code_for,
+    merge_pages,
 )
 from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
@@ -197,13 +199,15 @@ def _admin(
     *,
     timeout: float = 30.0,
     listing: bool = False,
+    combine: Callable[[list[dict[str, Any]]], dict[str, Any]] = merge_pages,
 ) -> tuple[int, Any]:
-    """``method`` on the daemon; ``listing``: it answers an agent list in pages, read them all."""
+    """``method`` on the daemon; ``listing``: it answers an agent list in pages,
+    read them all and ``combine`` them (:func:`~meshnode.admin.client.call_listing`)."""
     socket = _socket(args)
     if socket is None:
         return EX_CONFIG, None
     try:
-        result = call_sync(socket, method, params, timeout=timeout, listing=listing)
+        result = call_sync(socket, method, params, timeout=timeout, listing=listing, combine=combine)
         _warn_if_roster_changed(result)
         return EX_OK, result
     except (AdminClientError, AdminError) as exc:

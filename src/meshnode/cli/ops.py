@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from meshnode.admin.client import AdminClientError, exit_code_for
+from meshnode.admin.client import AdminClientError, exit_code_for, merge_pages
 from meshnode.admin.protocol import AdminError
 from meshnode.config import ConfigError, parse_duration
 
@@ -363,8 +363,21 @@ def cmd_tasks_cancel(args: argparse.Namespace) -> int:
     return _simple(args, "Tasks.Cancel", params)
 
 
+def _merge_prometheus_pages(pages: list[dict[str, Any]]) -> dict[str, Any]:
+    # Imported here: the CLI's parser loads none of the node runtime (test_architecture).
+    from meshnode.node.metrics import merge_exposition
+
+    merged = dict(pages[0])
+    merged["text"] = merge_exposition(page["text"] for page in pages)
+    merged["agents_next"] = None
+    return merged
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Metrics", {"format": "prometheus" if args.prometheus else "json"})
+    code, result = _admin(
+        args, "Metrics", {"format": "prometheus" if args.prometheus else "json"}, listing=True,
+        combine=_merge_prometheus_pages if args.prometheus else merge_pages,
+    )
     if code != EX_OK:
         return code
     if args.prometheus and not args.json:

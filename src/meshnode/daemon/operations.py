@@ -23,12 +23,12 @@ from meshnode.config import AgentConfig, ConfigError, load_config
 from meshnode.daemon.allowance import reload_allowances
 from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
-from meshnode.daemon.paging import agent_page_params
+from meshnode.daemon.paging import agent_page_params, page_of
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
 from meshnode.node import memsample
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
-from meshnode.node.metrics import loop_text, prometheus_text
+from meshnode.node.metrics import loop_text, merge_exposition, prometheus_text
 from meshnode.node.runtime import Node
 from meshnode.protocol.errors import ProtocolError
 
@@ -51,7 +51,8 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Agents.Restart", ops.agents_restart, level="admin",
                 doc="params {name} -> status after the agent was stopped and started again (same key)")
     methods.add("Drain.Now", ops.drain_now, level="operator",
-                doc="params {agent?} -> {drained: [names]} after one drain pass per agent")
+                doc="params {agent?} -> {drained: [{agent, ...its drain's status}], drained_total, not_shown} "
+                "after one drain pass per agent (as many entries as fit a reply; not_shown: the rest)")
     methods.add("Renew.Now", ops.renew_now, level="admin",
                 doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
     methods.add("Reload", ops.reload, level="admin",
@@ -70,7 +71,10 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Mesh.Retire", ops.mesh_retire, level="admin",
                 doc="params {node_id} | {agent_id} | {token (a pending SDK enrolment token's name)} -> {retired, message}; the message says how long the old credential stays usable")
     methods.add("Metrics", ops.metrics, level="operator",
-                doc="params {format?: json|prometheus} -> counters and handler latencies per agent")
+                doc="params {format?: json|prometheus, agents_offset?, agents_limit?} -> counters and handler "
+                "latencies per agent; the agents in pages as Status's (agents_next, agents_total, "
+                "roster_version), the node's own figures in full on every json page and on the first "
+                "prometheus page only (a series twice is invalid); merge prometheus pages family by family")
     methods.add("Memory.Sample", ops.memory_sample, level="operator",
                 doc="params {seconds?=10, frames?=25, top?=5} -> {window_s, traced_bytes, agents: [{agents,"
                 " source, bytes, blocks, top_lines}], daemon: {bytes, blocks}, process}: memory allocated"
@@ -148,7 +152,10 @@ class _Operations:
                 raise NotFound(f"agent {name!r} has no drain (not hosted, or no inbox)")
             await drain.job.run_once()
             drained.append({"agent": name, **(node.drain_status(name) or {})})
-        return {"drained": drained}
+        # Every agent's passes (10,000 of them) do not fit a reply: as many as
+        # fit, and how many were left out (each is in Status's agent list).
+        shown, _ = page_of(len(drained), drained.__getitem__, 0)
+        return {"drained": shown, "drained_total": len(drained), "not_shown": len(drained) - len(shown)}
 
     async def renew_now(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         return await self.daemon.renew_now()
@@ -260,8 +267,13 @@ class _Operations:
         return {"window_s": seconds, **result, "process": {"rss_bytes_before": before, "rss_bytes_after": runtime_gauges().get("rss_bytes")}}
 
     async def metrics(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
+        """Counters and latencies, the agents' in pages (:mod:`meshnode.daemon.paging`):
+        Prometheus text for 1,000 agents is ~2.5 MB, past what a reply may carry."""
         node = self._node()
         fmt = params.get("format", "json")
+        if fmt not in ("json", "prometheus"):
+            raise InvalidParameter("format is json or prometheus")
+        offset, limit = agent_page_params(params)
         runtime = runtime_gauges()
         store = self.daemon.store_watch
         if store is not None:
@@ -269,29 +281,42 @@ class _Operations:
         broker = self.daemon.broker_watch
         if broker is not None:  # issue #23 item 11: a frozen broker shows here too
             runtime = {**runtime, **broker.gauges()}
+        hosted = list(node.agents.values())
+        place: dict[str, Any] = {"agents_total": len(hosted), "roster_version": node.roster_version}
         if fmt == "prometheus":
-            agents = [(h.name, h.agent_id, h.counters, h.latency) for h in node.agents.values()]
-            text = prometheus_text(agents, node.counters, node.refusals.by_label()) + loop_text(
-                node.watchdog.status(), {h.name: (h.in_flight, h.max_concurrency) for h in node.agents.values()},
-                {h.name: (h.spawned.live, h.spawned.total) for h in node.agents.values()},
-            ) + "".join(
-                f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
-            )
-            return {"content_type": "text/plain; version=0.0.4", "text": text}
-        if fmt != "json":
-            raise InvalidParameter("format is json or prometheus")
+
+            def agent_text(index: int) -> dict[str, Any]:
+                h = hosted[index]
+                return {"text": prometheus_text([(h.name, h.agent_id, h.counters, h.latency)], {}) + loop_text(
+                    None, {h.name: (h.in_flight, h.max_concurrency)}, {h.name: (h.spawned.live, h.spawned.total)}
+                )}
+
+            entries, place["agents_next"] = page_of(len(hosted), agent_text, offset, limit)
+            # The node's own figures once, on the first page: a series twice is invalid.
+            parts = [e["text"] for e in entries]
+            if offset == 0:
+                parts.insert(0, prometheus_text([], node.counters, node.refusals.by_label()) + loop_text(
+                    node.watchdog.status(), {}
+                ) + "".join(
+                    f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
+                ))
+            return {"content_type": "text/plain; version=0.0.4", "text": merge_exposition(parts), **place}
+
+        def agent_figures(index: int) -> dict[str, Any]:
+            h = hosted[index]
+            return {
+                "name": h.name, "id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict(),
+                "in_flight": h.in_flight, "max_concurrency": h.max_concurrency, "active_tasks": h.active_tasks,
+                "spawned_tasks": h.spawned.live, "spawned_tasks_total": h.spawned.total,
+            }
+
+        entries, place["agents_next"] = page_of(len(hosted), agent_figures, offset, limit)
         return {
             "runtime": runtime,
             "node": dict(node.counters),
             "refusals": node.refusals.as_dict(),
-            "agents": {
-                h.name: {
-                    "id": h.agent_id, "counters": dict(h.counters), "latency": h.latency.as_dict(),
-                    "in_flight": h.in_flight, "max_concurrency": h.max_concurrency, "active_tasks": h.active_tasks,
-                    "spawned_tasks": h.spawned.live, "spawned_tasks_total": h.spawned.total,
-                }
-                for h in node.agents.values()
-            },
+            "agents": {e.pop("name"): e for e in entries},
+            **place,
             "loop": node.watchdog.status(),
             "log_records_dropped": BUFFER.dropped,
             "ts": int(time.time()),

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LatencyHistogram", "loop_text", "prometheus_text"]
+__all__ = ["LatencyHistogram", "loop_text", "merge_exposition", "prometheus_text"]
 
 #: Histogram bucket upper bounds, in milliseconds.
 BUCKETS_MS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
@@ -101,28 +101,31 @@ def prometheus_text(
 
 
 def loop_text(
-    loop: Mapping[str, Any],
+    loop: Mapping[str, Any] | None,
     concurrency: Mapping[str, tuple[int, int]],
     spawned: Mapping[str, tuple[int, int]] | None = None,
 ) -> str:
     """The loop-lag watchdog's figures and each agent's handlers in flight, as Prometheus text.
 
-    ``loop`` is :meth:`LoopWatchdog.status`; ``concurrency`` maps an agent's
-    name to (requests in its handlers, its limit); ``spawned`` to (tasks its
-    handlers spawned that still run, tasks they spawned in all).
+    ``loop`` is :meth:`LoopWatchdog.status` (None: leave the loop's own
+    figures out, as a page after the first does); ``concurrency`` maps an
+    agent's name to (requests in its handlers, its limit); ``spawned`` to
+    (tasks its handlers spawned that still run, tasks they spawned in all).
     """
-    lines = [
-        "# HELP meshnode_loop_lag_seconds How late the event loop's last periodic wakeup fired.",
-        "# TYPE meshnode_loop_lag_seconds gauge",
-        f"meshnode_loop_lag_seconds {loop['lag_s']}",
-        "# HELP meshnode_loop_lag_max_seconds The largest loop lag seen since the start.",
-        "# TYPE meshnode_loop_lag_max_seconds gauge",
-        f"meshnode_loop_lag_max_seconds {loop['max_lag_s']}",
-        "# HELP meshnode_loop_blocks_total Loop stalls past the threshold, by the agent whose handler ran.",
-        "# TYPE meshnode_loop_blocks_total counter",
-    ]
-    for agent, n in sorted(loop["blocks"].items()):
-        lines.append(f'meshnode_loop_blocks_total{{agent="{_escape(agent)}"}} {n}')
+    lines: list[str] = []
+    if loop is not None:
+        lines += [
+            "# HELP meshnode_loop_lag_seconds How late the event loop's last periodic wakeup fired.",
+            "# TYPE meshnode_loop_lag_seconds gauge",
+            f"meshnode_loop_lag_seconds {loop['lag_s']}",
+            "# HELP meshnode_loop_lag_max_seconds The largest loop lag seen since the start.",
+            "# TYPE meshnode_loop_lag_max_seconds gauge",
+            f"meshnode_loop_lag_max_seconds {loop['max_lag_s']}",
+            "# HELP meshnode_loop_blocks_total Loop stalls past the threshold, by the agent whose handler ran.",
+            "# TYPE meshnode_loop_blocks_total counter",
+        ]
+        for agent, n in sorted(loop["blocks"].items()):
+            lines.append(f'meshnode_loop_blocks_total{{agent="{_escape(agent)}"}} {n}')
     lines += [
         "# HELP meshnode_agent_in_flight Requests in an agent's handlers now.",
         "# TYPE meshnode_agent_in_flight gauge",
@@ -149,3 +152,33 @@ def loop_text(
         for name, (_, total) in sorted(spawned.items()):
             lines.append(f'meshnode_agent_spawned_tasks_total{{agent="{_escape(name)}"}} {total}')
     return "\n".join(lines) + "\n"
+
+
+def merge_exposition(texts: Iterable[str]) -> str:
+    """Prometheus texts (this module's, e.g. the pages of ``Metrics``) as one.
+
+    The exposition format keeps each metric family's samples together under
+    one HELP and TYPE; pages each carry their agents' samples of the same
+    families. Families come in the order they first appear, samples in page
+    order.
+    """
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    for text in texts:
+        current = ""
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split(" ", 3)[2]
+                known = headers.setdefault(current, [])
+                families.setdefault(current, [])
+                if not any(h.startswith(line[:7]) for h in known):
+                    known.append(line)
+                continue
+            families.setdefault(current, []).append(line)
+    out: list[str] = []
+    for name, samples in families.items():
+        out += headers.get(name, [])
+        out += samples
+    return "\n".join(out) + "\n"
