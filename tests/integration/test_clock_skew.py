@@ -29,8 +29,9 @@ import pytest
 
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.testing import DaemonProcess, DaemonSet, run_cli
-from tests.integration.wire_client import UserKey, WireAgent, WireClient, read_invite
+from meshnode.testing import DaemonProcess, DaemonSet
+from tests.integration.wire_client import WireAgent, WireClient
+from tests.integration.wire_setup import enrolled_wire_agent
 
 pytestmark = pytest.mark.integration
 
@@ -78,19 +79,10 @@ class Setup:
 async def setup(meshnode_daemons: DaemonSet, tmp_path: Path) -> AsyncIterator[Setup]:
     hub = await asyncio.to_thread(meshnode_daemons.embedded, "hub", agents={})
     node = await asyncio.to_thread(meshnode_daemons.joined, "node", via=hub, agents={"target": {"plugin": "echo"}})
-    invite = tmp_path / "skewed.creds"
-    await asyncio.to_thread(run_cli, "mesh", "invite", "skewed", "--out", str(invite), "--socket", hub.socket_path)
-    client = WireClient(read_invite(invite))
-    agent = WireAgent(UserKey.generate(), "skewed-sender")
-    try:
-        await client.join([agent])
-        await client.serve(agent)
-        await client.register(agent)
+    async with enrolled_wire_agent(hub, tmp_path, "skewed", "skewed-sender") as (client, agent):
         sender = SkewedSender(KeyPair.from_seed(agent.key.seed))
         target = await asyncio.to_thread(node.agent_id, "target")
         yield Setup(hub, node, client, agent, sender, target)
-    finally:
-        await client.close()
 
 
 def _statuses(responds: list[dict[str, Any]]) -> list[Any]:
