@@ -288,6 +288,8 @@ def cmd_tasks_list(args: argparse.Namespace) -> int:
     else:
         for t in result["tasks"]:
             print(f"{t['task_id']}  {t['agent']:<14} {t['state']:<14} {t.get('offering') or '':<12} for {t['requester']}")
+        if result.get("not_shown"):
+            print(f"... and {result['not_shown']:,} more (of {result['tasks_total']:,}): more than one answer carries")
     return EX_OK
 
 

@@ -63,7 +63,8 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
                 doc="params {level?} -> a stream of {ts, level, logger, message} (send more: true)")
     methods.add("Tasks.List", ops.tasks_list, level="operator",
-                doc="params {} -> {tasks: [{task_id, agent, requester, state, offering}]} performed here now")
+                doc="params {} -> {tasks: [{task_id, agent, requester, state, offering, delegates}], tasks_total, "
+                "not_shown} performed here now (as many as fit a reply; not_shown: the rest)")
     methods.add("Tasks.Show", ops.tasks_show, level="operator",
                 doc="params {task_id} -> the task manager's record (requester or responder must be hosted here)")
     methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
@@ -192,7 +193,10 @@ class _Operations:
                 tasks.append({"task_id": task.task_id, "agent": hosted.name, "requester": task.requester,
                               "state": task.state, "offering": payload.get("offering"),
                               "delegates": [t for _, t in task.delegates]})
-        return {"tasks": tasks}
+        # Up to 64 per agent: at thousands of busy agents more than a reply
+        # carries. As many as fit, and how many were left out.
+        shown, _ = page_of(len(tasks), tasks.__getitem__, 0)
+        return {"tasks": shown, "tasks_total": len(tasks), "not_shown": len(tasks) - len(shown)}
 
     async def tasks_show(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()
