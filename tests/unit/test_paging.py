@@ -43,6 +43,8 @@ def test_a_limit_cuts_a_page_and_one_entry_always_goes() -> None:
     assert [e["name"] for e in entries] == ["a002", "a003"] and following == 4
     entries, following = page_of(10, _entry, 0, budget=1)  # an entry larger than the budget: alone
     assert len(entries) == 1 and following == 1
+    everything, following = page_of(10, _entry, 0, budget=None)  # in the daemon's process: no bound
+    assert len(everything) == 10 and following is None
     assert page_of(0, _entry, 0) == ([], None)
     assert page_of(3, _entry, 5) == ([], None)  # past the end (agents removed meanwhile)
 

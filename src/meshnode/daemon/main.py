@@ -580,8 +580,9 @@ class Daemon:
     # -- operations (admin methods, reload and plugins call these) ---------------
 
     def status(self, *, agents_listed: bool = True) -> dict[str, Any]:
-        """Node and agent status (the admin ``Status`` result)."""
-        return self.methods.snapshot(agents_listed=agents_listed)
+        """Node and agent status (the admin ``Status`` result), with the whole
+        agent list: no reply's size bounds a caller in this process."""
+        return self.methods.snapshot(agents_listed=agents_listed, page_bytes=None)
 
     async def add_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
         """Host a new agent at runtime: key, re-minted credential and reconnect (when

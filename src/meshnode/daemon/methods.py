@@ -23,7 +23,7 @@ from meshnode.config import AgentConfig
 from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.daemon.operations import process_figures
-from meshnode.daemon.paging import agent_page_params, page_of
+from meshnode.daemon.paging import AGENTS_PAGE_BYTES, agent_page_params, page_of
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
@@ -94,20 +94,26 @@ class CoreMethods:
         self.d = daemon
 
     def snapshot(
-        self, *, agents_listed: bool = True, agents_offset: int = 0, agents_limit: int | None = None
+        self,
+        *,
+        agents_listed: bool = True,
+        agents_offset: int = 0,
+        agents_limit: int | None = None,
+        page_bytes: int | None = AGENTS_PAGE_BYTES,
     ) -> dict[str, Any]:
         """Node and agent status. ``agents_listed=False`` is the brief form for
         scripts that poll: it leaves out the per-agent list (the counts in
         ``agent_summary`` remain) and the asyncio task count
         (``process.asyncio_tasks`` is null: counting walks every task, ~20 ms of
         the loop at 10,000 agents; ``Metrics`` and the full form count them).
-        The list is one page (:meth:`agent_page`) from ``agents_offset``."""
+        The list is one page (:meth:`agent_page`) from ``agents_offset``
+        (``page_bytes`` None: the whole list, for a caller in this process)."""
         node = self.d.node
         hosted = list(node.agents.values()) if node is not None else []
         agents: list[dict[str, Any]] = []
         page: dict[str, Any] = {}
         if agents_listed:
-            agents, page = self.agent_page(agents_offset, agents_limit)
+            agents, page = self.agent_page(agents_offset, agents_limit, page_bytes)
         # One pass, the enum member read once: a script polls this at any
         # roster size, and on Python 3.11 each AgentState.FAILED is a
         # descriptor call (the per-agent cost tripled with it in the loop).
@@ -177,7 +183,9 @@ class CoreMethods:
             "a2a": self.d.gateways.status(),
         }
 
-    def agent_page(self, offset: int = 0, limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def agent_page(
+        self, offset: int = 0, limit: int | None = None, page_bytes: int | None = AGENTS_PAGE_BYTES
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """One page of the agent list (Status, Agents.List), from ``offset``, and its place in it.
 
         The list is every hosted agent in hosting order, then the agents that
@@ -211,7 +219,7 @@ class CoreMethods:
             return entry
 
         total = len(hosted) + len(never_hosted)
-        entries, following = page_of(total, entry_at, offset, limit)
+        entries, following = page_of(total, entry_at, offset, limit, page_bytes)
         place = {
             "agents_total": total,
             "agents_next": following,

@@ -39,21 +39,23 @@ def page_of(
     entry_at: Callable[[int], dict[str, Any]],
     offset: int,
     limit: int | None = None,
-    budget: int = AGENTS_PAGE_BYTES,
+    budget: int | None = AGENTS_PAGE_BYTES,
 ) -> tuple[list[dict[str, Any]], int | None]:
     """Entries ``entry_at(offset)``, ``entry_at(offset + 1)``, … of a list of
-    ``total``: as many as encode within ``budget`` bytes (at least one) and at
-    most ``limit``. Returns them and the next page's offset (None: this page
-    reaches the end). Only the entries of this page are built."""
+    ``total``: as many as encode within ``budget`` bytes (at least one; None:
+    no bound, for a caller in the daemon's process) and at most ``limit``.
+    Returns them and the next page's offset (None: this page reaches the end).
+    Only the entries of this page are built."""
     entries: list[dict[str, Any]] = []
     size = 0
     index = offset
     while index < total and (limit is None or len(entries) < limit):
         entry = entry_at(index)
-        cost = len(orjson.dumps(entry, default=str)) + 1  # its comma
-        if entries and size + cost > budget:
-            break
+        if budget is not None:
+            cost = len(orjson.dumps(entry, default=str)) + 1  # its comma
+            if entries and size + cost > budget:
+                break
+            size += cost
         entries.append(entry)
-        size += cost
         index += 1
     return entries, (index if index < total else None)
