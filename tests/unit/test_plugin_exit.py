@@ -44,8 +44,11 @@ async def test_a_task_the_plugin_made_ends_with_its_sys_exit_and_the_loop_runs_o
         assert "the task ended" in caplog.text
         assert count.live == 0 and count.total == 1
         # The node's own tasks (no agent's count in their context) run as made.
-        own = asyncio.get_running_loop().create_task(asyncio.sleep(0), context=contextvars.Context())
-        assert getattr(own.get_coro(), "__qualname__", None) == "sleep"
-        await own
+        async def node_work() -> str:
+            return "done"
+
+        own = asyncio.get_running_loop().create_task(node_work(), context=contextvars.Context())
+        assert getattr(own.get_coro(), "__name__", None) == "node_work"
+        assert await own == "done"
     finally:
         tasktally.uninstall()
