@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from meshnode.a2a.inbound import BridgeSettings
-from meshnode.a2a.listen import ListenError, adopt_listener, bind_listeners, listen_fd
+from meshnode.a2a.listen import ListenError, adopt_listener, bind_listeners
+from meshnode.config.a2a import listen_fd
 
 
 def settings(

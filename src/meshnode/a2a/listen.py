@@ -15,20 +15,17 @@ taken port into an ordinary start-up error that names ``[a2a] listen``.
   passes it as descriptor 3, or a test harness). The daemon never binds; the
   address it serves on is the socket's own, and the port stays the
   supervisor's across restarts.
+
+The configuration checks the form (:func:`meshnode.config.a2a.listen_fd`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
 import socket
 
-__all__ = ["FD_SCHEME", "ListenError", "adopt_listener", "bind_listeners", "listen_fd"]
-
-FD_SCHEME = "fd://"
-
-_FD = re.compile(r"fd://(?P<fd>\d{1,9})")
+__all__ = ["ListenError", "adopt_listener", "bind_listeners"]
 
 #: The accept queue, as uvicorn's default.
 BACKLOG = 2048
@@ -36,12 +33,6 @@ BACKLOG = 2048
 
 class ListenError(RuntimeError):
     """The bridge cannot listen where ``[a2a] listen`` says; the message says why and what to do."""
-
-
-def listen_fd(listen: str) -> int | None:
-    """The descriptor number of a ``"fd://N"`` address, None for ``"host:port"``."""
-    m = _FD.fullmatch(listen.strip())
-    return int(m.group("fd")) if m is not None else None
 
 
 def adopt_listener(fd: int) -> socket.socket:

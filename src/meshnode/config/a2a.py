@@ -84,7 +84,13 @@ class A2APeerConfig(BaseModel):
 _LISTEN = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})")
 
 
-_LISTEN_FD = re.compile(r"fd://\d{1,9}")
+_LISTEN_FD = re.compile(r"fd://(?P<fd>\d{1,9})")
+
+
+def listen_fd(listen: str) -> int | None:
+    """The descriptor number of a ``listen = "fd://N"`` address, None for ``"host:port"``."""
+    m = _LISTEN_FD.fullmatch(listen.strip())
+    return int(m.group("fd")) if m is not None else None
 
 
 def _listen_address(value: object) -> str | None:
@@ -94,7 +100,7 @@ def _listen_address(value: object) -> str | None:
         m = _LISTEN.fullmatch(value.strip())
         if m is not None and int(m.group("port")) <= 65535:
             return value.strip()
-        if _LISTEN_FD.fullmatch(value.strip()):
+        if listen_fd(value) is not None:
             return value.strip()
     raise ValueError(
         'expected "host:port" (e.g. "127.0.0.1:8700" or "[::1]:8700") or "fd://N" (a listening socket '

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshnode.a2a.charges import Charge, ChargeStore, charge_event
-from meshnode.a2a.listen import listen_fd
 from meshnode.config import Config
+from meshnode.config.a2a import listen_fd
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
 from meshnode.node.commerce import MeterOutbox
