@@ -223,14 +223,12 @@ class DaemonProcess:
 
     def log_tail(self, lines: int = 60, *, since_start: bool = False) -> str:
         """The log's last ``lines``; with ``since_start``, only the latest start's."""
-        text = self.log_text()
-        if since_start:
-            try:
-                with open(self.log_path, "rb") as f:
-                    f.seek(self._log_start)
-                    text = f.read().decode("utf-8", errors="replace")
-            except FileNotFoundError:
-                text = ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start if since_start else 0)
+                text = f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            text = ""
         return "\n".join(text.splitlines()[-lines:])
 
 
