@@ -270,6 +270,65 @@ def daemon_root() -> Any:
     shutil.rmtree(root, ignore_errors=True)
 
 
+async def test_a_planned_reconnect_on_a_cluster_stays_on_its_server_and_misses_nothing(
+    nats_cluster: ClusterThread,
+) -> None:
+    """A roster change or renewal reconnects the node on purpose. On a cluster
+    the client moved to the next server in its pool, so the bridge that holds
+    its subscriptions through the cut (on the old server) and the reconnected
+    client met at no server, and another server could learn of the new
+    interest only after the bridge was gone. It now comes back to its own
+    server: mail published from another server without pause through three
+    planned reconnects all arrives."""
+    urls = nats_cluster.urls
+    key = KeyPair.generate(Prefix.USER)
+    allowed = ["test.>", "_INBOX.>"]
+    jwt = nats_cluster.cluster.nats.mint_user("bridged", key.public_key, allowed, allowed, 600)
+    conn = await _connect(nats_cluster, key, jwt, urls)
+    home = conn.connected_url
+    peer_key = KeyPair.generate(Prefix.USER)
+    peer_jwt = nats_cluster.cluster.nats.mint_user("peer", peer_key.public_key, allowed, allowed, 600)
+    elsewhere = next(u for u in urls if nats_cluster.member_index(u) != nats_cluster.member_index(home))
+    peer = await _connect(nats_cluster, peer_key, peer_jwt, [elsewhere])
+    received: set[int] = set()
+
+    async def collect(msg: Message) -> None:
+        received.add(int(msg.data))
+
+    sent = 0
+    stop = asyncio.Event()
+
+    async def publish_until_stopped() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            await peer.publish("test.cluster.live", str(sent).encode())
+            sent += 1
+            if sent % 8 == 0:
+                await peer.flush()
+
+    try:
+        await conn.subscribe("test.cluster.live", collect)
+        await conn.flush()
+        publishing = asyncio.ensure_future(publish_until_stopped())
+        # The interest reaches the peer's server by route: mail flowing is the proof.
+        await eventually_async(lambda: bool(received), what="mail from the other server arriving")
+        first = min(received)
+        for n in (1, 2, 3):
+            await conn.reconnect()
+            assert await conn.wait_connected(60.0), f"planned reconnect {n} not back"
+            assert conn.connected_url == home
+        stop.set()
+        await publishing
+        await peer.flush()
+        expected = set(range(first, sent))
+        await eventually_async(lambda: received >= expected, what="every message published",
+                               detail=lambda: f"missing {sorted(expected - received)[:20]}")
+        assert conn.bridged_reconnects == 3
+    finally:
+        await peer.close()
+        await conn.close()
+
+
 def _discover_ids(node: DaemonProcess) -> set[str]:
     result = node.admin("Discover", {"limit": 100})
     return {a["id"] for a in result["agents"]}

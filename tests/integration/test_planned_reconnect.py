@@ -145,24 +145,122 @@ async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(m
         await conn.close()
 
 
-async def test_a_planned_reconnect_lets_the_replies_already_due_come_first(
+def _pair(mesh: EmbeddedNatsServer, name: str) -> tuple[MeshConnection, MeshConnection]:
+    """A connection under test and a peer, both allowed test.> and their replies."""
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_user(name, key.public_key, ["test.>", "_INBOX.>"], ["test.>", "_INBOX.>"], 300)
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name=name, connect_timeout=2.0)
+    peer_key = KeyPair.generate(Prefix.USER)
+    peer_jwt = mesh.mint_user(f"{name} peer", peer_key.public_key, ["test.>", "_INBOX.>"], ["test.>", "_INBOX.>"], 300)
+    peer = MeshConnection([mesh.url], node_key=peer_key, jwt_source=lambda: peer_jwt, name=f"{name} peer",
+                          connect_timeout=2.0)
+    return conn, peer
+
+
+async def test_live_mail_sent_during_planned_reconnects_all_arrives(mesh: EmbeddedNatsServer) -> None:
+    """A roster change or a renewal reconnects the node; live mail sent meanwhile
+    found no subscriber and was gone (a sandbox agent's for good, §16.4). A peer
+    publishes without pause across three planned reconnects: every message must
+    arrive, and the bridge must have covered each."""
+    conn, peer = _pair(mesh, "bridged")
+    received: set[int] = set()
+    reconnects: list[int] = []
+
+    async def collect(msg: Message) -> None:
+        received.add(int(msg.data))
+
+    async def counted() -> None:
+        reconnects.append(1)  # the drain re-runs on every reconnect (§16.4), bridged or not
+
+    conn.on_reconnect(counted)
+    await conn.connect()
+    await peer.connect()
+    sent = 0
+    stop = asyncio.Event()
+
+    async def publish_until_stopped() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            await peer.publish("test.live", str(sent).encode())
+            sent += 1
+            if sent % 8 == 0:
+                await peer.flush()  # lets the reconnect run between batches
+
+    try:
+        await conn.subscribe("test.live", collect)
+        await conn.flush()
+        publishing = asyncio.ensure_future(publish_until_stopped())
+        for expected in (1, 2, 3):
+            await eventually_async(lambda: len(received) > 0, what="live mail flowing")
+            await conn.reconnect()
+
+            def back(n: int = expected) -> bool:
+                return len(reconnects) >= n and conn.is_connected
+
+            await eventually_async(back, what=f"planned reconnect {expected} back")
+        stop.set()
+        await publishing
+        await peer.flush()
+        await eventually_async(lambda: len(received) >= sent, what="every message published",
+                               detail=lambda: f"{sent} sent, missing {sorted(set(range(sent)) - received)[:20]}")
+        assert received == set(range(sent))
+        assert conn.bridged_reconnects == 3 and conn.unbridged_reconnects == 0
+    finally:
+        await peer.close()
+        await conn.close()
+
+
+async def test_a_reply_due_while_the_connection_is_away_comes_through_the_bridge(mesh: EmbeddedNatsServer) -> None:
+    """A reply sent to the connection being cut was lost, and its request waited
+    out its whole timeout (a drain pass's JetStream call: 5 s, while a busy
+    agent's buffer filled). Here the answer is sent only once the connection is
+    cut: the bridge holds the reply inbox and the request gets its answer."""
+    conn, responder = _pair(mesh, "requester")
+    await conn.connect()
+    await responder.connect()
+    held: list[Message] = []
+    cut: list[bool] = []
+
+    async def hold(msg: Message) -> None:
+        held.append(msg)
+
+    async def on_cut() -> None:
+        cut.append(True)
+
+    try:
+        await responder.subscribe("test.slow", hold)
+        await responder.flush()
+        asking = asyncio.ensure_future(conn.request("test.slow", b"?", timeout=60))
+        await eventually_async(lambda: bool(held), what="the request at the responder")
+        conn.on_disconnect(on_cut)
+        await conn.reconnect()
+        await eventually_async(lambda: bool(cut), what="the connection cut")
+        await held[0].respond(b"!")
+        reply = await asyncio.wait_for(asking, timeout=30)
+        assert reply.data == b"!"
+        await eventually_async(lambda: conn.is_connected, what="reconnected")
+        assert conn.bridged_reconnects == 1
+    finally:
+        await responder.close()
+        await conn.close()
+
+
+async def test_without_a_bridge_a_planned_reconnect_lets_the_replies_already_due_come_first(
     mesh: EmbeddedNatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reply sent to the connection being cut is lost and its request waits out
-    its whole timeout (a drain pass's JetStream call: 5 s, while a busy agent's
-    buffer filled). A planned reconnect waits a moment for the requests already
-    out: here the answer is held back until the reconnect has begun, and the
-    connection must not be cut before it came in."""
+    """When no bridge can be opened (the broker refuses a second connection), a
+    planned reconnect waits a moment for the requests already out: here the
+    answer is held back until the reconnect has begun, and the connection must
+    not be cut before it came in."""
     import meshnode.transport.connection as connection
 
     monkeypatch.setattr(connection, "PLANNED_CUT_WAIT_S", 60.0)  # however slow this machine is
-    key = KeyPair.generate(Prefix.USER)
-    jwt = mesh.mint_user("requester", key.public_key, ["test.>"], ["test.>", "_INBOX.>"], 300)
-    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="requester", connect_timeout=2.0)
-    other_key = KeyPair.generate(Prefix.USER)
-    other_jwt = mesh.mint_user("responder", other_key.public_key, ["test.>", "_INBOX.>"], ["test.>"], 300)
-    responder = MeshConnection([mesh.url], node_key=other_key, jwt_source=lambda: other_jwt, name="responder",
-                               connect_timeout=2.0)
+    conn, responder = _pair(mesh, "unbridged")
+
+    async def no_bridge(nc: object) -> None:
+        return None
+
+    monkeypatch.setattr(conn, "_open_bridge", no_bridge)
     await conn.connect()
     await responder.connect()
     held: list[Message] = []
@@ -189,6 +287,40 @@ async def test_a_planned_reconnect_lets_the_replies_already_due_come_first(
         await asyncio.wait_for(reconnecting, timeout=30)
         await eventually_async(lambda: bool(replied_before_the_cut) and conn.is_connected, what="reconnected")
         assert reply.data == b"!" and replied_before_the_cut == [True]
+        assert conn.unbridged_reconnects == 1 and conn.bridged_reconnects == 0
     finally:
         await responder.close()
+        await conn.close()
+
+
+async def test_the_bridge_hands_mail_over_only_to_subscriptions_still_held(mesh: EmbeddedNatsServer) -> None:
+    """What the bridge receives goes to the subscription's own callback, as the
+    connection's own mail would (its answers and acks go out on the connection,
+    not on the bridge, which closes soon), and only while the connection still
+    holds that subscription: an agent removed during the cut gets nothing more."""
+    from nats.aio.msg import Msg
+
+    from meshnode.transport.connection import _relay
+
+    conn, _ = _pair(mesh, "relay")
+    await conn.connect()
+    got: list[Message] = []
+
+    async def collect(msg: Message) -> None:
+        got.append(msg)
+
+    try:
+        held = await conn.subscribe("test.held", collect)
+        gone = await conn.subscribe("test.gone", collect)
+        nc = conn.nc
+        held_sub, gone_sub = (next(s for s in nc._subs.values() if s.subject == x) for x in ("test.held", "test.gone"))
+        to_held, to_gone = _relay(nc, held_sub), _relay(nc, gone_sub)
+        await gone.unsubscribe()
+        other = object()  # stands for the bridge: what the mail came in on
+        await to_gone(Msg(_client=other, subject="test.gone", data=b"late"))  # type: ignore[arg-type]
+        await to_held(Msg(_client=other, subject="test.held", data=b"on time"))  # type: ignore[arg-type]
+        assert [m.data for m in got] == [b"on time"]
+        assert got[0]._msg._client is nc
+        await held.unsubscribe()
+    finally:
         await conn.close()

@@ -151,6 +151,12 @@ class CoreMethods:
                 "connected_url": self.d.connection.connected_url if self.d.connection else None,
                 "known_servers": self.d.connection.known_servers if self.d.connection else [],
                 "last_error": self.d.connection.last_error if self.d.connection else None,
+                # Reconnects the node made to present a new credential: bridged
+                # ones missed no live mail (MeshConnection.reconnect).
+                "planned_reconnects": {
+                    "bridged": self.d.connection.bridged_reconnects if self.d.connection else 0,
+                    "unbridged": self.d.connection.unbridged_reconnects if self.d.connection else 0,
+                },
                 # Does the broker still answer (a frozen one keeps "connected" true)?
                 "broker": self.broker_status(),
             },

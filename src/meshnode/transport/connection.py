@@ -3,8 +3,11 @@
 Wraps nats-py with what the node needs and nothing else: the credential is
 read through a callback at *every* (re)connect, so a renewed JWT is what a
 reconnect presents (never the one from the first connect); the node key signs
-the server nonce; reconnects are announced to listeners (the inbox drain
-re-runs on them, §16.4) from the client's own connection events.
+the server nonce; reconnects are announced to listeners from the client's own
+connection events (the inbox drain re-runs on them, §16.4). A planned
+reconnect (a new credential to present) is bridged: a second connection holds every live
+subscription while the first is away, so it misses nothing (see
+:meth:`MeshConnection.reconnect`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.protocol.nkeys import KeyPair
@@ -85,8 +89,12 @@ class _Client(Client):
 
 
 #: How long a planned reconnect waits for the replies of requests already out (see
-#: MeshConnection._replies_in_flight).
+#: MeshConnection._replies_in_flight), when no bridge could be opened.
 PLANNED_CUT_WAIT_S = 1.0
+
+#: How long a bridge stays open waiting for the connection it stands in for to
+#: be back; past it the bridge closes and the reconnect counts as unbridged.
+BRIDGE_HOLD_S = 60.0
 
 
 class MeshConnection:
@@ -144,6 +152,12 @@ class MeshConnection:
         self._back: asyncio.Event | None = None
         # Flushes waiting for their PONG: a disconnect cancels them (see flush).
         self._flushing: set[asyncio.Future[None]] = set()
+        # The bridge standing in for the connection during the planned reconnect
+        # under way (None: none, or it could not be opened); see reconnect.
+        self._bridge: Client | None = None
+        #: Planned reconnects that a bridge covered, and those it could not.
+        self.bridged_reconnects = 0
+        self.unbridged_reconnects = 0
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -182,6 +196,10 @@ class MeshConnection:
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         self._closing = True
+        bridge, self._bridge = self._bridge, None
+        if bridge is not None and not bridge.is_closed:
+            with contextlib.suppress(Exception):
+                await bridge.close()
         nc, self._nc = self._nc, None
         if nc is None:
             return
@@ -259,7 +277,23 @@ class MeshConnection:
 
     async def reconnect(self) -> None:
         """Reconnect now, presenting the credential the JWT source returns now
-        (used after a re-minted credential, e.g. when an agent is added)."""
+        (used after a re-minted credential, e.g. when an agent is added).
+
+        Bridged: before the cut a second connection (the *bridge*, presenting
+        the same new credential) subscribes to every subject the connection
+        has a live subscription on, its reply inbox included, and hands what
+        it receives to the same callbacks, bound to this connection so that
+        answers and acks go out here. It closes once the connection is back
+        with its subscriptions in force. A reconnect used to leave a gap of
+        ~70 ms to 1 s at every roster change and renewal: live mail sent then
+        found no subscriber, a buffered agent got it late from its drain (one
+        JetStream call per agent), a sandbox agent (no buffer, §16.4) not at
+        all, and a reply due then was lost. In the overlap a message can reach
+        both connections; every envelope intake deduplicates (§22.2). When the
+        bridge cannot be opened, the reconnect goes on without it, as before.
+        Either way the reconnect listeners run (the drain re-runs on every
+        reconnect, §16.4).
+        """
         self._planned_reconnect = True
         nc = self.nc
         # nats-py stamps a server at every connect, a successful one too, and waits
@@ -273,8 +307,99 @@ class MeshConnection:
         server = getattr(nc, "_current_server", None)
         if server is not None and hasattr(server, "last_attempt"):
             server.last_attempt = None
-        await self._replies_in_flight(PLANNED_CUT_WAIT_S)
+        bridge = await self._open_bridge(nc) if nc.is_connected else None
+        if bridge is None:
+            await self._replies_in_flight(PLANNED_CUT_WAIT_S)
+        self._bridge = bridge
+        # Back to the same server, not a random one of the pool (nats-py shuffles
+        # it at every reconnect): on a cluster the bridge (opened on this server)
+        # and the reconnected client then meet at one server, which proves the
+        # handover; a move left a moment in which the other servers learned the
+        # new interest after the bridge's end. One-shot: if this server fails,
+        # the next attempt is nats-py's usual choice, with its back-off.
+        if server is not None and nc.is_connected and hasattr(nc, "_reconnect_to_server_handler"):
+            def home_first(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+                nc._reconnect_to_server_handler = None
+                return (server if any(s.uri.netloc == server.uri.netloc for s in servers) else None), 0.0
+
+            nc._reconnect_to_server_handler = home_first
         await nc.force_reconnect()
+        if bridge is not None:
+            self._tasks.spawn(self._close_bridge_when_back(bridge))
+
+    async def _open_bridge(self, nc: Client) -> Client | None:
+        """A connection holding ``nc``'s live subscriptions, proven in force at
+        the broker; None when it cannot be had (the reconnect then has a gap).
+
+        Held: every subscription with a callback (the node's core
+        subscriptions, nats-py's reply inbox, the drain's fetch inboxes), not
+        JetStream push consumers (what they miss is redelivered after the ack
+        wait) nor subscriptions that end themselves after a count.
+        """
+        subscriptions = [
+            sub for sub in list(getattr(nc, "_subs", {}).values())
+            if getattr(sub, "_cb", None) is not None
+            and getattr(sub, "_jsi", None) is None
+            and not getattr(sub, "_max_msgs", 0)
+        ]
+        url = nc.connected_url
+        if url is None:
+            return None
+        options: dict[str, Any] = {
+            "servers": [url.geturl()],
+            "name": f"{self._name} (bridge)",
+            "connect_timeout": self._connect_timeout,
+            "allow_reconnect": False,
+            "max_reconnect_attempts": 0,
+            "error_cb": self._on_bridge_error,
+            "pending_size": self._reconnect_buffer_bytes,
+        }
+        if self._inbox_prefix:
+            options["inbox_prefix"] = self._inbox_prefix
+        if self._tls is not None:
+            options["tls"] = self._tls
+        if self._jwt_source is not None and self._node_key is not None:
+            key = self._node_key
+            jwt = self._jwt_source().encode("ascii")
+            options["user_jwt_cb"] = lambda: jwt
+            options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
+        bridge = _Client()
+        try:
+            await bridge.connect(**options)
+            for sub in subscriptions:
+                await bridge.subscribe(sub._subject, queue=sub._queue or "", cb=_relay(nc, sub))
+            await flush_written(bridge, self._connect_timeout)
+        except Exception as exc:
+            log.info("no bridge for the planned reconnect (%s: %s): live mail sent during it goes to the "
+                     "agents' buffers", type(exc).__name__, exc)
+            with contextlib.suppress(Exception):
+                await bridge.close()
+            return None
+        log.debug("bridged the planned reconnect: %d subscription(s)", len(subscriptions))
+        return bridge
+
+    async def _close_bridge_when_back(self, bridge: Client) -> None:
+        """Drain ``bridge`` once the connection is back (its subscriptions went
+        out and were flushed before nats-py calls it reconnected), or after
+        :data:`BRIDGE_HOLD_S`. Draining hands what the bridge already received
+        to its callbacks before it closes."""
+        try:
+            await self.wait_connected(BRIDGE_HOLD_S)
+        finally:
+            if self._bridge is bridge:
+                self._bridge = None
+            try:
+                if bridge.is_connected:
+                    await bridge.drain()
+                elif not bridge.is_closed:
+                    await bridge.close()
+            except Exception as exc:  # the bridge's end is nobody's failure
+                log.debug("closing the reconnect's bridge: %s: %s", type(exc).__name__, exc)
+
+    async def _on_bridge_error(self, exc: Exception) -> None:
+        # A subscription the new credential no longer grants (an agent just
+        # removed) is refused on the bridge too: nothing to report.
+        log.debug("reconnect bridge: %s: %s", type(exc).__name__, exc)
 
     async def _replies_in_flight(self, timeout: float) -> None:
         """Wait (up to ``timeout``) for the replies of the requests already out.
@@ -479,7 +604,15 @@ class MeshConnection:
             self._spawn(listener())
 
     async def _on_reconnected(self) -> None:
-        self._planned_reconnect = False
+        planned, self._planned_reconnect = self._planned_reconnect, False
+        if planned:
+            # Covered: a bridge subscribed before the cut and still up now (it
+            # never reconnects, so up now means up throughout).
+            bridge = self._bridge
+            if bridge is not None and bridge.is_connected:
+                self.bridged_reconnects += 1
+            else:
+                self.unbridged_reconnects += 1
         if self._back is not None:
             self._back.set()
         repeats = self._error_log.reset()
@@ -553,6 +686,24 @@ class _RepeatLimiter:
         total = self._total
         self._next, self._interval, self._skipped, self._total = None, self.FIRST_S, 0, 0
         return total
+
+
+def _relay(connection: Client, sub: Any) -> Callable[[Msg], Awaitable[None]]:
+    """A bridge's callback for ``sub`` of ``connection``: what the bridge
+    receives goes to ``sub``'s own callback, as if ``connection`` had received
+    it (answers and acks go out on ``connection``, which holds them while it is
+    away), and only while ``sub`` is still subscribed there."""
+    callback = sub._cb
+    sid = sub._id
+
+    async def relay(msg: Msg) -> None:
+        if connection._subs.get(sid) is not sub:
+            return  # unsubscribed meanwhile (an agent removed): its mail is no longer ours
+        msg._client = connection
+        msg._sid = sid
+        await callback(msg)
+
+    return relay
 
 
 def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:
