@@ -48,6 +48,7 @@ from meshnode.transport.permissions import node_inbox_prefix
 from meshnode.transport.streams import ensure_mesh_streams, wait_jetstream_ready
 
 from .conftest import ClusterThread
+from .steady_mail import SteadyMail
 
 pytestmark = pytest.mark.integration
 
@@ -290,39 +291,20 @@ async def test_a_planned_reconnect_on_a_cluster_stays_on_its_server_and_misses_n
     peer_jwt = nats_cluster.cluster.nats.mint_user("peer", peer_key.public_key, allowed, allowed, 600)
     elsewhere = next(u for u in urls if nats_cluster.member_index(u) != nats_cluster.member_index(home))
     peer = await _connect(nats_cluster, peer_key, peer_jwt, [elsewhere])
-    received: set[int] = set()
-
-    async def collect(msg: Message) -> None:
-        received.add(int(msg.data))
-
-    sent = 0
-    stop = asyncio.Event()
-
-    async def publish_until_stopped() -> None:
-        nonlocal sent
-        while not stop.is_set():
-            await peer.publish("test.cluster.live", str(sent).encode())
-            sent += 1
-            if sent % 8 == 0:
-                await peer.flush()
-
+    mail = SteadyMail(peer, "test.cluster.live")
     try:
-        await conn.subscribe("test.cluster.live", collect)
+        await conn.subscribe("test.cluster.live", mail.collect)
         await conn.flush()
-        publishing = asyncio.ensure_future(publish_until_stopped())
+        mail.start()
         # The interest reaches the peer's server by route: mail flowing is the proof.
-        await eventually_async(lambda: bool(received), what="mail from the other server arriving")
-        first = min(received)
+        await eventually_async(lambda: bool(mail.received), what="mail from the other server arriving")
+        first = min(mail.received)
         for n in (1, 2, 3):
             await conn.reconnect()
             assert await conn.wait_connected(60.0), f"planned reconnect {n} not back"
             assert conn.connected_url == home
-        stop.set()
-        await publishing
-        await peer.flush()
-        expected = set(range(first, sent))
-        await eventually_async(lambda: received >= expected, what="every message published",
-                               detail=lambda: f"missing {sorted(expected - received)[:20]}")
+        await mail.stop()
+        await mail.all_arrived(first)
         assert conn.bridged_reconnects == 3
     finally:
         await peer.close()

@@ -20,6 +20,8 @@ from meshnode.transport.embedded import EmbeddedNatsServer
 from meshnode.transport.messages import Message
 from meshnode.transport.permissions import node_inbox_prefix
 
+from .steady_mail import SteadyMail
+
 HOUR_S = 3600.0
 
 
@@ -157,17 +159,31 @@ def _pair(mesh: EmbeddedNatsServer, name: str) -> tuple[MeshConnection, MeshConn
     return conn, peer
 
 
+async def _request_held(conn: MeshConnection, responder: MeshConnection) -> tuple[asyncio.Future[Message], Message]:
+    """Connect both; ``conn`` asks test.slow and ``responder`` holds the request
+    unanswered: the answer is the test's to send."""
+    await conn.connect()
+    await responder.connect()
+    held: list[Message] = []
+
+    async def hold(msg: Message) -> None:
+        held.append(msg)
+
+    await responder.subscribe("test.slow", hold)
+    await responder.flush()
+    asking = asyncio.ensure_future(conn.request("test.slow", b"?", timeout=60))
+    await eventually_async(lambda: bool(held), what="the request at the responder")
+    return asking, held[0]
+
+
 async def test_live_mail_sent_during_planned_reconnects_all_arrives(mesh: EmbeddedNatsServer) -> None:
     """A roster change or a renewal reconnects the node; live mail sent meanwhile
     found no subscriber and was gone (a sandbox agent's for good, §16.4). A peer
     publishes without pause across three planned reconnects: every message must
     arrive, and the bridge must have covered each."""
     conn, peer = _pair(mesh, "bridged")
-    received: set[int] = set()
+    mail = SteadyMail(peer, "test.live")
     reconnects: list[int] = []
-
-    async def collect(msg: Message) -> None:
-        received.add(int(msg.data))
 
     async def counted() -> None:
         reconnects.append(1)  # the drain re-runs on every reconnect (§16.4), bridged or not
@@ -175,35 +191,20 @@ async def test_live_mail_sent_during_planned_reconnects_all_arrives(mesh: Embedd
     conn.on_reconnect(counted)
     await conn.connect()
     await peer.connect()
-    sent = 0
-    stop = asyncio.Event()
-
-    async def publish_until_stopped() -> None:
-        nonlocal sent
-        while not stop.is_set():
-            await peer.publish("test.live", str(sent).encode())
-            sent += 1
-            if sent % 8 == 0:
-                await peer.flush()  # lets the reconnect run between batches
-
     try:
-        await conn.subscribe("test.live", collect)
+        await conn.subscribe("test.live", mail.collect)
         await conn.flush()
-        publishing = asyncio.ensure_future(publish_until_stopped())
+        mail.start()
         for expected in (1, 2, 3):
-            await eventually_async(lambda: len(received) > 0, what="live mail flowing")
+            await eventually_async(lambda: bool(mail.received), what="live mail flowing")
             await conn.reconnect()
 
             def back(n: int = expected) -> bool:
                 return len(reconnects) >= n and conn.is_connected
 
             await eventually_async(back, what=f"planned reconnect {expected} back")
-        stop.set()
-        await publishing
-        await peer.flush()
-        await eventually_async(lambda: len(received) >= sent, what="every message published",
-                               detail=lambda: f"{sent} sent, missing {sorted(set(range(sent)) - received)[:20]}")
-        assert received == set(range(sent))
+        await mail.stop()
+        await mail.all_arrived()
         assert conn.bridged_reconnects == 3 and conn.unbridged_reconnects == 0
     finally:
         await peer.close()
@@ -216,26 +217,17 @@ async def test_a_reply_due_while_the_connection_is_away_comes_through_the_bridge
     agent's buffer filled). Here the answer is sent only once the connection is
     cut: the bridge holds the reply inbox and the request gets its answer."""
     conn, responder = _pair(mesh, "requester")
-    await conn.connect()
-    await responder.connect()
-    held: list[Message] = []
     cut: list[bool] = []
-
-    async def hold(msg: Message) -> None:
-        held.append(msg)
 
     async def on_cut() -> None:
         cut.append(True)
 
     try:
-        await responder.subscribe("test.slow", hold)
-        await responder.flush()
-        asking = asyncio.ensure_future(conn.request("test.slow", b"?", timeout=60))
-        await eventually_async(lambda: bool(held), what="the request at the responder")
+        asking, request = await _request_held(conn, responder)
         conn.on_disconnect(on_cut)
         await conn.reconnect()
         await eventually_async(lambda: bool(cut), what="the connection cut")
-        await held[0].respond(b"!")
+        await request.respond(b"!")
         reply = await asyncio.wait_for(asking, timeout=30)
         assert reply.data == b"!"
         await eventually_async(lambda: conn.is_connected, what="reconnected")
@@ -261,19 +253,9 @@ async def test_without_a_bridge_a_planned_reconnect_lets_the_replies_already_due
         return None
 
     monkeypatch.setattr(conn, "_open_bridge", no_bridge)
-    await conn.connect()
-    await responder.connect()
-    held: list[Message] = []
     replied_before_the_cut: list[bool] = []
-
-    async def hold(msg: Message) -> None:
-        held.append(msg)
-
     try:
-        await responder.subscribe("test.slow", hold)
-        await responder.flush()
-        asking = asyncio.ensure_future(conn.request("test.slow", b"?", timeout=60))
-        await eventually_async(lambda: bool(held), what="the request at the responder")
+        asking, request = await _request_held(conn, responder)
         (reply_due,) = conn.nc._resp_map.values()  # nats-py's future for that reply
 
         async def cut() -> None:
@@ -282,7 +264,7 @@ async def test_without_a_bridge_a_planned_reconnect_lets_the_replies_already_due
         conn.on_disconnect(cut)
         reconnecting = asyncio.ensure_future(conn.reconnect())
         await eventually_async(lambda: conn._planned_reconnect, what="the planned reconnect begun")
-        await held[0].respond(b"!")
+        await request.respond(b"!")
         reply = await asyncio.wait_for(asking, timeout=30)
         await asyncio.wait_for(reconnecting, timeout=30)
         await eventually_async(lambda: bool(replied_before_the_cut) and conn.is_connected, what="reconnected")

@@ -167,18 +167,30 @@ class MeshConnection:
         # between rounds; publishes made while it is between servers are held in
         # a bounded buffer and flushed on reconnect (a full buffer raises to the
         # publisher rather than dropping silently).
+        options = self._client_options(
+            servers=self.servers,
+            name=self._name,
+            reconnect_time_wait=self._reconnect_wait,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+            closed_cb=self._on_closed,
+        )
+        nc = _Client()
+        await nc.connect(**options)
+        self._nc = nc
+        self._jetstream = JetStream(self._nc.jetstream(), self._nc)
+
+    def _client_options(self, **specific: Any) -> dict[str, Any]:
+        """nats-py connect options of this node's connections (its own and a
+        bridge): its credential, read at every connect, and the nonce signed
+        with its key; its private reply prefix; TLS; ``specific`` beside them."""
         options: dict[str, Any] = {
-            "servers": self.servers,
-            "name": self._name,
             "connect_timeout": self._connect_timeout,
-            "reconnect_time_wait": self._reconnect_wait,
-            "max_reconnect_attempts": -1,
-            "allow_reconnect": True,
-            "error_cb": self._on_error,
-            "disconnected_cb": self._on_disconnected,
-            "reconnected_cb": self._on_reconnected,
-            "closed_cb": self._on_closed,
             "pending_size": self._reconnect_buffer_bytes,
+            **specific,
         }
         if self._inbox_prefix:
             options["inbox_prefix"] = self._inbox_prefix
@@ -189,10 +201,7 @@ class MeshConnection:
             source = self._jwt_source
             options["user_jwt_cb"] = lambda: source().encode("ascii")
             options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
-        nc = _Client()
-        await nc.connect(**options)
-        self._nc = nc
-        self._jetstream = JetStream(self._nc.jetstream(), self._nc)
+        return options
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         self._closing = True
@@ -345,24 +354,13 @@ class MeshConnection:
         url = nc.connected_url
         if url is None:
             return None
-        options: dict[str, Any] = {
-            "servers": [url.geturl()],
-            "name": f"{self._name} (bridge)",
-            "connect_timeout": self._connect_timeout,
-            "allow_reconnect": False,
-            "max_reconnect_attempts": 0,
-            "error_cb": self._on_bridge_error,
-            "pending_size": self._reconnect_buffer_bytes,
-        }
-        if self._inbox_prefix:
-            options["inbox_prefix"] = self._inbox_prefix
-        if self._tls is not None:
-            options["tls"] = self._tls
-        if self._jwt_source is not None and self._node_key is not None:
-            key = self._node_key
-            jwt = self._jwt_source().encode("ascii")
-            options["user_jwt_cb"] = lambda: jwt
-            options["signature_cb"] = lambda nonce: _sign_nonce(key, nonce)
+        options = self._client_options(
+            servers=[url.geturl()],
+            name=f"{self._name} (bridge)",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            error_cb=self._on_bridge_error,
+        )
         bridge = _Client()
         try:
             await bridge.connect(**options)
