@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +67,18 @@ def test_cancel_stops_the_handler_and_propagates_to_delegates(both: tuple[Daemon
 
     child: str | None = eventually(sub_task, what="the delegate's sub-task on A")
     assert child, "the delegate never started its sub-task"
+    # Narrowed by agent (all of one agent's always fit a reply) or by task; the
+    # CLI's cancel finds the performer so, however many tasks the node runs.
+    assert [t["task_id"] for t in a.admin("Tasks.List", {"agent": "tasks"})["tasks"]] == [child]
+    (by_id,) = a.admin("Tasks.List", {"task_id": child})["tasks"]
+    assert by_id["agent"] == "tasks" and by_id["requester"] == b.agent_id("tasks_b")
+    assert a.admin("Tasks.List", {"task_id": task_id})["tasks"] == []  # B's, not A's
+    listed = run_cli("tasks", "list", "--agent", "tasks", "--socket", a.socket_path).stdout
+    assert child in listed
+    from meshnode.admin.protocol import NotFound
+
+    with pytest.raises(NotFound, match="no hosted agent named 'nobody'"):
+        a.admin("Tasks.List", {"agent": "nobody"})
     answer = a.admin("Tasks.Cancel", {"task_id": task_id, "agent": b.agent_id("tasks_b"), "reason": "superseded"})
     assert answer["status"] == "canceled"
     # B stopped its handler; the cancel was forwarded to A's sub-task as upstream_cancelled.

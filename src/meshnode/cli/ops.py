@@ -94,6 +94,7 @@ def register(commands: Any) -> None:
     tasks = commands.add_parser("tasks", help="tasks performed here; the task manager's records; cancel")
     tsub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)
     p = tsub.add_parser("list", help="tasks this node's agents are performing now")
+    p.add_argument("--agent", help="only this hosted agent's tasks (all of them: one agent's always fit)")
     _client_args(p)
     p.set_defaults(handler=cmd_tasks_list)
     p = tsub.add_parser("show", help="a task's record from the task manager")
@@ -278,7 +279,7 @@ def _log_line(record: dict[str, Any]) -> str:
 
 
 def cmd_tasks_list(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Tasks.List")
+    code, result = _admin(args, "Tasks.List", {"agent": args.agent} if args.agent else {})
     if code != EX_OK:
         return code
     if args.json:
@@ -289,7 +290,8 @@ def cmd_tasks_list(args: argparse.Namespace) -> int:
         for t in result["tasks"]:
             print(f"{t['task_id']}  {t['agent']:<14} {t['state']:<14} {t.get('offering') or '':<12} for {t['requester']}")
         if result.get("not_shown"):
-            print(f"... and {result['not_shown']:,} more (of {result['tasks_total']:,}): more than one answer carries")
+            print(f"... and {result['not_shown']:,} more (of {result['tasks_total']:,}): more than one answer "
+                  "carries; --agent NAME lists all of one agent's")
     return EX_OK
 
 
@@ -348,7 +350,7 @@ def cmd_tasks_cancel(args: argparse.Namespace) -> int:
     agent = args.agent
     if agent is None:
         # The daemon knows the task: one its agents perform, or one the task manager recorded.
-        code, performing = _admin(args, "Tasks.List")
+        code, performing = _admin(args, "Tasks.List", {"task_id": args.task_id})
         if code != EX_OK:
             return code
         agent = next((t["agent"] for t in performing["tasks"] if t["task_id"] == args.task_id), None)

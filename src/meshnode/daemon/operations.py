@@ -63,8 +63,9 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
                 doc="params {level?} -> a stream of {ts, level, logger, message} (send more: true)")
     methods.add("Tasks.List", ops.tasks_list, level="operator",
-                doc="params {} -> {tasks: [{task_id, agent, requester, state, offering, delegates}], tasks_total, "
-                "not_shown} performed here now (as many as fit a reply; not_shown: the rest)")
+                doc="params {agent? (a hosted agent's name), task_id?} -> {tasks: [{task_id, agent, requester, "
+                "state, offering, delegates}], tasks_total, not_shown} performed here now, by that agent / that "
+                "task only when named (as many as fit a reply; not_shown: the rest; one agent's always fit)")
     methods.add("Tasks.Show", ops.tasks_show, level="operator",
                 doc="params {task_id} -> the task manager's record (requester or responder must be hosted here)")
     methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
@@ -185,16 +186,29 @@ class _Operations:
 
     async def tasks_list(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         node = self._node()
+        agent, task_id = params.get("agent"), params.get("task_id")
+        if agent is not None and not isinstance(agent, str):
+            raise InvalidParameter("agent is a hosted agent's name")
+        if task_id is not None and not isinstance(task_id, str):
+            raise InvalidParameter("task_id is a string")
+        if agent is not None and agent not in node.agents:
+            raise NotFound(f"no hosted agent named {agent!r}")
+        performers = [node.agents[agent]] if agent is not None else list(node.agents.values())
         tasks = []
-        for hosted in node.agents.values():
-            for task in hosted.tasks.values():
+        for hosted in performers:
+            if task_id is None:
+                found = list(hosted.tasks.values())
+            else:
+                found = [hosted.tasks[task_id]] if task_id in hosted.tasks else []
+            for task in found:
                 raw = task.request.get("payload")
                 payload: dict[str, Any] = raw if isinstance(raw, dict) else {}
                 tasks.append({"task_id": task.task_id, "agent": hosted.name, "requester": task.requester,
                               "state": task.state, "offering": payload.get("offering"),
                               "delegates": [t for _, t in task.delegates]})
         # Up to 64 per agent: at thousands of busy agents more than a reply
-        # carries. As many as fit, and how many were left out.
+        # carries. As many as fit, and how many were left out (one agent's
+        # always fit: name it).
         shown, _ = page_of(len(tasks), tasks.__getitem__, 0)
         return {"tasks": shown, "tasks_total": len(tasks), "not_shown": len(tasks) - len(shown)}
 
