@@ -303,6 +303,12 @@ def _print_status(status: dict[str, Any]) -> None:
     if broker.get("state") == "unresponsive":
         state += f", broker UNRESPONSIVE since {broker.get('unresponsive_since')} ({broker.get('reason')})"
     print(f"mesh      {mesh['mode']}, {state} to {mesh.get('connected_url') or ', '.join(mesh['urls'])}")
+    planned = mesh.get("planned_reconnects") or {}
+    if planned.get("unbridged"):
+        # Said only when it happened: a planned reconnect whose bridge the broker refused.
+        total = planned["unbridged"] + planned.get("bridged", 0)
+        print(f"          {planned['unbridged']} of {total} planned reconnects unbridged: live mail sent "
+              "during them went to the agents' buffers (the log says why)")
     if mesh.get("control_plane"):
         print(f"control   {mesh['control_plane']}")
     if mesh.get("tenants"):
