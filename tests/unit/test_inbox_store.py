@@ -56,12 +56,17 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
 
         remembered = store.load_seen(A, 100)
         assert ("s2", "live1") in remembered and len(remembered) == 6
+        # The node's read (at an agent's first delivery): the same pairs, in the
+        # store's reader thread on its own connection, off the event loop.
+        assert await store.read_seen(A, 100) == remembered
+        assert any(t.name.startswith("inbox-reader") for t in threading.enumerate())
         await store.sweep(5000)  # replied row past retention goes; memory trimmed to capacity
         assert await store.get(held) is None
         assert len(store.load_seen(A, 100)) == 3
         assert store.commits > 5
     finally:
         await store.close()
+    assert store._reader is None and store._reader_db is None  # closed with the store
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 

@@ -233,3 +233,39 @@ def test_the_guard_stage_refuses_with_the_rule_and_the_answer() -> None:
     with pytest.raises(Refused) as again:
         guard(g, env, Path.LIVE, NOW)
     assert again.value.rule == "inbound_duplicate" and again.value.answer is None
+
+
+async def test_the_remembered_pairs_are_read_once_for_every_delivery_waiting() -> None:
+    """A busy agent's first delivery after a restart reads the pairs its inbox
+    remembers (§22.2), off the event loop (InboxStore.read_seen). Deliveries
+    that come meanwhile wait for the same read, and the memory is filled
+    before any of them is checked. A failed read fails the deliveries waiting
+    for it and is tried again at the next."""
+    _, hosted, _ = node_with_agent()
+    started, release = asyncio.Event(), asyncio.Event()
+    reads: list[int] = []
+    fail = [True]
+
+    async def read() -> list[tuple[str, str]]:
+        reads.append(1)
+        started.set()
+        await release.wait()
+        if fail[0]:
+            fail[0] = False
+            raise OSError("disk went away")
+        return [("USENDER", "m1"), ("USENDER", "m2")]
+
+    hosted.remembered = read
+    first = asyncio.ensure_future(hosted.load_remembered())
+    second = asyncio.ensure_future(hosted.load_remembered())
+    await asyncio.wait_for(started.wait(), 30)
+    assert not first.done() and not second.done()
+    release.set()
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    assert [type(r) for r in results] == [OSError, OSError] and reads == [1]
+    assert hosted.remembered is read  # not read: the next delivery tries again
+    await asyncio.gather(hosted.load_remembered(), hosted.load_remembered())
+    assert reads == [1, 1] and hosted.remembered is None
+    assert ("USENDER", "m1") in hosted.guard.memory and ("USENDER", "m2") in hosted.guard.memory
+    await hosted.load_remembered()  # read once: nothing more
+    assert reads == [1, 1]

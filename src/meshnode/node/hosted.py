@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -108,7 +108,8 @@ class HostedAgent:
         self.guard = guard
         #: Reads the pairs the node inbox remembers for this agent (§22.2) into
         #: ``guard``'s memory; None once read (or with no inbox). See load_remembered.
-        self.remembered: Callable[[], list[tuple[str, str]]] | None = None
+        self.remembered: Callable[[], Awaitable[list[tuple[str, str]]]] | None = None
+        self._remembering: asyncio.Future[None] | None = None
         self.interaction = interaction
         self.offerings: dict[str, OfferingSpec] = type(agent).offerings()
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
@@ -163,21 +164,40 @@ class HostedAgent:
         #: turn), counted by the loop's task factory (issue #23 item 10).
         self.spawned = TaskCount(name)
 
-    def load_remembered(self) -> None:
+    async def load_remembered(self) -> None:
         """Read what the node inbox remembers into the duplicate memory, once.
 
-        Called by the inbox intake before this agent's first §22.2 check, not
+        Awaited by the inbox intake before this agent's first §22.2 check, not
         at start-up: a restarted node whose agents had been busy read 5,000
-        pairs for each of them before it could register any (6-16 ms an agent
-        here, ~60 ms with the inbox out of the page cache; 1,000 busy agents
+        pairs for each of them before it could register any (1,000 busy agents
         registered 20-22 s after a restart instead of 6 s), and held the
         memories of agents that never heard from anyone again.
-        Synchronous, so nothing else reaches the memory first. A failed read
-        is raised, and tried again at the next delivery.
+
+        The read is off the event loop (the inbox's reader thread,
+        :meth:`InboxStore.read_seen`): 6-9 ms an agent of 5,000 pairs here
+        (~60 ms with the inbox out of the page cache) held the loop and every
+        other agent at each busy agent's first delivery after a restart. One
+        read per agent: deliveries that come meanwhile wait for
+        the same one, and the memory is filled on the loop before any of them
+        goes on to its check. A failed read is raised to each, and tried again
+        at the next delivery.
         """
-        read = self.remembered
-        if read is not None:
-            self.guard.memory.restore(read())
+        if self.remembered is None:
+            return
+        if self._remembering is None:
+            self._remembering = asyncio.ensure_future(self._read_remembered(self.remembered))
+            # Read here too: with every waiter cancelled, a failure would go unretrieved.
+            self._remembering.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # Shielded: one delivery cancelled while it waits must not cancel the read the others wait for.
+        await asyncio.shield(self._remembering)
+
+    async def _read_remembered(self, read: Callable[[], Awaitable[list[tuple[str, str]]]]) -> None:
+        try:
+            pairs = await read()
+        finally:
+            self._remembering = None
+        if self.remembered is read:
+            self.guard.memory.restore(pairs)
             self.remembered = None
 
     # -- bookkeeping ---------------------------------------------------------

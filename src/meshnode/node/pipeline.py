@@ -419,7 +419,7 @@ async def receive(
                     refused_bytes.pop(next(iter(refused_bytes)))
             raise
         if hosted.remembered is not None:
-            hosted.load_remembered()  # the first delivery since the start
+            await hosted.load_remembered()  # the first delivery since the start
         try:
             guard(hosted.guard, env, path, now_ms)
         except Refused as refused:

@@ -269,7 +269,7 @@ class Node:
             # The duplicate memory survives restarts: what the inbox remembers is
             # read at the agent's first delivery (HostedAgent.load_remembered).
             agent_id, entries = key.public_key, self.settings.dedup_entries
-            hosted.remembered = lambda: inbox.load_seen(agent_id, entries)
+            hosted.remembered = lambda: inbox.read_seen(agent_id, entries)
         self.agents[name] = hosted
         self.by_id[hosted.agent_id] = hosted
         self.roster_version += 1
