@@ -276,13 +276,12 @@ async def test_without_a_bridge_a_planned_reconnect_lets_the_replies_already_due
 
 
 async def test_the_bridge_hands_mail_over_only_to_subscriptions_still_held(mesh: EmbeddedNatsServer) -> None:
-    """What the bridge receives goes to the subscription's own callback, as the
-    connection's own mail would (its answers and acks go out on the connection,
-    not on the bridge, which closes soon), and only while the connection still
-    holds that subscription: an agent removed during the cut gets nothing more."""
-    from nats.aio.msg import Msg
-
-    from meshnode.transport.connection import _relay
+    """What the bridge receives goes through the connection's own processing,
+    as the connection's own mail would (the subscription's callback, in order;
+    its answers and acks go out on the connection, not on the bridge, which
+    closes soon), and only while the connection still holds that
+    subscription: an agent removed during the cut gets nothing more."""
+    from meshnode.transport.connection import _Bridge
 
     conn, _ = _pair(mesh, "relay")
     await conn.connect()
@@ -296,13 +295,63 @@ async def test_the_bridge_hands_mail_over_only_to_subscriptions_still_held(mesh:
         gone = await conn.subscribe("test.gone", collect)
         nc = conn.nc
         held_sub, gone_sub = (next(s for s in nc._subs.values() if s.subject == x) for x in ("test.held", "test.gone"))
-        to_held, to_gone = _relay(nc, held_sub), _relay(nc, gone_sub)
+        bridge = _Bridge(nc)  # never connected: its parser would hand it these frames
+        bridge._home_sids = {101: held_sub._id, 102: gone_sub._id}
         await gone.unsubscribe()
-        other = object()  # stands for the bridge: what the mail came in on
-        await to_gone(Msg(_client=other, subject="test.gone", data=b"late"))  # type: ignore[arg-type]
-        await to_held(Msg(_client=other, subject="test.held", data=b"on time"))  # type: ignore[arg-type]
-        assert [m.data for m in got] == [b"on time"]
-        assert got[0]._msg._client is nc
+        await bridge._process_msg(102, b"test.gone", b"", b"late", b"")
+        await bridge._process_msg(103, b"test.held", b"", b"not held by the bridge", b"")
+        await bridge._process_msg(101, b"test.held", b"", b"on time", b"")
+        await bridge._process_msg(101, b"test.held", b"", b"next", b"")
+        await eventually_async(lambda: len(got) >= 2, what="the held subscription's mail")
+        assert [m.data for m in got] == [b"on time", b"next"]
+        assert all(m._msg._client is nc and m._msg.sid == held_sub._id for m in got)
         await held.unsubscribe()
     finally:
+        await conn.close()
+
+
+async def test_a_push_consumers_deliveries_during_planned_reconnects_come_without_the_ack_wait(
+    mesh: EmbeddedNatsServer,
+) -> None:
+    """A JetStream push consumer (an agent's events, a task's replayed updates)
+    delivers to a subject of the node's: a delivery made during the cut was
+    lost with the connection and came back only after the consumer's ack wait
+    (30 s). The bridge holds the deliver subject too. Here the ack wait is an
+    hour, so a delivery the bridge missed would fail the test's wait."""
+    from nats.js.api import StreamConfig
+
+    key = KeyPair.generate(Prefix.USER)
+    jwt = mesh.mint_user("push", key.public_key, [">"], [">"], 300)
+    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="push", connect_timeout=2.0)
+    peer_key = KeyPair.generate(Prefix.USER)
+    peer_jwt = mesh.mint_user("push peer", peer_key.public_key, [">"], [">"], 300)
+    peer = MeshConnection([mesh.url], node_key=peer_key, jwt_source=lambda: peer_jwt, name="push peer",
+                          connect_timeout=2.0)
+    mail = SteadyMail(peer, "push.live")
+
+    async def collect_and_ack(msg: Message) -> None:
+        await mail.collect(msg)
+        await msg.ack()
+
+    await conn.connect()
+    await peer.connect()
+    try:
+        await conn.jetstream.native.add_stream(StreamConfig(name="PUSH", subjects=["push.>"]))
+        await conn.jetstream.durable_push(
+            "push.live", collect_and_ack, stream="PUSH", durable="held", replay=True, max_deliver=5, ack_wait_s=HOUR_S
+        )
+        mail.start()
+        for expected in (1, 2, 3):
+            await eventually_async(lambda: bool(mail.received), what="deliveries flowing")
+            await conn.reconnect()
+
+            def back(n: int = expected) -> bool:
+                return conn.bridged_reconnects >= n and conn._bridge is None and conn.is_connected
+
+            await eventually_async(back, what=f"planned reconnect {expected} back, its bridge closed")
+        await mail.stop()
+        await mail.all_arrived()
+        assert conn.unbridged_reconnects == 0
+    finally:
+        await peer.close()
         await conn.close()

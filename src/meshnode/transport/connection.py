@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from meshnode.aio import BackgroundTasks, wait_for
 from meshnode.protocol.nkeys import KeyPair
@@ -290,10 +289,10 @@ class MeshConnection:
 
         Bridged: before the cut a second connection (the *bridge*, presenting
         the same new credential) subscribes to every subject the connection
-        has a live subscription on, its reply inbox included, and hands what
-        it receives to the same callbacks, bound to this connection so that
-        answers and acks go out here. It closes once the connection is back
-        with its subscriptions in force. A reconnect used to leave a gap of
+        has a live subscription on, its reply inbox and JetStream push
+        consumers included, and hands what it receives to this connection's
+        own processing, as if read here (so answers and acks go out here). It
+        closes once the connection is back with its subscriptions in force. A reconnect used to leave a gap of
         ~70 ms to 1 s at every roster change and renewal: live mail sent then
         found no subscriber, a buffered agent got it late from its drain (one
         JetStream call per agent), a sandbox agent (no buffer, §16.4) not at
@@ -341,16 +340,11 @@ class MeshConnection:
         the broker; None when it cannot be had (the reconnect then has a gap).
 
         Held: every subscription with a callback (the node's core
-        subscriptions, nats-py's reply inbox, the drain's fetch inboxes), not
-        JetStream push consumers (what they miss is redelivered after the ack
-        wait) nor subscriptions that end themselves after a count.
+        subscriptions, nats-py's reply inbox, the drain's fetch inboxes, the
+        JetStream push consumers' deliver subjects), not those a duplicate
+        would upset (see :func:`_bridgeable`).
         """
-        subscriptions = [
-            sub for sub in list(getattr(nc, "_subs", {}).values())
-            if getattr(sub, "_cb", None) is not None
-            and getattr(sub, "_jsi", None) is None
-            and not getattr(sub, "_max_msgs", 0)
-        ]
+        subscriptions = [sub for sub in list(getattr(nc, "_subs", {}).values()) if _bridgeable(sub)]
         url = nc.connected_url
         if url is None:
             return None
@@ -361,11 +355,11 @@ class MeshConnection:
             max_reconnect_attempts=0,
             error_cb=self._on_bridge_error,
         )
-        bridge = _Client()
+        bridge = _Bridge(nc)
         try:
             await bridge.connect(**options)
             for sub in subscriptions:
-                await bridge.subscribe(sub._subject, queue=sub._queue or "", cb=_relay(nc, sub))
+                await bridge.hold(sub)
             await flush_written(bridge, self._connect_timeout)
         except Exception as exc:
             log.info("no bridge for the planned reconnect (%s: %s): live mail sent during it goes to the "
@@ -379,8 +373,8 @@ class MeshConnection:
     async def _close_bridge_when_back(self, bridge: Client) -> None:
         """Drain ``bridge`` once the connection is back (its subscriptions went
         out and were flushed before nats-py calls it reconnected), or after
-        :data:`BRIDGE_HOLD_S`. Draining hands what the bridge already received
-        to its callbacks before it closes."""
+        :data:`BRIDGE_HOLD_S`. Draining takes in what the broker sent the
+        bridge before its unsubscriptions, then closes it."""
         try:
             await self.wait_connected(BRIDGE_HOLD_S)
         finally:
@@ -686,22 +680,51 @@ class _RepeatLimiter:
         return total
 
 
-def _relay(connection: Client, sub: Any) -> Callable[[Msg], Awaitable[None]]:
-    """A bridge's callback for ``sub`` of ``connection``: what the bridge
-    receives goes to ``sub``'s own callback, as if ``connection`` had received
-    it (answers and acks go out on ``connection``, which holds them while it is
-    away), and only while ``sub`` is still subscribed there."""
-    callback = sub._cb
-    sid = sub._id
+def _bridgeable(sub: Any) -> bool:
+    """Whether a bridge may hold ``sub``: one with a callback, whose handling a
+    second copy of a message cannot upset.
 
-    async def relay(msg: Msg) -> None:
-        if connection._subs.get(sid) is not sub:
-            return  # unsubscribed meanwhile (an agent removed): its mail is no longer ours
-        msg._client = connection
-        msg._sid = sid
-        await callback(msg)
+    In the moment both connections listen, a message can arrive on both.
+    Left out: a subscription that ends itself after a count (a copy would
+    count), and an ordered JetStream consumer (a copy is a sequence gap to it,
+    which it answers by recreating its consumer). A JetStream push consumer
+    otherwise is held: a copy is one delivery seen twice, and its ack is one
+    the broker already has.
+    """
+    if getattr(sub, "_cb", None) is None or getattr(sub, "_max_msgs", 0) > 0:
+        return False
+    jsi = getattr(sub, "_jsi", None)
+    return jsi is None or not getattr(jsi, "_ordered", False)
 
-    return relay
+
+class _Bridge(_Client):
+    """A connection standing in for ``home`` while it reconnects: every message
+    it receives on a held subscription is handed to ``home`` as if ``home`` had
+    read it from its own socket, under that subscription's id.
+
+    So the message goes through ``home``'s own processing: the subscription's
+    queue and task (its messages stay in order, one at a time), its pending
+    limits, JetStream's control messages and flow control, and a
+    subscription dropped meanwhile (an agent removed) gets nothing. The message
+    is bound to ``home``: answers and acks go out there, and nats-py holds them
+    while ``home`` is away.
+    """
+
+    def __init__(self, home: Client) -> None:
+        super().__init__()
+        self._home = home
+        self._home_sids: dict[int, int] = {}  # the bridge's sid -> the held subscription's sid
+
+    async def hold(self, sub: Any) -> None:
+        """Subscribe to what ``sub`` (one of ``home``'s) listens on; no callback
+        of its own, as its messages go to ``home``."""
+        own = await self.subscribe(sub._subject, queue=sub._queue or "")
+        self._home_sids[own._id] = sub._id
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        home_sid = self._home_sids.get(sid)
+        if home_sid is not None:
+            await self._home._process_msg(home_sid, subject, reply, data, headers)
 
 
 def _sign_nonce(key: KeyPair, nonce: str | bytes) -> bytes:
