@@ -67,6 +67,11 @@ async def test_intake_claim_interrupt_and_memory(tmp_path: Path) -> None:
     finally:
         await store.close()
     assert store._reader is None and store._reader_db is None  # closed with the store
+    # A read racing the stop (a delivery as the node closes) is refused, as the
+    # synchronous read is, rather than starting a reader nothing would close.
+    with pytest.raises(RuntimeError, match="not open"):
+        await store.read_seen(A, 100)
+    assert store._reader is None
     assert oct((tmp_path / "i.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 

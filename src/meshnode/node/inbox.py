@@ -212,6 +212,9 @@ class InboxStore:
         self._db: sqlite3.Connection | None = None
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._reader_db: sqlite3.Connection | None = None
+        # Set when close() retires the reader: a read racing the stop must not
+        # start a new thread and connection that nothing would close.
+        self._reader_retired = False
         # Live pairs waiting for the next group commit (agent, sender, msg_id,
         # seen_ms, done) with the future their dispatch waits on.
         self._live: list[tuple[tuple[str, str, str, int, int], asyncio.Future[str] | None]] = []
@@ -285,6 +288,7 @@ class InboxStore:
         prepare_private_db(self.path)  # born 0600, so are its -wal/-shm (item 8)
         db = sqlite3.connect(self.path, isolation_level=None)
         self._db = db
+        self._reader_retired = False
         db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit is in the OS's hands when it returns, so
         # it survives a kill -9; power-loss durability comes from the sync
@@ -1049,7 +1053,11 @@ class InboxStore:
         and every other agent. One thread and one connection, not a thread per
         read: reads in several threads contend for the GIL with each other
         (measured: 1,000 busy agents' first deliveries 2x slower than inline).
+        Raises RuntimeError once the store is closing or closed, as
+        :meth:`load_seen` does.
         """
+        if self._db is None or self._reader_retired:
+            raise RuntimeError("inbox store is not open")
         if self._reader is None:
             self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inbox-reader")
         return await asyncio.get_running_loop().run_in_executor(self._reader, self._read_seen_here, agent, limit)
@@ -1068,6 +1076,7 @@ class InboxStore:
             conn.close()
 
     async def _close_reader(self) -> None:
+        self._reader_retired = True
         reader, self._reader = self._reader, None
         if reader is not None:
             with contextlib.suppress(Exception):
