@@ -10,16 +10,29 @@ while that node's roster changes four times, and every call must be answered.
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonSet, eventually
+from meshnode.protocol.subjects import event_consumer_name
+from meshnode.testing import DaemonProcess, DaemonSet, eventually
 
 pytestmark = pytest.mark.integration
 
 CALLERS = 4
+LISTENERS = {"plugin_modules": ["tests.agents:listener_plugin"]}
+ROSTER_CHANGES = ({"method": "Agents.Add", "name": "late"}, {"method": "Agents.Add", "name": "later"},
+                  {"method": "Agents.Remove", "name": "late"}, {"method": "Agents.Remove", "name": "later"})
+
+
+def change_roster(node: DaemonProcess, change: dict[str, str]) -> None:
+    params: dict[str, Any] = {"name": change["name"]}
+    if change["method"] == "Agents.Add":
+        params["config"] = {"plugin": "echo"}
+    node.admin(change["method"], params)
 
 
 def test_a_sandbox_agent_answers_every_call_made_while_its_nodes_roster_changes(
@@ -43,14 +56,10 @@ def test_a_sandbox_agent_answers_every_call_made_while_its_nodes_roster_changes(
     for thread in callers:
         thread.start()
     try:
-        for change in ({"method": "Agents.Add", "name": "late"}, {"method": "Agents.Add", "name": "later"},
-                       {"method": "Agents.Remove", "name": "late"}, {"method": "Agents.Remove", "name": "later"}):
+        for change in ROSTER_CHANGES:
             answered = len(results)
             # Calls on the way while the roster changes, and more after it.
-            params: dict[str, Any] = {"name": change["name"]}
-            if change["method"] == "Agents.Add":
-                params["config"] = {"plugin": "echo"}
-            s.admin(change["method"], params)
+            change_roster(s, change)
 
             def more_answered(n: int = answered) -> bool:
                 return len(results) >= n + 2 * CALLERS
@@ -64,3 +73,65 @@ def test_a_sandbox_agent_answers_every_call_made_while_its_nodes_roster_changes(
     assert not failed, f"{len(failed)} of {len(results)} calls failed, e.g. {failed[:3]}"
     reconnects = s.status()["mesh"]["planned_reconnects"]
     assert reconnects == {"bridged": 4, "unbridged": 0}, reconnects
+
+
+def test_events_published_while_a_joined_nodes_roster_changes_come_without_redelivery(
+    meshnode_daemons: DaemonSet,
+) -> None:
+    """An agent's events reach it through a JetStream push consumer. A delivery
+    made while its node reconnected for a roster change was lost with the
+    connection and came again only after the consumer's ack wait (30 s). The
+    bridge holds the consumer's deliver subject too: every event arrives, and
+    the broker delivered each once (its own count, read from its monitoring
+    endpoint, so the test does not depend on how long anything took)."""
+    a = meshnode_daemons.embedded("a", agents={"la": {"plugin": "test-listener"}}, node=LISTENERS,
+                                  extra={"mesh.embedded": {"monitor_port": 0}})
+    s = meshnode_daemons.joined("s", via=a, agents={"lb": {"plugin": "test-listener"}}, node=LISTENERS)
+    emitted: list[int] = []
+    stop = threading.Event()
+
+    def emit_until_stopped() -> None:
+        while not stop.is_set():
+            n = len(emitted)
+            assert a.call("la", "emit", {"data": {"n": n}})["status"] == "completed"
+            emitted.append(n)
+
+    emitter = threading.Thread(target=emit_until_stopped, daemon=True)
+    emitter.start()
+    try:
+        for change in ROSTER_CHANGES:
+            before = len(emitted)
+            change_roster(s, change)
+
+            def more_emitted(n: int = before) -> bool:
+                return len(emitted) >= n + 4
+
+            eventually(more_emitted, what="events emitted after the change")
+    finally:
+        stop.set()
+        emitter.join(timeout=120)
+
+    def numbers_seen() -> list[int]:
+        result = s.call("lb", "seen")
+        assert result["status"] == "completed", result
+        return sorted(event["data"]["n"] for event in result["output"])
+
+    eventually(lambda: numbers_seen() == emitted, what="every event at lb, once each",
+               detail=lambda: f"{len(emitted)} emitted, seen {numbers_seen()[-10:]}")
+    # Each delivery, a redelivery too, takes the consumer's next delivery
+    # sequence; the bridge's second copy of a delivery takes none.
+    consumer = _consumer(a, "MESH_EVENTS", event_consumer_name(s.agent_id("lb"), "demo.*"))
+    assert consumer["delivered"]["consumer_seq"] == len(emitted), consumer
+    reconnects = s.status()["mesh"]["planned_reconnects"]
+    assert reconnects == {"bridged": 4, "unbridged": 0}, reconnects
+
+
+def _consumer(node: DaemonProcess, stream: str, name: str) -> dict[str, Any]:
+    """The broker's own record of a consumer (nats-server's /jsz monitoring)."""
+    monitor = node.admin("Mesh.Info")["monitor_url"]
+    with urllib.request.urlopen(f"{monitor}/jsz?accounts=true&streams=true&consumers=true", timeout=30) as resp:
+        jsz = json.load(resp)
+    found = [c for account in jsz.get("account_details", []) for s in account.get("stream_detail", [])
+             if s.get("name") == stream for c in s.get("consumer_detail", []) if c.get("name") == name]
+    assert found, f"no consumer {name} on {stream} in the broker's /jsz"
+    return dict(found[0])
