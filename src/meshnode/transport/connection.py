@@ -292,12 +292,14 @@ class MeshConnection:
         has a live subscription on, its reply inbox and JetStream push
         consumers included, and hands what it receives to this connection's
         own processing, as if read here (so answers and acks go out here). It
-        closes once the connection is back with its subscriptions in force. A reconnect used to leave a gap of
-        ~70 ms to 1 s at every roster change and renewal: live mail sent then
-        found no subscriber, a buffered agent got it late from its drain (one
-        JetStream call per agent), a sandbox agent (no buffer, §16.4) not at
-        all, and a reply due then was lost. In the overlap a message can reach
-        both connections; every envelope intake deduplicates (§22.2). When the
+        closes once the connection is back with its subscriptions in force.
+        A reconnect used to leave a gap of ~70 ms to 1 s at every roster
+        change and renewal: live mail sent then found no subscriber, a
+        buffered agent got it late from its drain (one JetStream call per
+        agent), a sandbox agent (no buffer, §16.4) not at all, a reply due
+        then was lost, and a push consumer's delivery came again only after
+        its ack wait (30 s). In the overlap a message can reach both
+        connections; every envelope intake deduplicates (§22.2). When the
         bridge cannot be opened, the reconnect goes on without it, as before.
         Either way the reconnect listeners run (the drain re-runs on every
         reconnect, §16.4).
