@@ -186,6 +186,34 @@ def _issue21(results: dict[str, dict[str, Any]], add: Callable[..., None], missi
         add(target, found[1], 30.0, at_most=True, issue=21, shown=f"{found[1]:.1f} µs ({found[0]}{also})")
 
 
+#: Bare PyNaCl on the machine issue #21 was measured on (µs per sign, per verify).
+REFERENCE_SIGN_US = (23.0, 30.0)
+REFERENCE_VERIFY_US = (56.0, 75.0)
+
+
+def machine_speed(results: dict[str, dict[str, Any]]) -> str | None:
+    """This run's bare PyNaCl speed beside the issue's machine, or None when
+    ``canonical`` did not run. The targets in seconds and microseconds are
+    absolute: on a machine (or a stretch of a shared one) twice as slow they
+    read twice as high, which the load average alone does not show."""
+    measured = {m.name: m.us_per_op for m in results.get("canonical", {}).get("measurements", [])
+                if hasattr(m, "name") and hasattr(m, "us_per_op")}
+    sign, verify = measured.get("PyNaCl sign (floor)"), measured.get("PyNaCl verify (floor)")
+    if sign is None or verify is None:
+        return None
+    slower = max(sign / REFERENCE_SIGN_US[1], verify / REFERENCE_VERIFY_US[1])
+    faster = min(sign / REFERENCE_SIGN_US[0], verify / REFERENCE_VERIFY_US[0])
+    if slower > 1.1:
+        verdict = f"about {slower:.1f}x slower than"
+    elif faster < 0.9:
+        verdict = f"about {1 / faster:.1f}x faster than"
+    else:
+        verdict = "as fast as"
+    return (f"this machine: PyNaCl sign {sign:.1f} µs, verify {verify:.1f} µs, {verdict} the one issue #21 was "
+            f"measured on ({REFERENCE_SIGN_US[0]:.0f}-{REFERENCE_SIGN_US[1]:.0f} and "
+            f"{REFERENCE_VERIFY_US[0]:.0f}-{REFERENCE_VERIFY_US[1]:.0f} µs); targets in seconds and µs move with it")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("names", nargs="*", help=f"which to run: {', '.join(BENCHMARKS)} (default: all)")
@@ -232,7 +260,10 @@ def main() -> int:
                 f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end", [("issue", "target", "measured", "met"), *(
         (f"#{t['issue']}", t["target"], t["shown"], "—" if t["met"] is None else "yes" if t["met"] else "NO")
         for t in targets)])
-    print(f"written {write_result('summary', {'targets': targets, 'quick': args.quick, 'loadavg': load})}")
+    speed = machine_speed(results)
+    if speed is not None:
+        print(speed)
+    print(f"written {write_result('summary', {'targets': targets, 'quick': args.quick, 'loadavg': load, 'machine': speed})}")
     return 0
 
 

@@ -105,3 +105,21 @@ def test_task_tally_benchmark_reports_its_overhead() -> None:
     result = bench_tasktally.run(quick=True)
     assert result["plain_us_per_task"] > 0 and result["budget_us"] == bench_tasktally.BUDGET_US
     assert "tally_overhead_us" in result
+
+
+def test_the_summary_says_how_fast_this_machine_is_against_the_issues() -> None:
+    """Absolute targets (seconds, µs) read high on a slow machine while the load
+    average reads low: the summary states this run's bare PyNaCl speed beside
+    the machine issue #21 was measured on."""
+    from benchmarks.__main__ import machine_speed
+    from benchmarks.harness import Measurement
+
+    def run(sign: float, verify: float) -> dict[str, dict[str, object]]:
+        return {"canonical": {"measurements": [Measurement("PyNaCl sign (floor)", 1e6 / sign, sign),
+                                                Measurement("PyNaCl verify (floor)", 1e6 / verify, verify)]}}
+
+    assert machine_speed({}) is None
+    slow = machine_speed(run(49.9, 111.9))
+    assert slow is not None and "about 1.7x slower than" in slow and "49.9" in slow
+    assert "as fast as" in (machine_speed(run(25.0, 60.0)) or "")
+    assert "about 1.5x faster than" in (machine_speed(run(15.0, 37.0)) or "")
