@@ -116,9 +116,10 @@ async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(m
     PING went out just before a roster change waited its whole timeout (5 s):
     with a change every two seconds no barrier got through, no live request's
     pair was marked finished, the drain could purge nothing and the agent's
-    buffer filled until it refused mail. Here the PONG of the first PING never
-    comes (dropped as the cut connection drops it) and the connection is cut: the
-    flush must end on the new connection, well inside its own timeout."""
+    buffer filled until it refused mail. Here no PONG comes until the cut (each
+    dropped as the cut connection drops them; the reconnect's own hand-over
+    flush waits for one too) and the connection is cut: the flush must end on
+    the new connection, well inside its own timeout."""
     key = KeyPair.generate(Prefix.USER)
     jwt = mesh.mint_node_credential(key.public_key, [], 300, role="service")
     conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="flush across a reconnect",
@@ -128,13 +129,13 @@ async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(m
     original = nc._process_pong
     dropped: list[bool] = []
 
-    async def lose_the_first_pong() -> None:
-        if not dropped:
+    async def lose_the_pongs_until_the_cut() -> None:
+        if not conn.disconnects:  # counted by the client's own disconnect callback
             dropped.append(True)  # its future stays waiting, as one on a cut connection does
             return
         await original()
 
-    nc._process_pong = lose_the_first_pong  # type: ignore[method-assign]
+    nc._process_pong = lose_the_pongs_until_the_cut  # type: ignore[method-assign]
     try:
         flushing = asyncio.ensure_future(conn.flush(timeout=120))
         await eventually_async(lambda: bool(dropped), what="the first PONG lost")
@@ -206,6 +207,37 @@ async def test_live_mail_sent_during_planned_reconnects_all_arrives(mesh: Embedd
         await mail.stop()
         await mail.all_arrived()
         assert conn.bridged_reconnects == 3 and conn.unbridged_reconnects == 0
+    finally:
+        await peer.close()
+        await conn.close()
+
+
+async def test_a_queue_members_mail_during_planned_reconnects_all_arrives(mesh: EmbeddedNatsServer) -> None:
+    """A platform service listens as a member of a queue group; the broker gives
+    each message to one member only, the bridge being one. A message given to
+    the connection being cut, still on its way, had no copy on the bridge and
+    was lost. The connection hands its subscriptions to the bridge before the
+    cut (unsubscribes, then reads what the broker sent it until then), so
+    nothing is on its way to it when it goes."""
+    conn, peer = _pair(mesh, "queued")
+    mail = SteadyMail(peer, "test.work")
+    await conn.connect()
+    await peer.connect()
+    try:
+        await conn.subscribe("test.work", mail.collect, queue="workers")
+        await conn.flush()
+        mail.start()
+        for expected in (1, 2, 3):
+            await eventually_async(lambda: bool(mail.received), what="work flowing")
+            await conn.reconnect()
+
+            def back(n: int = expected) -> bool:
+                return conn.bridged_reconnects >= n and conn._bridge is None and conn.is_connected
+
+            await eventually_async(back, what=f"planned reconnect {expected} back, its bridge closed")
+        await mail.stop()
+        await mail.all_arrived()
+        assert conn.unbridged_reconnects == 0
     finally:
         await peer.close()
         await conn.close()
