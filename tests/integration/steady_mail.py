@@ -40,6 +40,22 @@ class SteadyMail:
             await self._task
         await self.sender.flush()
 
+    async def through_planned_reconnects(self, conn: MeshConnection, times: int = 3) -> None:
+        """With mail flowing, reconnect ``conn`` on purpose ``times`` times, each
+        back with its bridge closed; then stop and wait for every message, and
+        check that a bridge covered every reconnect."""
+        for n in range(1, times + 1):
+            await eventually_async(lambda: bool(self.received), what="mail flowing")
+            await conn.reconnect()
+
+            def back(expected: int = n) -> bool:
+                return conn.bridged_reconnects >= expected and conn._bridge is None and conn.is_connected
+
+            await eventually_async(back, what=f"planned reconnect {n} back, its bridge closed")
+        await self.stop()
+        await self.all_arrived()
+        assert (conn.bridged_reconnects, conn.unbridged_reconnects) == (times, 0)
+
     async def all_arrived(self, first: int = 0) -> None:
         """Wait until every message from ``first`` on has arrived (the failure names the missing)."""
         expected = set(range(first, self.sent))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,11 +29,21 @@ ROSTER_CHANGES = ({"method": "Agents.Add", "name": "late"}, {"method": "Agents.A
                   {"method": "Agents.Remove", "name": "late"}, {"method": "Agents.Remove", "name": "later"})
 
 
-def change_roster(node: DaemonProcess, change: dict[str, str]) -> None:
-    params: dict[str, Any] = {"name": change["name"]}
-    if change["method"] == "Agents.Add":
-        params["config"] = {"plugin": "echo"}
-    node.admin(change["method"], params)
+def change_roster_four_times(node: DaemonProcess, progress: Callable[[], int], more: int, what: str) -> None:
+    """Add two agents to ``node`` and remove them, one change at a time, each
+    time waiting for ``progress()`` (work the test's threads count) to move
+    on by ``more``: work on its way during each change, and after it."""
+    for change in ROSTER_CHANGES:
+        before = progress()
+        params: dict[str, Any] = {"name": change["name"]}
+        if change["method"] == "Agents.Add":
+            params["config"] = {"plugin": "echo"}
+        node.admin(change["method"], params)
+
+        def moved_on(n: int = before) -> bool:
+            return progress() >= n + more
+
+        eventually(moved_on, what=what)
 
 
 def test_a_sandbox_agent_answers_every_call_made_while_its_nodes_roster_changes(
@@ -56,15 +67,7 @@ def test_a_sandbox_agent_answers_every_call_made_while_its_nodes_roster_changes(
     for thread in callers:
         thread.start()
     try:
-        for change in ROSTER_CHANGES:
-            answered = len(results)
-            # Calls on the way while the roster changes, and more after it.
-            change_roster(s, change)
-
-            def more_answered(n: int = answered) -> bool:
-                return len(results) >= n + 2 * CALLERS
-
-            eventually(more_answered, what="calls answered after the change")
+        change_roster_four_times(s, lambda: len(results), 2 * CALLERS, "calls answered after the change")
     finally:
         stop.set()
         for thread in callers:
@@ -99,14 +102,7 @@ def test_events_published_while_a_joined_nodes_roster_changes_come_without_redel
     emitter = threading.Thread(target=emit_until_stopped, daemon=True)
     emitter.start()
     try:
-        for change in ROSTER_CHANGES:
-            before = len(emitted)
-            change_roster(s, change)
-
-            def more_emitted(n: int = before) -> bool:
-                return len(emitted) >= n + 4
-
-            eventually(more_emitted, what="events emitted after the change")
+        change_roster_four_times(s, lambda: len(emitted), 4, "events emitted after the change")
     finally:
         stop.set()
         emitter.join(timeout=120)

@@ -148,13 +148,16 @@ async def test_a_flush_whose_pong_went_with_the_connection_is_done_on_the_next(m
         await conn.close()
 
 
-def _pair(mesh: EmbeddedNatsServer, name: str) -> tuple[MeshConnection, MeshConnection]:
-    """A connection under test and a peer, both allowed test.> and their replies."""
+def _pair(
+    mesh: EmbeddedNatsServer, name: str, allowed: tuple[str, ...] = ("test.>", "_INBOX.>")
+) -> tuple[MeshConnection, MeshConnection]:
+    """A connection under test and a peer, both allowed ``allowed`` (by default
+    test.> and their replies)."""
     key = KeyPair.generate(Prefix.USER)
-    jwt = mesh.mint_user(name, key.public_key, ["test.>", "_INBOX.>"], ["test.>", "_INBOX.>"], 300)
+    jwt = mesh.mint_user(name, key.public_key, list(allowed), list(allowed), 300)
     conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name=name, connect_timeout=2.0)
     peer_key = KeyPair.generate(Prefix.USER)
-    peer_jwt = mesh.mint_user(f"{name} peer", peer_key.public_key, ["test.>", "_INBOX.>"], ["test.>", "_INBOX.>"], 300)
+    peer_jwt = mesh.mint_user(f"{name} peer", peer_key.public_key, list(allowed), list(allowed), 300)
     peer = MeshConnection([mesh.url], node_key=peer_key, jwt_source=lambda: peer_jwt, name=f"{name} peer",
                           connect_timeout=2.0)
     return conn, peer
@@ -196,17 +199,8 @@ async def test_live_mail_sent_during_planned_reconnects_all_arrives(mesh: Embedd
         await conn.subscribe("test.live", mail.collect)
         await conn.flush()
         mail.start()
-        for expected in (1, 2, 3):
-            await eventually_async(lambda: bool(mail.received), what="live mail flowing")
-            await conn.reconnect()
-
-            def back(n: int = expected) -> bool:
-                return len(reconnects) >= n and conn.is_connected
-
-            await eventually_async(back, what=f"planned reconnect {expected} back")
-        await mail.stop()
-        await mail.all_arrived()
-        assert conn.bridged_reconnects == 3 and conn.unbridged_reconnects == 0
+        await mail.through_planned_reconnects(conn)
+        await eventually_async(lambda: len(reconnects) == 3, what="the reconnect listeners run for each")
     finally:
         await peer.close()
         await conn.close()
@@ -227,17 +221,7 @@ async def test_a_queue_members_mail_during_planned_reconnects_all_arrives(mesh: 
         await conn.subscribe("test.work", mail.collect, queue="workers")
         await conn.flush()
         mail.start()
-        for expected in (1, 2, 3):
-            await eventually_async(lambda: bool(mail.received), what="work flowing")
-            await conn.reconnect()
-
-            def back(n: int = expected) -> bool:
-                return conn.bridged_reconnects >= n and conn._bridge is None and conn.is_connected
-
-            await eventually_async(back, what=f"planned reconnect {expected} back, its bridge closed")
-        await mail.stop()
-        await mail.all_arrived()
-        assert conn.unbridged_reconnects == 0
+        await mail.through_planned_reconnects(conn)
     finally:
         await peer.close()
         await conn.close()
@@ -352,13 +336,7 @@ async def test_a_push_consumers_deliveries_during_planned_reconnects_come_withou
     hour, so a delivery the bridge missed would fail the test's wait."""
     from nats.js.api import StreamConfig
 
-    key = KeyPair.generate(Prefix.USER)
-    jwt = mesh.mint_user("push", key.public_key, [">"], [">"], 300)
-    conn = MeshConnection([mesh.url], node_key=key, jwt_source=lambda: jwt, name="push", connect_timeout=2.0)
-    peer_key = KeyPair.generate(Prefix.USER)
-    peer_jwt = mesh.mint_user("push peer", peer_key.public_key, [">"], [">"], 300)
-    peer = MeshConnection([mesh.url], node_key=peer_key, jwt_source=lambda: peer_jwt, name="push peer",
-                          connect_timeout=2.0)
+    conn, peer = _pair(mesh, "push", allowed=(">",))
     mail = SteadyMail(peer, "push.live")
 
     async def collect_and_ack(msg: Message) -> None:
@@ -373,17 +351,7 @@ async def test_a_push_consumers_deliveries_during_planned_reconnects_come_withou
             "push.live", collect_and_ack, stream="PUSH", durable="held", replay=True, max_deliver=5, ack_wait_s=HOUR_S
         )
         mail.start()
-        for expected in (1, 2, 3):
-            await eventually_async(lambda: bool(mail.received), what="deliveries flowing")
-            await conn.reconnect()
-
-            def back(n: int = expected) -> bool:
-                return conn.bridged_reconnects >= n and conn._bridge is None and conn.is_connected
-
-            await eventually_async(back, what=f"planned reconnect {expected} back, its bridge closed")
-        await mail.stop()
-        await mail.all_arrived()
-        assert conn.unbridged_reconnects == 0
+        await mail.through_planned_reconnects(conn)
     finally:
         await peer.close()
         await conn.close()
