@@ -153,7 +153,7 @@ class MeshConnection:
         self._flushing: set[asyncio.Future[None]] = set()
         # The bridge standing in for the connection during the planned reconnect
         # under way (None: none, or it could not be opened); see reconnect.
-        self._bridge: Client | None = None
+        self._bridge: _Bridge | None = None
         #: Planned reconnects that a bridge covered, and those it could not.
         self.bridged_reconnects = 0
         self.unbridged_reconnects = 0
@@ -396,7 +396,7 @@ class MeshConnection:
         except Exception as exc:
             log.debug("handing the subscriptions over to the bridge: %s: %s", type(exc).__name__, exc)
 
-    async def _close_bridge_when_back(self, bridge: Client) -> None:
+    async def _close_bridge_when_back(self, bridge: _Bridge) -> None:
         """Drain ``bridge`` once the connection is back (its subscriptions went
         out and were flushed before nats-py calls it reconnected), or after
         :data:`BRIDGE_HOLD_S`. Draining takes in what the broker sent the
