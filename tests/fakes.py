@@ -28,7 +28,9 @@ from meshnode.transport.errors import NotFound, TransportTimeout
 from meshnode.transport.grants import Grants
 from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
 
-__all__ = ["FakeConnection", "FakeJetStream", "FakeMsg", "FakeNode", "FakeSettings", "ManualClock"]
+__all__ = [
+    "FakeConnection", "FakeJetStream", "FakeMsg", "FakeNode", "FakePullSubscription", "FakeSettings", "ManualClock",
+]
 
 
 class ManualClock:
@@ -46,6 +48,23 @@ class ManualClock:
     async def sleep(self, delay: float) -> None:
         self.sleeps.append(delay)
         self.now += delay
+
+
+class FakePullSubscription:
+    """Stands in for nats-py's ``JetStreamContext.PullSubscription`` (what
+    :class:`~meshnode.transport.jetstream.PullConsumer` and ``StreamReader``
+    wrap): each :meth:`fetch` raises ``raises`` when set, else returns ``msgs``."""
+
+    def __init__(self, msgs: list[Any] | None = None, raises: BaseException | None = None) -> None:
+        self.msgs = msgs or []
+        self.raises = raises
+        self.fetches: list[tuple[int, float]] = []
+
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+        self.fetches.append((batch, timeout))
+        if self.raises is not None:
+            raise self.raises
+        return self.msgs
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import nats.errors
 import nats.js.errors
 import pytest
@@ -19,6 +21,8 @@ from meshnode.transport.errors import (
     translate,
     translated,
 )
+from meshnode.transport.jetstream import PullConsumer, StreamReader
+from tests.fakes import FakePullSubscription
 
 
 @pytest.mark.parametrize(
@@ -77,3 +81,16 @@ async def test_other_exceptions_and_cancellation_pass_through_unchanged() -> Non
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.parametrize("timeout", [nats.errors.TimeoutError(), TimeoutError()], ids=["nats", "asyncio"])
+async def test_a_fetch_that_times_out_either_way_brings_no_messages(timeout: Exception) -> None:
+    """nats-py's fetch ends in its own TimeoutError on some paths and in
+    asyncio's, untranslated, on another (a deadline spent before its lingering
+    request). Both are no messages: a service's fetch loop logged the second
+    as a failed fetch and paused."""
+    psub = FakePullSubscription(raises=timeout)
+    assert await PullConsumer(cast(Any, psub)).fetch(16, timeout=1.0) == []
+    reader = StreamReader(cast(Any, None), "S", "reader", cast(Any, psub))
+    assert await reader.fetch(16, timeout=1.0) == []
+    assert psub.fetches == [(16, 1.0), (16, 1.0)]

@@ -320,7 +320,7 @@ class PullConsumer:
         try:
             with translated():
                 msgs = await self._psub.fetch(batch, timeout=timeout)
-        except TransportTimeout:
+        except TimeoutError:  # TransportTimeout, or asyncio's own, which nats-py raises untranslated
             return []
         return [Message(m) for m in msgs]
 
@@ -354,7 +354,7 @@ class StreamReader:
         try:
             with translated():
                 msgs = await self._psub.fetch(batch, timeout=timeout)
-        except TransportTimeout:
+        except TimeoutError:  # as in PullConsumer.fetch
             return []
         out: list[StoredMessage] = []
         for m in msgs:
