@@ -156,6 +156,9 @@ class CoreMethods:
                 "planned_reconnects": {
                     "bridged": self.d.connection.bridged_reconnects if self.d.connection else 0,
                     "unbridged": self.d.connection.unbridged_reconnects if self.d.connection else 0,
+                    # Messages that came by both the bridge and the connection,
+                    # the second copy dropped unread.
+                    "copies_dropped": self.d.connection.overlap_copies_dropped if self.d.connection else 0,
                 },
                 # Does the broker still answer (a frozen one keeps "connected" true)?
                 "broker": self.broker_status(),

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 from nats.aio.client import Client
@@ -81,10 +82,19 @@ class _Client(Client):
     plays it.
     """
 
+    #: Set while a bridge stands in for this client (see MeshConnection.reconnect).
+    overlap: _OverlapCopies | None = None
+
     async def _process_connect_init(self) -> None:
         # Every byte parsed from here on comes from the connection being set up.
         self._ps.reset()
         await super()._process_connect_init()
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        overlap = self.overlap
+        if overlap is not None and not overlap.first_copy(sid, subject, reply, data, headers):
+            return
+        await super()._process_msg(sid, subject, reply, data, headers)
 
 
 #: How long a planned reconnect waits for the replies of requests already out (see
@@ -157,6 +167,9 @@ class MeshConnection:
         #: Planned reconnects that a bridge covered, and those it could not.
         self.bridged_reconnects = 0
         self.unbridged_reconnects = 0
+        #: Second copies of a message that came by both the bridge and the
+        #: connection, dropped before anything read them (_OverlapCopies).
+        self.overlap_copies_dropped = 0
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -293,8 +306,9 @@ class MeshConnection:
         consumers included, and hands what it receives to this connection's
         own processing, as if read here (so answers and acks go out here).
         Before the cut this connection leaves those subscriptions to the
-        bridge (:meth:`_hand_over`). The bridge closes once the connection is
-        back with its subscriptions in force.
+        bridge, and pauses its pulled ones (JetStream fetches), reading what
+        the broker sent until then (:meth:`_hand_over`). The bridge closes once
+        the connection is back with its subscriptions in force.
         A reconnect used to leave a gap of ~70 ms to 1 s at every roster
         change and renewal: live mail sent then found no subscriber, a
         buffered agent got it late from its drain (one JetStream call per
@@ -322,7 +336,7 @@ class MeshConnection:
         bridge = await self._open_bridge(nc) if nc.is_connected else None
         if bridge is None:
             await self._replies_in_flight(PLANNED_CUT_WAIT_S)
-        else:
+        if nc.is_connected:
             await self._hand_over(nc, bridge)
         self._bridge = bridge
         # Back to the same server, not a random one of the pool (nats-py shuffles
@@ -362,6 +376,7 @@ class MeshConnection:
             error_cb=self._on_bridge_error,
         )
         bridge = _Bridge(nc)
+        _overlap_begins(nc, [sub._id for sub in subscriptions])
         try:
             await bridge.connect(**options)
             for sub in subscriptions:
@@ -372,29 +387,46 @@ class MeshConnection:
                      "agents' buffers", type(exc).__name__, exc)
             with contextlib.suppress(Exception):
                 await bridge.close()
+            self.overlap_copies_dropped += _overlap_ends(nc)
             return None
         log.debug("bridged the planned reconnect: %d subscription(s)", len(subscriptions))
         return bridge
 
-    async def _hand_over(self, nc: Client, bridge: _Bridge) -> None:
-        """Leave to ``bridge`` what it holds before the cut: unsubscribe those at
-        the broker (nats-py keeps them, and subscribes them again on the new
-        connection), then read what the broker sent until then.
+    async def _hand_over(self, nc: Client, bridge: _Bridge | None) -> None:
+        """Before the cut, unsubscribe at the broker what ``bridge`` holds and
+        every pulled subscription, then read what the broker sent until then.
+        nats-py keeps those subscriptions and subscribes them again on the new
+        connection.
 
         Without it a message the broker gave ``nc`` just before the cut, still
-        on its way, was lost with the connection. A plain subscription's copy
-        reached the bridge too, but a queue group's member (a platform
-        service) gets each message alone, and the bridge had none: measured,
-        a steady publisher lost a few messages in one run of four. Best
-        effort: if the read cannot be proven in time, the cut goes on, and
+        on its way, was lost with the connection:
+
+        * A plain subscription's copy reached the bridge too, but a queue
+          group's member (a platform service) gets each message alone, and the
+          bridge had none: measured, a steady publisher lost a few messages in
+          one run of four.
+        * A pulled subscription (no callback: its messages wait in its queue
+          for a JetStream fetch) is not bridged, as a copy would reach the next
+          fetch. A delivery to a fetch under way was lost, and the consumer
+          gave it again only after its ack wait (30 s): measured, a service's
+          one-at-a-time fetch lost one in two runs of three. Once unsubscribed
+          the broker sends the fetch nothing more, and what it sent before is
+          in the queue when the cut comes; the stream keeps the rest for the
+          next fetch.
+
+        Best effort: if the read cannot be proven in time, the cut goes on, and
         only what was on its way is exposed, as before.
         """
+        held = bridge.held_sids() if bridge is not None else []
+        pulled = [sub._id for sub in list(getattr(nc, "_subs", {}).values()) if _pulled(sub)]
+        if not held and not pulled:
+            return
         try:
-            for sid in bridge.held_sids():
+            for sid in (*held, *pulled):
                 await nc._send_unsubscribe(sid)
             await flush_written(nc, self._connect_timeout)
         except Exception as exc:
-            log.debug("handing the subscriptions over to the bridge: %s: %s", type(exc).__name__, exc)
+            log.debug("handing the subscriptions over before the cut: %s: %s", type(exc).__name__, exc)
 
     async def _close_bridge_when_back(self, bridge: _Bridge) -> None:
         """Drain ``bridge`` once the connection is back (its subscriptions went
@@ -411,8 +443,16 @@ class MeshConnection:
                     await bridge.drain()
                 elif not bridge.is_closed:
                     await bridge.close()
+                # The broker gave the connection its copy of the bridge's last
+                # messages no later than the bridge's: once a round trip shows
+                # the connection has read that far, no copy is left to come.
+                home = bridge.home
+                if home.is_connected:
+                    await flush_written(home, self._connect_timeout)
             except Exception as exc:  # the bridge's end is nobody's failure
                 log.debug("closing the reconnect's bridge: %s: %s", type(exc).__name__, exc)
+            finally:
+                self.overlap_copies_dropped += _overlap_ends(bridge.home)
 
     async def _on_bridge_error(self, exc: Exception) -> None:
         # A subscription the new credential no longer grants (an agent just
@@ -706,6 +746,91 @@ class _RepeatLimiter:
         return total
 
 
+class _OverlapCopies:
+    """The messages a client processed while a bridge stood in for it, so that
+    the second copy of one is dropped before anything reads it.
+
+    While a bridge is open both it and the client (before the cut, and again
+    once back) listen on the same subjects, so a message published then can
+    arrive by both. Every envelope intake drops the second copy (§22.2), but
+    as a refused duplicate, logged as a WARNING: the soak's joined node logged
+    ~3 a minute, one after each roster change, as if a peer replayed mail.
+    Both copies are the same bytes from the same broker, so a copy is known
+    by its subscription, subject, reply, headers and body. Only the
+    subscriptions a bridge holds are looked at: on those every message is
+    unique in those parts (an envelope has its own id, a JetStream delivery's
+    ack subject its delivery count, a reply or a mailbox fetch's status its
+    own inbox subject), whereas a pulled subscription's fetches get the same
+    status bytes again and again. A copy comes within moments of the first;
+    what was seen is kept for :data:`HORIZON_S`.
+    """
+
+    #: Far longer than the two copies' arrivals apart (the same broker sends
+    #: both at once), and it bounds the memory to the traffic of those seconds.
+    HORIZON_S = 10.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: dict[bytes, float] = {}  # digest -> when, oldest first (insertion order)
+        #: The subscriptions the open bridges hold (the client's ids).
+        self.sids: set[int] = set()
+        self.bridges = 0
+        self.dropped = 0
+
+    def first_copy(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+        """False for a second copy of a message on a held subscription (the caller drops it)."""
+        if sid not in self.sids:
+            return True
+        now = self._clock()
+        seen = self._seen
+        while seen:
+            oldest, when = next(iter(seen.items()))
+            if now - when < self.HORIZON_S:
+                break
+            del seen[oldest]
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (subject, reply or b"", headers or b""):
+            digest.update(len(part).to_bytes(4, "big"))
+            digest.update(part)
+        digest.update(sid.to_bytes(8, "big"))
+        digest.update(data)
+        key = digest.digest()
+        if key in seen:
+            self.dropped += 1
+            return False
+        seen[key] = now
+        return True
+
+
+def _overlap_begins(nc: Client, sids: Collection[int]) -> None:
+    """A bridge is about to hold ``nc``'s subscriptions ``sids``: from now on
+    drop second copies on them."""
+    if isinstance(nc, _Client):
+        if nc.overlap is None:
+            nc.overlap = _OverlapCopies()
+        nc.overlap.bridges += 1
+        nc.overlap.sids.update(sids)
+
+
+def _overlap_ends(nc: Client) -> int:
+    """A bridge for ``nc`` is gone; with none left, stop looking for copies and
+    return how many were dropped (0 while another bridge is still open)."""
+    if not isinstance(nc, _Client) or nc.overlap is None:
+        return 0
+    overlap = nc.overlap
+    overlap.bridges -= 1
+    if overlap.bridges > 0:
+        return 0
+    nc.overlap = None
+    return overlap.dropped
+
+
+def _pulled(sub: Any) -> bool:
+    """Whether ``sub``'s messages wait in its queue for a reader (a JetStream
+    fetch, ``next_msg``) rather than going to a callback."""
+    return getattr(sub, "_cb", None) is None
+
+
 def _bridgeable(sub: Any) -> bool:
     """Whether a bridge may hold ``sub``: one with a callback, whose handling a
     second copy of a message cannot upset.
@@ -717,7 +842,7 @@ def _bridgeable(sub: Any) -> bool:
     otherwise is held: a copy is one delivery seen twice, and its ack is one
     the broker already has.
     """
-    if getattr(sub, "_cb", None) is None or getattr(sub, "_max_msgs", 0) > 0:
+    if _pulled(sub) or getattr(sub, "_max_msgs", 0) > 0:
         return False
     jsi = getattr(sub, "_jsi", None)
     return jsi is None or not getattr(jsi, "_ordered", False)
@@ -746,6 +871,11 @@ class _Bridge(_Client):
         of its own, as its messages go to ``home``."""
         own = await self.subscribe(sub._subject, queue=sub._queue or "")
         self._home_sids[own._id] = sub._id
+
+    @property
+    def home(self) -> Client:
+        """The client this bridge stands in for."""
+        return self._home
 
     def held_sids(self) -> list[int]:
         """The ids, at ``home``, of the subscriptions this bridge holds."""
