@@ -20,7 +20,8 @@ well above the baseline. The run also counts every operation's outcome:
 ``timeout`` are calls reported failed to the caller for want of an answer in
 time (TRANSPORT_TIMEOUT), which the churn's reconnects can cause. At the end
 it counts the ERROR lines in both daemons' logs: a platform service failing
-behind the callers' backs (a full task store) shows only there.
+behind the callers' backs (a full task store) shows only there; and it lists
+the WARNING lines by kind, so a warning that routine work raises shows.
 
 The short variant runs in CI (tests/soak/test_soak_short.py); results of a
 run are written to ``benchmarks/results/soak.json``.
@@ -59,6 +60,8 @@ class SoakResult:
     #: Per daemon: ERROR lines in its log, counted by logger, and the first few in full.
     errors_logged: dict[str, dict[str, int]] = field(default_factory=dict)
     first_errors: dict[str, list[str]] = field(default_factory=dict)
+    #: Per daemon: WARNING lines in its log, counted by kind (logger and gist).
+    warnings_logged: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def growth(self, node: str, gauge: str) -> float:
         return self.final[node][gauge] - self.baseline[node][gauge]
@@ -87,6 +90,31 @@ def _errors_logged(daemon: DaemonProcess, keep: int = 3) -> tuple[dict[str, int]
         if len(first) < keep:
             first.append(line[:300])
     return dict(counts), first
+
+
+_WARNING_LINE = re.compile(r"^\S+ \S+ WARNING\s+(\S+): (.*)$")
+_AGENT_LOGGER = re.compile(r"^meshnode\.agent\..*")
+_SPECIFIC = re.compile(r"\S*\d\S*|\b[A-Z2-7]{20,}\b")  # ids, keys, counts, times
+
+
+def warnings_logged(log_text: str, words: int = 6) -> dict[str, int]:
+    """WARNING lines of a daemon's log by kind: the logger (every agent's as
+    one) and the message's first ``words`` words, ids and numbers blanked.
+
+    Not a failure: some warnings are the point of the run (a full store
+    reported). A warning that comes with routine work (one after every
+    roster change) is a defect an operator would learn to ignore; this makes
+    it show in the report.
+    """
+    counts: Counter[str] = Counter()
+    for line in log_text.splitlines():
+        found = _WARNING_LINE.match(line)
+        if found is None:
+            continue
+        logger = _AGENT_LOGGER.sub("meshnode.agent.*", found.group(1))
+        gist = " ".join(_SPECIFIC.sub("#", found.group(2)).split()[:words])
+        counts[f"{logger}: {gist}"] += 1
+    return dict(counts)
 
 
 def _gauges(daemon: DaemonProcess) -> dict[str, float]:
@@ -303,6 +331,7 @@ def soak(
         traffic.close()
         for name, daemon in both.items():
             result.errors_logged[name], result.first_errors[name] = _errors_logged(daemon)
+            result.warnings_logged[name] = warnings_logged(daemon.log_text())
             if daemon.process is None or daemon.process.poll() is not None:
                 result.unexpected.append(f"daemon {name} exited")
                 result.operations["daemon-exit:unexpected"] += 1
@@ -330,6 +359,12 @@ def report(result: SoakResult) -> str:
             lines.extend(f"    {line}" for line in result.first_errors.get(name, []))
         else:
             lines.append(f"  {name}: no ERROR line logged")
+    for name, by_kind in result.warnings_logged.items():
+        if by_kind:
+            lines.append(f"  {name}: {sum(by_kind.values()):,} WARNING lines logged, by kind:")
+            lines.extend(f"    {n:,} × {kind}" for kind, n in sorted(by_kind.items(), key=lambda kv: -kv[1])[:8])
+        else:
+            lines.append(f"  {name}: no WARNING line logged")
     for line in result.unexpected[:10]:
         lines.append(f"  unexpected: {line}")
     for line in result.timeouts[:5]:

@@ -126,3 +126,25 @@ def test_the_summary_says_how_fast_this_machine_is_against_the_issues() -> None:
     assert "rfc8785.dumps) 110.2 µs (2.4x slower than the reference run's 45.4)" in line
     assert "(as fast as the machine" in (machine_speed(run(25.0, 60.0, 44.0)) or "")
     assert "(1.5x faster than the machine" in (machine_speed(run(15.0, 37.0, 45.0)) or "")
+
+
+def test_the_soak_lists_its_warnings_by_kind() -> None:
+    """Routine work that logs a WARNING (one after every roster change) must
+    show in the soak's report: the same kind counted together, whichever
+    agent logged it and whatever ids it named; other levels left out."""
+    from benchmarks.soak import warnings_logged
+
+    log = "\n".join([
+        "2026-12-07 04:47:57,963 WARNING meshnode.agent.cli: inbound refused (inbound_duplicate) from "
+        "UCPFUIKWKTTLZVMNUFBJRFQQIZBPHDTUKIINVSDDULEUKNZXYLABCDEFGH id 01a24ed4-7bfd: (from, id) already seen",
+        "2026-12-07 04:48:02,341 WARNING meshnode.agent.words: inbound refused (inbound_duplicate) from "
+        "UAPDCLMIOMXFTQQACBMBQHMTJKLNLMIWWGIHJPUIBRHRLTNABCDEFGHIJ id 01a24ed4-8d20: (from, id) already seen",
+        "2026-12-07 04:49:10,252 INFO    meshnode.transport: reconnected to the mesh at nats://127.0.0.1:35261",
+        "2026-12-07 05:01:00,000 WARNING meshnode.storage: JetStream store low: stream MESH_TASKS: 55433555 of "
+        "67108864 bytes (83%)",
+        "2026-12-07 05:02:00,000 ERROR   meshnode.node: something else",
+    ])
+    assert warnings_logged(log) == {
+        "meshnode.agent.*: inbound refused (inbound_duplicate) from # id": 2,
+        "meshnode.storage: JetStream store low: stream MESH_TASKS: #": 1,
+    }
