@@ -7,6 +7,10 @@ before anything reads it (:class:`meshnode.transport.connection._OverlapCopies`)
 
 from __future__ import annotations
 
+from typing import Any
+
+from nats.aio.subscription import Subscription
+
 from meshnode.transport.connection import _Client, _overlap_begins, _overlap_ends, _OverlapCopies
 from tests.fakes import ManualClock
 
@@ -70,8 +74,9 @@ def test_the_filter_lives_while_any_bridge_is_open() -> None:
     """Back-to-back roster changes can open a second bridge before the first
     closed: the client keeps looking for copies until both are gone."""
     client = _Client()
-    assert client.overlap is None
+    assert client.overlap is None and "_process_msg" not in vars(client)
     _overlap_begins(client, [1, 2])
+    assert "_process_msg" in vars(client)  # the filter is in the message path only now
     first = client.overlap
     _overlap_begins(client, [2, 3])
     assert client.overlap is first and first is not None
@@ -80,3 +85,23 @@ def test_the_filter_lives_while_any_bridge_is_open() -> None:
     assert not first.first_copy(3, b"s", b"", b"x", b"")  # counted when the last bridge ends
     assert _overlap_ends(client) == 0 and client.overlap is first
     assert _overlap_ends(client) == 1 and client.overlap is None
+    assert "_process_msg" not in vars(client)
+
+
+async def test_the_filter_drops_a_copy_on_its_way_into_the_client() -> None:
+    """What the parser (or a bridge) hands the client goes through the filter
+    while it is on: a second copy never reaches the subscription."""
+    client = _Client()
+    sub = Subscription(client, 1, "s")  # as nats-py registers one; no broker needed
+    client._subs[sub._id] = sub
+    _overlap_begins(client, [sub._id])
+    for _ in range(2):
+        await client._process_msg(sub._id, b"s", b"", b"once", b"")
+    await client._process_msg(sub._id, b"s", b"", b"twice", b"")
+    assert [m.data for m in _queued(sub)] == [b"once", b"twice"]
+    assert _overlap_ends(client) == 1
+
+
+def _queued(sub: Any) -> list[Any]:
+    queue = sub._pending_queue
+    return [queue.get_nowait() for _ in range(queue.qsize())]
