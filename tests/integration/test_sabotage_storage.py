@@ -200,6 +200,10 @@ def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
     assert storage["limit_bytes"] == ACCOUNT
     assert storage["reserved_bytes"] >= 19 * MIB
     assert 0 < storage["headroom_bytes"] <= ACCOUNT - storage["reserved_bytes"]
+    # MESH_TASKS drops its oldest messages at its bound (the broker's own
+    # config, read back): the warning must not say its writes are refused.
+    (tasks_reason,) = [r for r in storage["low"] if r.startswith("stream MESH_TASKS:")]
+    assert tasks_reason.endswith("full, it drops its oldest messages"), tasks_reason
     text = host.log_text()
     assert text.count("JetStream store low: stream MESH_TASKS") == 1, text
     metrics = host.admin("Metrics")["runtime"]

@@ -104,12 +104,17 @@ def test_a_stream_at_its_consumer_ceiling_is_its_own_error() -> None:
 def test_store_pressure_names_the_store_and_headroom_is_what_is_left() -> None:
     usage = StoreUsage(
         used=10 * MIB, reserved=85 * MIB, limit=100 * MIB,
-        streams=(BoundedStream("MESH_TASKS", 9 * MIB, 10 * MIB, 5),
-                 BoundedStream("KV_mesh_registry", 1 * MIB, 10 * MIB, 3)),
+        streams=(BoundedStream("MESH_TASKS", 9 * MIB, 10 * MIB, 5, discards_old=True),
+                 BoundedStream("KV_mesh_registry", 1 * MIB, 10 * MIB, 3),
+                 BoundedStream("KV_mesh_tasks", 9 * MIB, 10 * MIB, 3)),
     )
     reasons = usage.pressure(0.8)
-    assert [r.split(":")[0] for r in reasons] == ["account store", "stream MESH_TASKS"]
+    assert [r.split(":")[0] for r in reasons] == ["account store", "stream MESH_TASKS", "stream KV_mesh_tasks"]
     assert "reserved" in reasons[0]
+    # What a full stream does, said as it is: a platform stream goes on taking
+    # writes and loses its oldest; a bucket (or a mailbox) refuses writes.
+    assert reasons[1].endswith("full, it drops its oldest messages")
+    assert reasons[2].endswith("full, it refuses writes")
     assert usage.headroom == 15 * MIB
     assert StoreUsage(used=1, reserved=0, limit=-1).headroom is None
     assert StoreUsage(used=1, reserved=0, limit=-1).pressure(0.8) == []

@@ -57,9 +57,8 @@ class StoreWatch:
         for store, reason in now_low.items():
             if store not in self._warned:
                 log.warning(
-                    "JetStream store low: %s; past %.0f%% ([storage] low_store_warning). Writes to a full "
-                    "store are refused (QUOTA_EXCEEDED); free space or raise [storage] / "
-                    "[mesh.embedded] jetstream_max_store",
+                    "JetStream store low: %s; past %.0f%% ([storage] low_store_warning). A full store refuses "
+                    "writes (QUOTA_EXCEEDED); free space or raise [storage] / [mesh.embedded] jetstream_max_store",
                     reason, self.threshold * 100,
                 )
         for store in self._warned - now_low.keys():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from nats.js.api import DiscardPolicy
 
 from .errors import TransportError, translated
 from .jetstream import JetStream
@@ -23,12 +24,19 @@ __all__ = ["BoundedStream", "StoreUsage", "read_store_usage"]
 
 @dataclass(frozen=True, slots=True)
 class BoundedStream:
-    """One stream with a ``max_bytes``: what it holds against its bound."""
+    """One stream with a ``max_bytes``: what it holds against its bound.
+
+    ``discards_old``: at its bound the stream drops its oldest messages to take
+    new ones (every platform stream), rather than refusing writes (a mailbox,
+    a key-value bucket). Either is worth a warning, but they are different
+    news: the first loses history, the second refuses work.
+    """
 
     name: str
     bytes: int
     max_bytes: int
     messages: int
+    discards_old: bool = False
 
     @property
     def ratio(self) -> float:
@@ -63,7 +71,8 @@ class StoreUsage:
                     )
         for s in self.streams:
             if s.max_bytes > 0 and s.ratio >= threshold:
-                reasons.append(f"stream {s.name}: {s.bytes} of {s.max_bytes} bytes ({s.ratio:.0%})")
+                full = "drops its oldest messages" if s.discards_old else "refuses writes"
+                reasons.append(f"stream {s.name}: {s.bytes} of {s.max_bytes} bytes ({s.ratio:.0%}); full, it {full}")
         return reasons
 
     def as_dict(self, threshold: float = 1.0) -> dict[str, Any]:
@@ -107,6 +116,7 @@ async def read_store_usage(jetstream: JetStream, *, timeout: float = 5.0) -> Sto
             int(s.state.bytes or 0),
             int(s.config.max_bytes or -1),
             int(s.state.messages or 0),
+            s.config.discard == DiscardPolicy.OLD,
         )
         for s in sorted(streams, key=lambda s: str(s.config.name))
         if s.config.max_bytes and s.config.max_bytes > 0
