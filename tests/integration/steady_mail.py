@@ -29,6 +29,11 @@ class SteadyMail:
             self.repeated.append(n)
         self.received.add(n)
 
+    async def collect_and_ack(self, msg: Message) -> None:
+        """:meth:`collect` for a JetStream delivery, acked once collected."""
+        await self.collect(msg)
+        await msg.ack()
+
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._publish())
 

@@ -339,17 +339,12 @@ async def test_a_push_consumers_deliveries_during_planned_reconnects_come_withou
 
     conn, peer = _pair(mesh, "push", allowed=(">",))
     mail = SteadyMail(peer, "push.live")
-
-    async def collect_and_ack(msg: Message) -> None:
-        await mail.collect(msg)
-        await msg.ack()
-
     await conn.connect()
     await peer.connect()
     try:
         await conn.jetstream.native.add_stream(StreamConfig(name="PUSH", subjects=["push.>"]))
         await conn.jetstream.durable_push(
-            "push.live", collect_and_ack, stream="PUSH", durable="held", replay=True, max_deliver=5, ack_wait_s=HOUR_S
+            "push.live", mail.collect_and_ack, stream="PUSH", durable="held", replay=True, max_deliver=5, ack_wait_s=HOUR_S
         )
         mail.start()
         await mail.through_planned_reconnects(conn)
@@ -390,8 +385,7 @@ async def test_a_pull_consumers_fetches_during_planned_reconnects_miss_nothing(
                 await conn.wait_connected(30)
                 continue
             for msg in msgs:
-                await mail.collect(msg)
-                await msg.ack()
+                await mail.collect_and_ack(msg)
 
     await conn.connect()
     await peer.connect()
