@@ -19,6 +19,7 @@ import hashlib
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
@@ -797,7 +798,11 @@ class _OverlapCopies:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._seen: dict[bytes, float] = {}  # digest -> when, oldest first (insertion order)
+        # Membership in a set, age order in a deque: a dict used as a FIFO
+        # costs O(evicted) per eviction (next(iter(d)) walks the holes that
+        # front deletions leave; see DedupMemory).
+        self._seen: set[bytes] = set()
+        self._order: deque[tuple[float, bytes]] = deque()
         #: The subscriptions the open bridges hold (the client's ids).
         self.sids: set[int] = set()
         self.bridges = 0
@@ -808,12 +813,9 @@ class _OverlapCopies:
         if sid not in self.sids:
             return True
         now = self._clock()
-        seen = self._seen
-        while seen:
-            oldest, when = next(iter(seen.items()))
-            if now - when < self.HORIZON_S:
-                break
-            del seen[oldest]
+        seen, order = self._seen, self._order
+        while order and now - order[0][0] >= self.HORIZON_S:
+            seen.discard(order.popleft()[1])
         digest = hashlib.blake2b(digest_size=16)
         for part in (subject, reply or b"", headers or b""):
             digest.update(len(part).to_bytes(4, "big"))
@@ -824,7 +826,8 @@ class _OverlapCopies:
         if key in seen:
             self.dropped += 1
             return False
-        seen[key] = now
+        seen.add(key)
+        order.append((now, key))
         return True
 
 
