@@ -378,12 +378,16 @@ async def test_a_pull_consumers_fetches_during_planned_reconnects_miss_nothing(
 
     async def consume() -> None:
         pull = await conn.jetstream.durable_pull("pull.live", stream="PULL", durable="pulled", ack_wait_s=HOUR_S)
+        failed_in_a_row = 0
         while not stop.is_set():
             try:
                 msgs = await pull.fetch(batch, timeout=1.0)
             except TransportError:  # the cut interrupted the fetch: fetch again once back, as the services do
+                failed_in_a_row += 1
+                assert failed_in_a_row < 100, "the fetch keeps failing with the connection up"
                 await conn.wait_connected(30)
                 continue
+            failed_in_a_row = 0
             for msg in msgs:
                 await mail.collect_and_ack(msg)
 
