@@ -68,7 +68,6 @@ class SteadyMail:
         assert (conn.bridged_reconnects, conn.unbridged_reconnects) == ((times, 0) if bridged else (0, times))
         assert self.repeated == [], f"{len(self.repeated)} message(s) arrived twice: {self.repeated[:20]}"
 
-
     async def all_arrived(self, first: int = 0) -> None:
         """Wait until every message from ``first`` on has arrived (the failure names the missing)."""
         expected = set(range(first, self.sent))

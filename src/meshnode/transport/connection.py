@@ -121,7 +121,7 @@ class _Client(Client):
     ) -> None:
         overlap = self.overlap
         if overlap is None or overlap.first_copy(sid, subject, reply, data, headers):
-            await Client._process_msg(self, sid, subject, reply, data, headers)
+            await super()._process_msg(sid, subject, reply, data, headers)
 
 
 #: How long a planned reconnect waits for the replies of requests already out (see
@@ -342,7 +342,7 @@ class MeshConnection:
         agent), a sandbox agent (no buffer, §16.4) not at all, a reply due
         then was lost, and a push consumer's delivery came again only after
         its ack wait (30 s). In the overlap a message can reach both
-        connections; every envelope intake deduplicates (§22.2). When the
+        connections; the client drops the second copy (:class:`_OverlapCopies`). When the
         bridge cannot be opened, the reconnect goes on without it, as before.
         Either way the reconnect listeners run (the drain re-runs on every
         reconnect, §16.4).
@@ -854,8 +854,8 @@ def _bridgeable(sub: Any) -> bool:
     Left out: a subscription that ends itself after a count (a copy would
     count), and an ordered JetStream consumer (a copy is a sequence gap to it,
     which it answers by recreating its consumer). A JetStream push consumer
-    otherwise is held: a copy is one delivery seen twice, and its ack is one
-    the broker already has.
+    otherwise is held: a copy is one delivery seen twice, which the client
+    drops (:class:`_OverlapCopies`).
     """
     if _pulled(sub) or getattr(sub, "_max_msgs", 0) > 0:
         return False
