@@ -14,6 +14,8 @@
 * :class:`KeyedConcurrency`: run jobs side by side, a bounded number at once,
   but one at a time and in arrival order for the same key (a request handler
   that may serve different agents concurrently but never one agent twice at once).
+* :class:`SharedRuns`: one run of a job serves every call made before it
+  started (many roster changes at once, one credential for them all).
 
 This module imports nothing of meshnode: it sits beside the protocol core at
 the bottom of the layers, but unlike it, it is about asyncio.
@@ -22,11 +24,12 @@ the bottom of the layers, but unlike it, it is about asyncio.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks", "KeyedConcurrency", "backoff", "cancel_and_wait", "wait_for"]
+__all__ = ["BackgroundTasks", "KeyedConcurrency", "SharedRuns", "backoff", "cancel_and_wait", "wait_for"]
 
 _T = TypeVar("_T")
 
@@ -182,3 +185,63 @@ class KeyedConcurrency:
             raise
         self._tails[key] = task
         return task
+
+
+class SharedRuns:
+    """Calls of a job that share its runs: one run serves every call made before it started.
+
+    ``await runs(flag)`` returns once a run of ``job`` that *began after the
+    call* has ended, and raises that run's error. So whatever the caller
+    changed before calling is seen by the run that serves it. Calls made while
+    a run is under way wait for the next one, which starts when that one ends,
+    and all of them share it: N calls at once cost two runs, not N. The run is
+    asked with ``flag`` set when any call it serves set it.
+
+    A run is a task of its own: a caller cancelled while it waits leaves the
+    run to the others.
+    """
+
+    def __init__(self, job: Callable[[bool], Awaitable[None]]) -> None:
+        self._job = job
+        self._lock = asyncio.Lock()
+        self._tasks = BackgroundTasks()
+        # The run that calls made now join (not begun yet), and its flag.
+        self._next: asyncio.Future[None] | None = None
+        self._next_flag = False
+        #: Runs begun so far (observability and tests).
+        self.runs = 0
+
+    async def __call__(self, flag: bool = False) -> None:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            # Nobody may be left to read a failure (every caller cancelled).
+            self._next.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+            self._next_flag = False
+            run = self._tasks.spawn(self._run(self._next), name="shared-run")
+            run.add_done_callback(functools.partial(self._settle, self._next))
+        self._next_flag = self._next_flag or flag
+        await asyncio.shield(self._next)
+
+    async def _run(self, done: asyncio.Future[None]) -> None:
+        async with self._lock:  # the run under way ends first
+            # From here on calls join the run after this one: what this one reads may predate them.
+            self._next = None
+            flag, self.runs = self._next_flag, self.runs + 1
+            try:
+                await self._job(flag)
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+    def _settle(self, done: asyncio.Future[None], _run: asyncio.Task[None]) -> None:
+        # A run cancelled (even before it began): its callers must not wait
+        # forever, nor later calls join it.
+        if not done.done():
+            done.cancel()
+        if self._next is done:
+            self._next = None
+
+    async def close(self) -> None:
+        """Cancel the runs under way or waiting (their callers see a cancellation)."""
+        await self._tasks.cancel()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshnode import aio
-from meshnode.aio import BackgroundTasks, KeyedConcurrency, backoff
+from meshnode.aio import BackgroundTasks, KeyedConcurrency, SharedRuns, backoff
 from meshnode.testing import eventually_async
 
 
@@ -179,3 +179,88 @@ async def test_cancel_and_wait_repeats_a_cancellation_the_task_lost() -> None:
     await started.wait()
     await aio.wait_for(aio.cancel_and_wait(task, again_after=0.05), timeout=30.0)
     assert swallowed.is_set() and task.cancelled()
+
+
+class _RosterJob:
+    """A job that reads what its callers changed before calling, and can be held open."""
+
+    def __init__(self) -> None:
+        self.roster: list[str] = []
+        self.seen: list[tuple[list[str], bool]] = []
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fail_with: Exception | None = None
+
+    async def __call__(self, flag: bool) -> None:
+        snapshot = list(self.roster)  # read at the start, as a credential request reads the roster
+        self.started.set()
+        await self.gate.wait()
+        self.seen.append((snapshot, flag))
+        if self.fail_with is not None:
+            raise self.fail_with
+
+
+async def test_shared_runs_serve_every_call_made_before_they_began_two_runs_for_many() -> None:
+    job = _RosterJob()
+    runs = SharedRuns(job)
+    job.roster.append("a")
+    first = asyncio.create_task(runs())
+    await job.started.wait()
+    # Made while the first run is under way: it read the roster before these, so they share the next.
+    later = []
+    for name in ("b", "c", "d"):
+        job.roster.append(name)
+        later.append(asyncio.create_task(runs(name == "c")))
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in [first, *later])
+    job.gate.set()
+    await asyncio.gather(first, *later)
+    assert job.seen == [(["a"], False), (["a", "b", "c", "d"], True)]
+    assert runs.runs == 2
+    # Alone, a call gets a run of its own at once, with its own flag.
+    job.roster.append("e")
+    await runs()
+    assert job.seen[-1] == (["a", "b", "c", "d", "e"], False) and runs.runs == 3
+
+
+async def test_a_shared_runs_error_reaches_every_call_it_served_and_the_next_run_starts_afresh() -> None:
+    job = _RosterJob()
+    runs = SharedRuns(job)
+    job.fail_with = ConnectionError("the broker is away")
+    job.gate.set()
+    callers = [asyncio.create_task(runs()) for _ in range(3)]
+    results = await asyncio.gather(*callers, return_exceptions=True)
+    assert all(isinstance(r, ConnectionError) for r in results) and runs.runs == 1
+    job.fail_with = None
+    await runs()
+    assert runs.runs == 2
+
+
+async def test_a_caller_cancelled_while_waiting_leaves_the_run_to_the_others() -> None:
+    job = _RosterJob()
+    runs = SharedRuns(job)
+    impatient = asyncio.create_task(runs())
+    patient = asyncio.create_task(runs())
+    await job.started.wait()
+    impatient.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await impatient
+    job.gate.set()
+    await patient
+    assert runs.runs == 1 and len(job.seen) == 1
+
+
+async def test_closing_shared_runs_cancels_the_run_and_its_callers_and_later_calls_start_anew() -> None:
+    job = _RosterJob()
+    runs = SharedRuns(job)
+    caller = asyncio.create_task(runs())
+    await job.started.wait()
+    waiting = asyncio.create_task(runs())  # the next run: waits for the lock
+    await asyncio.sleep(0)
+    await runs.close()
+    for task in (caller, waiting):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    job.gate.set()
+    await runs()  # not joined to a cancelled run
+    assert runs.runs == 2 and len(job.seen) == 1

@@ -138,6 +138,8 @@ class AgentHost:
     node: Node | None = None
     #: How configuration problems name the file (:func:`plugin_check.config_file_label`).
     config_file: str = "(built-in defaults)"
+    #: Agents an :meth:`add_many` under way is adding (a second add of one is refused).
+    adding: set[str] = field(default_factory=set)
 
     @classmethod
     async def open(cls, config: Config, keystore: KeyStore, *, runs_services: bool, embedded: bool) -> AgentHost:
@@ -315,41 +317,120 @@ class AgentHost:
         self, config: Config, name: str, table: dict[str, Any], refresh: Callable[[], Awaitable[None]]
     ) -> dict[str, Any]:
         """Host a new agent now: key, re-issued credential (``refresh``), register."""
+        outcome = (await self.add_many(config, {name: table}, refresh))[name]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def add_many(
+        self, config: Config, tables: dict[str, dict[str, Any]], refresh: Callable[[], Awaitable[None]]
+    ) -> dict[str, dict[str, Any] | Exception]:
+        """Host new agents now, with one re-issued credential for them all.
+
+        Each agent is checked (name, table, plugin) and given its key; then
+        ``refresh`` runs once for those that got this far, and they start side
+        by side, ``[node] host_concurrency`` at a time, as at start-up. Returns
+        each name's status, or the admin error saying why it is not hosted
+        (one agent failing fails alone). Why one refresh: on a joined node each
+        is a control-plane request under its per-node rate limit and a
+        reconnect; a reload adding 20 agents asked 20 times.
+        """
         node = self.running()
-        if name in node.agents or name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME):
-            raise InvalidParameter(f"an agent named {name!r} is already hosted")
-        if not _AGENT_NAME.fullmatch(name):
-            raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
+        outcome: dict[str, dict[str, Any] | Exception] = {}
+        wanted: dict[str, AgentConfig] = {}
+        for name, table in tables.items():
+            try:
+                wanted[name] = self._checked_table(node, name, table)
+            except InvalidParameter as exc:
+                outcome[name] = exc
+        marked = set(wanted)
+        self.adding.update(marked)
         try:
-            agent_cfg = AgentConfig.model_validate({"plugin": name, **table})
-        except ValueError as exc:
-            raise InvalidParameter(f"[agents.{name}]: {exc}") from None
-        if agent_cfg.plugin not in self.catalog.kinds:
+            await self._add_checked(config, node, wanted, outcome, refresh)
+        finally:
+            self.adding.difference_update(marked)
+        return outcome
+
+    async def _add_checked(
+        self,
+        config: Config,
+        node: Node,
+        wanted: dict[str, AgentConfig],
+        outcome: dict[str, dict[str, Any] | Exception],
+        refresh: Callable[[], Awaitable[None]],
+    ) -> None:
+        if any(cfg.plugin not in self.catalog.kinds for cfg in wanted.values()):
             # Installed since the last scan? (pip install, then agents add)
             self.catalog, _ = await asyncio.to_thread(rescan_catalog, config, self.catalog)
-        if agent_cfg.plugin not in self.catalog.kinds:
-            raise InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(agent_cfg.plugin, self.catalog)}")
-        try:
-            self.agent_keys[name] = await asyncio.to_thread(self.keystore.get_or_create, f"agent.{name}")
-        except KeyStoreError as exc:
-            # The message names the key file and the fix (a chmod, a bad seed).
-            raise Conflict(f"agent {name}: {exc}", {"key": f"agent.{name}"}) from None
-        self.failed_agents.pop(name, None)
+        for name, cfg in list(wanted.items()):
+            if cfg.plugin not in self.catalog.kinds:
+                outcome[name] = InvalidParameter(f"[agents.{name}] plugin: {unknown_kind_message(cfg.plugin, self.catalog)}")
+                del wanted[name]
+        # One worker-thread hop for all the keys; a bad key file fails its agent alone.
+        for name, key in (await asyncio.to_thread(self._keys_each, list(wanted))).items():
+            if isinstance(key, KeyStoreError):
+                # The message names the key file and the fix (a chmod, a bad seed).
+                outcome[name] = Conflict(f"agent {name}: {key}", {"key": f"agent.{name}"})
+                del wanted[name]
+            else:
+                self.agent_keys[name] = key
+                self.failed_agents.pop(name, None)
+        if not wanted:
+            return
         try:
             await refresh()
         except BaseException as exc:
-            # Not hosted: the next credential stops covering it.
-            self.agent_keys.pop(name, None)
-            if isinstance(exc, ConnectionError | CredentialUnavailable):
-                raise NotReady(f"agent {name} not hosted: {exc}; try again") from None
-            raise
-        await self.host(
-            name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
-            strict=config.node.strict_plugins, max_concurrency=agent_cfg.max_concurrency,
-        )
-        if name in self.failed_agents:
-            raise InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
-        return node.agent_status(node.agents[name])
+            # Not hosted: the next credential stops covering them.
+            for name in wanted:
+                self.agent_keys.pop(name, None)
+            if not isinstance(exc, Exception):
+                raise
+            for name in wanted:
+                outcome[name] = (
+                    NotReady(f"agent {name} not hosted: {exc}; try again")
+                    if isinstance(exc, ConnectionError | CredentialUnavailable) else exc
+                )
+            return
+        gate = asyncio.Semaphore(config.node.host_concurrency)
+
+        async def host_one(name: str, agent_cfg: AgentConfig) -> None:
+            async with gate:
+                try:
+                    await self.host(
+                        name, agent_cfg.plugin, agent_cfg.settings, agent_cfg.interaction,
+                        strict=config.node.strict_plugins, max_concurrency=agent_cfg.max_concurrency,
+                    )
+                except Exception as exc:  # strict_plugins: raised to this agent's caller
+                    outcome[name] = exc
+                    return
+            if name in self.failed_agents:
+                outcome[name] = InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
+            else:
+                outcome[name] = node.agent_status(node.agents[name])
+
+        await asyncio.gather(*(host_one(name, agent_cfg) for name, agent_cfg in wanted.items()))
+
+    def _checked_table(self, node: Node, name: str, table: dict[str, Any]) -> AgentConfig:
+        """``[agents.<name>]`` of an agent to add, checked as the admin API refuses it."""
+        if name in node.agents or name in (CLI_AGENT_NAME, BRIDGE_AGENT_NAME):
+            raise InvalidParameter(f"an agent named {name!r} is already hosted")
+        if name in self.adding:
+            raise InvalidParameter(f"an agent named {name!r} is being added")
+        if not _AGENT_NAME.fullmatch(name):
+            raise InvalidParameter("agent names match [a-z0-9][a-z0-9_-]{0,63}")
+        try:
+            return AgentConfig.model_validate({"plugin": name, **table})
+        except ValueError as exc:
+            raise InvalidParameter(f"[agents.{name}]: {exc}") from None
+
+    def _keys_each(self, names: list[str]) -> dict[str, KeyPair | KeyStoreError]:
+        keys: dict[str, KeyPair | KeyStoreError] = {}
+        for name in names:
+            try:
+                keys[name] = self.keystore.get_or_create(f"agent.{name}")
+            except KeyStoreError as exc:
+                keys[name] = exc
+        return keys
 
     async def remove(self, name: str, *, deregister: bool) -> None:
         """Stop an agent (deregistering it: its broker buffer goes too)."""

@@ -29,7 +29,7 @@ from typing import Any
 import meshnode
 from meshnode.admin.protocol import NotReady
 from meshnode.admin.server import AdminServer, MethodRegistry
-from meshnode.aio import BackgroundTasks, wait_for
+from meshnode.aio import BackgroundTasks, SharedRuns, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
@@ -119,6 +119,8 @@ class Daemon:
         self.broker_watch: BrokerWatch | None = None
         self._stop = asyncio.Event()
         self._signal_tasks = BackgroundTasks()
+        #: Roster changes at once share one credential and one reconnect (issue #21).
+        self._credential_refreshes = SharedRuns(self._refresh_credential_now)
         #: The store reading of a service node (None elsewhere), issue #22.3.
         self.store_watch: StoreWatch | None = None
         #: Set when the connection was lost for good: the process re-executes itself.
@@ -543,7 +545,17 @@ class Daemon:
     async def _refresh_credential(self, *, force: bool = False) -> None:
         """A credential for the current roster, presented by a reconnect (§14.3);
         none when it would grant exactly what the one in force grants (a
-        service-role node's grants name no agent), unless ``force``."""
+        service-role node's grants name no agent), unless ``force``.
+
+        Roster changes made at once share it: a joined node asks the control
+        plane for each credential, which allows ``node_rate_limit`` a minute
+        per node, and each one costs a reconnect. Twenty agents added side by
+        side asked twenty times, and past the limit each waited out a minute.
+        Now a change waits for the refresh under way, if any, and the next one
+        serves every change made meanwhile."""
+        await self._credential_refreshes(force)
+
+    async def _refresh_credential_now(self, force: bool) -> None:
         mesh = self._mesh()
         if not await mesh.reissue(force=force):
             log.debug("the roster change leaves the node credential's grants as they are: no reconnect")
@@ -588,6 +600,11 @@ class Daemon:
         """Host a new agent at runtime: key, re-minted credential and reconnect (when
         its grants change), register."""
         return await self._hosting().add(self.config, name, table, self._refresh_credential)
+
+    async def add_agents(self, tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any] | Exception]:
+        """Host new agents at runtime with one credential for them all: each name's
+        status, or the admin error saying why it is not hosted."""
+        return await self._hosting().add_many(self.config, tables, self._refresh_credential)
 
     async def remove_agent(self, name: str, *, deregister: bool = True, reconnect: bool = True) -> None:
         """Stop an agent (deregistering it by default: its broker buffer goes too).

@@ -389,17 +389,20 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
             report["removed"].append(name)
         # New tables, and tables not hosted until now (their plugin was missing).
         to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
+        # All at once: one credential (and one reconnect) for every addition.
+        added = await daemon.add_agents({
+            name: {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings}
+            for name, cfg in ((n, new_agents[n]) for n in to_add)
+        }) if to_add else {}
         for name in to_add:
-            cfg = new_agents[name]
-            try:
-                await daemon.add_agent(name, {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings})
-            except Exception as exc:
+            outcome = added[name]
+            if isinstance(outcome, Exception):
                 # One agent failing to start fails alone and the rest of the new
                 # configuration still applies: its on_start raised, its key file
                 # is unusable, the credential naming it was not presented in time.
                 # Raising here would end the reload half-applied (removals done,
                 # later additions never tried) with only a log line to show.
-                _record_failed(daemon, report, name, "could not be hosted", exc)
+                _record_failed(daemon, report, name, "could not be hosted", outcome)
                 continue
             report["added"].append(name)
         for kind, change in sorted(upgraded.items()):
