@@ -24,9 +24,10 @@ the bottom of the layers, but unlike it, it is about asyncio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 __all__ = ["BackgroundTasks", "KeyedConcurrency", "SharedRuns", "backoff", "cancel_and_wait", "wait_for"]
@@ -241,6 +242,13 @@ class SharedRuns:
             done.cancel()
         if self._next is done:
             self._next = None
+
+    @contextlib.asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        """Hold every run off while the block runs: work that must not
+        interleave with one (it reads and writes what the runs do)."""
+        async with self._lock:
+            yield
 
     async def close(self) -> None:
         """Cancel the runs under way or waiting (their callers see a cancellation)."""

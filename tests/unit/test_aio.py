@@ -264,3 +264,31 @@ async def test_closing_shared_runs_cancels_the_run_and_its_callers_and_later_cal
     job.gate.set()
     await runs()  # not joined to a cancelled run
     assert runs.runs == 2 and len(job.seen) == 1
+
+
+async def test_no_shared_run_interleaves_with_work_done_alone() -> None:
+    job = _RosterJob()
+    job.gate.set()
+    runs = SharedRuns(job)
+    order: list[str] = []
+    inside = asyncio.Event()
+    leave = asyncio.Event()
+
+    async def renewal() -> None:
+        async with runs.alone():
+            order.append("alone begins")
+            inside.set()
+            await leave.wait()
+            order.append("alone ends")
+
+    alone = asyncio.create_task(renewal())
+    await inside.wait()
+    change = asyncio.create_task(runs())
+    for _ in range(10):  # ample turns of the loop for a run that nothing held off to begin
+        await asyncio.sleep(0)
+    assert not job.started.is_set()
+    leave.set()
+    await job.started.wait()
+    order.append("run begins")
+    await asyncio.gather(alone, change)
+    assert order == ["alone begins", "alone ends", "run begins"] and runs.runs == 1

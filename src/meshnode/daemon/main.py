@@ -536,11 +536,15 @@ class Daemon:
     # -- credentials -----------------------------------------------------------
 
     async def _renew_credential(self) -> None:
-        mesh = self._mesh()
-        if not await mesh.renew_if_due():
-            return
-        await self._follow_credential(mesh)
-        await mesh.present()
+        # Never beside a roster change's refresh: a renewal that read the roster
+        # before an agent was added, and adopted its credential after that
+        # agent's, would take the agent's grants away until the next change.
+        async with self._credential_refreshes.alone():
+            mesh = self._mesh()
+            if not await mesh.renew_if_due():
+                return
+            await self._follow_credential(mesh)
+            await mesh.present()
 
     async def _refresh_credential(self, *, force: bool = False) -> None:
         """A credential for the current roster, presented by a reconnect (§14.3);
