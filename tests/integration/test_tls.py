@@ -1,7 +1,8 @@
 """TLS end to end (#22.6): the embedded mesh serves its NATS listener and its control
 plane over TLS from one test certificate (made here with the openssl CLI); a joined
 node renews over HTTPS and connects over ``tls://`` trusting ``[mesh] ca_file``, and
-a call crosses the two nodes. Clear-text and unverified clients are refused.
+a call crosses the two nodes. Clear-text and unverified clients are refused. The
+WebSocket listener serves ``wss://`` from the same certificate, and a node joins over it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def nodes(certificate: tuple[Path, Path]) -> Iterator[tuple[DaemonProcess, Daemo
         # Its own connection pins its own certificate: serving means NATS over TLS works.
         host = daemons.embedded(
             "host", agents={"echo": {"plugin": "echo"}},
-            extra={"mesh.embedded": {"tls_cert": str(cert), "tls_key": str(key)}},
+            extra={"mesh.embedded": {"tls_cert": str(cert), "tls_key": str(key), "websocket_port": 0}},
         )
         joined = daemons.joined("edge", host, agents={"echo": {"plugin": "echo"}}, start=False)
         joined.config["mesh"]["ca_file"] = str(cert)
@@ -118,3 +119,19 @@ def test_join_writes_the_ca_file_into_the_configuration(
     mesh = load_config(config).mesh
     assert mesh.ca_file == cert and all(u.startswith("tls://") for u in mesh.servers)
     assert mesh.control_plane is not None and str(mesh.control_plane).startswith("https://")
+
+
+def test_a_node_joins_over_wss_trusting_the_ca_file(
+    nodes: tuple[DaemonProcess, DaemonProcess], certificate: tuple[Path, Path], meshnode_daemons: DaemonSet
+) -> None:
+    host, _ = nodes
+    cert, _ = certificate
+    wss = host.admin("Mesh.Info")["websocket_url"]
+    assert wss.startswith("wss://127.0.0.1:"), wss
+    node = meshnode_daemons.joined("wss-edge", host, agents={"echo": {"plugin": "echo"}}, start=False)
+    node.config["mesh"].update(servers=[wss], ca_file=str(cert))
+    node.config_path.write_text(render_toml(node.config), encoding="utf-8")
+    node.start()
+    assert node.status()["mesh"]["connected_url"] == wss
+    assert node.call(host.agent_id("echo"), "echo", "over wss")["output"] == {"ok": "over wss"}
+    assert host.call(node.agent_id("echo"), "echo", "back")["output"] == {"ok": "back"}

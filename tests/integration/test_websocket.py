@@ -8,8 +8,9 @@ and shown by ``meshnode mesh info``. The independent wire client
 called by the daemon: the same credential and the same traffic as over TCP.
 The SDK-shaped client (:mod:`tests.integration.sdk_client`) does the same the
 way a nats.ws SDK agent would: bootstrap token, ``_INBOX.``, untokenized
-registration.
-nats-py's WebSocket transport needs aiohttp (the ``test`` extra).
+registration. A meshnode node joins over ``ws://`` too (``[mesh] servers``).
+nats-py's WebSocket transport needs aiohttp (``meshnode[websocket]``, in the
+``test`` extra); a node without it is refused at start, naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.testing import DaemonProcess, DaemonSet, run_cli
+from meshnode.testing import DaemonProcess, DaemonSet, render_toml, run_cli
 from tests.integration.sdk_client import SdkClient
 from tests.integration.wire_client import (
     UserKey,
@@ -127,3 +128,43 @@ async def test_an_sdk_shaped_agent_over_websocket_joins_with_a_token(hub: Daemon
         assert result["status"] == "completed" and result["output"] == {"pong": {"n": 2}}
     finally:
         await client.close()
+
+
+def _joined_over_websocket(hub: DaemonProcess, daemons: DaemonSet, name: str) -> DaemonProcess:
+    node = daemons.joined(name, via=hub, agents={"ears": {"plugin": "echo"}}, start=False)
+    node.config["mesh"]["servers"] = [_ws_url(hub)]
+    node.config_path.write_text(render_toml(node.config), encoding="utf-8")
+    return node
+
+
+def test_a_node_joins_over_websocket_and_its_agents_work_both_ways(
+    hub: DaemonProcess, meshnode_daemons: DaemonSet
+) -> None:
+    node = _joined_over_websocket(hub, meshnode_daemons, "ws-node").start()
+    ws_url = node.config["mesh"]["servers"][0]
+    assert node.status()["mesh"]["connected_url"] == ws_url
+    ears = node.agent_id("ears")
+    assert hub.call(ears, "echo", "in")["output"] == {"ok": "in"}
+    assert node.call(hub.agent_id("echo"), "echo", "out")["output"] == {"ok": "out"}
+    # A roster change presents a new credential by a bridged reconnect, over ws:// as well.
+    node.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    assert hub.call(node.agent_id("late"), "echo", "late")["output"] == {"ok": "late"}
+    assert hub.call(ears, "echo", "still")["output"] == {"ok": "still"}
+    assert node.status()["mesh"]["connected_url"] == ws_url
+
+
+def test_a_node_without_the_websocket_transport_is_refused_at_start_naming_key_and_fix(
+    hub: DaemonProcess, meshnode_daemons: DaemonSet, tmp_path: Path
+) -> None:
+    """As installed without ``meshnode[websocket]``: aiohttp does not import."""
+    shadow = tmp_path / "no-aiohttp"
+    (shadow / "aiohttp").mkdir(parents=True)
+    (shadow / "aiohttp" / "__init__.py").write_text('raise ImportError("aiohttp is not installed here")\n')
+    node = _joined_over_websocket(hub, meshnode_daemons, "ws-bare")
+    repository = Path(__file__).resolve().parents[2]
+    node.start(env_extra={"PYTHONPATH": f"{shadow}:{repository}"}, wait=False)
+    assert node.process is not None
+    assert node.process.wait(timeout=120) == 78, node.log_tail()
+    log = node.log_text()
+    assert "mesh.servers[0]" in log and "pip install 'meshnode[websocket]'" in log, log
+    assert "Traceback" not in log, log

@@ -144,6 +144,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     # The daemon's plugin machinery (and through it the node runtime and NATS)
     # only for this command: `meshnode status` and the rest start without it.
     from meshnode.daemon.hosting import scan_plugins
+    from meshnode.daemon.mesh import server_problems
     from meshnode.daemon.plugin_check import (
         agent_problems,
         installed_kinds,
@@ -155,6 +156,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     kinds: list[str] | None = None
     try:
         config = load_config(args.config)
+        raise_if_problems(config, {}, server_problems(config))
         if not args.no_plugins:
             # Like Caddy's validate: load the plugins the daemon would load, and
             # check every [agents.X] table against them (kind known, Settings valid).

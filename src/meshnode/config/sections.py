@@ -239,7 +239,9 @@ class MeshConfig(BaseModel):
 
     servers: Annotated[list[NatsUrl], BeforeValidator(_server_list)] = Field(default_factory=list)
     """The mesh's NATS servers (one URL, or every server of a cluster); the
-    connection fails over across them and any the cluster announces."""
+    connection fails over across them and any the cluster announces.
+    ``nats://``, ``tls://``, or a WebSocket listener's ``ws://`` / ``wss://``
+    (those need ``pip install 'meshnode[websocket]'``)."""
     replicas: Annotated[int, Field(ge=1, le=5)] | None = None
     """JetStream replicas of the streams and buckets this node's services create;
     None (absent) means ``min(3, servers in the cluster)`` (1 on the embedded mesh)."""

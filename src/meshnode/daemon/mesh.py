@@ -17,13 +17,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from meshnode.config import Config
+from meshnode.config import Config, ConfigError, ConfigProblem
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.credentials import obtain_credential, stored_trust_attestation
 from meshnode.daemon.lifecycle import Shutdown
+from meshnode.daemon.plugin_check import config_file_label
 from meshnode.node.periodic import PeriodicJob
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.transport.connection import MeshConnection
+from meshnode.transport.connection import WEBSOCKET_EXTRA, MeshConnection, websocket_unsupported
 from meshnode.transport.embedded import EmbeddedNatsServer, TenantExport
 from meshnode.transport.errors import PortInUse
 from meshnode.transport.grants import Grants, InboxChoice, choose_inbox_prefix
@@ -59,6 +60,21 @@ def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
             profile[parts[1]] = parts[2]
     return profile
 
+
+
+def server_problems(config: Config) -> list[ConfigProblem]:
+    """``[mesh] servers`` this process cannot dial, as configuration problems
+    (``meshnode check-config`` and the daemon's start report them)."""
+    unsupported = set(websocket_unsupported(config.mesh.servers))
+    return [
+        ConfigProblem(
+            config_file_label(config), f"mesh.servers[{index}]",
+            f"{url!r} is a WebSocket URL, and nats-py's WebSocket transport needs aiohttp, "
+            f"which is not installed: {WEBSOCKET_EXTRA} (or give the server's nats:// or tls:// URL)",
+        )
+        for index, url in enumerate(config.mesh.servers)
+        if url in unsupported
+    ]
 
 class MeshLink:
     """Embedded server, control plane, credentials and connections of one node.
@@ -120,6 +136,9 @@ class MeshLink:
         """The ``mesh`` stage: start the embedded server and control plane, or
         obtain the joined node's credential."""
         if not self.embedded_mode:
+            problems = server_problems(self.config)
+            if problems:
+                raise ConfigError(problems, self.config.source_file)
             self.jwt = await self._obtain_joined_jwt()
             profile = credential_profile(decode_jwt(self.jwt)[1])
             log.info(

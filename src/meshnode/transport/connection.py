@@ -33,11 +33,39 @@ from .errors import Reconnecting, translated
 from .jetstream import JetStream
 from .messages import Message, MessageHandler, Subscription, wrap_handler
 
-__all__ = ["ConnectionListener", "MeshConnection", "Message", "MessageHandler", "Subscription", "flush_written"]
+__all__ = [
+    "WEBSOCKET_EXTRA",
+    "ConnectionListener",
+    "MeshConnection",
+    "Message",
+    "MessageHandler",
+    "Subscription",
+    "flush_written",
+    "websocket_unsupported",
+]
 
 log = logging.getLogger("meshnode.transport")
 
 ConnectionListener = Callable[[], Awaitable[None]]
+
+#: What to install for ``ws://`` / ``wss://`` servers (nats-py's WebSocket transport needs aiohttp).
+WEBSOCKET_EXTRA = "pip install 'meshnode[websocket]'"
+
+
+def websocket_unsupported(urls: Sequence[str]) -> list[str]:
+    """The ``ws://`` / ``wss://`` URLs of ``urls`` this process cannot dial.
+
+    nats-py dials them with its WebSocket transport, which needs aiohttp, an
+    optional dependency (:data:`WEBSOCKET_EXTRA`). Without it nats-py fails
+    every attempt with an ImportError, logged with a traceback each time, and
+    the node never connects: so a node is told before it tries.
+    """
+    websocket = [u for u in urls if u.lower().startswith(("ws://", "wss://"))]
+    if not websocket:
+        return []
+    import nats.aio.transport
+
+    return [] if getattr(nats.aio.transport, "aiohttp", None) is not None else websocket
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
