@@ -21,9 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.aio.transport
 import pytest
 
+from meshnode.config import load_config
 from meshnode.testing import DaemonProcess, DaemonSet, render_toml, run_cli
+from meshnode.transport.connection import WEBSOCKET_EXTRA
+from tests.integration.cli_here import cli_here
 from tests.integration.sdk_client import SdkClient
 from tests.integration.wire_client import (
     UserKey,
@@ -168,3 +172,18 @@ def test_a_node_without_the_websocket_transport_is_refused_at_start_naming_key_a
     log = node.log_text()
     assert "mesh.servers[0]" in log and "pip install 'meshnode[websocket]'" in log, log
     assert "Traceback" not in log, log
+
+
+def test_join_over_websocket_without_the_transport_warns_and_writes_the_configuration(
+    hub: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nats.aio.transport, "aiohttp", None)  # as nats-py sees a missing aiohttp
+    ws_url = _ws_url(hub)
+    invite = tmp_path / "w.creds"
+    run_cli("mesh", "invite", "w-join", "--out", str(invite), "--socket", hub.socket_path)
+    out = tmp_path / "joined.toml"
+    joined = cli_here("join", str(invite), "--data-dir", str(tmp_path / "data"), "--config-out", str(out),
+                      "--server", ws_url)
+    assert joined.returncode == 0, joined.stderr
+    assert WEBSOCKET_EXTRA in joined.stderr, joined.stderr
+    assert load_config(out).mesh.servers == [ws_url]

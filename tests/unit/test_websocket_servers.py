@@ -63,3 +63,4 @@ def test_check_config_refuses_a_websocket_server_it_cannot_dial(
     assert report["ok"] is False
     [problem] = report["problems"]
     assert problem["key"] == "mesh.servers[1]" and "meshnode[websocket]" in problem["message"]
+

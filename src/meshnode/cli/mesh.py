@@ -245,6 +245,13 @@ def cmd_join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EX_DATAERR
+    if any(u.lower().startswith(("ws://", "wss://")) for u in servers):
+        from meshnode.transport.connection import WEBSOCKET_EXTRA, websocket_unsupported
+
+        if websocket_unsupported(servers):
+            # Written all the same: the node can be set up before the extra is installed.
+            print(f"meshnode: warning: ws:// and wss:// servers need nats-py's WebSocket transport, "
+                  f"which needs aiohttp: {WEBSOCKET_EXTRA} before starting this node", file=sys.stderr)
     ca_file = Path(args.ca_file).expanduser().absolute() if args.ca_file else None
     if ca_file is not None and not ca_file.is_file():
         print(f"meshnode: --ca-file {ca_file}: no such file", file=sys.stderr)
