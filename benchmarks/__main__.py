@@ -11,6 +11,9 @@ default set); see :mod:`benchmarks.soak`. ``python -m benchmarks burst
 default set either); see :mod:`benchmarks.burst`. ``python -m benchmarks subscribers
 [--agents N,...]`` is the start-up of agents that each subscribe to events, beside
 plain ones (not in the default set); see :func:`benchmarks.bench_scale.run_subscribers`.
+``python -m benchmarks roster [--agents N]`` adds N agents to a joined node one
+after another, by a reload and all at once (not in the default set); see
+:mod:`benchmarks.roster`.
 """
 
 from __future__ import annotations
@@ -192,6 +195,11 @@ REFERENCE_VERIFY_US = (56.0, 75.0)
 #: ``rfc8785.dumps`` (pure Python) of canonical's envelope in the reference run of
 #: docs/reference/benchmarks.md (µs): the interpreter's speed, which the crypto's does not show.
 REFERENCE_PURE_PYTHON_US = 45.4
+#: Raw nats-py's CPU per request-reply at concurrency 64 in the fifth and sixth sessions'
+#: runs of docs/reference/benchmarks.md (µs): the loop, its system calls and loopback
+#: TCP, which neither of the two above shows (on 2026-12-07 it ran 1.5-2x slow while
+#: they read normal).
+REFERENCE_RAW_TRANSPORT_US = (29.0, 43.0)
 
 
 def _compared(slower_by: float, faster_by: float) -> str:
@@ -204,8 +212,8 @@ def _compared(slower_by: float, faster_by: float) -> str:
 
 
 def machine_speed(results: dict[str, dict[str, Any]]) -> str | None:
-    """This run's speed of bare PyNaCl and of pure Python beside the reference
-    machine's, or None when ``canonical`` did not run.
+    """This run's speed of bare PyNaCl, of pure Python and (when ``roundtrip`` ran)
+    of raw nats-py beside the reference machine's, or None when ``canonical`` did not run.
 
     The targets in seconds and microseconds are absolute: on a machine (or a
     stretch of a shared one) twice as slow they read twice as high, which the
@@ -222,10 +230,17 @@ def machine_speed(results: dict[str, dict[str, Any]]) -> str | None:
     crypto = _compared(max(sign / REFERENCE_SIGN_US[1], verify / REFERENCE_VERIFY_US[1]),
                        min(REFERENCE_SIGN_US[0] / sign, REFERENCE_VERIFY_US[0] / verify))
     interpreter = _compared(python / REFERENCE_PURE_PYTHON_US, REFERENCE_PURE_PYTHON_US / python)
+    transport = ""
+    raw = results.get("roundtrip", {}).get("raw")
+    raw_us = raw.get("cpu_us_at_64") if isinstance(raw, dict) else None
+    if isinstance(raw_us, (int, float)) and raw_us > 0:
+        low, high = REFERENCE_RAW_TRANSPORT_US
+        transport = (f"; raw nats-py request-reply {raw_us:.0f} µs of CPU at concurrency 64 "
+                     f"({_compared(raw_us / high, low / raw_us)} the {low:.0f}-{high:.0f} µs of earlier runs)")
     return (f"this machine: PyNaCl sign {sign:.1f} µs, verify {verify:.1f} µs ({crypto} the machine "
             f"issue #21 was measured on: {REFERENCE_SIGN_US[0]:.0f}-{REFERENCE_SIGN_US[1]:.0f} and "
             f"{REFERENCE_VERIFY_US[0]:.0f}-{REFERENCE_VERIFY_US[1]:.0f} µs); pure Python (rfc8785.dumps) "
-            f"{python:.1f} µs ({interpreter} the reference run's {REFERENCE_PURE_PYTHON_US:.1f}); "
+            f"{python:.1f} µs ({interpreter} the reference run's {REFERENCE_PURE_PYTHON_US:.1f}){transport}; "
             "targets in seconds and µs move with these")
 
 
@@ -249,6 +264,13 @@ def main() -> int:
     if "subscribers" in args.names:
         bench_scale.run_subscribers(args.agents)
         args.names = [n for n in args.names if n != "subscribers"]
+        if not args.names:
+            return 0
+    if "roster" in args.names:
+        from . import roster
+
+        roster.run(quick=args.quick, agents=args.agents[0] if args.agents else 20)
+        args.names = [n for n in args.names if n != "roster"]
         if not args.names:
             return 0
     if "soak" in args.names:

@@ -41,6 +41,18 @@ def test_two_process_roundtrip_benchmark_runs_real_daemons() -> None:
     assert result["latency_ratio"] > 0 and result["throughput_ratio"] > 0 and result["crypto_floor_us"] > 0
 
 
+@pytest.mark.integration  # real daemons and a broker: not in `make test-fast`
+def test_roster_benchmark_adds_agents_three_ways() -> None:
+    """Three agents each way: one credential request per agent one after
+    another, one for a reload, no more than one per agent at once."""
+    from benchmarks import roster
+
+    ways = roster.roster(3)["ways"]
+    assert ways["one after another"]["requests"] == 3 and ways["by a reload"]["requests"] == 1
+    assert 1 <= ways["at once"]["requests"] <= 3
+    assert all(figures["seconds"] > 0 for figures in ways.values())
+
+
 @pytest.mark.integration  # a real nats-server: not in `make test-fast`
 def test_drain_benchmark_runs_its_three_passes() -> None:
     """Small counts through the drain benchmark's passes (new mail grouped and
@@ -126,6 +138,13 @@ def test_the_summary_says_how_fast_this_machine_is_against_the_issues() -> None:
     assert "rfc8785.dumps) 110.2 µs (2.4x slower than the reference run's 45.4)" in line
     assert "(as fast as the machine" in (machine_speed(run(25.0, 60.0, 44.0)) or "")
     assert "(1.5x faster than the machine" in (machine_speed(run(15.0, 37.0, 45.0)) or "")
+    # With `roundtrip` in the run, raw nats-py's CPU too: the loop's system calls and
+    # loopback TCP, which ran 1.5x slow on a day the other two read normal.
+    assert "raw nats-py" not in line
+    with_transport = run(28.7, 75.1, 56.2)
+    with_transport["roundtrip"] = {"raw": {"cpu_us_at_64": 64.4}}
+    assert ("raw nats-py request-reply 64 µs of CPU at concurrency 64 (1.5x slower than the 29-43 µs"
+            in (machine_speed(with_transport) or ""))
 
 
 def test_the_soak_lists_its_warnings_by_kind() -> None:
