@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 
 from meshnode.admin.client import DaemonNotRunning
-from meshnode.testing import DaemonSet, eventually, run_cli
+from meshnode.admin.protocol import NotReady
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, render_toml, run_cli
 from meshnode.transport.jwt import decode_jwt
 
 pytestmark = pytest.mark.integration
@@ -178,3 +179,34 @@ def test_service_rate_limit_is_hit_and_recovers(meshnode_daemons: DaemonSet) -> 
     # (a wall-clock window on the service's side) is served again.
     time.sleep(refused.params["retry_after_ms"] / 1000 + 0.2)
     assert "agents" in a.admin("Discover", {})  # recovered once the window slid
+
+
+def _with_control_plane(node: DaemonProcess, url: str) -> None:
+    node.stop()
+    node.config["mesh"]["control_plane"] = url
+    node.config_path.write_text(render_toml(node.config), encoding="utf-8")
+    node.start()
+
+
+def test_an_agent_added_while_the_control_plane_is_away_is_refused_not_hosted_deaf(
+    meshnode_daemons: DaemonSet,
+) -> None:
+    """The node fell back to its stored credential, which does not name the new
+    agent: the agent was hosted, registered and shown running while the broker
+    refused its subscriptions, and nothing reached it. Now the add is refused
+    with a "try again", and works once the control plane answers."""
+    hub = meshnode_daemons.embedded("hub", agents={"echo": {"plugin": "echo"}})
+    node = meshnode_daemons.joined("node", via=hub, agents={"ears": {"plugin": "echo"}})
+    served = node.config["mesh"]["control_plane"]
+    _with_control_plane(node, "http://127.0.0.1:9")  # nothing listens on the discard port: refused
+    with pytest.raises(NotReady) as refused:
+        node.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    message = str(refused.value)
+    assert "agent late not hosted" in message and "does not cover" in message and "try again" in message, message
+    assert "late" not in {a["name"] for a in node.status()["agents"]}
+    # The agents the stored credential names go on serving meanwhile.
+    assert hub.call(node.agent_id("ears"), "echo", "meanwhile")["output"] == {"ok": "meanwhile"}
+
+    _with_control_plane(node, served)
+    node.admin("Agents.Add", {"name": "late", "config": {"plugin": "echo"}})
+    assert hub.call(node.agent_id("late"), "echo", "back")["output"] == {"ok": "back"}

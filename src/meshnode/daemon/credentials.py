@@ -27,6 +27,8 @@ from meshnode.control_plane import (
     CredentialRefused,
 )
 from meshnode.protocol.nkeys import KeyPair
+from meshnode.protocol.subjects import agent_inbox
+from meshnode.transport.grants import Grants
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import STARTER_TAG
 from meshnode.transport.tls import client_context
@@ -130,6 +132,13 @@ def _is_starter(claims: dict[str, Any] | None) -> bool:
     )
 
 
+def _not_covered(claims: dict[str, Any], roster: list[str]) -> list[str]:
+    """The agents of ``roster`` whose inbox the credential's grants do not let the
+    node subscribe to (a service-role credential's wildcards cover them all)."""
+    grants = Grants.from_claims(claims)
+    return [agent for agent in roster if not grants.can_subscribe(agent_inbox(agent))]
+
+
 def _claims(jwt: str) -> dict[str, Any] | None:
     try:
         return decode_jwt(jwt)[1]
@@ -138,12 +147,21 @@ def _claims(jwt: str) -> dict[str, Any] | None:
 
 
 async def obtain_credential(
-    config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair]
+    config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair], *, covering: bool = False
 ) -> str:
     """The JWT to connect with: the stored one while it is fresh and covers the
     roster, else a renewed one from the control plane, else (when the control
-    plane cannot be reached) the stored one as long as it has not expired."""
+    plane cannot be reached) the stored one as long as it has not expired.
+
+    ``covering`` is for a roster change: the stored credential stands in only
+    if it names every agent of the roster. An agent added while the control
+    plane was away was otherwise hosted, registered and shown running under a
+    credential that does not name it: the broker refused its subscriptions and
+    it heard nothing. It raises :class:`CredentialUnavailable` instead, and the
+    change is refused with a "try again".
+    """
     roster = sorted(k.public_key for k in agent_keys)
+    unreachable: ControlPlaneUnreachable | None = None
     stored = _load(data_dir / CREDENTIAL_FILE)
     now = time.time()
     stored_claims = _claims(stored["jwt"]) if stored else None
@@ -177,6 +195,7 @@ async def obtain_credential(
             ) from exc
         except ControlPlaneUnreachable as exc:
             log.warning("control plane unreachable (%s); trying the stored credential", exc)
+            unreachable = exc
         else:
             store_credential(data_dir, grant.jwt, roster, grant.trust_attestation)
             log.info("node credential renewed; expires %s", time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(grant.expires_at)))
@@ -188,6 +207,14 @@ async def obtain_credential(
             "node's credential; check that it is reachable"
         )
     if stored is not None and stored_claims is not None and now < float(stored_claims.get("exp", 0)):
+        missing = _not_covered(stored_claims, roster) if covering and unreachable is not None else []
+        if missing:
+            raise CredentialUnavailable(
+                f"the control plane did not answer ({unreachable}), and the stored node credential does not "
+                f"cover {len(missing)} of the roster's agents ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}): the broker would refuse their subscriptions; "
+                "check [mesh] control_plane"
+            )
         log.warning("using the stored credential (expires %s)", stored_claims.get("exp"))
         return str(stored["jwt"])
     raise CredentialUnavailable(

@@ -309,9 +309,10 @@ class MeshLink:
             self.node_key.public_key, [], ttl, role="service", tenant=tenant
         )
 
-    async def _obtain_joined_jwt(self) -> str:
-        """Renew before connecting when due or lapsed (§4.8); fall back to the stored one."""
-        return await obtain_credential(self.config, self.data_dir, self.node_key, self._roster())
+    async def _obtain_joined_jwt(self, *, covering: bool = False) -> str:
+        """Renew before connecting when due or lapsed (§4.8); fall back to the stored
+        one (for a roster change, ``covering``, only if it names every agent)."""
+        return await obtain_credential(self.config, self.data_dir, self.node_key, self._roster(), covering=covering)
 
     def credential_span_ms(self) -> tuple[int, int] | None:
         """When the current credential was issued and when it expires (ms since
@@ -360,7 +361,7 @@ class MeshLink:
         what the gap missed: at 10,000 agents one roster change cost 10,025
         JetStream calls and 4.4 s of the daemon's CPU.
         """
-        jwt = self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt()
+        jwt = self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt(covering=True)
         if not force and _same_permissions(self.jwt, jwt):
             return False
         self._adopt(jwt)

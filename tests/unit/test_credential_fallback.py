@@ -1,0 +1,50 @@
+"""The stored credential stands in for an unreachable control plane, but not for a roster change it does not cover.
+
+At start a node whose control plane is away connects with the credential it
+stored. A roster change needs one naming the new agents: the stored one was
+used all the same, the new agent was hosted and shown running while the broker
+refused its subscriptions. ``covering=True`` (the roster-change path) refuses
+instead, unless the stored grants cover every agent anyway (a service-role
+credential's wildcards).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshnode.config import Config
+from meshnode.daemon.credentials import CredentialUnavailable, obtain_credential, store_credential
+from meshnode.protocol.nkeys import KeyPair
+from meshnode.transport.embedded import EmbeddedNatsServer
+
+#: Nothing listens on the discard port: the control plane is unreachable, at once.
+AWAY = Config.model_validate({"mesh": {"servers": ["nats://127.0.0.1:4222"], "control_plane": "http://127.0.0.1:9"}})
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> EmbeddedNatsServer:
+    return EmbeddedNatsServer(tmp_path / "mesh")  # keys only: minting needs no running broker
+
+
+async def test_a_roster_change_is_refused_when_the_stored_credential_does_not_name_the_new_agent(
+    mesh: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    node, kept, added = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node.public_key, [kept.public_key], 3600)
+    store_credential(tmp_path, jwt, [kept.public_key])
+    with pytest.raises(CredentialUnavailable, match="does not cover 1 of the roster's agents") as refused:
+        await obtain_credential(AWAY, tmp_path, node, [kept, added], covering=True)
+    assert added.public_key in str(refused.value) and "http://127.0.0.1:9" in str(refused.value)
+    # At start (no roster change to honour) the stored one stands in, as before.
+    assert await obtain_credential(AWAY, tmp_path, node, [kept, added]) == jwt
+    # A removal leaves a roster the stored credential still covers.
+    assert await obtain_credential(AWAY, tmp_path, node, [], covering=True) == jwt
+
+
+async def test_a_service_role_credential_covers_any_roster_change(mesh: EmbeddedNatsServer, tmp_path: Path) -> None:
+    node, kept, added = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node.public_key, [kept.public_key], 3600, role="service")
+    store_credential(tmp_path, jwt, [kept.public_key])
+    assert await obtain_credential(AWAY, tmp_path, node, [kept, added], covering=True) == jwt
