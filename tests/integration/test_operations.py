@@ -148,11 +148,12 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
     connected_url = node.status()["mesh"]["connected_url"]
     text = node.config_path.read_text()
     # Good: add one agent, remove one, via the file and SIGHUP-equivalent `meshnode reload`.
-    node.config_path.write_text(text.replace("[agents.old]", "[agents.new]"))
+    node.config_path.write_text(text.replace("[agents.old]", "[agents.new]\nmax_concurrency = 3"))
     report = ok_json(node, "reload")
     assert report["added"] == ["new"] and report["removed"] == ["old"]
-    names = {a["name"] for a in node.status()["agents"]}
-    assert names == {"cli", "echo", "new"}
+    agents = {a["name"]: a for a in node.status()["agents"]}
+    assert set(agents) == {"cli", "echo", "new"}
+    assert agents["new"]["max_concurrency"] == 3  # its whole table, not only plugin and settings
     assert node.call("new", "echo", "hi")["output"] == {"ok": "hi"}
     assert node.status()["mesh"]["connected_url"] == connected_url
     # Bad: refused, and the running configuration stays in force.

@@ -154,7 +154,7 @@ async def obtain_credential(
     plane cannot be reached) the stored one as long as it has not expired.
 
     ``covering`` is for a roster change: the stored credential stands in only
-    if it names every agent of the roster. An agent added while the control
+    if its grants cover every agent of the roster. An agent added while the control
     plane was away was otherwise hosted, registered and shown running under a
     credential that does not name it: the broker refused its subscriptions and
     it heard nothing. It raises :class:`CredentialUnavailable` instead, and the

@@ -61,7 +61,6 @@ def credential_profile(claims: Mapping[str, Any]) -> dict[str, str]:
     return profile
 
 
-
 def server_problems(config: Config) -> list[ConfigProblem]:
     """``[mesh] servers`` this process cannot dial, as configuration problems
     (``meshnode check-config`` and the daemon's start report them)."""
@@ -75,6 +74,7 @@ def server_problems(config: Config) -> list[ConfigProblem]:
         for index, url in enumerate(config.mesh.servers)
         if url in unsupported
     ]
+
 
 class MeshLink:
     """Embedded server, control plane, credentials and connections of one node.

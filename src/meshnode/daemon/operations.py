@@ -390,10 +390,7 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         # New tables, and tables not hosted until now (their plugin was missing).
         to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
         # All at once: one credential (and one reconnect) for every addition.
-        added = await daemon.add_agents({
-            name: {"plugin": cfg.plugin, **({"interaction": cfg.interaction} if cfg.interaction else {}), **cfg.settings}
-            for name, cfg in ((n, new_agents[n]) for n in to_add)
-        }) if to_add else {}
+        added = await daemon.add_agents({name: _table_to_add(new_agents[name]) for name in to_add}) if to_add else {}
         for name in to_add:
             outcome = added[name]
             if isinstance(outcome, Exception):
@@ -451,6 +448,19 @@ def _record_failed(daemon: Daemon, report: dict[str, Any], name: str, what: str,
     running = daemon.node.agents if daemon.node is not None else {}
     if name not in running:
         daemon._hosting().failed_agents[name] = why
+
+
+def _table_to_add(agent: AgentConfig) -> dict[str, Any]:
+    """``[agents.<name>]`` as ``Agents.Add`` takes it: the plugin's settings and the
+    node's own keys that hosting reads (a reload-added agent had lost its
+    ``max_concurrency``). The allowance keys are applied after, by
+    :func:`reload_allowances`, to every agent alike."""
+    table: dict[str, Any] = {**agent.settings, "plugin": agent.plugin}
+    if agent.interaction:
+        table["interaction"] = agent.interaction
+    if agent.max_concurrency is not None:
+        table["max_concurrency"] = agent.max_concurrency
+    return table
 
 
 def _without_allowance(agent: AgentConfig) -> AgentConfig:
