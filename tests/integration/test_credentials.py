@@ -125,7 +125,11 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
     import os
     import signal
 
-    monitored = {"mesh.embedded": {**SHORT["mesh.embedded"], "monitor_port": 0}}
+    # Ports that survive A re-executing itself: A's own 6 s credential can lapse on a
+    # loaded machine too, and a port-0 A came back elsewhere (the monitor URL below
+    # refused for the rest of the test, and B could not have found A again).
+    ports = {key: meshnode_daemons.port_for_restarts() for key in ("port", "control_port", "monitor_port")}
+    monitored = {"mesh.embedded": {**SHORT["mesh.embedded"], **ports}}
     a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=monitored)
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     assert b.process is not None

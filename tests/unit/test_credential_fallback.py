@@ -5,7 +5,8 @@ stored. A roster change needs one naming the new agents: the stored one was
 used all the same, the new agent was hosted and shown running while the broker
 refused its subscriptions. ``covering=True`` (the roster-change path) refuses
 instead, unless the stored grants cover every agent anyway (a service-role
-credential's wildcards).
+credential's wildcards). And the renewal check comes when a credential is due,
+even a 6 s one.
 """
 
 from __future__ import annotations
@@ -48,3 +49,19 @@ async def test_a_service_role_credential_covers_any_roster_change(mesh: Embedded
     jwt = mesh.mint_node_credential(node.public_key, [kept.public_key], 3600, role="service")
     store_credential(tmp_path, jwt, [kept.public_key])
     assert await obtain_credential(AWAY, tmp_path, node, [kept, added], covering=True) == jwt
+
+
+def test_the_renewal_check_comes_when_the_credential_is_due_even_a_short_one(mesh: EmbeddedNatsServer) -> None:
+    """A 6 s credential is due after 4 s and expires 2 s later. With a 5 s floor
+    on the check it was renewed 1 s before it expired, and under load after."""
+    from meshnode.daemon.mesh import next_renewal_check
+    from meshnode.transport.jwt import decode_jwt
+
+    short = mesh.mint_node_credential(KeyPair.generate().public_key, [], 6)
+    issued = decode_jwt(short)[1]["iat"]
+    assert next_renewal_check(short, issued) == 4.0
+    assert next_renewal_check(short, issued + 3.5) == 0.5
+    assert next_renewal_check(short, issued + 4.5) == 5.0  # overdue (a renewal failed): again in 5 s
+    day = mesh.mint_node_credential(KeyPair.generate().public_key, [], 86_400)
+    assert next_renewal_check(day, decode_jwt(day)[1]["iat"]) == 3600.0  # looked at hourly at most
+    assert next_renewal_check("not a jwt", issued) == 60.0
