@@ -209,8 +209,10 @@ class SharedRuns:
         # The run that calls made now join (not begun yet), and its flag.
         self._next: asyncio.Future[None] | None = None
         self._next_flag = False
-        #: Runs begun so far (observability and tests).
+        #: Runs begun so far, and runs that have come to wait for their turn
+        #: (observability and tests).
         self.runs = 0
+        self.queued = 0
 
     async def __call__(self, flag: bool = False) -> None:
         if self._next is None:
@@ -224,6 +226,7 @@ class SharedRuns:
         await asyncio.shield(self._next)
 
     async def _run(self, done: asyncio.Future[None]) -> None:
+        self.queued += 1
         async with self._lock:  # the run under way ends first
             # From here on calls join the run after this one: what this one reads may predate them.
             self._next = None

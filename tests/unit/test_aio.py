@@ -211,7 +211,8 @@ async def test_shared_runs_serve_every_call_made_before_they_began_two_runs_for_
     for name in ("b", "c", "d"):
         job.roster.append(name)
         later.append(asyncio.create_task(runs(name == "c")))
-    await asyncio.sleep(0)
+    # The next run waits for its turn once the three have asked for it (they ask in order).
+    await eventually_async(lambda: runs.queued == 2, what="the next run waiting for the first")
     assert not any(t.done() for t in [first, *later])
     job.gate.set()
     await asyncio.gather(first, *later)
@@ -255,14 +256,15 @@ async def test_closing_shared_runs_cancels_the_run_and_its_callers_and_later_cal
     runs = SharedRuns(job)
     caller = asyncio.create_task(runs())
     await job.started.wait()
-    waiting = asyncio.create_task(runs())  # the next run: waits for the lock
-    await asyncio.sleep(0)
-    await runs.close()
+    waiting = asyncio.create_task(runs())  # asks for the next run, which waits for the lock
+    # Closed in the very turn the next run was asked for, before it began (tasks start in
+    # the order they were made): that run is cancelled without ever having run.
+    await asyncio.create_task(runs.close())
     for task in (caller, waiting):
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await aio.wait_for(task, 30)  # a caller left waiting forever fails here, not hangs
     job.gate.set()
-    await runs()  # not joined to a cancelled run
+    await aio.wait_for(runs(), 30)  # not joined to a cancelled run
     assert runs.runs == 2 and len(job.seen) == 1
 
 
@@ -284,8 +286,8 @@ async def test_no_shared_run_interleaves_with_work_done_alone() -> None:
     alone = asyncio.create_task(renewal())
     await inside.wait()
     change = asyncio.create_task(runs())
-    for _ in range(10):  # ample turns of the loop for a run that nothing held off to begin
-        await asyncio.sleep(0)
+    # Nothing held off, the run would have begun in the step it came to wait in.
+    await eventually_async(lambda: runs.queued == 1, what="the run waiting for its turn")
     assert not job.started.is_set()
     leave.set()
     await job.started.wait()

@@ -245,6 +245,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EX_DATAERR
+    # Looked at first so that a plain join does not import nats-py (~0.4 s).
     if any(u.lower().startswith(("ws://", "wss://")) for u in servers):
         from meshnode.transport.connection import WEBSOCKET_EXTRA, websocket_unsupported
 
