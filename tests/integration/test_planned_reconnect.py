@@ -10,6 +10,7 @@ within the test's ordinary timeout, against a real nats-server.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -400,6 +401,82 @@ async def test_a_pull_consumers_fetches_during_planned_reconnects_miss_nothing(
         await mail.through_planned_reconnects(conn, bridged=bridged)
         stop.set()
         await asyncio.wait_for(consuming, timeout=30)
+    finally:
+        await peer.close()
+        await conn.close()
+
+
+async def test_subscriptions_made_while_the_bridge_stands_in_get_their_mail(
+    mesh: EmbeddedNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent hosted while another roster change reconnects the node
+    subscribes in the middle of that reconnect. The bridge took its list of
+    subscriptions when it opened, so one made later stayed on the connection
+    being cut (or, made after the cut, on none): its live mail until the
+    connection was back found no subscriber, and a sandbox agent's was lost
+    (§16.4). Here one subscription is made while the bridge opens and one
+    while the connection is away; the mail published to each while the
+    connection is away must arrive, once, and the mail after it too."""
+    from meshnode.transport.connection import _Bridge, flush_written
+
+    conn, peer = _pair(mesh, "late subscriptions")
+    got: dict[str, list[bytes]] = {"test.opening": [], "test.away": []}
+
+    def collector(subject: str) -> Callable[[Message], Awaitable[None]]:
+        async def collect(msg: Message) -> None:
+            got[subject].append(msg.data)
+
+        return collect
+
+    async def ignore(msg: Message) -> None:
+        pass
+
+    real_hold = _Bridge.hold
+
+    async def hold_and_meanwhile_subscribe(bridge: _Bridge, sub: object) -> None:
+        if not made_while_opening:  # the bridge has its list; hosting goes on meanwhile
+            made_while_opening.append(await conn.subscribe("test.opening", collector("test.opening")))
+        await real_hold(bridge, sub)
+
+    made_while_opening: list[object] = []
+    monkeypatch.setattr(_Bridge, "hold", hold_and_meanwhile_subscribe)
+    away: list[bool] = []
+    await conn.connect()
+    await peer.connect()
+    nc = conn.nc
+    cut = nc._disconnected_cb
+    assert cut is not None
+
+    async def while_away() -> None:
+        # nats-py reconnects only once this returns: the connection is away throughout.
+        await cut()
+        if away:
+            return  # the close at the end
+        away.append(True)
+        await conn.subscribe("test.away", collector("test.away"))
+        bridge = conn._bridge
+        assert bridge is not None, "no bridge stands in"
+        await flush_written(bridge)  # its subscriptions are in force at the broker
+        for subject in got:
+            await peer.publish(subject, b"while away")
+        await peer.flush()
+
+    nc._disconnected_cb = while_away
+    try:
+        await conn.subscribe("test.before", ignore)
+        await conn.flush()
+        await conn.reconnect()
+        await eventually_async(lambda: conn.is_connected and conn._bridge is None and bool(away),
+                               what="the reconnect back, its bridge closed")
+        await eventually_async(lambda: all(got.values()), what="the mail sent while away", detail=lambda: got)
+        for subject in got:
+            await peer.publish(subject, b"after")
+        await peer.flush()
+        expected = {subject: [b"while away", b"after"] for subject in got}
+        await eventually_async(lambda: all(len(v) >= 2 for v in got.values()), what="the mail sent after",
+                               detail=lambda: got)
+        assert got == expected
+        assert conn.bridged_reconnects == 1 and made_while_opening
     finally:
         await peer.close()
         await conn.close()

@@ -389,11 +389,17 @@ class MeshConnection:
         if server is not None and hasattr(server, "last_attempt"):
             server.last_attempt = None
         bridge = await self._open_bridge(nc) if nc.is_connected else None
+        # From here a subscription made through this connection is held by the
+        # bridge too (see subscribe); those made while it opened are caught up
+        # by the hand-over.
+        self._bridge = bridge
         if bridge is None:
             await self._replies_in_flight(PLANNED_CUT_WAIT_S)
         if nc.is_connected:
             await self._hand_over(nc, bridge)
-        self._bridge = bridge
+        # No await from the hand-over's last look at the subscriptions to the
+        # cut (force_reconnect marks the client reconnecting before it yields):
+        # nothing subscribed in between can be left on the old connection alone.
         # Back to the same server, not a random one of the pool (nats-py shuffles
         # it at every reconnect): on a cluster the bridge (opened on this server)
         # and the reconnected client then meet at one server, which proves the
@@ -469,17 +475,39 @@ class MeshConnection:
           in the queue when the cut comes; the stream keeps the rest for the
           next fetch.
 
+        A subscription made after the bridge took its list (an agent hosted
+        while another roster change reconnects) is caught up here: the bridge
+        holds it too before the connection lets it go. Without that it stayed
+        on the old connection alone, and its live mail from the cut until the
+        connection was back found no subscriber (a sandbox agent's was lost,
+        §16.4). The look is repeated until a pass finds nothing new, so the
+        subscriptions made during the hand-over's own round trips are caught
+        too.
+
         Best effort: if the read cannot be proven in time, the cut goes on, and
         only what was on its way is exposed, as before.
         """
-        held = bridge.held_sids() if bridge is not None else []
-        pulled = [sub._id for sub in list(getattr(nc, "_subs", {}).values()) if _pulled(sub)]
-        if not held and not pulled:
-            return
+        handed: set[int] = set()
         try:
-            for sid in (*held, *pulled):
-                await nc._send_unsubscribe(sid)
-            await flush_written(nc, self._connect_timeout)
+            while True:
+                subs = list(getattr(nc, "_subs", {}).values())
+                held: list[int] = []
+                if bridge is not None:
+                    late = [sub for sub in subs if _bridgeable(sub) and not bridge.holds(sub._id)]
+                    for sub in late:
+                        await bridge.hold(sub)
+                    if late:
+                        # In force at the bridge before the connection lets them go.
+                        await flush_written(bridge, self._connect_timeout)
+                    held = bridge.held_sids()
+                pulled = [sub._id for sub in subs if _pulled(sub)]
+                due = [sid for sid in (*held, *pulled) if sid not in handed]
+                if not due:
+                    return
+                for sid in due:
+                    await nc._send_unsubscribe(sid)
+                handed.update(due)
+                await flush_written(nc, self._connect_timeout)
         except Exception as exc:
             log.debug("handing the subscriptions over before the cut: %s: %s", type(exc).__name__, exc)
 
@@ -566,7 +594,17 @@ class MeshConnection:
         self, subject: str, handler: MessageHandler, *, queue: str = ""
     ) -> Subscription:
         with translated():
-            return Subscription(await self.nc.subscribe(subject, queue=queue, cb=wrap_handler(handler)))
+            sub = await self.nc.subscribe(subject, queue=queue, cb=wrap_handler(handler))
+        # Made while a planned reconnect's bridge stands in (after the cut the
+        # connection is away until it is back): the bridge holds it too, or its
+        # live mail until then found no subscriber.
+        bridge = self._bridge
+        if bridge is not None and bridge.is_connected and _bridgeable(sub):
+            try:
+                await bridge.hold(sub)
+            except Exception as exc:  # the bridge is best effort; the subscription stands
+                log.debug("holding a new subscription on the reconnect's bridge: %s: %s", type(exc).__name__, exc)
+        return Subscription(sub)
 
     async def request(
         self, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str] | None = None
@@ -908,12 +946,24 @@ class _Bridge(_Client):
         super().__init__()
         self._home = home
         self._home_sids: dict[int, int] = {}  # the bridge's sid -> the held subscription's sid
+        self._held: set[int] = set()  # the held subscriptions' sids at home, holding begun
 
     async def hold(self, sub: Any) -> None:
         """Subscribe to what ``sub`` (one of ``home``'s) listens on; no callback
-        of its own, as its messages go to ``home``."""
+        of its own, as its messages go to ``home``. Holding a subscription held
+        already does nothing."""
+        if sub._id in self._held:
+            return
+        self._held.add(sub._id)
+        overlap = getattr(self._home, "overlap", None)
+        if isinstance(overlap, _OverlapCopies):
+            overlap.sids.add(sub._id)  # both connections may get its mail now
         own = await self.subscribe(sub._subject, queue=sub._queue or "")
         self._home_sids[own._id] = sub._id
+
+    def holds(self, home_sid: int) -> bool:
+        """Whether this bridge holds (or is taking up) ``home``'s subscription ``home_sid``."""
+        return home_sid in self._held
 
     @property
     def home(self) -> Client:
