@@ -27,22 +27,29 @@ def register(commands: Any) -> None:
     _client_args(p)
     p.set_defaults(handler=cmd_agents_show)
     p = sub.add_parser(
-        "add", help="host a new agent now (kept across restarts only with --save)",
-        description="Host a new agent now. Without --save it lives until the daemon stops: "
-        "after a restart it is not hosted, and is deregistered. --save appends its "
-        "[agents.NAME] table to the daemon's configuration file (the rest of the file is "
-        "left exactly as written).",
+        "add", help="host new agents now (kept across restarts only with --save)",
+        description="Host one or more new agents now. Without --save they live until the daemon "
+        "stops: after a restart they are not hosted, and are deregistered. --save appends each "
+        "one's [agents.NAME] table to the daemon's configuration file (the rest of the file is "
+        "left exactly as written). Several names are added at once, with one node credential "
+        "for them all (on a joined node each credential is a control-plane request, limited per "
+        "node a minute); --plugin and --set apply to each. One that cannot be hosted fails "
+        "alone, and the command exits with its error's code.",
     )
-    p.add_argument("name")
+    p.add_argument("names", nargs="+", metavar="NAME", help="the agents' names (several: one credential for them all)")
     p.add_argument("--plugin", help="agent kind (default: NAME)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a plugin setting (repeatable)")
     p.add_argument("--save", action="store_true",
                    help="also append [agents.NAME] to the daemon's configuration file")
     _client_args(p)
     p.set_defaults(handler=cmd_agents_add)
-    p = sub.add_parser("remove", help="stop an agent and deregister it")
-    p.add_argument("name")
-    p.add_argument("--keep-registration", action="store_true", help="keep its registration and broker buffer")
+    p = sub.add_parser(
+        "remove", help="stop agents and deregister them",
+        description="Stop one or more agents and deregister them (their broker buffers go too). "
+        "Several names are removed with one node credential for them all.",
+    )
+    p.add_argument("names", nargs="+", metavar="NAME", help="the hosted agents to remove")
+    p.add_argument("--keep-registration", action="store_true", help="keep their registrations and broker buffers")
     _client_args(p)
     p.set_defaults(handler=cmd_agents_remove)
     p = sub.add_parser("restart", help="stop and start an agent (same key)")
@@ -168,7 +175,9 @@ def cmd_agents_show(args: argparse.Namespace) -> int:
 
 
 def cmd_agents_add(args: argparse.Namespace) -> int:
-    config: dict[str, Any] = {"plugin": args.plugin or args.name}
+    config: dict[str, Any] = {}
+    if args.plugin or len(args.names) == 1:
+        config["plugin"] = args.plugin or args.names[0]
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -178,26 +187,82 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
             config[key] = json.loads(raw)
         except json.JSONDecodeError:
             config[key] = raw  # a bare string is fine
-    code, result = _admin(args, "Agents.Add", {"name": args.name, "config": config, "save": args.save})
+    if len(args.names) > 1:
+        return _agents_add_several(args, config)
+    (name,) = args.names
+    code, result = _admin(args, "Agents.Add", {"name": name, "config": config, "save": args.save})
     if code != EX_OK:
         return code
     if args.json:
         emit_json(result)
-    else:
-        print(f"hosting {result.get('name', args.name)} ({result.get('id', '?')}), {result.get('state', '?')}")
-        if result.get("saved"):
-            print(f"saved as [agents.{args.name}] in {result['config_file']}")
-        elif result.get("saved") is False:
-            print(f"meshnode: not saved: {result['save_error']}; add this to the configuration "
-                  f"yourself to keep it:\n{result['table']}", file=sys.stderr)
-        else:
-            print("not saved to the configuration: gone after a restart (use --save to keep it)",
-                  file=sys.stderr)
-    return EX_CANTCREAT if result.get("saved") is False else EX_OK
+        return EX_CANTCREAT if result.get("saved") is False else EX_OK
+    print(f"hosting {result.get('name', name)} ({result.get('id', '?')}), {result.get('state', '?')}")
+    if not args.save:
+        print("not saved to the configuration: gone after a restart (use --save to keep it)", file=sys.stderr)
+    return _report_saved(name, result)
+
+
+def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    """``agents add A B C``: one ``Agents.Add`` naming them all (one credential);
+    the exit code is the first failure's, else 73 if a table was not saved."""
+    code, result = _admin(args, "Agents.Add", {"names": args.names, "config": config, "save": args.save},
+                          timeout=_SEVERAL_TIMEOUT_S)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+    codes: list[int] = []
+    for agent in result["agents"]:
+        name = agent["name"]
+        if not agent["hosted"]:
+            error = AdminError.from_wire(agent["error"])
+            print(f"meshnode: {name} not hosted: {error.message}", file=sys.stderr)
+            codes.append(exit_code_for(error))
+            continue
+        if not args.json:
+            print(f"hosting {name} ({agent.get('id', '?')}), {agent.get('state', '?')}")
+        if _report_saved(name, agent, quiet=args.json) != EX_OK:
+            codes.append(EX_CANTCREAT)
+    if not args.save and not args.json and result["hosted"]:
+        print("not saved to the configuration: gone after a restart (use --save to keep them)", file=sys.stderr)
+    return next(iter(codes), EX_OK)
+
+
+#: ``agents add`` / ``remove`` of several agents: hosting runs side by side, but
+#: thousands of agents take longer than one call's usual 30 s.
+_SEVERAL_TIMEOUT_S = 600.0
+
+
+def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> int:
+    """Say whether --save wrote ``name``'s table; 73 when it could not."""
+    if result.get("saved"):
+        if not quiet:
+            print(f"saved as [agents.{name}] in {result['config_file']}")
+    elif result.get("saved") is False:
+        print(f"meshnode: {name} not saved: {result['save_error']}; add this to the configuration "
+              f"yourself to keep it:\n{result['table']}", file=sys.stderr)
+        return EX_CANTCREAT
+    return EX_OK
 
 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
-    return _simple(args, "Agents.Remove", {"name": args.name, "deregister": not args.keep_registration})
+    deregister = not args.keep_registration
+    if len(args.names) == 1:
+        return _simple(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister})
+    code, result = _admin(args, "Agents.Remove", {"names": args.names, "deregister": deregister},
+                          timeout=_SEVERAL_TIMEOUT_S)
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+    elif result["removed"]:
+        print(f"removed {', '.join(result['removed'])}")
+    codes: list[int] = []
+    for name, wire in result["failed"].items():
+        error = AdminError.from_wire(wire)
+        print(f"meshnode: {name} not removed: {error.message}", file=sys.stderr)
+        codes.append(exit_code_for(error))
+    return next(iter(codes), EX_OK)
 
 
 def cmd_agents_restart(args: argparse.Namespace) -> int:

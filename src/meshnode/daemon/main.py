@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import meshnode
-from meshnode.admin.protocol import NotReady
+from meshnode.admin.protocol import AdminError, NotReady
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks, SharedRuns, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError
@@ -626,6 +626,34 @@ class Daemon:
                     f"agent {name} removed, but the node credential still covers it until it is "
                     f"renewed: {exc}"
                 ) from None
+
+    async def remove_agents(
+        self, names: list[str], *, deregister: bool = True
+    ) -> tuple[list[str], dict[str, AdminError]]:
+        """Stop several agents, then present one credential without them all:
+        the names removed, and why each other one was not (not hosted).
+
+        Raises :class:`NotReady` when the credential could not be renewed: the
+        agents are gone from this node either way (named in its ``params``)."""
+        hosting = self._hosting()
+        removed: list[str] = []
+        failed: dict[str, AdminError] = {}
+        for name in names:
+            try:
+                await hosting.remove(name, deregister=deregister)
+            except AdminError as exc:
+                failed[name] = exc
+            else:
+                removed.append(name)
+        if removed:
+            try:
+                await self._refresh_credential()
+            except (ConnectionError, CredentialUnavailable) as exc:
+                raise NotReady(
+                    f"{len(removed)} agent(s) removed, but the node credential still covers them until it "
+                    f"is renewed: {exc}", {"removed": removed, "failed": {n: e.to_wire() for n, e in failed.items()}}
+                ) from None
+        return removed, failed
 
     async def restart_agent(self, name: str, agent_cfg: AgentConfig | None = None) -> dict[str, Any]:
         """Stop and start one agent with its key kept (and its registration, inbox)."""

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import meshnode
-from meshnode.admin.protocol import InvalidParameter, NotFound
+from meshnode.admin.protocol import INTERNAL, AdminError, InvalidParameter, NotFound
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent import RemoteError, RequestQueued
 from meshnode.config import AgentConfig
@@ -59,8 +60,8 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
-    methods.add("Agents.Add", ops.agents_add, level="admin", doc="host a new agent now (re-mints the credential); save=true also appends its table to the configuration file")
-    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="stop and deregister an agent")
+    methods.add("Agents.Add", ops.agents_add, level="admin", doc="params {name | names, config, save?}: host a new agent now (re-mints the credential); save=true also appends its table to the configuration file. name: one agent, its status, its failure the call's. names: several with the same config, one credential for them all -> {agents: [{name, hosted, status... | error}], hosted, failed}, each failing alone")
+    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?}: stop and deregister agents. name -> {removed: name}; names (one credential for them all) -> {removed: [names], failed: {name: error}}")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
     methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
     methods.add("Inbox.Reply", ops.inbox_reply, level="operator", doc="answer a held request as its agent")
@@ -343,23 +344,40 @@ class CoreMethods:
         }
 
     async def agents_add(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        name, table = params.get("name"), params.get("config", {})
-        if not isinstance(name, str) or not isinstance(table, dict):
-            raise InvalidParameter("name (string) and config (object) are required")
+        names, table = _agent_names(params), params.get("config", {})
+        if not isinstance(table, dict):
+            raise InvalidParameter("config (object) is required", {"parameter": "config"})
         save = params.get("save", False)
         if not isinstance(save, bool):
-            raise InvalidParameter("save must be a boolean")
+            raise InvalidParameter("save must be a boolean", {"parameter": "save"})
         if save:
-            try:  # refused before the agent starts: a value TOML cannot hold
-                agent_table_text(name, table)
+            try:  # refused before any agent starts: a value TOML cannot hold
+                for name in names:
+                    agent_table_text(name, table)
             except SaveRefused as exc:
                 raise InvalidParameter(f"--save: {exc}") from None
-        result = await self.d.add_agent(name, table)
-        result = dict(result)
-        result["saved"] = None
-        if save:
-            result.update(await self._save_agent(name, table))
-        return result
+        if "name" in params:
+            result = dict(await self.d.add_agent(names[0], table))
+            result["saved"] = None
+            if save:
+                result.update(await self._save_agent(names[0], table))
+            return result
+        # Several: one credential for them all; each fails alone (see add_agents).
+        outcomes = await self.d.add_agents(dict.fromkeys(names, table))
+        agents: list[dict[str, Any]] = []
+        for name in names:
+            outcome = outcomes[name]
+            if isinstance(outcome, Exception):
+                error = outcome if isinstance(outcome, AdminError) else AdminError(
+                    INTERNAL, f"agent {name} not hosted: {type(outcome).__name__}: {outcome}")
+                agents.append({"name": name, "hosted": False, "error": error.to_wire()})
+                continue
+            entry = {**outcome, "name": name, "hosted": True, "saved": None}
+            if save:
+                entry.update(await self._save_agent(name, table))
+            agents.append(entry)
+        return {"agents": agents, "hosted": sum(a["hosted"] for a in agents),
+                "failed": sum(not a["hosted"] for a in agents)}
 
     async def _save_agent(self, name: str, table: dict[str, Any]) -> dict[str, Any]:
         """Append the agent's table to the running configuration's file, so a
@@ -379,11 +397,13 @@ class CoreMethods:
         return {"saved": True, "config_file": str(source)}
 
     async def agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        name = params.get("name")
-        if not isinstance(name, str):
-            raise InvalidParameter("name is required")
-        await self.d.remove_agent(name, deregister=bool(params.get("deregister", True)))
-        return {"removed": name}
+        names = _agent_names(params)
+        deregister = bool(params.get("deregister", True))
+        if "name" in params:
+            await self.d.remove_agent(names[0], deregister=deregister)
+            return {"removed": names[0]}
+        removed, failed = await self.d.remove_agents(names, deregister=deregister)
+        return {"removed": removed, "failed": {name: exc.to_wire() for name, exc in failed.items()}}
 
     async def a2a_charges(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.d.gateways.charges is None:
@@ -640,3 +660,27 @@ class CoreMethods:
             "control_plane": self.d.control_plane_url(),
         }
 
+
+#: The most agents one ``Agents.Add`` / ``Agents.Remove`` names (``names``).
+MAX_AGENTS_PER_CALL = 10_000
+
+
+def _agent_names(params: Mapping[str, Any]) -> list[str]:
+    """The agents an ``Agents.Add`` / ``Agents.Remove`` names: ``name`` (one;
+    its failure is the call's) or ``names`` (several, each failing alone)."""
+    if ("name" in params) == ("names" in params):
+        raise InvalidParameter("give name (one agent) or names (a list of agents), not both")
+    if "name" in params:
+        name = params["name"]
+        if not isinstance(name, str):
+            raise InvalidParameter("name must be a string", {"parameter": "name"})
+        return [name]
+    names = params["names"]
+    if (not isinstance(names, list) or not names or len(names) > MAX_AGENTS_PER_CALL
+            or not all(isinstance(n, str) for n in names)):
+        raise InvalidParameter(f"names must be a list of 1 to {MAX_AGENTS_PER_CALL:,} strings",
+                               {"parameter": "names"})
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise InvalidParameter(f"names lists {', '.join(repeated)} more than once", {"parameter": "names"})
+    return list(names)
