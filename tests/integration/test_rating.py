@@ -130,3 +130,59 @@ def test_usage_is_rated_into_the_ledger_and_replays_identically(daemon: DaemonPr
     again = _lines(daemon, 6)
     assert again["charges"] == ledger["charges"]
     assert again["totals"] == ledger["totals"]
+
+
+def test_a_ledger_larger_than_one_message_is_read_in_pages() -> None:
+    """A busy mesh's ledger outgrows one message: the rating service answered
+    every line at once, an answer over ``max_payload`` could not be published,
+    and ``meshnode usage`` timed out (in 1 MiB, about 2,300 lines). Here the
+    mesh's ``max_payload`` is 32 KiB and the ledger holds 120 lines (~50 KiB):
+    the totals come at once, and the lines page by page, all of them, once."""
+    calls = 60  # a requests line and a tokens_out line each
+    daemons = DaemonSet()
+    try:
+        daemon = daemons.embedded(
+            "paged",
+            agents={"priced": {"plugin": "priced"}},
+            node={"plugin_modules": ["tests.agents.priced:plugin"]},
+            extra={"mesh.embedded": {"max_payload": "32KiB"}},
+        )
+        socket = ("--socket", daemon.socket_path)
+        run_cli("agreements", "sign", "priced", "--offering", "generate", *socket)
+        for _ in range(calls):
+            served = daemon.call("priced", "generate", {"tokens": 10})
+            assert served["status"] == "completed", served
+
+        seen: dict[str, Any] = {}
+
+        def all_rated() -> bool:
+            seen.update(json.loads(run_cli("usage", "--source", "ledger", "--json", *socket).stdout))
+            return int(seen["events"]) >= 2 * calls
+
+        eventually(all_rated, what=f"{2 * calls} ledger lines", timeout=60)
+        lines = seen["charges"]
+        assert seen["events"] == len(lines) == 2 * calls and seen["charges_next"] is None
+        assert len({(c["meter"], c["envelope_id"]) for c in lines}) == len(lines), "a line read twice"
+        assert sum(c["amount_micro"] for c in lines) == calls * 10 * PRICE_PER_TOKEN
+        assert [t["amount_micro"] for t in seen["totals"]] == [calls * 10 * PRICE_PER_TOKEN]
+
+        # The pages as the admin API gives them: each within the asked size, in ledger order.
+        first = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096})
+        assert first["charges_next"] is not None and first["events"] == len(lines)
+        paged = list(first["charges"])
+        following = first["charges_next"]
+        while following is not None:
+            page = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096,
+                                                "charges_offset": following})
+            assert 0 < len(json.dumps(page["charges"])) <= 4096 + 1024, "a page past the size asked"
+            paged.extend(page["charges"])
+            following = page["charges_next"]
+        assert paged == lines
+
+        # The totals alone do not list the lines.
+        brief = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
+        assert (brief["events"], brief["charges"], brief["charges_next"]) == (len(lines), [], None)
+        human = run_cli("usage", "--source", "ledger", *socket)
+        assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
+    finally:
+        daemons.close()

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
+import orjson
 import pytest
 
 from meshnode.a2a.charges import Charge as A2ACharge
@@ -22,7 +23,7 @@ from meshnode.protocol.commerce import make_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.rating import Ledger, ledger_view
+from meshnode.services.rating import Ledger, PageRequestError, ledger_view, page_request
 from tests.fakes import FakeConnection
 
 NOW = 1_800_000_000_000
@@ -163,6 +164,32 @@ async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(sh
     assert [(t["consumer_owner"], t["seller_agent"], t["amount_micro"]) for t in view["totals"]] == [
         (node.node_id, seller.agent_id, 5003)]
     assert ledger_view(ledger.lines, period="1999")["charges"] == []
+
+    # Pages: within the budget, in ledger order, the totals over every line; none without charges.
+    whole = [c.to_object() for c in ledger.lines]
+    one_line = len(orjson.dumps(whole[1])) + 1
+    paged: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = ledger_view(ledger.lines, offset=offset, budget=2 * one_line)
+        assert 1 <= len(page["charges"]) <= 2 and page["events"] == 8 and page["totals"] == view["totals"]
+        paged.extend(page["charges"])
+        offset = page["charges_next"]
+    assert paged == whole
+    brief = ledger_view(ledger.lines, charges=False)
+    assert (brief["events"], brief["charges"], brief["charges_next"], brief["totals"]) == (8, [], None, view["totals"])
+
+
+@pytest.mark.parametrize(
+    ("params", "member"),
+    [({"charges": "yes"}, "charges"), ({"charges_offset": -1}, "charges_offset"),
+     ({"charges_offset": 1.5}, "charges_offset"), ({"charges_bytes": 0}, "charges_bytes")],
+)
+def test_a_malformed_page_request_names_its_member(params: dict[str, Any], member: str) -> None:
+    with pytest.raises(PageRequestError) as refused:
+        page_request(params)
+    assert refused.value.member == member
+    assert page_request({}) == (True, 0, None)
 
 
 async def test_refusals_and_unagreed_or_forged_usage_rate_to_zero(shop: Any) -> None:

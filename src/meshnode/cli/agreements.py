@@ -86,14 +86,16 @@ def cmd_usage(args: argparse.Namespace) -> int:
         params["period"] = args.period
     if args.source != "auto":
         params["source"] = args.source
-    code, result = _admin(args, "Usage.Rated", params)
+    # The lines only when they are shown: a busy mesh's ledger runs to many pages.
+    params["charges"] = bool(args.charges or args.json)
+    code, result = _usage_pages(args, params)
     if code != EX_OK:
         return code
     if args.json:
         emit_json(result)
         return EX_OK
     where = "the mesh's ledger" if result.get("source") == "ledger" else "this node's usage log"
-    if not result["charges"]:
+    if not result["events"]:
         print(f"no usage recorded ({where})")
         return EX_OK
     print(f"from {where}:")
@@ -105,6 +107,27 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(f"{t['period']}  owner {t['consumer_owner']}  seller {t['seller_agent']}  "
               f"{t['amount_micro']} micro-{t['currency']}")
     return EX_OK
+
+
+def _usage_pages(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
+    """``Usage.Rated`` with every page of its charges. The totals are the first
+    page's, and the lines are read up to its ``events``: the ledger only grows
+    at its end, so those are the lines the totals add up, whatever was rated
+    while the pages were read."""
+    code, first = _admin(args, "Usage.Rated", params)
+    if code != EX_OK:
+        return code, None
+    charges = list(first["charges"])
+    following = first.get("charges_next")
+    while following is not None and len(charges) < first["events"]:
+        code, page = _admin(args, "Usage.Rated", {**params, "charges_offset": following})
+        if code != EX_OK:
+            return code, None
+        if not page["charges"]:
+            break  # the ledger was folded anew meanwhile (a restarted rating service): what was read stands
+        charges.extend(page["charges"])
+        following = page.get("charges_next")
+    return EX_OK, {**first, "charges": charges[: first["events"]], "charges_next": None}
 
 
 def cmd_sign(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from meshnode.admin.protocol import (
 )
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent.replies import RemoteError
+from meshnode.daemon.paging import AGENTS_PAGE_BYTES
 from meshnode.node.agreement_lookup import parse_records
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.commerce import AgreementGate
@@ -44,7 +45,7 @@ from meshnode.protocol.commerce.revocation import sign_revocation
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import is_valid_public
 from meshnode.protocol.timeutil import format_ts
-from meshnode.services.rating import ledger_view
+from meshnode.services.rating import PageRequestError, ledger_view, page_request
 
 if TYPE_CHECKING:
     from meshnode.daemon.main import Daemon
@@ -103,10 +104,13 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     )
     methods.add(
         "Usage.Rated", ops.usage, level="operator",
-        doc="params {owner?, seller?, period?, source?: auto|ledger|local} -> {events, charges: [...], totals: "
-        "[{consumer_owner, seller_agent, currency, period, amount_micro}], source}: rated charges (§19.6) from the "
-        "mesh's rating service (source ledger), else this node's usage log replayed against the held agreements "
-        "(source local)",
+        doc="params {owner?, seller?, period?, source?: auto|ledger|local, charges?: bool, charges_offset?, "
+        "charges_bytes?} -> "
+        "{events, charges: [...], charges_next, totals: [{consumer_owner, seller_agent, currency, period, "
+        "amount_micro}], source}: rated charges (§19.6) from the mesh's rating service (source ledger), else this "
+        "node's usage log replayed against the held agreements (source local). events and totals cover every "
+        "matching charge; charges is one page of them (none with charges=false; at most charges_bytes, and half "
+        "a reply), charges_next the next page's charges_offset (null: the last)",
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
@@ -314,19 +318,28 @@ class _AgreementMethods:
         if seller is not None and node is not None:
             local = node.agents.get(seller)
             seller = local.agent_id if local is not None else seller
+        try:
+            charges, offset, asked = page_request(params)
+        except PageRequestError as exc:
+            raise InvalidParameter(str(exc), {"parameter": exc.member}) from None
         filters = {k: v for k, v in (("owner", owner), ("seller", seller), ("period", period)) if v is not None}
+        budget = AGENTS_PAGE_BYTES if asked is None else min(asked, AGENTS_PAGE_BYTES)
         if source != "local" and node is not None and CLI_AGENT_NAME in node.agents:
             # The mesh's ledger first (§19.6): every seller's events, A2A charges too.
+            # One page, sized for this reply: the service bounds its own by max_payload.
+            query = {**filters, "charges": charges, "charges_offset": offset, "charges_bytes": budget}
             try:
-                answer = await node.service_call(node.agents[CLI_AGENT_NAME], subjects.RATING_LEDGER, "request", filters)
-                return {**answer, "source": "ledger"}
+                answer = await node.service_call(node.agents[CLI_AGENT_NAME], subjects.RATING_LEDGER, "request", query)
+                return {"charges_next": None, **answer, "source": "ledger"}
             except (ProtocolError, RemoteError) as exc:
                 if source == "ledger":
                     raise NotFound(f"no rating service answered on {subjects.RATING_LEDGER}: {exc}") from None
         # Fallback: this node's own usage.jsonl replayed against the agreements it holds.
         if gate.usage is None:
-            return {"events": 0, "charges": [], "totals": [], "source": "local"}
-        return {**ledger_view(gate.usage.rate(gate.store.records()), **filters), "source": "local"}
+            return {"events": 0, "charges": [], "charges_next": None, "totals": [], "source": "local"}
+        lines = gate.usage.rate(gate.store.records())
+        view = ledger_view(lines, **filters, charges=charges, offset=offset, budget=budget)
+        return {**view, "source": "local"}
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()

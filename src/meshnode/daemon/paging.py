@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import orjson
-
 from meshnode.admin.protocol import MAX_LINE_BYTES, InvalidParameter
+from meshnode.pages import entries_within
 
 __all__ = ["AGENTS_PAGE_BYTES", "agent_page_params", "page_of"]
 
@@ -41,21 +40,6 @@ def page_of(
     limit: int | None = None,
     budget: int | None = AGENTS_PAGE_BYTES,
 ) -> tuple[list[dict[str, Any]], int | None]:
-    """Entries ``entry_at(offset)``, ``entry_at(offset + 1)``, … of a list of
-    ``total``: as many as encode within ``budget`` bytes (at least one; None:
-    no bound, for a caller in the daemon's process) and at most ``limit``.
-    Returns them and the next page's offset (None: this page reaches the end).
-    Only the entries of this page are built."""
-    entries: list[dict[str, Any]] = []
-    size = 0
-    index = offset
-    while index < total and (limit is None or len(entries) < limit):
-        entry = entry_at(index)
-        if budget is not None:
-            cost = len(orjson.dumps(entry, default=str)) + 1  # its comma
-            if entries and size + cost > budget:
-                break
-            size += cost
-        entries.append(entry)
-        index += 1
-    return entries, (index if index < total else None)
+    """One page of an admin reply's list (:func:`meshnode.pages.entries_within`),
+    by default within :data:`AGENTS_PAGE_BYTES`."""
+    return entries_within(total, entry_at, offset, limit=limit, budget=budget)

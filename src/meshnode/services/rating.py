@@ -38,9 +38,12 @@ task_key)``) are charged once.
 Subject (the contract):
 
 ``mesh.rating.ledger`` (request-reply, queue group ``mesh_rating``)
-    Request payload ``{owner?, seller?, period?, charges?}``; reply ``{events,
-    charges: [...], totals: [{consumer_owner, seller_agent, currency, period,
-    amount_micro}], ledger: {seq, lines}}``. A requester sees the lines whose
+    Request payload ``{owner?, seller?, period?, charges?, charges_offset?,
+    charges_bytes?}``; reply ``{events, charges: [...], charges_next, totals:
+    [{consumer_owner, seller_agent, currency, period, amount_micro}], ledger:
+    {seq, lines}}``. ``charges`` is one page of the matching lines (none with
+    ``charges: false``), at most half the connection's ``max_payload``;
+    ``charges_next`` is the next page's ``charges_offset`` (null: the last). A requester sees the lines whose
     consumer owner is its owner (the registry's ``owner`` of its manifest, or
     the requester itself when it is an owner key, e.g. a node) and the lines
     of sellers it owns: "who did I serve" and "whom did I consume" from one
@@ -57,6 +60,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 
+from meshnode.pages import entries_within
 from meshnode.protocol import subjects
 from meshnode.protocol.budget import Money, parse_money
 from meshnode.protocol.commerce import (
@@ -78,7 +82,7 @@ from meshnode.transport.errors import NotFound
 
 from .base import Envelope, ServiceBase, ServiceContext
 
-__all__ = ["A2A_METER", "AgreementSource", "Ledger", "RatingService", "ledger_view"]
+__all__ = ["A2A_METER", "AgreementSource", "Ledger", "RatingService", "PageRequestError", "ledger_view", "page_request"]
 
 #: The meter name of an A2A charge line (one call = one unit).
 A2A_METER = "a2a_calls"
@@ -232,11 +236,21 @@ def ledger_view(
     owner: str | None = None,
     seller: str | None = None,
     period: str | None = None,
+    charges: bool = True,
+    offset: int = 0,
+    budget: int | None = None,
 ) -> dict[str, Any]:
     """The ``usage`` answer over ledger ``lines``: the charges (filtered by
     consumer owner, seller and UTC period prefix ``YYYY``/``YYYY-MM``/``YYYY-MM-DD``)
-    and their totals per consumer owner, seller, currency and UTC month."""
-    charges = [
+    and their totals per consumer owner, seller, currency and UTC month.
+
+    ``events`` counts every matching charge and ``totals`` adds them all up;
+    ``charges`` lists one page of them (none without ``charges``): from
+    ``offset``, as many as encode within ``budget`` bytes, with
+    ``charges_next`` the next page's offset (None: the last). The ledger only
+    grows at its end, so pages read one after another line up; a reader that
+    stops at the first page's ``events`` has the lines its totals add up."""
+    matching = [
         c for c in lines
         if visible(c)
         and (owner is None or c.consumer_owner == owner)
@@ -245,9 +259,37 @@ def ledger_view(
     ]
     totals = [
         {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
-        for k, v in sorted(ledger_totals(charges).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+        for k, v in sorted(ledger_totals(matching).items(), key=lambda kv: tuple(str(x) for x in kv[0]))
     ]
-    return {"events": len(charges), "charges": [c.to_object() for c in charges], "totals": totals}
+    page: list[dict[str, Any]] = []
+    following: int | None = None
+    if charges:
+        page, following = entries_within(len(matching), lambda i: matching[i].to_object(), offset, budget=budget)
+    return {"events": len(matching), "charges": page, "charges_next": following, "totals": totals}
+
+
+class PageRequestError(ValueError):
+    """A ledger query's paging member is malformed: ``member`` names it."""
+
+    def __init__(self, member: str, message: str) -> None:
+        super().__init__(f"{member} {message}")
+        self.member = member
+
+
+def page_request(params: Mapping[str, Any]) -> tuple[bool, int, int | None]:
+    """``charges`` (default true), ``charges_offset`` (default 0) and
+    ``charges_bytes`` (default None) of a ledger query; raises
+    :class:`PageRequestError` for a malformed one."""
+    charges = params.get("charges", True)
+    if not isinstance(charges, bool):
+        raise PageRequestError("charges", "must be a boolean")
+    offset = params.get("charges_offset", 0)
+    if type(offset) is not int or offset < 0:
+        raise PageRequestError("charges_offset", "must be an integer >= 0 (the charges_next of the previous page)")
+    budget = params.get("charges_bytes")
+    if budget is not None and (type(budget) is not int or budget < 1):
+        raise PageRequestError("charges_bytes", "must be an integer >= 1")
+    return charges, offset, budget
 
 
 class RatingService(ServiceBase):
@@ -359,8 +401,19 @@ class RatingService(ServiceBase):
             if value is not None and not isinstance(value, str):
                 raise ProtocolError("INVALID_ENVELOPE", f"payload.{name} must be a string", {"member": name})
             filters[name] = value
+        try:
+            charges, offset, budget = page_request(params)
+        except PageRequestError as exc:
+            raise ProtocolError("INVALID_ENVELOPE", f"payload.{exc}", {"member": exc.member}) from None
+        # A page fits the answer's message whatever the requester asks: a busy
+        # mesh's ledger outgrows max_payload (about 2,300 lines in 1 MiB), and an
+        # answer too large to publish reached nobody (the caller timed out).
+        cap = max(1, self.ctx.connection.max_payload // 2)
         with contextlib.suppress(Exception):  # answer from what is folded if the stream is unreadable now
             await self.catch_up()
-        view = ledger_view(self.ledger.lines, visible=self._visible_to(str(env["from"])), **filters)
+        view = ledger_view(
+            self.ledger.lines, visible=self._visible_to(str(env["from"])), **filters,
+            charges=charges, offset=offset, budget=cap if budget is None else min(budget, cap),
+        )
         view["ledger"] = {"seq": self._next_seq - 1, "lines": len(self.ledger.lines)}
         return view
