@@ -186,3 +186,42 @@ def test_a_ledger_larger_than_one_message_is_read_in_pages() -> None:
         assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
     finally:
         daemons.close()
+
+
+def test_usage_says_when_the_ledger_misses_events_the_mesh_discarded() -> None:
+    """``MESH_METERING`` is bounded (``[storage] metering_max_bytes``) and
+    discards its oldest events; a rating service that starts after that folds
+    only what is left, and ``usage`` used to show those totals as if whole.
+    Here the bound is 32 KiB and 40 calls make ~80 events: after a restart the
+    ledger says how many it misses and from when it is whole, and the CLI says
+    so beside the totals."""
+    daemons = DaemonSet()
+    try:
+        daemon = daemons.embedded(
+            "bounded",
+            agents={"priced": {"plugin": "priced"}},
+            node={"plugin_modules": ["tests.agents.priced:plugin"]},
+            extra={"storage": {"metering_max_bytes": "32KiB"}},
+        )
+        socket = ("--socket", daemon.socket_path)
+        run_cli("agreements", "sign", "priced", "--offering", "generate", *socket)
+        for _ in range(40):
+            served = daemon.call("priced", "generate", {"tokens": 10})
+            assert served["status"] == "completed", served
+        daemon.stop()
+        daemon.start()
+
+        def folded() -> dict[str, Any] | None:
+            answer: dict[str, Any] = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
+            return answer if answer["ledger"]["seq"] >= 80 else None
+
+        answer = eventually(folded, what="the restarted rating service's fold", timeout=60)
+        ledger = answer["ledger"]
+        assert ledger["complete"] is False and 0 < ledger["missed"] < 80, ledger
+        assert answer["events"] + ledger["missed"] == 80, answer  # the rest are in the ledger
+        assert ledger["since"].startswith("20"), ledger
+        human = run_cli("usage", "--source", "ledger", *socket)
+        assert f"the ledger misses {ledger['missed']} meter event(s)" in human.stderr, human.stderr
+        assert "metering_max_bytes" in daemon.log_text()
+    finally:
+        daemons.close()

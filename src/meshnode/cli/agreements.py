@@ -95,6 +95,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
         emit_json(result)
         return EX_OK
     where = "the mesh's ledger" if result.get("source") == "ledger" else "this node's usage log"
+    ledger = result.get("ledger")
+    if isinstance(ledger, dict) and ledger.get("complete") is False:
+        print(f"meshnode: the ledger misses {ledger.get('missed')} meter event(s) the mesh discarded before "
+              f"the rating service read them (it is whole from {ledger.get('since') or '?'} on): their charges "
+              "are not in these figures; [storage] metering_max_bytes sets how much the mesh keeps",
+              file=sys.stderr)
     if not result["events"]:
         print(f"no usage recorded ({where})")
         return EX_OK

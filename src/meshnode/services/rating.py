@@ -43,7 +43,10 @@ Subject (the contract):
     [{consumer_owner, seller_agent, currency, period, amount_micro}], ledger:
     {seq, lines}}``. ``charges`` is one page of the matching lines (none with
     ``charges: false``), at most half the connection's ``max_payload``;
-    ``charges_next`` is the next page's ``charges_offset`` (null: the last). A requester sees the lines whose
+    ``charges_next`` is the next page's ``charges_offset`` (null: the last).
+    ``ledger.complete`` is false when the stream had discarded events before
+    this instance read them (``ledger.missed`` of them; ``ledger.since``: the
+    ledger is whole from then on): their charges are not in the ledger. A requester sees the lines whose
     consumer owner is its owner (the registry's ``owner`` of its manifest, or
     the requester itself when it is an owner key, e.g. a node) and the lines
     of sellers it owns: "who did I serve" and "whom did I consume" from one
@@ -311,6 +314,10 @@ class RatingService(ServiceBase):
         self.agreement_source = agreements
         self.ledger = Ledger()
         self._next_seq = 1
+        #: Events the stream discarded before this instance read them, and when
+        #: the first event after the latest such gap was stored (epoch ms).
+        self._missed = 0
+        self._whole_since_ms: int | None = None
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -319,6 +326,7 @@ class RatingService(ServiceBase):
         # The stream itself is ensured with the mesh's streams (ensure_mesh_streams).
         self.ledger = Ledger(list(self.agreement_source.records()) if self.agreement_source else ())
         self._next_seq = 1
+        self._missed, self._whole_since_ms = 0, None
         self._running = True
         try:
             await self.catch_up()
@@ -360,6 +368,8 @@ class RatingService(ServiceBase):
                     for stored in batch:
                         if stored.seq < self._next_seq:
                             continue  # already folded (never expected of an ordered read)
+                        if stored.seq > self._next_seq:
+                            self._discarded(stored.seq - self._next_seq, stored.seq, stored.stored_ms)
                         self._next_seq = stored.seq + 1
                         read += 1
                         try:
@@ -371,6 +381,30 @@ class RatingService(ServiceBase):
             finally:
                 await reader.close()
         return read
+
+    def _discarded(self, count: int, next_seq: int, stored_ms: int | None) -> None:
+        """``count`` events before ``next_seq`` were gone when this instance came
+        to read them: the stream is bounded ([storage] metering_max_bytes, 90
+        days) and discards its oldest. After a restart that is whatever it no
+        longer holds; while running, a burst that outran the catch-up."""
+        self._missed += count
+        self._whole_since_ms = stored_ms
+        self.ledger.stats["missed"] += count
+        self.log.warning(
+            "%s discarded %d event(s) (through seq %d) before the rating service folded them: the ledger "
+            "leaves out their charges, and is whole from %s on; [storage] metering_max_bytes bounds what "
+            "the mesh keeps", subjects.MESH_METERING, count, next_seq - 1,
+            format_ts(stored_ms) if stored_ms is not None else "the next event",
+        )
+
+    def coverage(self) -> dict[str, Any]:
+        """What the ledger covers: ``complete`` when this instance folded every
+        event the stream ever held; else ``missed`` (how many it never saw)
+        and ``since`` (from when on it is whole)."""
+        if not self._missed:
+            return {"complete": True, "missed": 0}
+        since = format_ts(self._whole_since_ms) if self._whole_since_ms is not None else None
+        return {"complete": False, "missed": self._missed, "since": since}
 
     async def _follow(self) -> None:
         while self.running:
@@ -415,5 +449,5 @@ class RatingService(ServiceBase):
             self.ledger.lines, visible=self._visible_to(str(env["from"])), **filters,
             charges=charges, offset=offset, budget=cap if budget is None else min(budget, cap),
         )
-        view["ledger"] = {"seq": self._next_seq - 1, "lines": len(self.ledger.lines)}
+        view["ledger"] = {"seq": self._next_seq - 1, "lines": len(self.ledger.lines), **self.coverage()}
         return view
