@@ -132,96 +132,83 @@ def test_usage_is_rated_into_the_ledger_and_replays_identically(daemon: DaemonPr
     assert again["totals"] == ledger["totals"]
 
 
-def test_a_ledger_larger_than_one_message_is_read_in_pages() -> None:
+
+def _sold(daemons: DaemonSet, name: str, extra: dict[str, Any], calls: int) -> DaemonProcess:
+    """An embedded daemon hosting ``priced``, its CLI identity's owner agreed to
+    ``generate``, which it then calls ``calls`` times (a requests line and a
+    tokens_out line each, 10 tokens a call)."""
+    daemon = daemons.embedded(
+        name, agents={"priced": {"plugin": "priced"}},
+        node={"plugin_modules": ["tests.agents.priced:plugin"]}, extra=extra,
+    )
+    run_cli("agreements", "sign", "priced", "--offering", "generate", "--socket", daemon.socket_path)
+    for _ in range(calls):
+        served = daemon.call("priced", "generate", {"tokens": 10})
+        assert served["status"] == "completed", served
+    return daemon
+
+
+def test_a_ledger_larger_than_one_message_is_read_in_pages(meshnode_daemons: DaemonSet) -> None:
     """A busy mesh's ledger outgrows one message: the rating service answered
     every line at once, an answer over ``max_payload`` could not be published,
     and ``meshnode usage`` timed out (in 1 MiB, about 2,300 lines). Here the
     mesh's ``max_payload`` is 32 KiB and the ledger holds 120 lines (~50 KiB):
     the totals come at once, and the lines page by page, all of them, once."""
-    calls = 60  # a requests line and a tokens_out line each
-    daemons = DaemonSet()
-    try:
-        daemon = daemons.embedded(
-            "paged",
-            agents={"priced": {"plugin": "priced"}},
-            node={"plugin_modules": ["tests.agents.priced:plugin"]},
-            extra={"mesh.embedded": {"max_payload": "32KiB"}},
-        )
-        socket = ("--socket", daemon.socket_path)
-        run_cli("agreements", "sign", "priced", "--offering", "generate", *socket)
-        for _ in range(calls):
-            served = daemon.call("priced", "generate", {"tokens": 10})
-            assert served["status"] == "completed", served
+    calls = 60
+    daemon = _sold(meshnode_daemons, "paged", {"mesh.embedded": {"max_payload": "32KiB"}}, calls)
+    socket = ("--socket", daemon.socket_path)
+    seen: dict[str, Any] = {}
 
-        seen: dict[str, Any] = {}
+    def all_rated() -> bool:
+        seen.update(json.loads(run_cli("usage", "--source", "ledger", "--json", *socket).stdout))
+        return int(seen["events"]) >= 2 * calls
 
-        def all_rated() -> bool:
-            seen.update(json.loads(run_cli("usage", "--source", "ledger", "--json", *socket).stdout))
-            return int(seen["events"]) >= 2 * calls
+    eventually(all_rated, what=f"{2 * calls} ledger lines", timeout=60)
+    lines = seen["charges"]
+    assert seen["events"] == len(lines) == 2 * calls and seen["charges_next"] is None
+    assert len({(c["meter"], c["envelope_id"]) for c in lines}) == len(lines), "a line read twice"
+    assert sum(c["amount_micro"] for c in lines) == calls * 10 * PRICE_PER_TOKEN
+    assert [t["amount_micro"] for t in seen["totals"]] == [calls * 10 * PRICE_PER_TOKEN]
 
-        eventually(all_rated, what=f"{2 * calls} ledger lines", timeout=60)
-        lines = seen["charges"]
-        assert seen["events"] == len(lines) == 2 * calls and seen["charges_next"] is None
-        assert len({(c["meter"], c["envelope_id"]) for c in lines}) == len(lines), "a line read twice"
-        assert sum(c["amount_micro"] for c in lines) == calls * 10 * PRICE_PER_TOKEN
-        assert [t["amount_micro"] for t in seen["totals"]] == [calls * 10 * PRICE_PER_TOKEN]
+    # The pages as the admin API gives them: each within the asked size, in ledger order.
+    first = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096})
+    assert first["charges_next"] is not None and first["events"] == len(lines)
+    paged = list(first["charges"])
+    following = first["charges_next"]
+    while following is not None:
+        page = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096, "charges_offset": following})
+        assert 0 < len(json.dumps(page["charges"])) <= 4096 + 1024, "a page past the size asked"
+        paged.extend(page["charges"])
+        following = page["charges_next"]
+    assert paged == lines
 
-        # The pages as the admin API gives them: each within the asked size, in ledger order.
-        first = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096})
-        assert first["charges_next"] is not None and first["events"] == len(lines)
-        paged = list(first["charges"])
-        following = first["charges_next"]
-        while following is not None:
-            page = daemon.admin("Usage.Rated", {"source": "ledger", "charges_bytes": 4096,
-                                                "charges_offset": following})
-            assert 0 < len(json.dumps(page["charges"])) <= 4096 + 1024, "a page past the size asked"
-            paged.extend(page["charges"])
-            following = page["charges_next"]
-        assert paged == lines
-
-        # The totals alone do not list the lines.
-        brief = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
-        assert (brief["events"], brief["charges"], brief["charges_next"]) == (len(lines), [], None)
-        human = run_cli("usage", "--source", "ledger", *socket)
-        assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
-    finally:
-        daemons.close()
+    # The totals alone do not list the lines.
+    brief = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
+    assert (brief["events"], brief["charges"], brief["charges_next"]) == (len(lines), [], None)
+    human = run_cli("usage", "--source", "ledger", *socket)
+    assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
 
 
-def test_usage_says_when_the_ledger_misses_events_the_mesh_discarded() -> None:
+def test_usage_says_when_the_ledger_misses_events_the_mesh_discarded(meshnode_daemons: DaemonSet) -> None:
     """``MESH_METERING`` is bounded (``[storage] metering_max_bytes``) and
     discards its oldest events; a rating service that starts after that folds
     only what is left, and ``usage`` used to show those totals as if whole.
-    Here the bound is 32 KiB and 40 calls make ~80 events: after a restart the
+    Here the bound is 32 KiB and 40 calls make 80 events: after a restart the
     ledger says how many it misses and from when it is whole, and the CLI says
     so beside the totals."""
-    daemons = DaemonSet()
-    try:
-        daemon = daemons.embedded(
-            "bounded",
-            agents={"priced": {"plugin": "priced"}},
-            node={"plugin_modules": ["tests.agents.priced:plugin"]},
-            extra={"storage": {"metering_max_bytes": "32KiB"}},
-        )
-        socket = ("--socket", daemon.socket_path)
-        run_cli("agreements", "sign", "priced", "--offering", "generate", *socket)
-        for _ in range(40):
-            served = daemon.call("priced", "generate", {"tokens": 10})
-            assert served["status"] == "completed", served
-        daemon.stop()
-        daemon.start()
+    daemon = _sold(meshnode_daemons, "bounded", {"storage": {"metering_max_bytes": "32KiB"}}, 40)
+    daemon.stop()
+    daemon.start()
 
-        def folded() -> dict[str, Any] | None:
-            answer: dict[str, Any] = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
-            return answer if answer["ledger"]["seq"] >= 80 else None
+    def folded() -> dict[str, Any] | None:
+        answer: dict[str, Any] = daemon.admin("Usage.Rated", {"source": "ledger", "charges": False})
+        return answer if answer["ledger"]["seq"] >= 80 else None
 
-        answer = eventually(folded, what="the restarted rating service's fold", timeout=60)
-        ledger = answer["ledger"]
-        assert ledger["complete"] is False and 0 < ledger["missed"] < 80, ledger
-        assert answer["events"] + ledger["missed"] == 80, answer  # the rest are in the ledger
-        assert ledger["since"].startswith("20"), ledger
-        human = run_cli("usage", "--source", "ledger", *socket)
-        assert f"the ledger misses {ledger['missed']} meter event(s)" in human.stderr, human.stderr
-        assert "metering_max_bytes" in daemon.log_text()
-    finally:
-        daemons.close()
+    answer = eventually(folded, what="the restarted rating service's fold", timeout=60)
+    ledger = answer["ledger"]
+    assert ledger["complete"] is False and 0 < ledger["missed"] < 80, ledger
+    assert answer["events"] + ledger["missed"] == 80, answer  # the rest are in the ledger
+    assert ledger["since"].startswith("20"), ledger
+    human = run_cli("usage", "--source", "ledger", "--socket", daemon.socket_path)
+    assert f"the ledger misses {ledger['missed']} meter event(s)" in human.stderr, human.stderr
+    assert "metering_max_bytes" in daemon.log_text()

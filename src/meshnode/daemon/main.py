@@ -616,16 +616,12 @@ class Daemon:
         ``reconnect=False`` keeps the connection: the credential still covers the
         removed agent's subjects until the next renewal, which narrows it.
         """
-        await self._hosting().remove(name, deregister=deregister)
-        if reconnect:
-            try:
-                await self._refresh_credential()
-            except (ConnectionError, CredentialUnavailable) as exc:
-                # The agent is gone from this node either way; only the credential lags.
-                raise NotReady(
-                    f"agent {name} removed, but the node credential still covers it until it is "
-                    f"renewed: {exc}"
-                ) from None
+        if not reconnect:
+            await self._hosting().remove(name, deregister=deregister)
+            return
+        _, failed = await self.remove_agents([name], deregister=deregister)
+        if failed:
+            raise failed[name]
 
     async def remove_agents(
         self, names: list[str], *, deregister: bool = True
@@ -649,9 +645,12 @@ class Daemon:
             try:
                 await self._refresh_credential()
             except (ConnectionError, CredentialUnavailable) as exc:
+                # The agents are gone from this node either way; only the credential lags.
+                which = f"agent {removed[0]}" if len(removed) == 1 else f"{len(removed)} agents"
                 raise NotReady(
-                    f"{len(removed)} agent(s) removed, but the node credential still covers them until it "
-                    f"is renewed: {exc}", {"removed": removed, "failed": {n: e.to_wire() for n, e in failed.items()}}
+                    f"{which} removed, but the node credential still covers {'it' if len(removed) == 1 else 'them'} "
+                    f"until it is renewed: {exc}",
+                    {"removed": removed, "failed": {n: e.to_wire() for n, e in failed.items()}},
                 ) from None
         return removed, failed
 
