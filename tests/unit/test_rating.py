@@ -23,7 +23,14 @@ from meshnode.protocol.commerce import make_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.services.rating import Ledger, PageRequestError, ledger_view, page_request
+from meshnode.services.rating import (
+    Ledger,
+    LedgerView,
+    PageRequestError,
+    ledger_view,
+    line_filter,
+    page_request,
+)
 from tests.fakes import FakeConnection
 
 NOW = 1_800_000_000_000
@@ -178,6 +185,13 @@ async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(sh
     assert paged == whole
     brief = ledger_view(ledger.lines, charges=False)
     assert (brief["events"], brief["charges"], brief["charges_next"], brief["totals"]) == (8, [], None, view["totals"])
+
+    # Kept up to date as the ledger grows: the same answer as one over every line.
+    growing = LedgerView(line_filter(seller=seller.agent_id))
+    growing.update(ledger.lines[:3])
+    assert growing.answer()["events"] == 3
+    growing.update(ledger.lines)
+    assert growing.answer() == ledger_view(ledger.lines, seller=seller.agent_id)
 
 
 @pytest.mark.parametrize(
