@@ -38,10 +38,13 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "meshnode"
 # sit on top.
 # aio (meshnode/aio.py: BackgroundTasks, backoff) is a leaf like protocol, importing
 # nothing of meshnode; unlike protocol it is about asyncio, so it is its own part.
-_BASE = {"protocol", "aio"}
+# pages (meshnode/pages.py: a long list answered in pages within a reply's size)
+# is a leaf too, used by the services and the daemon's admin methods alike.
+_BASE = {"protocol", "aio", "pages"}
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "aio": set(),
+    "pages": set(),
     "transport": _BASE,
     "config": _BASE,
     "keystore": _BASE | {"config"},
@@ -78,6 +81,7 @@ NO_NATS = {"node", "services"}
 BELOW_GATEWAYS = {
     "protocol",
     "aio",
+    "pages",
     "transport",
     "config",
     "keystore",

@@ -20,6 +20,7 @@ reaches every seller's node through the service's event.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -337,7 +338,9 @@ class _AgreementMethods:
         # Fallback: this node's own usage.jsonl replayed against the agreements it holds.
         if gate.usage is None:
             return {"events": 0, "charges": [], "charges_next": None, "totals": [], "source": "local"}
-        lines = gate.usage.rate(gate.store.records())
+        # Off the loop: the log is read and rated whole (one pass per page asked),
+        # and a busy node's log runs to tens of MB.
+        lines = await asyncio.to_thread(gate.usage.rate, list(gate.store.records()))
         view = ledger_view(lines, **filters, charges=charges, offset=offset, budget=budget)
         return {**view, "source": "local"}
 
