@@ -106,3 +106,25 @@ def test_a_lost_mesh_is_reported_at_a_doubling_interval() -> None:
     assert reported == [0, 10, 30, 70, 150]
     assert limiter.reset() == 200
     assert limiter.due() == 0  # a new episode is reported at once
+
+
+@pytest.mark.parametrize("argv", [["agents", "add", "one"], ["agents", "add", "a", "b"],
+                                  ["agents", "remove", "one"], ["agents", "remove", "a", "b"]])
+def test_roster_commands_outwait_a_rate_limited_control_plane(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joined node whose control plane rate-limits it waits up to
+    RATE_LIMIT_PATIENCE_S for the credential of a roster change; the CLI gave up
+    at its usual 30 s while the daemon went on adding."""
+    from meshnode.cli import ops
+    from meshnode.daemon.credentials import RATE_LIMIT_PATIENCE_S
+
+    waited: list[float] = []
+
+    def admin(args: object, method: str, params: object = None, *, timeout: float = 30.0) -> tuple[int, None]:
+        waited.append(timeout)
+        return 69, None  # as if the daemon were not running: the command stops there
+
+    monkeypatch.setattr(ops, "_admin", admin)
+    assert main([*argv, "--socket", "/nonexistent/admin.sock"]) == 69
+    assert waited and min(waited) > RATE_LIMIT_PATIENCE_S + 30

@@ -190,7 +190,8 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
     if len(args.names) > 1:
         return _agents_add_several(args, config)
     (name,) = args.names
-    code, result = _admin(args, "Agents.Add", {"name": name, "config": config, "save": args.save})
+    code, result = _admin(args, "Agents.Add", {"name": name, "config": config, "save": args.save},
+                          timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -206,7 +207,7 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
     """``agents add A B C``: one ``Agents.Add`` naming them all (one credential);
     the exit code is the first failure's, else 73 if a table was not saved."""
     code, result = _admin(args, "Agents.Add", {"names": args.names, "config": config, "save": args.save},
-                          timeout=_SEVERAL_TIMEOUT_S)
+                          timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -228,9 +229,11 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
     return next(iter(codes), EX_OK)
 
 
-#: ``agents add`` / ``remove`` of several agents: hosting runs side by side, but
-#: thousands of agents take longer than one call's usual 30 s.
-_SEVERAL_TIMEOUT_S = 600.0
+#: ``agents add`` / ``remove``: longer than a call's usual 30 s. A joined node
+#: whose control plane rate-limits it waits up to RATE_LIMIT_PATIENCE_S (75 s)
+#: for the credential, and thousands of agents take a while to host; the CLI
+#: gave up at 30 s while the daemon went on adding.
+_ROSTER_TIMEOUT_S = 600.0
 
 
 def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> int:
@@ -248,9 +251,13 @@ def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
     deregister = not args.keep_registration
     if len(args.names) == 1:
-        return _simple(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister})
+        code, result = _admin(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister},
+                              timeout=_ROSTER_TIMEOUT_S)
+        if code == EX_OK:
+            _print(args, result)
+        return code
     code, result = _admin(args, "Agents.Remove", {"names": args.names, "deregister": deregister},
-                          timeout=_SEVERAL_TIMEOUT_S)
+                          timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
