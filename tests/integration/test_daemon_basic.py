@@ -106,7 +106,13 @@ def test_agent_added_at_runtime_gets_a_reminted_credential(meshnode_daemons: Dae
     assert not re.search(r"WARNING .*disconnected from the mesh", log), b.log_tail()
     # The embedded node's service-role credential names no agent: A's own roster
     # changes would not reconnect it (test_lifecycle); B's did not either.
-    assert "to present a new credential" not in a.log_text()
+    hub_log = a.log_text()
+    assert "to present a new credential" not in hub_log
+    # One INFO line per registration: the hub's registry logs B's (another node's);
+    # its own agents' registrations are logged once, by A's node.
+    assert re.search(rf"INFO .*registered {added['id']} on node {b.status()['node']['id']}", hub_log), a.log_tail()
+    assert hub_log.count("registered echo as") == 1
+    assert not re.search(rf"INFO .*registered {a.agent_id('echo')} on node", hub_log), a.log_tail()
 
 
 def test_a_roster_change_keeps_the_other_agents_registrations(meshnode_daemons: DaemonSet) -> None:
