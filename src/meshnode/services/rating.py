@@ -46,11 +46,12 @@ Subject (the contract):
     ``charges_next`` is the next page's ``charges_offset`` (null: the last).
     ``ledger.complete`` is false when the stream had discarded events before
     this instance read them (``ledger.missed`` of them; ``ledger.since``: the
-    ledger is whole from then on): their charges are not in the ledger. A requester sees the lines whose
-    consumer owner is its owner (the registry's ``owner`` of its manifest, or
-    the requester itself when it is an owner key, e.g. a node) and the lines
-    of sellers it owns: "who did I serve" and "whom did I consume" from one
-    ledger, nothing of third parties.
+    ledger is whole from then on): their charges are not in the ledger.
+
+    A requester sees the lines whose consumer owner is its owner (the
+    registry's ``owner`` of its manifest, or the requester itself when it is
+    an owner key, e.g. a node) and the lines of sellers it owns: "who did I
+    serve" and "whom did I consume" from one ledger, nothing of third parties.
 """
 
 from __future__ import annotations
@@ -85,7 +86,17 @@ from meshnode.transport.errors import NotFound
 
 from .base import Envelope, ServiceBase, ServiceContext
 
-__all__ = ["A2A_METER", "AgreementSource", "Ledger", "RatingService", "LedgerView", "PageRequestError", "ledger_view", "line_filter", "page_request"]
+__all__ = [
+    "A2A_METER",
+    "AgreementSource",
+    "Ledger",
+    "LedgerView",
+    "PageRequestError",
+    "RatingService",
+    "ledger_view",
+    "line_filter",
+    "page_request",
+]
 
 #: The meter name of an A2A charge line (one call = one unit).
 A2A_METER = "a2a_calls"
