@@ -4,6 +4,7 @@ priced offering, and the pure fold of those envelopes into charges (§13.5, §19
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -19,13 +20,14 @@ from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
-from meshnode.protocol.commerce import make_agreement
+from meshnode.protocol.commerce import Charge, ChargeOutcome, make_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.rating import (
     Ledger,
     LedgerView,
+    PageRequest,
     PageRequestError,
     ledger_view,
     line_filter,
@@ -172,18 +174,18 @@ async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(sh
         (node.node_id, seller.agent_id, 5003)]
     assert ledger_view(ledger.lines, period="1999")["charges"] == []
 
-    # Pages: within the budget, in ledger order, the totals over every line; none without charges.
+    # Pages: within half the budget, in ledger order, the totals over every line; none without charges.
     whole = [c.to_object() for c in ledger.lines]
     one_line = len(orjson.dumps(whole[1])) + 1
     paged: list[dict[str, Any]] = []
     offset: int | None = 0
     while offset is not None:
-        page = ledger_view(ledger.lines, offset=offset, budget=2 * one_line)
+        page = ledger_view(ledger.lines, page=PageRequest(charges_offset=offset), budget=4 * one_line)
         assert 1 <= len(page["charges"]) <= 2 and page["events"] == 8 and page["totals"] == view["totals"]
         paged.extend(page["charges"])
         offset = page["charges_next"]
     assert paged == whole
-    brief = ledger_view(ledger.lines, charges=False)
+    brief = ledger_view(ledger.lines, page=PageRequest(charges=False))
     assert (brief["events"], brief["charges"], brief["charges_next"], brief["totals"]) == (8, [], None, view["totals"])
 
     # Kept up to date as the ledger grows: the same answer as one over every line.
@@ -194,16 +196,80 @@ async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(sh
     assert growing.answer() == ledger_view(ledger.lines, seller=seller.agent_id)
 
 
+def _lines_of_many_owners(count: int) -> list[Charge]:
+    """``count`` charged lines, each of another consumer owner: one totals row each."""
+    return [
+        Charge(f"E{i:025d}", "tokens_out", 10, "sku-x", "sha256:" + "a" * 64, f"U{i:055d}", "U" + "C" * 55, 30,
+               "USD", ChargeOutcome.CHARGED, 30, f"I{i:025d}", NOW + i)
+        for i in range(count)
+    ]
+
+
+def test_the_totals_page_too_and_later_pages_answer_for_the_first_ones_lines() -> None:
+    """A seller with many customers has as many totals rows: they page like
+    the lines. A ledger that grows between pages does not mix states: with
+    ``as_of`` (the first page's ``events``) every page answers for those lines."""
+    lines = _lines_of_many_owners(40)
+    view = LedgerView(line_filter())
+    view.update(lines[:30])
+    first = view.answer(budget=3000)
+    assert first["events"] == 30 and first["totals_next"] is not None and first["charges_next"] is not None
+    view.update(lines)  # ten more rated meanwhile
+    charges, totals = list(first["charges"]), list(first["totals"])
+    following = (first["charges_next"], first["totals_next"])
+    while following != (None, None):
+        at_charges, at_totals = following
+        page = view.answer(PageRequest(charges=at_charges is not None, charges_offset=at_charges or 0,
+                                       totals_offset=len(totals) if at_totals is None else at_totals, as_of=30),
+                           budget=3000)
+        assert page["events"] == 30
+        if at_charges is not None:
+            charges.extend(page["charges"])
+        if at_totals is not None:
+            totals.extend(page["totals"])
+        following = (page["charges_next"] if at_charges is not None else None,
+                     page["totals_next"] if at_totals is not None else None)
+    snapshot = ledger_view(lines[:30])
+    assert charges == snapshot["charges"] and totals == snapshot["totals"] and len(totals) == 30
+
+
+def test_usage_reads_every_page_as_of_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``meshnode usage --json`` reads the lines and the totals page by page,
+    while the ledger grows, and shows what its first page counted."""
+    from meshnode.cli import agreements as cli
+
+    lines = _lines_of_many_owners(50)
+    view = LedgerView(line_filter())
+    view.update(lines[:20])
+    asked: list[dict[str, Any]] = []
+
+    def admin(args: object, method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        asked.append(params)
+        answer = view.answer(page_request(params), budget=2500)
+        view.update(lines[: 20 + 5 * len(asked)])  # rated meanwhile
+        return 0, answer
+
+    monkeypatch.setattr(cli, "_admin", admin)
+    code, result = cli._usage_pages(argparse.Namespace(), {"charges": True})
+    snapshot = ledger_view(lines[:20])
+    assert code == 0 and len(asked) > 2 and all(p.get("as_of") == 20 for p in asked[1:])
+    assert result["charges"] == snapshot["charges"] and result["totals"] == snapshot["totals"]
+    assert result["events"] == 20 and (result["charges_next"], result["totals_next"]) == (None, None)
+
+
 @pytest.mark.parametrize(
     ("params", "member"),
     [({"charges": "yes"}, "charges"), ({"charges_offset": -1}, "charges_offset"),
-     ({"charges_offset": 1.5}, "charges_offset"), ({"charges_bytes": 0}, "charges_bytes")],
+     ({"charges_offset": 1.5}, "charges_offset"), ({"totals_offset": "2"}, "totals_offset"),
+     ({"charges_bytes": 0}, "charges_bytes"), ({"as_of": -1}, "as_of")],
 )
 def test_a_malformed_page_request_names_its_member(params: dict[str, Any], member: str) -> None:
     with pytest.raises(PageRequestError) as refused:
         page_request(params)
     assert refused.value.member == member
-    assert page_request({}) == (True, 0, None)
+    assert page_request({}) == PageRequest()
+    assert page_request({"charges_offset": 3, "totals_offset": 1, "as_of": 0}) == PageRequest(
+        charges_offset=3, totals_offset=1, as_of=0)
 
 
 async def test_refusals_and_unagreed_or_forged_usage_rate_to_zero(shop: Any) -> None:

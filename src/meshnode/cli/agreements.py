@@ -116,24 +116,34 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def _usage_pages(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
-    """``Usage.Rated`` with every page of its charges. The totals are the first
-    page's, and the lines are read up to its ``events``: the ledger only grows
-    at its end, so those are the lines the totals add up, whatever was rated
-    while the pages were read."""
+    """``Usage.Rated`` with every page of its charges and totals. Later pages
+    ask ``as_of`` the first page's ``events``: they answer for the lines the
+    first one counted, so the lines and the totals agree while the ledger
+    grows."""
     code, first = _admin(args, "Usage.Rated", params)
     if code != EX_OK:
         return code, None
-    charges = list(first["charges"])
-    following = first.get("charges_next")
-    while following is not None and len(charges) < first["events"]:
-        code, page = _admin(args, "Usage.Rated", {**params, "charges_offset": following})
+    merged = {**first, "charges": list(first["charges"]), "totals": list(first["totals"])}
+    following = {"charges": first.get("charges_next"), "totals": first.get("totals_next")}
+    while following["charges"] is not None or following["totals"] is not None:
+        # A part read whole asks for nothing more: no lines, the totals from their end.
+        ask = {**params, "as_of": first["events"],
+               "totals_offset": len(merged["totals"]) if following["totals"] is None else following["totals"]}
+        if following["charges"] is None:
+            ask["charges"] = False
+        else:
+            ask["charges_offset"] = following["charges"]
+        code, page = _admin(args, "Usage.Rated", ask)
         if code != EX_OK:
             return code, None
-        if not page["charges"]:
+        if not page["charges"] and not page["totals"]:
             break  # the ledger was folded anew meanwhile (a restarted rating service): what was read stands
-        charges.extend(page["charges"])
-        following = page.get("charges_next")
-    return EX_OK, {**first, "charges": charges[: first["events"]], "charges_next": None}
+        for part in ("charges", "totals"):
+            if following[part] is not None:
+                merged[part].extend(page[part])
+                following[part] = page.get(f"{part}_next")
+    merged["charges"] = merged["charges"][: first["events"]]
+    return EX_OK, {**merged, "charges_next": None, "totals_next": None}
 
 
 def cmd_sign(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ reaches every seller's node through the service's event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -106,12 +107,13 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add(
         "Usage.Rated", ops.usage, level="operator",
         doc="params {owner?, seller?, period?, source?: auto|ledger|local, charges?: bool, charges_offset?, "
-        "charges_bytes?} -> "
+        "totals_offset?, charges_bytes?, as_of?} -> "
         "{events, charges: [...], charges_next, totals: [{consumer_owner, seller_agent, currency, period, "
-        "amount_micro}], source}: rated charges (§19.6) from the mesh's rating service (source ledger), else this "
-        "node's usage log replayed against the held agreements (source local). events and totals cover every "
-        "matching charge; charges is one page of them (none with charges=false; at most charges_bytes, and half "
-        "a reply), charges_next the next page's charges_offset (null: the last)",
+        "amount_micro}], totals_next, ledger?, source}: rated charges (§19.6) from the mesh's rating service "
+        "(source ledger), else this node's usage log replayed against the held agreements (source local). events "
+        "counts the matching charges and totals adds them up; charges and totals are one page each (no charges "
+        "with charges=false; together at most charges_bytes and half a reply), charges_next / totals_next the "
+        "next page's offsets (null: the last); as_of (the first page's events) keeps later pages to those lines",
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",
@@ -320,29 +322,30 @@ class _AgreementMethods:
             local = node.agents.get(seller)
             seller = local.agent_id if local is not None else seller
         try:
-            charges, offset, asked = page_request(params)
+            page = page_request(params)
         except PageRequestError as exc:
             raise InvalidParameter(str(exc), {"parameter": exc.member}) from None
         filters = {k: v for k, v in (("owner", owner), ("seller", seller), ("period", period)) if v is not None}
-        budget = AGENTS_PAGE_BYTES if asked is None else min(asked, AGENTS_PAGE_BYTES)
+        # One page, sized for this reply (the service bounds its own by max_payload too).
+        budget = AGENTS_PAGE_BYTES if page.charges_bytes is None else min(page.charges_bytes, AGENTS_PAGE_BYTES)
         if source != "local" and node is not None and CLI_AGENT_NAME in node.agents:
             # The mesh's ledger first (§19.6): every seller's events, A2A charges too.
-            # One page, sized for this reply: the service bounds its own by max_payload.
-            query = {**filters, "charges": charges, "charges_offset": offset, "charges_bytes": budget}
+            query = {**filters, **dataclasses.asdict(page), "charges_bytes": budget}
+            query = {k: v for k, v in query.items() if v is not None}
             try:
                 answer = await node.service_call(node.agents[CLI_AGENT_NAME], subjects.RATING_LEDGER, "request", query)
-                return {"charges_next": None, **answer, "source": "ledger"}
+                return {"charges_next": None, "totals_next": None, **answer, "source": "ledger"}
             except (ProtocolError, RemoteError) as exc:
                 if source == "ledger":
                     raise NotFound(f"no rating service answered on {subjects.RATING_LEDGER}: {exc}") from None
         # Fallback: this node's own usage.jsonl replayed against the agreements it holds.
         if gate.usage is None:
-            return {"events": 0, "charges": [], "charges_next": None, "totals": [], "source": "local"}
+            return {"events": 0, "charges": [], "charges_next": None, "totals": [], "totals_next": None,
+                    "source": "local"}
         # Off the loop: the log is read and rated whole (one pass per page asked),
         # and a busy node's log runs to tens of MB.
         lines = await asyncio.to_thread(gate.usage.rate, list(gate.store.records()))
-        view = ledger_view(lines, **filters, charges=charges, offset=offset, budget=budget)
-        return {**view, "source": "local"}
+        return {**ledger_view(lines, **filters, page=page, budget=budget), "source": "local"}
 
     async def revoke(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         gate = self._gate()

@@ -39,11 +39,14 @@ Subject (the contract):
 
 ``mesh.rating.ledger`` (request-reply, queue group ``mesh_rating``)
     Request payload ``{owner?, seller?, period?, charges?, charges_offset?,
-    charges_bytes?}``; reply ``{events, charges: [...], charges_next, totals:
-    [{consumer_owner, seller_agent, currency, period, amount_micro}], ledger:
-    {seq, lines}}``. ``charges`` is one page of the matching lines (none with
-    ``charges: false``), at most half the connection's ``max_payload``;
-    ``charges_next`` is the next page's ``charges_offset`` (null: the last).
+    totals_offset?, charges_bytes?, as_of?}``; reply ``{events, charges: [...],
+    charges_next, totals: [{consumer_owner, seller_agent, currency, period,
+    amount_micro}], totals_next, ledger: {seq, lines, complete, ...}}``.
+    ``charges`` and ``totals`` are one page each (no lines with ``charges:
+    false``), together within half the connection's ``max_payload``;
+    ``charges_next`` / ``totals_next`` are the next page's offsets (null: the
+    last), and ``as_of`` (the first page's ``events``) keeps later pages to
+    the lines the first one counted (:meth:`LedgerView.answer`).
     ``ledger.complete`` is false when the stream had discarded events before
     this instance read them (``ledger.missed`` of them; ``ledger.since``: the
     ledger is whole from then on): their charges are not in the ledger.
@@ -91,6 +94,7 @@ __all__ = [
     "AgreementSource",
     "Ledger",
     "LedgerView",
+    "PageRequest",
     "PageRequestError",
     "RatingService",
     "ledger_view",
@@ -267,24 +271,41 @@ class LedgerView:
         for key, amount in ledger_totals(fresh).items():
             self._totals[key] = self._totals.get(key, 0) + amount
 
-    def answer(self, *, charges: bool = True, offset: int = 0, budget: int | None = None) -> dict[str, Any]:
-        """``events`` counts every matching line and ``totals`` adds them all
-        up; ``charges`` lists one page of them (none without ``charges``):
-        from ``offset``, as many as encode within ``budget`` bytes, with
-        ``charges_next`` the next page's offset (None: the last). The ledger
-        only grows at its end, so pages read one after another line up; a
-        reader that stops at the first page's ``events`` has the lines its
-        totals add up."""
-        totals = [
+    def answer(self, page: PageRequest | None = None, *, budget: int | None = None) -> dict[str, Any]:
+        """One page of the answer (``page``, default: the first, every line).
+
+        ``events`` counts the matching lines and ``totals`` adds them up per
+        consumer owner, seller, currency and UTC month; with ``page.as_of``
+        both stop at that many lines (the first page's ``events``: later
+        pages then answer for the same lines while the ledger grows).
+        ``charges`` lists the lines from ``page.charges_offset`` (none when
+        ``page.charges`` is false) and ``totals`` the rows from
+        ``page.totals_offset``, each as many as encode within half of
+        ``budget`` bytes (the smaller of it and ``page.charges_bytes``), with
+        ``charges_next`` / ``totals_next`` the next page's offsets (None: the
+        last). Lines are appended at the ledger's end and the rows sorted, so
+        pages read one after another line up."""
+        page = page or PageRequest()
+        if page.charges_bytes is not None:
+            budget = page.charges_bytes if budget is None else min(budget, page.charges_bytes)
+        share = None if budget is None else max(1, budget // 2)
+        lines = self.matching
+        sums = self._totals
+        if page.as_of is not None and page.as_of < len(lines):
+            lines = lines[: page.as_of]
+            sums = ledger_totals(lines)  # an earlier state: rare, one pass
+        rows = [
             {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
-            for k, v in sorted(self._totals.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+            for k, v in sorted(sums.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
         ]
-        matching = self.matching
-        page: list[dict[str, Any]] = []
-        following: int | None = None
-        if charges:
-            page, following = entries_within(len(matching), lambda i: matching[i].to_object(), offset, budget=budget)
-        return {"events": len(matching), "charges": page, "charges_next": following, "totals": totals}
+        totals, totals_next = entries_within(len(rows), rows.__getitem__, page.totals_offset, budget=share)
+        charges: list[dict[str, Any]] = []
+        charges_next: int | None = None
+        if page.charges:
+            charges, charges_next = entries_within(
+                len(lines), lambda i: lines[i].to_object(), page.charges_offset, budget=share)
+        return {"events": len(lines), "charges": charges, "charges_next": charges_next,
+                "totals": totals, "totals_next": totals_next}
 
 
 def line_filter(
@@ -315,8 +336,7 @@ def ledger_view(
     owner: str | None = None,
     seller: str | None = None,
     period: str | None = None,
-    charges: bool = True,
-    offset: int = 0,
+    page: PageRequest | None = None,
     budget: int | None = None,
 ) -> dict[str, Any]:
     """The ``usage`` answer over ``lines`` at once (:class:`LedgerView`'s,
@@ -324,7 +344,7 @@ def ledger_view(
     consumer owner, seller, currency and UTC month."""
     view = LedgerView(line_filter(visible, owner, seller, period))
     view.update(list(lines))
-    return view.answer(charges=charges, offset=offset, budget=budget)
+    return view.answer(page, budget=budget)
 
 
 class PageRequestError(ValueError):
@@ -335,20 +355,39 @@ class PageRequestError(ValueError):
         self.member = member
 
 
-def page_request(params: Mapping[str, Any]) -> tuple[bool, int, int | None]:
-    """``charges`` (default true), ``charges_offset`` (default 0) and
-    ``charges_bytes`` (default None) of a ledger query; raises
-    :class:`PageRequestError` for a malformed one."""
+@dataclass(frozen=True)
+class PageRequest:
+    """Which page of a ledger query (see :meth:`LedgerView.answer`)."""
+
+    charges: bool = True
+    charges_offset: int = 0
+    charges_bytes: int | None = None
+    totals_offset: int = 0
+    as_of: int | None = None
+
+
+def page_request(params: Mapping[str, Any]) -> PageRequest:
+    """The page a ledger query asks for: ``charges`` (default true),
+    ``charges_offset`` and ``totals_offset`` (default 0), ``charges_bytes``
+    and ``as_of`` (default none); raises :class:`PageRequestError` for a
+    malformed one."""
     charges = params.get("charges", True)
     if not isinstance(charges, bool):
         raise PageRequestError("charges", "must be a boolean")
-    offset = params.get("charges_offset", 0)
-    if type(offset) is not int or offset < 0:
-        raise PageRequestError("charges_offset", "must be an integer >= 0 (the charges_next of the previous page)")
-    budget = params.get("charges_bytes")
-    if budget is not None and (type(budget) is not int or budget < 1):
-        raise PageRequestError("charges_bytes", "must be an integer >= 1")
-    return charges, offset, budget
+    offsets: dict[str, int] = {}
+    for member, previous in (("charges_offset", "charges_next"), ("totals_offset", "totals_next")):
+        value = params.get(member, 0)
+        if type(value) is not int or value < 0:
+            raise PageRequestError(member, f"must be an integer >= 0 (the {previous} of the previous page)")
+        offsets[member] = value
+    bounds: dict[str, int | None] = {}
+    for member, least in (("charges_bytes", 1), ("as_of", 0)):
+        value = params.get(member)
+        if value is not None and (type(value) is not int or value < least):
+            raise PageRequestError(member, f"must be an integer >= {least}")
+        bounds[member] = value
+    return PageRequest(charges, offsets["charges_offset"], bounds["charges_bytes"], offsets["totals_offset"],
+                       bounds["as_of"])
 
 
 class RatingService(ServiceBase):
@@ -496,7 +535,7 @@ class RatingService(ServiceBase):
                 raise ProtocolError("INVALID_ENVELOPE", f"payload.{name} must be a string", {"member": name})
             filters[name] = value
         try:
-            charges, offset, budget = page_request(params)
+            page = page_request(params)
         except PageRequestError as exc:
             raise ProtocolError("INVALID_ENVELOPE", f"payload.{exc}", {"member": exc.member}) from None
         # A page fits the answer's message whatever the requester asks: a busy
@@ -512,6 +551,6 @@ class RatingService(ServiceBase):
         while len(self._views) > _VIEWS_KEPT:
             del self._views[next(iter(self._views))]
         kept.update(self.ledger.lines)
-        view = kept.answer(charges=charges, offset=offset, budget=cap if budget is None else min(budget, cap))
+        view = kept.answer(page, budget=cap)
         view["ledger"] = {"seq": self._next_seq - 1, "lines": len(self.ledger.lines), **self.coverage()}
         return view
