@@ -262,6 +262,7 @@ class LedgerView:
         self._scanned = 0
         self.matching: list[Charge] = []
         self._totals: dict[tuple[str | None, str, str, str], int] = {}
+        self._earlier: tuple[int, dict[tuple[str | None, str, str, str], int]] | None = None
 
     def update(self, lines: Sequence[Charge]) -> None:
         """Take in the lines added to ``lines`` since the last update."""
@@ -292,8 +293,12 @@ class LedgerView:
         lines = self.matching
         sums = self._totals
         if page.as_of is not None and page.as_of < len(lines):
+            # An earlier state (lines rated since the first page): its totals are
+            # summed once and kept for the reader's further pages.
             lines = lines[: page.as_of]
-            sums = ledger_totals(lines)  # an earlier state: rare, one pass
+            if self._earlier is None or self._earlier[0] != page.as_of:
+                self._earlier = (page.as_of, ledger_totals(lines))
+            sums = self._earlier[1]
         rows = [
             {"consumer_owner": k[0], "seller_agent": k[1], "currency": k[2], "period": k[3], "amount_micro": v}
             for k, v in sorted(sums.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
