@@ -19,8 +19,18 @@ pytestmark = pytest.mark.integration
 SHORT = {"mesh.embedded": {"credential_ttl": "6s"}}
 
 
+def _short_lived_hub(daemons: DaemonSet, agents: dict[str, dict[str, str]]) -> DaemonProcess:
+    """An embedded hub ``a`` whose credentials live 6 s, on ports that survive it
+    re-executing itself. Its own 6 s credential can lapse on a loaded machine;
+    a node whose connection is lost for good re-executes, and a port-0 hub came
+    back on other ports, where the node joined to it never found it again (a CI
+    run: B's renewal never came, the control plane refused connections)."""
+    ports = {key: daemons.port_for_restarts() for key in ("port", "control_port", "monitor_port")}
+    return daemons.embedded("a", agents=agents, extra={"mesh.embedded": {**SHORT["mesh.embedded"], **ports}})
+
+
 def test_renewal_before_expiry_and_reconnect_with_the_renewed_credential(meshnode_daemons: DaemonSet) -> None:
-    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
+    a = _short_lived_hub(meshnode_daemons, {"echo": {"plugin": "echo"}})
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     first = b.status()["credential"]["expires_at"]
     echo = a.agent_id("echo")
@@ -36,15 +46,24 @@ def test_renewal_before_expiry_and_reconnect_with_the_renewed_credential(meshnod
     # The broker's clock cannot be offset: this waits for the real expiry (≤ 6 s).
     eventually(lambda: time.time() >= first + 2, what="the first credential's expiry (plus 2 s) passing")
     eventually(lambda: b.status()["mesh"]["connected"], what="B connected again", retry_on=relaunching)
+    # If either daemon started over meanwhile (its own 6 s credential lapsed under
+    # load), B hosts its agent again before it answers for it.
+    eventually(lambda: _serving(b, "echo_b"), what="B serving echo_b", retry_on=relaunching)
     assert b.call(echo, "echo", "after renewal")["output"] == {"ok": "after renewal"}
     assert a.call(b.agent_id("echo_b"), "echo", "both ways")["status"] == "completed"
+
+
+def _serving(node: DaemonProcess, agent: str) -> bool:
+    status = node.status()
+    return status["state"] == "serving" and any(
+        a["name"] == agent and a.get("registered") for a in status["agents"])
 
 
 def test_a_renewal_re_registers_every_agent_with_the_fresh_attestation(meshnode_daemons: DaemonSet) -> None:
     # Roster changes keep the attestation the manifests carry (issue #21); a renewal
     # never does: the kept one would lapse before the next renewal.
     names = [f"echo{i}" for i in range(5)]
-    a = meshnode_daemons.embedded("a", agents={n: {"plugin": "echo"} for n in names}, extra=SHORT)
+    a = _short_lived_hub(meshnode_daemons, {n: {"plugin": "echo"} for n in names})
     ids = [a.agent_id(n) for n in names]
 
     def carried() -> set[str]:
@@ -62,7 +81,7 @@ def test_a_renewal_re_registers_every_agent_with_the_fresh_attestation(meshnode_
 
 
 def test_renewal_after_a_lapse_heals_on_start(meshnode_daemons: DaemonSet) -> None:
-    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=SHORT)
+    a = _short_lived_hub(meshnode_daemons, {"echo": {"plugin": "echo"}})
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     stored = json.loads((b.data_dir / "credential.json").read_text())
     assert b.stop() == 0
@@ -125,12 +144,8 @@ def test_a_node_that_slept_past_its_credential_heals_itself(meshnode_daemons: Da
     import os
     import signal
 
-    # Ports that survive A re-executing itself: A's own 6 s credential can lapse on a
-    # loaded machine too, and a port-0 A came back elsewhere (the monitor URL below
-    # refused for the rest of the test, and B could not have found A again).
-    ports = {key: meshnode_daemons.port_for_restarts() for key in ("port", "control_port", "monitor_port")}
-    monitored = {"mesh.embedded": {**SHORT["mesh.embedded"], **ports}}
-    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra=monitored)
+    # On ports that survive A re-executing itself: the monitor URL below too.
+    a = _short_lived_hub(meshnode_daemons, {"echo": {"plugin": "echo"}})
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
     assert b.process is not None
     pid = b.process.pid
