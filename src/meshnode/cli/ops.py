@@ -147,8 +147,10 @@ def _print(args: argparse.Namespace, result: Any) -> None:
         render(result)
 
 
-def _simple(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> int:
-    code, result = _admin(args, method, params)
+def _simple(
+    args: argparse.Namespace, method: str, params: dict[str, Any] | None = None, *, timeout: float = 30.0
+) -> int:
+    code, result = _admin(args, method, params, timeout=timeout)
     if code == EX_OK:
         _print(args, result)
     return code
@@ -216,9 +218,7 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
     for agent in result["agents"]:
         name = agent["name"]
         if not agent["hosted"]:
-            error = AdminError.from_wire(agent["error"])
-            print(f"meshnode: {name} not hosted: {error.message}", file=sys.stderr)
-            codes.append(exit_code_for(error))
+            codes.append(_failed(name, "hosted", agent["error"]))
             continue
         if not args.json:
             print(f"hosting {name} ({agent.get('id', '?')}), {agent.get('state', '?')}")
@@ -251,11 +251,8 @@ def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
     deregister = not args.keep_registration
     if len(args.names) == 1:
-        code, result = _admin(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister},
-                              timeout=_ROSTER_TIMEOUT_S)
-        if code == EX_OK:
-            _print(args, result)
-        return code
+        return _simple(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister},
+                       timeout=_ROSTER_TIMEOUT_S)
     code, result = _admin(args, "Agents.Remove", {"names": args.names, "deregister": deregister},
                           timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
@@ -264,12 +261,16 @@ def cmd_agents_remove(args: argparse.Namespace) -> int:
         emit_json(result)
     elif result["removed"]:
         print(f"removed {', '.join(result['removed'])}")
-    codes: list[int] = []
-    for name, wire in result["failed"].items():
-        error = AdminError.from_wire(wire)
-        print(f"meshnode: {name} not removed: {error.message}", file=sys.stderr)
-        codes.append(exit_code_for(error))
+    codes = [_failed(name, "removed", wire) for name, wire in result["failed"].items()]
     return next(iter(codes), EX_OK)
+
+
+def _failed(name: str, what: str, wire: dict[str, Any]) -> int:
+    """Say on stderr why agent ``name`` was not ``what`` (its admin error on the
+    wire); the exit code that error stands for."""
+    error = AdminError.from_wire(wire)
+    print(f"meshnode: {name} not {what}: {error.message}", file=sys.stderr)
+    return exit_code_for(error)
 
 
 def cmd_agents_restart(args: argparse.Namespace) -> int:
