@@ -189,14 +189,37 @@ def test_a_ledger_larger_than_one_message_is_read_in_pages(meshnode_daemons: Dae
     assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
 
 
-def test_usage_says_when_the_ledger_misses_events_the_mesh_discarded(meshnode_daemons: DaemonSet) -> None:
+def test_the_ledger_holds_what_the_mesh_keeps_and_says_what_it_misses(meshnode_daemons: DaemonSet) -> None:
     """``MESH_METERING`` is bounded (``[storage] metering_max_bytes``) and
-    discards its oldest events; a rating service that starts after that folds
-    only what is left, and ``usage`` used to show those totals as if whole.
-    Here the bound is 32 KiB and 40 calls make 80 events: after a restart the
-    ledger says how many it misses and from when it is whole, and the CLI says
-    so beside the totals."""
-    daemon = _sold(meshnode_daemons, "bounded", {"storage": {"metering_max_bytes": "32KiB"}}, 40)
+    discards its oldest events. Here the bound is 32 KiB and 40 calls make 80
+    events.
+
+    The running rating service lets the lines of discarded events go with
+    them: its memory follows the stream's bounds, not its uptime (it had kept
+    every line it ever folded), and ``usage`` says from when the lines are.
+    A rating service that starts after the discards folds only what is left,
+    and ``usage`` used to show those totals as if whole: after a restart the
+    ledger says how many events it misses and from when it is whole, and the
+    CLI says so beside the totals; it holds every line the running one did."""
+    daemon = _sold(meshnode_daemons, "bounded", {"storage": {"metering_max_bytes": "32KiB"}}, 0)
+    rounds, calls = 8, 5  # the stream keeps ~19 events: the service reads each round before it is discarded
+    for done in range(1, rounds + 1):
+        for _ in range(calls):
+            assert daemon.call("priced", "generate", {"tokens": 10})["status"] == "completed"
+
+        def round_folded(events: int = 2 * calls * done) -> dict[str, Any] | None:
+            answer: dict[str, Any] = daemon.admin("Usage.Rated", {"source": "ledger"})  # folds what is new
+            return answer if answer["ledger"]["seq"] >= events else None
+
+        running = eventually(round_folded, what=f"the rating service folding round {done}", timeout=60)
+    held = running["ledger"]
+    assert held["complete"] is True and running["events"] + held["dropped"] == 80, running
+    assert held["lines"] == running["events"] < 80 and held["held_from"].startswith("20"), held
+    kept = {(c["meter"], c["envelope_id"]) for c in running["charges"]}
+    human = run_cli("usage", "--source", "ledger", "--socket", daemon.socket_path)
+    assert "older line(s) went with the events the mesh discarded" in human.stdout, human.stdout
+    assert "ledger line(s) left with their events" in daemon.log_text()
+
     daemon.stop()
     daemon.start()
 
@@ -208,7 +231,9 @@ def test_usage_says_when_the_ledger_misses_events_the_mesh_discarded(meshnode_da
     ledger = answer["ledger"]
     assert ledger["complete"] is False and 0 < ledger["missed"] < 80, ledger
     assert answer["events"] + ledger["missed"] == 80, answer  # the rest are in the ledger
+    replayed = daemon.admin("Usage.Rated", {"source": "ledger"})["charges"]
+    assert kept <= {(c["meter"], c["envelope_id"]) for c in replayed}, "the replay lacks a line the service held"
     assert ledger["since"].startswith("20"), ledger
     human = run_cli("usage", "--source", "ledger", "--socket", daemon.socket_path)
     assert f"the ledger misses {ledger['missed']} meter event(s)" in human.stderr, human.stderr
-    assert "metering_max_bytes" in daemon.log_text()
+    assert "before the rating service folded them" in daemon.log_text()

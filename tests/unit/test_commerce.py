@@ -437,6 +437,35 @@ def test_included_resets_each_period_and_new_terms_start_fresh() -> None:
     assert fresh is not None and fresh.amount_micro == 2000, "first-tier rate again under new terms"
 
 
+def test_forgetting_lines_lets_go_of_the_state_only_they_needed() -> None:
+    """A rating service lets go of the lines whose events its stream discarded
+    (the ledger's horizon): the fold forgets their duplicate keys, the spend
+    of interactions only they belonged to and the periods before the oldest
+    line it keeps, and keeps what the held lines' interactions and periods need."""
+    sku = sku_of(PER_UNIT | {"included": {"quantity": 1000, "period": "day"}})
+    rater = Rater([agreement_to(sku)])
+    kw: dict[str, Any] = {"sku": sku, "consumer_owner": OWNER.public_key, "ceiling": Money(10**9, "USD")}
+    plan = [("a", 0), ("b", 0), ("b", DAY), ("c", DAY), ("c", 2 * DAY)]  # (interaction, day offset)
+    events = [event("tokens_out", 1500, i, ts_ms=T0 + at, task_id=task) for i, (task, at) in enumerate(plan)]
+    lines = [rater.rate(e, **kw) for e in events]
+    assert all(lines) and rater.spent("a") == 750 and rater.spent("b") == 2250 + 750  # day 0 included 1000 once
+    whole = rater.state_size()
+
+    # The first day's events leave: "a" is forgotten, "b" is kept (a later line of it is held).
+    dropped, held = [c for c in lines[:2] if c], [c for c in lines[2:] if c]
+    rater.forget(dropped, held)
+    assert rater.spent("a") == 0 and rater.spent("b") == 3000 and rater.state_size() < whole
+    again = rater.rate(events[0], **kw)
+    assert again is not None and again.amount_micro == 750, "a forgotten event (and day) rates as new"
+    assert rater.rate(events[2], **kw) is None, "a held line's event is still a duplicate"
+    # The second day's included quantity was used by the held lines, and is still.
+    late = rater.rate(event("tokens_out", 1000, 9, ts_ms=T0 + DAY + 1), **kw)
+    assert late is not None and late.amount_micro == 1500
+
+    rater.forget([*held, again, late], [])
+    assert rater.state_size() == 0
+
+
 def test_revocation_stops_future_charges_only() -> None:
     sku = sku_of(PER_UNIT)
     record = AgreementRecord(agreement_to(sku), revoked_at_ms=T0 + 2 * 3_600_000)

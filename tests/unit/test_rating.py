@@ -196,6 +196,40 @@ async def test_the_fold_charges_replays_identically_and_clamps_at_the_ceiling(sh
     assert growing.answer() == ledger_view(ledger.lines, seller=seller.agent_id)
 
 
+async def test_the_ledger_lets_go_of_the_lines_whose_events_the_stream_discarded(shop: Any) -> None:
+    """The ledger holds what the stream holds: lines of events stored before
+    the stream's first message go, with their duplicate keys, and a replay of
+    the events still held gives the very same lines."""
+    node, seller, buyer, gate, published = shop
+    _agree(node, gate, seller, "generate")
+    for rid in ("r1", "r2", "r3"):
+        await _serve(gate, seller, _request(buyer, rid, ceiling=10**6), "generate",
+                     [{"meter": "tokens_out", "quantity": 10}])
+    charge = A2ACharge(peer="weather", task_key="task:t1", message_id="m1", task_id="t1", agent=buyer.agent_id,
+                       execution_id="e1", mesh=True, report="verified", reported_spend="0.3",
+                       contract_price="0.10", charged="0.3", currency="USD", charged_at_ms=NOW)
+    await published(buyer, charge_event(charge, node.node_id), "a2a_charge")
+    ledger = Ledger()
+    seqs = [10 * (i + 1) for i in range(len(published.envelopes))]  # other events in between
+    for env, seq in zip(published.envelopes, seqs, strict=True):
+        ledger.fold(env, seq)
+    assert ledger.seqs == seqs and ledger.held_before(31) == 3 and ledger.held_before(70) == 6
+    remembered = ledger.state_size()
+
+    assert ledger.forget_before(31) == 3 and ledger.dropped == 3 and ledger.seqs == seqs[3:]
+    replay = Ledger()
+    for env, seq in zip(published.envelopes[3:], seqs[3:], strict=True):
+        replay.fold(env, seq)
+    assert ledger.lines == replay.lines and ledger.state_size() < remembered
+    assert ledger.fold(published.envelopes[4], 80) is None, "a held line's event is still a duplicate"
+    assert ledger.fold(published.envelopes[0], 80) is not None, "a forgotten one rates as new"
+
+    held = len(ledger.lines)
+    assert ledger.forget_before(10**6) == held and ledger.dropped == 3 + held
+    assert ledger.lines == [] and ledger.state_size() == 0
+    assert ledger.fold(published.envelopes[6], 10**6) is not None, "the A2A charge's key went with its line"
+
+
 def _lines_of_many_owners(count: int) -> list[Charge]:
     """``count`` charged lines, each of another consumer owner: one totals row each."""
     return [
@@ -255,6 +289,42 @@ def test_usage_reads_every_page_as_of_its_first(monkeypatch: pytest.MonkeyPatch)
     assert code == 0 and len(asked) > 2 and all(p.get("as_of") == 20 for p in asked[1:])
     assert result["charges"] == snapshot["charges"] and result["totals"] == snapshot["totals"]
     assert result["events"] == 20 and (result["charges_next"], result["totals_next"]) == (None, None)
+
+
+def test_usage_starts_over_when_the_ledger_lets_lines_go_between_pages(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lines let go between two pages shift the offsets: the CLI sees the
+    answer's ``ledger.dropped`` move, reads again, and gives up (EX_TEMPFAIL,
+    saying why) only when that keeps happening."""
+    from meshnode.cli import agreements as cli
+    from meshnode.cli.exitcodes import EX_TEMPFAIL
+
+    lines = _lines_of_many_owners(60)
+
+    class Service:
+        first = 0  # the oldest line held
+        asked = 0
+        let_go_at: ClassVar[set[int]] = {3}  # the requests before which it lets ten lines go
+
+    def admin(args: object, method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        Service.asked += 1
+        if Service.asked in Service.let_go_at:
+            Service.first += 10
+        view = LedgerView(line_filter())
+        view.update(lines[Service.first:])
+        return 0, {**view.answer(page_request(params), budget=2500), "ledger": {"dropped": Service.first}}
+
+    monkeypatch.setattr(cli, "_admin", admin)
+    code, result = cli._usage_pages(argparse.Namespace(), {"charges": True})
+    assert code == 0 and Service.asked > 4
+    assert result["charges"] == ledger_view(lines[10:])["charges"] and result["events"] == 50
+    assert result["totals"] == ledger_view(lines[10:])["totals"]
+
+    Service.first, Service.asked, Service.let_go_at = 0, 0, {2, 4, 6, 8, 10}  # every read's second page
+    code, result = cli._usage_pages(argparse.Namespace(), {"charges": True})
+    assert (code, result, Service.asked) == (EX_TEMPFAIL, None, 10)
+    assert "let lines go while it was read" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_CANTCREAT, EX_OK, EX_USAGE
+from .exitcodes import EX_CANTCREAT, EX_OK, EX_TEMPFAIL, EX_USAGE
 from .output import emit_json, read_json_document
 
 
@@ -101,6 +101,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
               f"the rating service read them (it is whole from {ledger.get('since') or '?'} on): their charges "
               "are not in these figures; [storage] metering_max_bytes sets how much the mesh keeps",
               file=sys.stderr)
+    if isinstance(ledger, dict) and ledger.get("dropped"):
+        # The ledger's horizon: what the mesh still keeps of the meter events.
+        where += (f", from {ledger.get('held_from') or 'its latest events'} on ({ledger['dropped']} older line(s) "
+                  "went with the events the mesh discarded; [storage] metering_max_bytes)")
     if not result["events"]:
         print(f"no usage recorded ({where})")
         return EX_OK
@@ -115,11 +119,34 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+#: Reads of the ledger started over because it let lines go meanwhile, before giving up.
+_USAGE_READS = 5
+
+
 def _usage_pages(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
     """``Usage.Rated`` with every page of its charges and totals. Later pages
     ask ``as_of`` the first page's ``events``: they answer for the lines the
     first one counted, so the lines and the totals agree while the ledger
-    grows."""
+    grows. When the ledger lets its oldest lines go between two pages (its
+    ``ledger.dropped`` moves: the mesh discarded their events), the pages no
+    longer line up and the read starts over."""
+    for _ in range(_USAGE_READS):
+        code, result = _usage_read(args, params)
+        if code != EX_OK or result is not None:
+            return code, result
+    print(f"meshnode: usage: the ledger let lines go while it was read, {_USAGE_READS} times in a row (the mesh "
+          "discards meter events as fast as they come: [storage] metering_max_bytes); try again, or narrow the "
+          "query with --owner, --seller or --period", file=sys.stderr)
+    return EX_TEMPFAIL, None
+
+
+def _dropped(answer: dict[str, Any]) -> object:
+    ledger = answer.get("ledger")
+    return ledger.get("dropped") if isinstance(ledger, dict) else None
+
+
+def _usage_read(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
+    """One read of every page (:func:`_usage_pages`): (code, None) to start over."""
     code, first = _admin(args, "Usage.Rated", params)
     if code != EX_OK:
         return code, None
@@ -136,6 +163,8 @@ def _usage_pages(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int,
         code, page = _admin(args, "Usage.Rated", ask)
         if code != EX_OK:
             return code, None
+        if _dropped(page) != _dropped(first):
+            return EX_OK, None  # lines let go in between: the offsets moved
         if not page["charges"] and not page["totals"]:
             break  # the ledger was folded anew meanwhile (a restarted rating service): what was read stands
         for part in ("charges", "totals"):

@@ -113,7 +113,9 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
         "(source ledger), else this node's usage log replayed against the held agreements (source local). events "
         "counts the matching charges and totals adds them up; charges and totals are one page each (no charges "
         "with charges=false; together at most charges_bytes and half a reply), charges_next / totals_next the "
-        "next page's offsets (null: the last); as_of (the first page's events) keeps later pages to those lines",
+        "next page's offsets (null: the last); as_of (the first page's events) keeps later pages to those lines. "
+        "ledger: {seq, lines, complete, missed, since?, dropped, held_from?}; when its dropped differs between "
+        "two pages the ledger let lines go in between (the mesh discarded their events): read again from the first",
     )
     methods.add(
         "Agreements.Revoke", ops.revoke, level="admin",

@@ -31,9 +31,20 @@ What is rated (:class:`Ledger`):
     signed by the calling agent, which thereby records its own debt; kept as a
     ledger line as stated (sku ``a2a:<peer>``, meter ``a2a_calls``).
 
+Horizon: the ledger holds the lines of the events the stream still holds.
+When ``MESH_METERING`` discards its oldest events (its bounds above), their
+lines go too, with the rating state only they needed (duplicate keys,
+interaction spend, earlier periods' aggregates), once they are an eighth of
+the ledger. The running service thus holds what a restarted one's replay
+would, plus at most that eighth, and its memory follows the stream's
+bounds, not its uptime (a line and
+its keys take ~0.5 KB, its event ~1.7 KB of the stream: the default 16 MiB
+is some 10,000 events and ~5 MB of ledger). Keep a longer record by raising
+``metering_max_bytes``.
+
 Idempotent on the deriving envelope: a redelivered or republished meter event
 (same ``(meter, envelope_id)``) and a repeated A2A charge (same ``(peer,
-task_key)``) are charged once.
+task_key)``) are charged once within the horizon.
 
 Subject (the contract):
 
@@ -50,6 +61,9 @@ Subject (the contract):
     ``ledger.complete`` is false when the stream had discarded events before
     this instance read them (``ledger.missed`` of them; ``ledger.since``: the
     ledger is whole from then on): their charges are not in the ledger.
+    ``ledger.dropped`` counts the lines let go since because the stream
+    discarded their events (see *Horizon*); it changes between two pages
+    only when lines were let go in between: a reader then starts over.
 
     A requester sees the lines whose consumer owner is its owner (the
     registry's ``owner`` of its manifest, or the requester itself when it is
@@ -60,6 +74,7 @@ Subject (the contract):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -112,6 +127,8 @@ _FETCH_BATCH = 256
 _FETCH_TIMEOUT_S = 2.0
 #: Query answers kept up to date between queries (see RatingService._views).
 _VIEWS_KEPT = 16
+#: Lines of discarded events are let go once they are this share (1/n) of the ledger.
+_FORGET_SHARE = 8
 
 
 class AgreementSource(Protocol):
@@ -143,6 +160,10 @@ class Ledger:
 
     agreements: Iterable[Agreement | AgreementRecord] = ()
     lines: list[Charge] = field(default_factory=list)
+    #: The stream sequence of each line's event, ascending (parallel to ``lines``).
+    seqs: list[int] = field(default_factory=list)
+    #: Lines let go by :meth:`forget_before` (their events left the stream).
+    dropped: int = 0
     stats: Counter[str] = field(default_factory=Counter)
     _rater: Rater = field(init=False)
     _a2a_seen: set[tuple[str, str]] = field(default_factory=set)
@@ -151,7 +172,47 @@ class Ledger:
     def __post_init__(self) -> None:
         self._rater = Rater(list(self.agreements))
 
-    def fold(self, env: Mapping[str, Any]) -> Charge | None:
+    def fold(self, env: Mapping[str, Any], seq: int | None = None) -> Charge | None:
+        """Rate one envelope, the stream's message ``seq`` (default: the one
+        after the last line's)."""
+        charge = self._rate(env)
+        if charge is not None:
+            self.lines.append(charge)
+            self.seqs.append(seq if seq is not None else (self.seqs[-1] + 1 if self.seqs else 1))
+        return charge
+
+    def held_before(self, first_seq: int) -> int:
+        """How many lines rate events stored before stream sequence ``first_seq``."""
+        return bisect.bisect_left(self.seqs, first_seq)
+
+    def forget_before(self, first_seq: int) -> int:
+        """Let go of the lines of events stored before ``first_seq`` (the
+        stream's first message: the rest were discarded), and of the rating
+        state only they needed (:meth:`Rater.forget`); returns how many.
+
+        This is the ledger's horizon: it holds what the stream holds, as a
+        fresh replay would, so its memory is bounded by the stream's bounds
+        and not by how long the service has run. An event of a forgotten
+        line, published again, is rated as new (a replay could not know it)."""
+        count = self.held_before(first_seq)
+        if not count:
+            return 0
+        gone = self.lines[:count]
+        del self.lines[:count]
+        del self.seqs[:count]
+        self.dropped += count
+        self._rater.forget((c for c in gone if c.meter != A2A_METER), self.lines)
+        for c in gone:
+            if c.meter == A2A_METER and c.interaction is not None:
+                self._a2a_seen.discard((c.seller_agent.removeprefix("a2a:"), c.interaction))  # (peer, task_key)
+        return count
+
+    def state_size(self) -> int:
+        """The entries the fold remembers beside its lines (duplicate keys,
+        period aggregates, interaction spend): bounded by :meth:`forget_before`."""
+        return self._rater.state_size() + len(self._a2a_seen)
+
+    def _rate(self, env: Mapping[str, Any]) -> Charge | None:
         try:
             verify_envelope(env)
         except ProtocolError:
@@ -203,7 +264,6 @@ class Ledger:
             self.stats["duplicate"] += 1
             return None
         self.stats[f"rated.{charge.outcome.value}"] += 1
-        self.lines.append(charge)
         return charge
 
     def _carry(self, document: object, seller: str) -> None:
@@ -245,7 +305,6 @@ class Ledger:
             interaction=task_key, ts_ms=at_us // 1000,
         )
         self.stats["rated.a2a"] += 1
-        self.lines.append(charge)
         return charge
 
 
@@ -458,9 +517,11 @@ class RatingService(ServiceBase):
             if not self.running:
                 return 0
             try:
-                last = (await js.stream_state(subjects.MESH_METERING)).last_seq
+                state = await js.stream_state(subjects.MESH_METERING)
             except NotFound:
                 return 0  # the stream is not provisioned (yet): nothing to fold
+            last = state.last_seq
+            self._follow_horizon(state.first_seq)
             if last < self._next_seq:
                 return 0
             reader = await js.reader(subjects.MESH_METERING, start_seq=self._next_seq)
@@ -481,10 +542,27 @@ class RatingService(ServiceBase):
                         except ProtocolError:
                             self.ledger.stats["refused.garbage"] += 1
                             continue
-                        self.ledger.fold(env)
+                        self.ledger.fold(env, stored.seq)
             finally:
                 await reader.close()
         return read
+
+    def _follow_horizon(self, first_seq: int) -> None:
+        """Forget the lines whose events the stream no longer holds
+        (:meth:`Ledger.forget_before`), once they are an eighth of the ledger:
+        its memory stays within the stream's bounds plus that eighth, and the
+        query views (rebuilt on the next query) are not thrown away on every
+        discarded event."""
+        prunable = self.ledger.held_before(first_seq)
+        if not prunable or prunable < len(self.ledger.lines) // _FORGET_SHARE:
+            return
+        self.ledger.forget_before(first_seq)
+        self._views.clear()  # their lines and totals include the forgotten lines
+        self.log.info(
+            "%d ledger line(s) left with their events (%s keeps from seq %d, [storage] metering_max_bytes); "
+            "%d held, %d let go since start", prunable, subjects.MESH_METERING, first_seq,
+            len(self.ledger.lines), self.ledger.dropped,
+        )
 
     def _discarded(self, count: int, next_seq: int, stored_ms: int | None) -> None:
         """``count`` events before ``next_seq`` were gone when this instance came
@@ -504,11 +582,17 @@ class RatingService(ServiceBase):
     def coverage(self) -> dict[str, Any]:
         """What the ledger covers: ``complete`` when this instance folded every
         event the stream ever held; else ``missed`` (how many it never saw)
-        and ``since`` (from when on it is whole)."""
+        and ``since`` (from when on it is whole). ``dropped``: lines let go
+        because the stream discarded their events since (the ledger's
+        horizon, :meth:`Ledger.forget_before`); ``held_from``: the time of
+        the oldest line held once any was."""
+        held: dict[str, Any] = {"dropped": self.ledger.dropped}
+        if self.ledger.dropped and self.ledger.lines:
+            held["held_from"] = format_ts(self.ledger.lines[0].ts_ms)
         if not self._missed:
-            return {"complete": True, "missed": 0}
+            return {"complete": True, "missed": 0, **held}
         since = format_ts(self._whole_since_ms) if self._whole_since_ms is not None else None
-        return {"complete": False, "missed": self._missed, "since": since}
+        return {"complete": False, "missed": self._missed, "since": since, **held}
 
     async def _follow(self) -> None:
         while self.running:

@@ -172,6 +172,44 @@ class Rater:
         """Micro-units charged so far against one interaction."""
         return self._interaction_charged.get(interaction, 0)
 
+    def state_size(self) -> int:
+        """How many entries the fold's memory holds (duplicate keys, period
+        aggregates, interaction spend): what :meth:`forget` bounds."""
+        return len(self._seen) + len(self._included_used) + len(self._billable) + len(self._interaction_charged)
+
+    def forget(self, dropped: Iterable[Charge], held: Iterable[Charge]) -> None:
+        """Let go of the state only ``dropped`` lines still needed; ``held``
+        are the lines kept, all later in the stream than the dropped ones.
+
+        Forgotten: the dropped lines' duplicate keys (their events would rate
+        as new again), the spend of interactions no held line belongs to, and
+        the included-quantity and period aggregates of UTC periods before the
+        oldest held line's. Kept: what the held lines' interactions and
+        periods still need, so events still to come rate as they would have
+        unless they belong to a forgotten interaction or period. None of the
+        forgotten state is known to a fresh ``Rater`` replaying the held
+        lines' events either: the memory follows the window, not the time
+        the fold has run."""
+        held = list(held)
+        live = {c.interaction or c.envelope_id for c in held}
+        for c in dropped:
+            self._seen.discard((c.meter, c.envelope_id))
+            key = c.interaction or c.envelope_id
+            if key not in live:
+                self._interaction_charged.pop(key, None)
+        dated = [c.ts_ms for c in held if c.ts_ms > 0]
+        if not held:
+            self._included_used.clear()
+            self._billable.clear()
+            return
+        if not dated:
+            return  # no readable time to date the periods by: keep them
+        oldest = min(dated)
+        current = {10: period_key(Period.DAY, oldest), 7: period_key(Period.MONTH, oldest)}
+        for state in (self._included_used, self._billable):
+            for stale in [k for k in state if k[-1] < current.get(len(k[-1]), "")]:
+                del state[stale]
+
     def rate(
         self,
         event: Mapping[str, Any],
