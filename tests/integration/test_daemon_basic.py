@@ -48,10 +48,14 @@ def test_embedded_node_serves_and_stops_cleanly(meshnode_daemons: DaemonSet) -> 
     # ...and no asyncio task count (it walks every task); the full form counts them.
     assert brief["process"]["asyncio_tasks"] is None and status["process"]["asyncio_tasks"] > 0
     assert brief["process"]["rss_bytes"] > 0
+    for process in (brief["process"], status["process"]):  # the kernel's high-water mark lags its RSS
+        assert process["max_rss_bytes"] >= process["rss_bytes"], process
     assert status["agent_summary"]["registered"] == sum(1 for a in status["agents"] if a.get("registered"))
     assert status["agent_summary"]["failed"] >= 1  # "bad" failed to start
     text = run_cli("status", "--brief", "--socket", node.socket_path).stdout
     assert f"{status['agent_summary']['hosted']} hosted" in text and by_name["echo"]["id"] not in text
+    # A hub nobody joined yet says so (it printed a bare table header).
+    assert "no node has joined this mesh" in run_cli("mesh", "nodes", "--socket", node.socket_path).stdout
 
     result = node.call("echo", "echo", {"x": [1, 2]})
     assert result == {"status": "completed", "output": {"ok": {"x": [1, 2]}}, "from": by_name["echo"]["id"],

@@ -234,3 +234,19 @@ def test_otlp_bridge_exports_spans_with_the_mesh_ids() -> None:  # pragma: no co
     assert second.status.status_code == StatusCode.ERROR and second.status.description == "INTERNAL_ERROR"
     assert second.resource.attributes["agentmesh.agent.id"] == AGENT.public_key
     assert second.attributes["agentmesh.error_code"] == "INTERNAL_ERROR"
+
+
+def test_the_peak_rss_never_reads_below_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel folds its per-thread RSS counters into ``ru_maxrss`` lazily:
+    ``meshnode status`` showed "RSS 67.1 MiB (peak 66.9 MiB)"."""
+    import resource
+
+    from meshnode.daemon import operations
+
+    class Usage:
+        ru_maxrss = 1  # KiB: far below any real RSS
+
+    monkeypatch.setattr(resource, "getrusage", lambda _who: Usage())
+    figures = operations.process_figures(count_tasks=False)
+    rss = figures["rss_bytes"]
+    assert isinstance(rss, int) and rss > 1024 and figures["max_rss_bytes"] == rss

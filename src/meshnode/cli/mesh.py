@@ -193,6 +193,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result, indent=None)
         return EX_OK
+    if not result["nodes"] and not any(t["state"] == "pending" for t in result.get("tokens", [])):
+        print("no node has joined this mesh, and no invitation is pending (this node is its hub: "
+              "`meshnode mesh invite NAME` makes an invitation)")
+        return EX_OK
     print(f"{'NAME':<20} {'PROFILE':<7} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
     for n in result["nodes"]:
         state = "retired" if n["retired_at"] is not None else "active"

@@ -493,7 +493,13 @@ def process_figures(*, count_tasks: bool = True) -> dict[str, int | None]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     except (OSError, ValueError):
         peak = None
-    return {**runtime_gauges(count_tasks=count_tasks), "max_rss_bytes": peak}
+    gauges = runtime_gauges(count_tasks=count_tasks)
+    rss = gauges.get("rss_bytes")
+    if peak is not None and isinstance(rss, int):
+        # The kernel folds its per-thread RSS counters into the high-water mark
+        # lazily: read a moment apart, the peak could show below the current RSS.
+        peak = max(peak, rss)
+    return {**gauges, "max_rss_bytes": peak}
 
 
 def runtime_gauges(*, count_tasks: bool = True) -> dict[str, int | None]:
