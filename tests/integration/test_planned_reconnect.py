@@ -416,15 +416,25 @@ async def test_subscriptions_made_while_the_bridge_stands_in_get_their_mail(
     connection was back found no subscriber, and a sandbox agent's was lost
     (§16.4). Here one subscription is made while the bridge opens and one
     while the connection is away; the mail published to each while the
-    connection is away must arrive, once, and the mail after it too."""
+    connection is away must arrive, once, and the mail after it too.
+
+    A JetStream push consumer (a task's update consumer) bound while the
+    connection is away needs no bridge: the server delivers to its subject
+    only while someone listens there, so what is stored meanwhile is
+    delivered once the connection is back, not after the ack wait (an hour
+    here, so the test's wait would fail on it)."""
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
     from meshnode.transport.connection import _Bridge, flush_written
 
-    conn, peer = _pair(mesh, "late subscriptions")
-    got: dict[str, list[bytes]] = {"test.opening": [], "test.away": []}
+    conn, peer = _pair(mesh, "late subscriptions", allowed=(">",))
+    got: dict[str, list[bytes]] = {"test.opening": [], "test.away": [], "test.js.away": []}
 
     def collector(subject: str) -> Callable[[Message], Awaitable[None]]:
         async def collect(msg: Message) -> None:
             got[subject].append(msg.data)
+            if subject.startswith("test.js."):
+                await msg.ack()
 
         return collect
 
@@ -454,14 +464,24 @@ async def test_subscriptions_made_while_the_bridge_stands_in_get_their_mail(
             return  # the close at the end
         away.append(True)
         await conn.subscribe("test.away", collector("test.away"))
+        await conn.jetstream.bind_push("LATE", "late", "test.deliver.late", collector("test.js.away"))
         bridge = conn._bridge
         assert bridge is not None, "no bridge stands in"
         await flush_written(bridge)  # its subscriptions are in force at the broker
+        await publish_each(b"while away")
+
+    async def publish_each(data: bytes) -> None:
         for subject in got:
-            await peer.publish(subject, b"while away")
+            if subject.startswith("test.js."):
+                await peer.jetstream.publish(subject, data)  # stored, then delivered to the consumer
+            else:
+                await peer.publish(subject, data)
         await peer.flush()
 
     nc._disconnected_cb = while_away
+    await peer.jetstream.native.add_stream(StreamConfig(name="LATE", subjects=["test.js.>"]))
+    await peer.jetstream.native.add_consumer("LATE", ConsumerConfig(
+        durable_name="late", deliver_subject="test.deliver.late", ack_policy=AckPolicy.EXPLICIT, ack_wait=HOUR_S))
     try:
         await conn.subscribe("test.before", ignore)
         await conn.flush()
@@ -469,9 +489,7 @@ async def test_subscriptions_made_while_the_bridge_stands_in_get_their_mail(
         await eventually_async(lambda: conn.is_connected and conn._bridge is None and bool(away),
                                what="the reconnect back, its bridge closed")
         await eventually_async(lambda: all(got.values()), what="the mail sent while away", detail=lambda: got)
-        for subject in got:
-            await peer.publish(subject, b"after")
-        await peer.flush()
+        await publish_each(b"after")
         expected = {subject: [b"while away", b"after"] for subject in got}
         await eventually_async(lambda: all(len(v) >= 2 for v in got.values()), what="the mail sent after",
                                detail=lambda: got)
