@@ -3,6 +3,7 @@ rating service's batched catch-up (meshnode.services.rating.RatingService)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, cast
 
@@ -138,6 +139,40 @@ async def test_rating_catches_up_in_batches(shop: Any) -> None:
         await eventually_async(lambda: outbox.pending == 0, what="published")
         assert await service.catch_up() == 2
         assert len(service.ledger.lines) == 602
+    finally:
+        await service.stop()
+
+
+async def test_rating_looks_again_soon_while_events_keep_coming(shop: Any) -> None:
+    """The service follows MESH_METERING by looking every 2 s; a busy mesh can
+    pass more than the stream's bound between two such looks, and the events
+    discarded meanwhile were never rated. After a look that found events it
+    looks again after 0.1 s."""
+    from meshnode.services import rating
+
+    node, seller, buyer, gate, outbox, js = shop
+    ctx = ServiceContext(connection=cast(Any, node.connection), key=KeyPair.generate(), node_id=node.node_id)
+    service = RatingService(ctx)
+    pauses: list[float] = []
+    looked = asyncio.Event()
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 1:  # events arrive while the service waits after its first look
+            await _serve(gate, seller, buyer, "r1")
+            await eventually_async(lambda: outbox.pending == 0, what="published")
+        elif len(pauses) == 3:
+            looked.set()
+            await asyncio.Event().wait()  # the test has seen enough: wait for the stop
+        await asyncio.sleep(0)
+
+    service._pause = pause  # type: ignore[method-assign]
+    await service.start()  # its own catch-up at start, then the follow loop's
+    try:
+        await asyncio.wait_for(looked.wait(), timeout=30)
+        # Nothing at first (idle), two events on the next look (soon again), then idle.
+        assert pauses == [rating._CATCH_UP_S, rating._BUSY_CATCH_UP_S, rating._CATCH_UP_S]
+        assert len(service.ledger.lines) == 2
     finally:
         await service.stop()
 

@@ -121,6 +121,8 @@ __all__ = [
 A2A_METER = "a2a_calls"
 #: How often the service reads what MESH_METERING gained while nobody asked.
 _CATCH_UP_S = 2.0
+#: ... and how soon it looks again after a look found new events.
+_BUSY_CATCH_UP_S = 0.1
 #: Meter events read per round trip when catching up (§19.6 replay of a full stream).
 _FETCH_BATCH = 256
 #: How long one batch may take to arrive (the range is known to be stored).
@@ -596,13 +598,20 @@ class RatingService(ServiceBase):
 
     async def _follow(self) -> None:
         while self.running:
+            read = 0
             try:
-                await self.catch_up()
+                read = await self.catch_up()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a disconnect, a leaderless stream: retried
                 self.log.warning("reading %s failed: %s", subjects.MESH_METERING, exc)
-            await asyncio.sleep(_CATCH_UP_S)
+            # While events keep coming, look again soon: the stream discards its
+            # oldest at its bound, and a busy mesh can pass more than the bound
+            # (~10,000 events in the default 16 MiB) between two looks 2 s apart.
+            await self._pause(_BUSY_CATCH_UP_S if read else _CATCH_UP_S)
+
+    async def _pause(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     def _visible_to(self, requester: str) -> Callable[[Charge], bool]:
         owner = self.owner_of(requester) or requester
