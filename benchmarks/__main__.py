@@ -13,7 +13,9 @@ default set either); see :mod:`benchmarks.burst`. ``python -m benchmarks subscri
 plain ones (not in the default set); see :func:`benchmarks.bench_scale.run_subscribers`.
 ``python -m benchmarks roster [--agents N]`` adds N agents to a joined node one
 after another, by a reload and all at once (not in the default set); see
-:mod:`benchmarks.roster`.
+:mod:`benchmarks.roster`. ``python -m benchmarks priced [--minutes N]
+[--metering-bytes 4MiB]`` is priced traffic against a small ``MESH_METERING``
+(not in the default set); see :mod:`benchmarks.priced`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from . import (
     bench_canonical,
     bench_drain,
     bench_inbox,
+    bench_metering,
     bench_register,
     bench_residual,
     bench_roundtrip,
@@ -48,6 +51,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "residual": bench_residual.run,
     "inbox": bench_inbox.run,
     "tasktally": bench_tasktally.run,
+    "metering": bench_metering.run,
 }
 
 
@@ -251,9 +255,19 @@ def main() -> int:
     parser.add_argument("--agents", type=_agents, default=None,
                         help="agent counts for the scale and register benchmarks (default 100,1000,10000 and "
                              "1000,10000; quick: 100,1000 and 1000)")
-    parser.add_argument("--minutes", type=float, default=60.0, help="soak only: how long to run (default 60)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="soak and priced only: how long to run (default 60 for soak, 5 for priced)")
     parser.add_argument("--seconds", type=float, default=90.0, help="burst only: how long to run (default 90)")
+    parser.add_argument("--metering-bytes", default="4MiB",
+                        help="priced only: [storage] metering_max_bytes of its daemon (default 4MiB)")
     args = parser.parse_args()
+    if "priced" in args.names:
+        from . import priced
+
+        priced.run(quick=args.quick, minutes=args.minutes or 5.0, metering_bytes=args.metering_bytes)
+        args.names = [n for n in args.names if n != "priced"]
+        if not args.names:
+            return 0
     if "burst" in args.names:
         from . import burst
 
@@ -276,7 +290,7 @@ def main() -> int:
     if "soak" in args.names:
         from . import soak
 
-        soak.run(quick=args.quick, minutes=args.minutes)
+        soak.run(quick=args.quick, minutes=args.minutes or 60.0)
         args.names = [n for n in args.names if n != "soak"]
         if not args.names:
             return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,7 +24,7 @@ from meshnode.node.port import NodePort
 from meshnode.protocol.envelope import IdGenerator
 from meshnode.protocol.protections import DedupMemory, InboundGuard
 from meshnode.transport.connection import MeshConnection, Message
-from meshnode.transport.errors import NotFound, TransportTimeout
+from meshnode.transport.errors import NotFound, TransportError, TransportTimeout
 from meshnode.transport.grants import Grants
 from meshnode.transport.jetstream import PubAck, StoredMessage, StreamState
 
@@ -130,6 +130,18 @@ class FakeJetStream:
         seq = stored[-1].seq + 1 if stored else 1
         stored.append(StoredMessage(seq, subject, bytes(data), headers))
         return PubAck(stream, seq, False)
+
+    async def publish_in_flight(self, messages: Sequence[tuple[str, bytes, dict[str, str] | None]], *,
+                                timeout: float) -> list[PubAck | TransportError]:
+        """Each message as :meth:`publish` would take it, one round trip counted for the lot."""
+        self.calls["publish_in_flight"] += 1
+        results: list[PubAck | TransportError] = []
+        for subject, data, headers in messages:
+            try:
+                results.append(await self.publish(subject, data, headers=headers))
+            except TransportError as exc:
+                results.append(exc)
+        return results
 
     async def publish_deduplicated(self, subject: str, data: bytes, *, msg_id: str, within_s: float = 20.0) -> PubAck:
         return await self.publish(subject, data, headers={"Nats-Msg-Id": msg_id})

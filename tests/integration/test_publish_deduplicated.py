@@ -80,3 +80,33 @@ async def test_a_publish_nobody_stores_yet_is_retried_until_the_stream_is_there(
 async def test_a_publish_still_not_acked_after_its_time_raises(client: MeshConnection) -> None:
     with pytest.raises(NoResponders):
         await client.jetstream.publish_deduplicated("v.x", b"m", msg_id="m-3", within_s=0.5)
+
+
+async def test_messages_published_in_flight_are_stored_in_order_each_with_its_own_answer(
+    client: MeshConnection,
+) -> None:
+    """``publish_in_flight`` writes every message before waiting for any ack
+    (the meter outbox's window): the stream stores them in the order given,
+    each gets its own ack; one published again (same ``Nats-Msg-Id``) is
+    answered as a duplicate, and one no stream stores as NoResponders, without
+    failing the others."""
+    await client.jetstream.native.add_stream(StreamConfig(name="W", subjects=["w.>"], duplicate_window=120))
+    messages: list[tuple[str, bytes, dict[str, str] | None]] = [
+        (f"w.{i % 3}", f"m{i}".encode(), {"Nats-Msg-Id": f"id-{i}"}) for i in range(1000)
+    ]
+    acks = await client.jetstream.publish_in_flight(messages, timeout=30)
+    assert [getattr(a, "seq", None) for a in acks] == list(range(1, 1001)), [a for a in acks if not hasattr(a, "seq")][:3]
+    reader = await client.jetstream.reader("W", start_seq=1)
+    try:
+        stored: list[bytes] = []
+        while len(stored) < 1000:
+            stored.extend(m.data for m in await reader.fetch(256, timeout=5))
+    finally:
+        await reader.close()
+    assert stored == [data for _, data, _ in messages]
+
+    again = await client.jetstream.publish_in_flight(
+        [messages[5], ("nowhere.x", b"lost", None), ("w.new", b"new", {"Nats-Msg-Id": "id-new"})], timeout=30)
+    assert getattr(again[0], "duplicate", None) is True and getattr(again[0], "seq", None) == 6
+    assert isinstance(again[1], NoResponders)
+    assert getattr(again[2], "seq", None) == 1001

@@ -167,3 +167,16 @@ def test_the_soak_lists_its_warnings_by_kind() -> None:
         "meshnode.agent.*: inbound refused (inbound_duplicate) from # id": 2,
         "meshnode.storage: JetStream store low: stream MESH_TASKS: #": 1,
     }
+
+
+@pytest.mark.integration  # a real nats-server: not in `make test-fast`
+def test_metering_benchmark_publishes_every_event_both_ways() -> None:
+    """A few hundred meter events through the outbox, one at a time and a
+    window at a time: the stream holds each once after each pass (its own
+    check), and both rates are reported."""
+    from benchmarks import bench_metering
+    from benchmarks.harness import run_loop
+
+    result = run_loop(bench_metering.measure(300))
+    assert result["events"] == 300 and result["window"] > 1
+    assert result["one_in_flight_events_per_s"] > 0 and result["windowed_events_per_s"] > 0
