@@ -206,6 +206,8 @@ def test_status_and_metrics_report_the_store_and_a_full_stream_is_logged_once(
     assert tasks_reason.endswith("full, it drops its oldest messages"), tasks_reason
     text = host.log_text()
     assert text.count("JetStream store low: stream MESH_TASKS") == 1, text
+    (warning,) = [line for line in text.splitlines() if "JetStream store low: stream MESH_TASKS" in line]
+    assert "refuses writes" not in warning and "to keep more history" in warning, warning  # it refuses nothing
     metrics = host.admin("Metrics")["runtime"]
     assert metrics["jetstream_store_limit_bytes"] == ACCOUNT and metrics["jetstream_store_low"] == 1
     prom = host.admin("Metrics", {"format": "prometheus"})["text"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from meshnode.node.periodic import PeriodicJob
 from meshnode.transport.jetstream import JetStream
-from meshnode.transport.storeusage import StoreUsage, read_store_usage
+from meshnode.transport.storeusage import DROPS_OLDEST, StoreUsage, read_store_usage
 
 __all__ = ["StoreWatch"]
 
@@ -56,11 +56,16 @@ class StoreWatch:
         now_low = {r.split(":", 1)[0]: r for r in reasons}
         for store, reason in now_low.items():
             if store not in self._warned:
-                log.warning(
-                    "JetStream store low: %s; past %.0f%% ([storage] low_store_warning). A full store refuses "
-                    "writes (QUOTA_EXCEEDED); free space or raise [storage] / [mesh.embedded] jetstream_max_store",
-                    reason, self.threshold * 100,
+                advice = (
+                    # A stream that drops its oldest (the task updates, the meter events)
+                    # refuses nothing: it keeps less history than it may be meant to.
+                    "It keeps what fits: raise its bound in [storage] to keep more history"
+                    if reason.endswith(DROPS_OLDEST) else
+                    "A full store refuses writes (QUOTA_EXCEEDED); free space or raise [storage] / "
+                    "[mesh.embedded] jetstream_max_store"
                 )
+                log.warning("JetStream store low: %s; past %.0f%% ([storage] low_store_warning). %s",
+                            reason, self.threshold * 100, advice)
         for store in self._warned - now_low.keys():
             log.info("JetStream store no longer low: %s", store)
         self._warned = set(now_low)

@@ -19,7 +19,11 @@ from nats.js.api import DiscardPolicy
 from .errors import TransportError, translated
 from .jetstream import JetStream
 
-__all__ = ["BoundedStream", "StoreUsage", "read_store_usage"]
+__all__ = ["DROPS_OLDEST", "BoundedStream", "StoreUsage", "read_store_usage"]
+
+#: How :meth:`StoreUsage.pressure` ends the reason of a full stream that drops
+#: its oldest messages (rather than refusing writes).
+DROPS_OLDEST = "full, it drops its oldest messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,7 @@ class StoreUsage:
                     )
         for s in self.streams:
             if s.max_bytes > 0 and s.ratio >= threshold:
-                full = "drops its oldest messages" if s.discards_old else "refuses writes"
+                full = DROPS_OLDEST if s.discards_old else "refuses writes"
                 reasons.append(f"stream {s.name}: {s.bytes} of {s.max_bytes} bytes ({s.ratio:.0%}); full, it {full}")
         return reasons
 
