@@ -339,13 +339,13 @@ class MeterOutbox:
     ``window`` events at a time before it waits for their acks
     (:meth:`~meshnode.transport.jetstream.JetStream.publish_in_flight`). One
     at a time it published ~240 events a second from a node serving ~300
-    priced calls a second, which make ~600: the rest overflowed the outbox. A failed publish
-    (JetStream down, a disconnect, a leaderless stream) is retried, ahead of
-    the events behind it, with exponential backoff (:data:`OUTBOX_FIRST_BACKOFF_S`
-    doubling to :data:`OUTBOX_MAX_BACKOFF_S`), so events queued during an
-    outage go out in order once it is back (only an event that failed alone,
-    between acked ones, is stored after them; the ledger's fold is of the
-    stream's order either way). A retry republishes the same bytes: the stream
+    priced calls a second, which make ~600: the rest overflowed the outbox.
+    A failed publish (JetStream down, a disconnect, a leaderless stream) is
+    retried, ahead of the events behind it, with exponential backoff
+    (:data:`OUTBOX_FIRST_BACKOFF_S` doubling to :data:`OUTBOX_MAX_BACKOFF_S`),
+    so events queued during an outage go out in order once it is back (only
+    an event that failed alone, between acked ones, is stored after them; the
+    ledger's fold is of the stream's order either way). A retry republishes the same bytes: the stream
     drops it within its duplicate window, and beyond it the ledger does (it
     rates a ``(meter, envelope_id)`` once, an A2A charge's ``(peer, task_key)``
     once).

@@ -649,7 +649,12 @@ class JetStream:
                 failed = exc  # not written (disconnected, closed): it and the rest are not sent
                 break
         if futures:
-            await asyncio.wait(futures, timeout=timeout)
+            try:
+                await asyncio.wait(futures, timeout=timeout)
+            except asyncio.CancelledError:
+                for future in futures:
+                    future.cancel()  # each holds one of nats-py's slots until it is done
+                raise
         results: list[PubAck | TransportError] = []
         for future in futures:
             if not future.done():
