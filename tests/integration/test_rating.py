@@ -237,3 +237,18 @@ def test_the_ledger_holds_what_the_mesh_keeps_and_says_what_it_misses(meshnode_d
     human = run_cli("usage", "--source", "ledger", "--socket", daemon.socket_path)
     assert f"the ledger misses {ledger['missed']} meter event(s)" in human.stderr, human.stderr
     assert "before the rating service folded them" in daemon.log_text()
+
+
+def test_the_nodes_usage_log_keeps_within_its_bound(meshnode_daemons: DaemonSet) -> None:
+    """usage.jsonl, the node's own record of its priced events, grew for ever
+    (~1.5 KB an event). With ``[commerce] usage_log_max_bytes`` 64 KiB, 40
+    calls (80 events, ~120 KB) rotate it into segments and delete the oldest,
+    saying so in the log; ``usage --source local`` rates what is kept."""
+    daemon = _sold(meshnode_daemons, "logbound", {"commerce": {"usage_log_max_bytes": "64KiB"}}, 40)
+    segments = sorted(p.name for p in daemon.data_dir.glob("usage.jsonl*"))
+    assert "usage.jsonl" in segments and len(segments) > 1, segments
+    assert sum((daemon.data_dir / name).stat().st_size for name in segments) <= 64 * 1024
+    assert "deleted its oldest segment" in daemon.log_text()
+    local = json.loads(run_cli("usage", "--source", "local", "--json", "--socket", daemon.socket_path).stdout)
+    assert local["source"] == "local" and 0 < local["events"] < 80, local["events"]
+    assert all(c["amount_micro"] == 10 * PRICE_PER_TOKEN for c in local["charges"] if c["meter"] == "tokens_out")

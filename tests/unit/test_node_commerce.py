@@ -245,6 +245,37 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
     assert {c.amount_micro for c in usage.rate([])} == {0}
 
 
+async def test_the_usage_log_is_cut_into_segments_and_keeps_within_its_bound(
+    setup: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """usage.jsonl grew for ever (~1.5 KB a priced call's event: ~1 MB a
+    second on a busy seller). It is cut into segments of a sixteenth of
+    ``[commerce] usage_log_max_bytes``, the oldest deleted past the bound
+    (logged); what is kept reads in order, and 0 never deletes."""
+    node, shop, _, _ = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    probe = UsageLog(tmp_path / "probe.jsonl")
+    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
+    size = probe.path.stat().st_size  # one record's bytes
+
+    usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
+    with caplog.at_level(logging.WARNING, logger="meshnode.commerce"):
+        for i in range(100):
+            usage.append({"meter": "requests", "envelope_id": f"r{i:03d}"}, sku, node.node_id)
+    kept = usage.segments()
+    assert kept[-1] == usage.path and all(p.stat().st_mode & 0o777 == 0o600 for p in kept)
+    assert sum(p.stat().st_size for p in kept) <= usage.max_bytes
+    ids = [r["event"]["envelope_id"] for r in usage.records()]
+    assert ids == [f"r{i:03d}" for i in range(100 - len(ids), 100)] and 60 <= len(ids) < 100  # the latest, in order
+    deleted = [r.getMessage() for r in caplog.records if "deleted its oldest segment" in r.getMessage()]
+    assert deleted and "usage_log_max_bytes" in deleted[0] and "(4 record(s)" in deleted[0]
+
+    unbounded = UsageLog(tmp_path / "all.jsonl", max_bytes=0)
+    for i in range(100):
+        unbounded.append({"meter": "requests", "envelope_id": f"r{i}"}, sku, node.node_id)
+    assert unbounded.segments() == [unbounded.path] and len(unbounded.read()) == 100
+
+
 def test_agreements_sign_refuses_an_unwritable_out_before_signing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

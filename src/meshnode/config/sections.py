@@ -472,6 +472,11 @@ class CommerceConfig(BaseModel):
     """Publish the meter events of priced offerings (and A2A charges) on
     ``mesh.event.metering.*`` for the rating service (§13.5, §19.6). Off: they
     stay in this node's ``usage.jsonl`` (``meshnode usage`` rates them locally)."""
+    usage_log_max_bytes: ByteSize = 1024**3
+    """How much of its meter events this node keeps in ``usage.jsonl`` and its
+    rotated segments (``usage.jsonl.N``, a sixteenth of this each); past it the
+    oldest segment is deleted (logged). A priced call's event is ~1.5 KB. 0:
+    never delete (ship or trim the segments yourself)."""
 
 
 class ArtifactsConfig(BaseModel):

@@ -442,7 +442,7 @@ class Daemon:
         node.commerce = AgreementGate(
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
-            usage=UsageLog(self.data_dir / "usage.jsonl"),
+            usage=UsageLog(self.data_dir / "usage.jsonl", max_bytes=c.usage_log_max_bytes),
             publisher=outbox,
         )
         if outbox is not None:

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -204,6 +204,12 @@ class AgreementStore:
         return list(self._records.values())
 
 
+#: ``[commerce] usage_log_max_bytes``'s default: what the usage log keeps, all segments together.
+USAGE_LOG_MAX_BYTES = 1024**3
+#: The log is cut into this many segments of the bound: the oldest goes whole.
+USAGE_LOG_SEGMENTS = 16
+
+
 class UsageLog:
     """The meter events of priced offerings this node recorded, in ``path`` (JSON lines).
 
@@ -217,10 +223,21 @@ class UsageLog:
     offering a SKU covers, one declared event per meter the handler reported
     (``ctx.report_usage``), and one refusal event (quantity 0, ``refused:
     true``) per AGREEMENT_REQUIRED.
+
+    Bounded by ``max_bytes`` (``[commerce] usage_log_max_bytes``; 0: never
+    trimmed): a line is ~1.5 KB, and a node serving 300 priced calls a second
+    wrote ~1 MB a second, for ever. ``path`` is the segment being written; at a
+    sixteenth of the bound it becomes ``path.N`` (N counting up) and a new one
+    starts; past the bound the oldest segments are deleted, each logged with
+    what it held. :meth:`records` reads the segments kept, oldest first.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_bytes: int = USAGE_LOG_MAX_BYTES,
+                 segments: int = USAGE_LOG_SEGMENTS) -> None:
         self.path = path
+        self.max_bytes = max_bytes
+        self.segment_bytes = max(1, max_bytes // max(1, segments)) if max_bytes > 0 else 0
+        self._written: int | None = None  # the current segment's size, once known
 
     def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None,
                context: Mapping[str, Any] | None = None) -> None:
@@ -228,27 +245,74 @@ class UsageLog:
         for name in ("cost_ceiling", "interaction", "agreement"):
             if context is not None and context.get(name) is not None:
                 record[name] = context[name]
-        line = json.dumps(record, separators=(",", ":"))
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.segment_bytes:
+            if self._written is None:
+                self._written = self.path.stat().st_size if self.path.exists() else 0
+            if self._written and self._written + len(data) > self.segment_bytes:
+                self._rotate()
         fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        if self._written is not None:
+            self._written += len(data)
+
+    def segments(self) -> list[Path]:
+        """The segments kept, oldest first: ``path.1``, ``path.2``, ..., then ``path``."""
+        rotated = []
+        for candidate in self.path.parent.glob(f"{self.path.name}.*"):
+            suffix = candidate.name[len(self.path.name) + 1:]
+            if suffix.isdigit():
+                rotated.append((int(suffix), candidate))
+        return [p for _, p in sorted(rotated)] + ([self.path] if self.path.exists() else [])
+
+    def _rotate(self) -> None:
+        """Close the current segment (``path`` becomes ``path.N``) and delete
+        the oldest until the rest and a full new segment fit ``max_bytes``."""
+        kept = self.segments()
+        numbers = [int(p.name.rsplit(".", 1)[1]) for p in kept if p != self.path]
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.{max(numbers, default=0) + 1}"))
+        self._written = 0
+        kept = self.segments()
+        total = sum(p.stat().st_size for p in kept)
+        for oldest in kept[:-1]:
+            if total + self.segment_bytes <= self.max_bytes:  # room for the segment now begun
+                break
+            size = oldest.stat().st_size
+            with oldest.open("rb") as f:
+                lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))  # noqa: B023
+            oldest.unlink()
+            total -= size
+            log.warning("usage log: deleted its oldest segment %s (%d record(s), %d bytes) to stay within "
+                        "[commerce] usage_log_max_bytes (%d); the mesh's ledger rates what MESH_METERING keeps",
+                        oldest.name, lines, size, self.max_bytes)
+
+    @staticmethod
+    def _lines(path: Path) -> Iterator[str]:
+        try:
+            with path.open(encoding="utf-8") as f:
+                yield from f
+        except FileNotFoundError:  # deleted meanwhile (trimmed)
+            return
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every readable record of the segments kept, in order, one at a time
+        (a torn last line is skipped)."""
+        for segment in self.segments():
+            for line in self._lines(segment):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("event"), dict):
+                    yield record
 
     def read(self) -> list[dict[str, Any]]:
-        """Every readable record, in order (a torn last line is skipped)."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        out: list[dict[str, Any]] = []
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("event"), dict):
-                out.append(record)
-        return out
+        """Every readable record, in order (:meth:`records` as a list)."""
+        return list(self.records())
 
     def rate(self, agreements: Iterable[Agreement | AgreementRecord]) -> list[Charge]:
         """The §19.6 fold of the recorded events × the agreements: a fresh
@@ -260,7 +324,7 @@ class UsageLog:
         rater = Rater(list(agreements))
         carried: set[str] = set()
         charges: list[Charge] = []
-        for record in self.read():
+        for record in self.records():
             document = record.get("agreement")
             if document is not None:
                 try:
