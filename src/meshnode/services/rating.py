@@ -76,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -558,9 +559,12 @@ class RatingService(ServiceBase):
         prunable = self.ledger.held_before(first_seq)
         if not prunable or prunable < len(self.ledger.lines) // _FORGET_SHARE:
             return
+        first_time = not self.ledger.dropped
         self.ledger.forget_before(first_seq)
         self._views.clear()  # their lines and totals include the forgotten lines
-        self.log.info(
+        # Once at INFO: on a busy mesh this happens every few seconds from then on.
+        self.log.log(
+            logging.INFO if first_time else logging.DEBUG,
             "%d ledger line(s) left with their events (%s keeps from seq %d, [storage] metering_max_bytes); "
             "%d held, %d let go since start", prunable, subjects.MESH_METERING, first_seq,
             len(self.ledger.lines), self.ledger.dropped,
