@@ -185,7 +185,6 @@ async def test_rating_looks_again_soon_while_events_keep_coming(shop: Any) -> No
         elif len(pauses) == 3:
             looked.set()
             await asyncio.Event().wait()  # the test has seen enough: wait for the stop
-        await asyncio.sleep(0)
 
     service._pause = pause  # type: ignore[method-assign]
     await service.start()  # its own catch-up at start, then the follow loop's

@@ -262,21 +262,25 @@ class UsageLog:
 
     def segments(self) -> list[Path]:
         """The segments kept, oldest first: ``path.1``, ``path.2``, ..., then ``path``."""
+        return [p for _, p in self._rotated()] + ([self.path] if self.path.exists() else [])
+
+    def _rotated(self) -> list[tuple[int, Path]]:
+        """The closed segments ``path.N`` with their N, oldest first."""
         rotated = []
         for candidate in self.path.parent.glob(f"{self.path.name}.*"):
             suffix = candidate.name[len(self.path.name) + 1:]
             if suffix.isdigit():
                 rotated.append((int(suffix), candidate))
-        return [p for _, p in sorted(rotated)] + ([self.path] if self.path.exists() else [])
+        return sorted(rotated)
 
     def _rotate(self) -> None:
         """Close the current segment (``path`` becomes ``path.N``) and delete
         the oldest until the rest and a full new segment fit ``max_bytes``."""
-        kept = self.segments()
-        numbers = [int(p.name.rsplit(".", 1)[1]) for p in kept if p != self.path]
-        os.replace(self.path, self.path.with_name(f"{self.path.name}.{max(numbers, default=0) + 1}"))
+        rotated = self._rotated()
+        closed = self.path.with_name(f"{self.path.name}.{rotated[-1][0] + 1 if rotated else 1}")
+        os.replace(self.path, closed)
         self._written = 0
-        kept = self.segments()
+        kept = [p for _, p in rotated] + [closed]
         total = sum(p.stat().st_size for p in kept)
         for oldest in kept[:-1]:
             if total + self.segment_bytes <= self.max_bytes:  # room for the segment now begun

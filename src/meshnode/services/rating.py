@@ -37,10 +37,9 @@ lines go too, with the rating state only they needed (duplicate keys,
 interaction spend, earlier periods' aggregates), once they are an eighth of
 the ledger. The running service thus holds what a restarted one's replay
 would, plus at most that eighth, and its memory follows the stream's
-bounds, not its uptime (a line and
-its keys take ~0.5 KB, its event ~1.7 KB of the stream: the default 16 MiB
-is some 10,000 events and ~5 MB of ledger). Keep a longer record by raising
-``metering_max_bytes``.
+bounds, not its uptime (a line and its keys take ~0.5 KB, its event ~1.7 KB
+of the stream: the default 16 MiB is some 10,000 events and ~5 MB of
+ledger). Keep a longer record by raising ``metering_max_bytes``.
 
 Idempotent on the deriving envelope: a redelivered or republished meter event
 (same ``(meter, envelope_id)``) and a repeated A2A charge (same ``(peer,
