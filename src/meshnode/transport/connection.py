@@ -65,7 +65,15 @@ def websocket_unsupported(urls: Sequence[str]) -> list[str]:
         return []
     import nats.aio.transport
 
-    return [] if getattr(nats.aio.transport, "aiohttp", None) is not None else websocket
+    aiohttp: Any = getattr(nats.aio.transport, "aiohttp", None)
+    if aiohttp is None:
+        return websocket
+    try:
+        aiohttp.ClientSession  # noqa: B018 - the first use, which imports it (see meshnode.transport)
+    except ImportError:  # an aiohttp that cannot import: as nats-py sees a missing one
+        setattr(nats.aio.transport, "aiohttp", None)  # noqa: B010 - nats-py's own module global
+        return websocket
+    return []
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
