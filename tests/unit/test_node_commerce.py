@@ -14,6 +14,7 @@ import pytest
 from meshnode.agent import Agent, AgentSettings, Context, offering
 from meshnode.cli import agreements as cli_agreements
 from meshnode.cli import build_parser
+from meshnode.node import commerce
 from meshnode.node.commerce import (
     AgreementGate,
     AgreementStore,
@@ -27,6 +28,7 @@ from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.commerce import make_agreement, sku_digest
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
+from meshnode.testing.waiting import eventually_async
 from tests.fakes import FakeConnection
 
 NOW = 1_800_000_000_000
@@ -274,6 +276,32 @@ async def test_the_usage_log_is_cut_into_segments_and_keeps_within_its_bound(
     for i in range(100):
         unbounded.append({"meter": "requests", "envelope_id": f"r{i}"}, sku, node.node_id)
     assert unbounded.segments() == [unbounded.path] and len(unbounded.read()) == 100
+
+
+async def test_a_large_deleted_usage_segment_is_counted_off_the_event_loop(
+    setup: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counting a deleted segment's records reads all of it (64 MiB by default,
+    20-50 ms): on the loop that held every request of the node. Past
+    ``_COUNT_INLINE_BYTES`` (here 0) it is counted in the loop's executor; the
+    segment is gone at once, the WARNING with its count comes from there."""
+    monkeypatch.setattr(commerce, "_COUNT_INLINE_BYTES", 0)
+    node, shop, _, _ = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    probe = UsageLog(tmp_path / "probe.jsonl")
+    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
+    size = probe.path.stat().st_size
+    usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=4 * 3 * size, segments=4)  # 3 records a segment
+    with caplog.at_level(logging.WARNING, logger="meshnode.commerce"):
+        for i in range(20):
+            usage.append({"meter": "requests", "envelope_id": f"r{i:03d}"}, sku, node.node_id)
+        assert sum(p.stat().st_size for p in usage.segments()) <= usage.max_bytes  # deleted inline
+
+        def deleted() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if "deleted its oldest segment" in r.getMessage()]
+
+        await eventually_async(lambda: len(deleted()) >= 2, what="the deleted segments' WARNINGs")
+    assert all("(3 record(s)" in r.getMessage() and r.threadName != "MainThread" for r in deleted())
 
 
 def test_agreements_sign_refuses_an_unwritable_out_before_signing(

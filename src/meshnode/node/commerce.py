@@ -33,7 +33,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from meshnode.agent import OfferingSpec
 from meshnode.aio import wait_for
@@ -208,6 +208,8 @@ class AgreementStore:
 USAGE_LOG_MAX_BYTES = 1024**3
 #: The log is cut into this many segments of the bound: the oldest goes whole.
 USAGE_LOG_SEGMENTS = 16
+#: A deleted usage-log segment up to this size is counted inline (under a millisecond).
+_COUNT_INLINE_BYTES = 1 << 20
 
 
 class UsageLog:
@@ -286,13 +288,37 @@ class UsageLog:
             if total + self.segment_bytes <= self.max_bytes:  # room for the segment now begun
                 break
             size = oldest.stat().st_size
-            with oldest.open("rb") as f:
-                lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))  # noqa: B023
+            f = oldest.open("rb")  # still readable once unlinked: counted after, maybe off the loop
             oldest.unlink()
             total -= size
-            log.warning("usage log: deleted its oldest segment %s (%d record(s), %d bytes) to stay within "
+            self._report_deleted(f, oldest.name, size)
+
+    def _report_deleted(self, f: BinaryIO, name: str, size: int) -> None:
+        """Log a deleted segment with its record count. Counting reads the
+        whole segment (64 MiB by default, 20-50 ms): inside a running event
+        loop a segment over :data:`_COUNT_INLINE_BYTES` is counted in its
+        default executor, so the loop (every request of the node) never waits
+        for it."""
+
+        def count_and_warn() -> None:
+            try:
+                with f:
+                    lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+                held = f"{lines} record(s)"
+            except OSError as exc:
+                held = f"records not counted: {exc}"
+            log.warning("usage log: deleted its oldest segment %s (%s, %d bytes) to stay within "
                         "[commerce] usage_log_max_bytes (%d); the mesh's ledger rates what MESH_METERING keeps",
-                        oldest.name, lines, size, self.max_bytes)
+                        name, held, size, self.max_bytes)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or size <= _COUNT_INLINE_BYTES:
+            count_and_warn()
+        else:
+            loop.run_in_executor(None, count_and_warn)
 
     @staticmethod
     def _lines(path: Path) -> Iterator[str]:
