@@ -318,6 +318,9 @@ def test_check_config_and_tasks_commands(meshnode_daemons: DaemonSet, tmp_path: 
     assert [t["task_id"] for t in listed] == [task_id]
     record = ok_json(node, "tasks", "show", task_id)
     assert record["state"] in ("submitted", "working")
+    # A task nobody holds names nothing the daemon knows: 65, as `inbox show` of an unknown message.
+    unknown = cli(node, "tasks", "show", "no-such-task", "--json")
+    assert unknown.returncode == 65 and "NotFound: no task no-such-task" in unknown.stderr, unknown
     canceled = ok_json(node, "tasks", "cancel", task_id, "--agent", "counter", "--reason", "user_requested")
     assert canceled["status"] == "canceled"
     assert ok_json(node, "tasks", "list")["tasks"] == []

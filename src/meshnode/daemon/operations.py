@@ -67,9 +67,11 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
                 "state, offering, delegates}], tasks_total, not_shown} performed here now, by that agent / that "
                 "task only when named (as many as fit a reply; not_shown: the rest; one agent's always fit)")
     methods.add("Tasks.Show", ops.tasks_show, level="operator",
-                doc="params {task_id} -> the task manager's record (requester or responder must be hosted here)")
+                doc="params {task_id} -> the task manager's record (requester or responder must be hosted here); "
+                    "NotFound for a task it does not hold (TASK_NOT_FOUND, TASK_EXPIRED), Refused otherwise")
     methods.add("Tasks.Cancel", ops.tasks_cancel, level="operator",
-                doc="params {task_id, agent (the performer), reason, note?} -> the performer's answer; sent as the CLI identity")
+                doc="params {task_id, agent (the performer), reason, note?} -> the performer's answer; sent as the CLI identity; "
+                    "NotFound for a task the performer does not hold")
     methods.add("Mesh.Retire", ops.mesh_retire, level="admin",
                 doc="params {node_id} | {agent_id} | {token (a pending SDK enrolment token's name)} -> {retired, message}; the message says how long the old credential stays usable")
     methods.add("Metrics", ops.metrics, level="operator",
@@ -227,7 +229,7 @@ class _Operations:
         try:
             record: dict[str, Any] = await node.service_call(caller, f"mesh.task.get.{task_id}", "request", {"task_id": task_id})
         except ProtocolError as exc:
-            raise Refused(exc.message, exc.to_object()) from None
+            raise _task_refusal(exc) from None
         return record
 
     async def tasks_cancel(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -241,7 +243,7 @@ class _Operations:
         try:
             result: dict[str, Any] = await node.cancel_task(node.agents[CLI_AGENT_NAME], performer, task_id, reason, note)
         except ProtocolError as exc:
-            raise Refused(exc.message, exc.to_object()) from None
+            raise _task_refusal(exc) from None
         return result
 
     async def mesh_retire(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -434,6 +436,16 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+def _task_refusal(exc: ProtocolError) -> AdminError:
+    """A task manager's refusal as the admin error scripts can tell apart: a
+    task it does not hold (TASK_NOT_FOUND, or TASK_EXPIRED: evicted) is
+    NotFound (exit 65, as ``inbox show`` of an unknown message), anything else
+    Refused (exit 1). Either carries the §12 error object."""
+    if exc.code in ("TASK_NOT_FOUND", "TASK_EXPIRED"):
+        return NotFound(exc.message, exc.to_object())
+    return Refused(exc.message, exc.to_object())
 
 
 def _record_failed(daemon: Daemon, report: dict[str, Any], name: str, what: str, exc: Exception) -> None:
