@@ -180,3 +180,16 @@ def test_metering_benchmark_publishes_every_event_both_ways() -> None:
     result = run_loop(bench_metering.measure(300))
     assert result["events"] == 300 and result["window"] > 1
     assert result["one_in_flight_events_per_s"] > 0 and result["windowed_events_per_s"] > 0
+
+
+def test_the_fold_benchmark_rates_every_priced_event_both_ways() -> None:
+    """The rating fold's measurement: priced events as a seller makes them, each
+    rated to its charge with each document parsed once and with the baseline
+    (its own check), both figures reported."""
+    from benchmarks import bench_metering
+
+    events = bench_metering._priced_events(20)
+    assert len({e["id"] for e in events}) == 20
+    result = bench_metering.measure_fold(20, rounds=1)
+    assert result["fold_events"] == 20
+    assert result["fold_cpu_us_per_event"] > 0 and result["fold_baseline_cpu_us_per_event"] > 0

@@ -29,6 +29,7 @@ from meshnode.services.rating import (
     LedgerView,
     PageRequest,
     PageRequestError,
+    _ParsedOnce,
     ledger_view,
     line_filter,
     page_request,
@@ -381,3 +382,50 @@ async def test_an_a2a_charge_is_a_ledger_line_once(shop: Any) -> None:
     assert [(c.sku, c.consumer_owner, c.amount_micro, c.currency) for c in ledger.lines] == [
         ("a2a:weather", node.node_id, 300_000, "USD")]
     assert ledger.stats["refused.a2a"] == 1
+
+
+def test_documents_events_repeat_are_parsed_once_and_bad_ones_every_time() -> None:
+    """Every meter event carries its SKU and its agreement: the fold parses
+    (and signature-checks) each distinct document once (~60 % of its CPU
+    before), keyed on the exact content, within a bound; a document that fails
+    is never kept, so it is refused, and counted, every time."""
+    calls: list[object] = []
+
+    def parse(document: object) -> str:
+        calls.append(document)
+        if not isinstance(document, dict) or "bad" in document:
+            raise ProtocolError("INVALID_ENVELOPE", "bad document")
+        return f"parsed {document['n']}"
+
+    once = _ParsedOnce(parse, bound=2)
+    assert [once({"n": 1, "z": [1, 2]}), once({"z": [1, 2], "n": 1})] == ["parsed 1"] * 2  # key order is not content
+    assert once({"n": 1, "z": [1, 2, 3]}) == "parsed 1" and len(calls) == 2  # other content: parsed anew
+    for _ in range(2):
+        with pytest.raises(ProtocolError):
+            once({"bad": True, "n": 0})
+    assert len(calls) == 4
+    once({"n": 1, "z": [1, 2]})  # a hit: now the most recently used of the two kept
+    once({"n": 3})  # evicts the least recently used ({"n": 1, "z": [1, 2, 3]})
+    assert len(calls) == 5
+    once({"n": 1, "z": [1, 2]})
+    once({"n": 1, "z": [1, 2, 3]})
+    assert len(calls) == 6
+
+
+async def test_a_forged_agreement_is_refused_by_every_event_that_carries_it(shop: Any) -> None:
+    node, seller, buyer, gate, published = shop
+    _agree(node, gate, seller, "generate")
+    for rid in ("r1", "r2"):
+        await _serve(gate, seller, _request(buyer, rid), "generate", [{"meter": "tokens_out", "quantity": 10}])
+    stranger = KeyPair.generate()
+    sku = next(s for s in seller.skus if s.sku == "generate")
+    forged = dict(make_agreement(stranger, seller_agent=seller.agent_id, sku=sku, agreed_at_ms=NOW - 1))
+    forged["consumer_owner"] = node.node_id  # claimed for the buyer's owner: the signature no longer covers it
+    for n in range(3):
+        data = dict(published.envelopes[1]["payload"]["data"])
+        data.update(envelope_id=f"f{n}", rating={**data["rating"], "agreement": forged})
+        await published(seller, data)
+    ledger = _fold(published.envelopes)
+    assert ledger.stats["refused.agreement"] == 3
+    assert [(c.meter, c.amount_micro) for c in ledger.lines[:4]] == [
+        ("requests", 0), ("tokens_out", 30), ("requests", 0), ("tokens_out", 30)]
