@@ -20,7 +20,7 @@ from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
-from meshnode.protocol.commerce import Charge, ChargeOutcome, make_agreement
+from meshnode.protocol.commerce import Charge, ChargeOutcome, ParsedOnce, make_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
@@ -29,7 +29,6 @@ from meshnode.services.rating import (
     LedgerView,
     PageRequest,
     PageRequestError,
-    _ParsedOnce,
     ledger_view,
     line_filter,
     page_request,
@@ -397,7 +396,7 @@ def test_documents_events_repeat_are_parsed_once_and_bad_ones_every_time() -> No
             raise ProtocolError("INVALID_ENVELOPE", "bad document")
         return f"parsed {document['n']}"
 
-    once = _ParsedOnce(parse, bound=2)
+    once = ParsedOnce(parse, bound=2)
     assert [once({"n": 1, "z": [1, 2]}), once({"z": [1, 2], "n": 1})] == ["parsed 1"] * 2  # key order is not content
     assert once({"n": 1, "z": [1, 2, 3]}) == "parsed 1" and len(calls) == 2  # other content: parsed anew
     for _ in range(2):

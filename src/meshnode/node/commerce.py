@@ -43,6 +43,7 @@ from meshnode.protocol.commerce import (
     Agreement,
     AgreementRecord,
     Charge,
+    ParsedOnce,
     Rater,
     Sku,
     agreement_required,
@@ -354,18 +355,21 @@ class UsageLog:
         rater = Rater(list(agreements))
         carried: set[str] = set()
         charges: list[Charge] = []
+        # The same few SKUs and agreements, line after line: each parsed (and
+        # its signature checked) once, as the rating service's fold does.
+        agreement_of, sku_of = ParsedOnce(verify_agreement), ParsedOnce(parse_sku)
         for record in self.records():
             document = record.get("agreement")
             if document is not None:
                 try:
-                    held = verify_agreement(document)
+                    held = agreement_of(document)
                 except ProtocolError:
                     held = None
                 if held is not None and held.sig not in carried:
                     carried.add(held.sig)
                     rater.agreements.append(held)
             try:
-                sku = parse_sku(record.get("sku"))
+                sku = sku_of(record.get("sku"))
                 ceiling = parse_money(record["cost_ceiling"]) if "cost_ceiling" in record else None
             except ProtocolError:
                 continue

@@ -80,9 +80,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Generic, Protocol, TypeVar
-
-import orjson
+from typing import Any, Protocol
 
 from meshnode.pages import entries_within
 from meshnode.protocol import subjects
@@ -92,6 +90,7 @@ from meshnode.protocol.commerce import (
     AgreementRecord,
     Charge,
     ChargeOutcome,
+    ParsedOnce,
     Rater,
     Sku,
     ledger_totals,
@@ -136,42 +135,6 @@ _VIEWS_KEPT = 16
 _FORGET_SHARE = 8
 
 
-_Parsed = TypeVar("_Parsed")
-
-
-class _ParsedOnce(Generic[_Parsed]):
-    """A parse (or signature check) of the JSON documents meter events repeat,
-    done once per distinct document.
-
-    Every meter event carries its SKU and the agreement that admitted it, the
-    same few documents event after event: parsing the SKU and verifying the
-    agreement's signature were ~60 % of the fold's CPU (~200 of ~400 µs an
-    event here). A document's exact content is the key (its JSON with sorted
-    keys), so a hit returns what the parse returned for the same bytes; a
-    document that fails is parsed (and refused, and counted) every time. At
-    most ``bound`` documents are kept, the least recently used evicted, so a
-    stream of distinct documents costs what it did, never memory.
-    """
-
-    def __init__(self, parse: Callable[[object], _Parsed], bound: int = 256) -> None:
-        self._parse = parse
-        self._bound = bound
-        self._done: dict[bytes, _Parsed] = {}
-
-    def __call__(self, document: object) -> _Parsed:
-        try:
-            key = orjson.dumps(document, option=orjson.OPT_SORT_KEYS)
-        except TypeError:  # not plain JSON (orjson refuses it): nothing to key on
-            return self._parse(document)
-        parsed = self._done.pop(key, None)
-        if parsed is None:
-            parsed = self._parse(document)  # raises for a bad document: not kept
-            if len(self._done) >= self._bound:
-                del self._done[next(iter(self._done))]
-        self._done[key] = parsed  # (re)inserted last: the most recently used
-        return parsed
-
-
 class AgreementSource(Protocol):
     """Agreements the ledger may rate against beyond those the events carry
     (e.g. a platform agreement store): read once per fold."""
@@ -210,8 +173,8 @@ class Ledger:
     _a2a_seen: set[tuple[str, str]] = field(default_factory=set)
     _carried: set[str] = field(default_factory=set)
     #: How an event's SKU is parsed and its agreement verified: once per distinct document.
-    _sku: Callable[[object], Sku] = field(default_factory=lambda: _ParsedOnce(parse_sku))
-    _agreement: Callable[[object], Agreement] = field(default_factory=lambda: _ParsedOnce(verify_agreement))
+    _sku: Callable[[object], Sku] = field(default_factory=lambda: ParsedOnce(parse_sku))
+    _agreement: Callable[[object], Agreement] = field(default_factory=lambda: ParsedOnce(verify_agreement))
 
     def __post_init__(self) -> None:
         self._rater = Rater(list(self.agreements))

@@ -18,7 +18,8 @@ fixture names a rule.
 
 The work is split by job: :mod:`.price` (the price shapes), :mod:`.sku`
 (SKUs and their digest), :mod:`.agreement` (agreements and the admission
-check) and :mod:`.rating` (the charge fold). Import from here.
+check), :mod:`.rating` (the charge fold) and :mod:`.memo` (parsing the
+documents that repeat once). Import from here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .agreement import (
     sign_agreement,
     verify_agreement,
 )
+from .memo import ParsedOnce
 from .price import (
     CommerceInvalid,
     Included,
@@ -88,6 +90,7 @@ __all__ = [
     "CommerceInvalid",
     "Evidence",
     "Included",
+    "ParsedOnce",
     "Period",
     "Price",
     "PriceModel",
