@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import orjson
+
 from meshnode.agent import OfferingSpec
 from meshnode.aio import wait_for
 from meshnode.protocol import subjects
@@ -244,18 +246,27 @@ class UsageLog:
 
     def append(self, event: Mapping[str, Any], sku: Sku, consumer_owner: str | None,
                context: Mapping[str, Any] | None = None) -> None:
-        record: dict[str, Any] = {"event": dict(event), "sku": sku.to_object(), "consumer_owner": consumer_owner}
+        # Serialized at once and not kept: the SKU's document goes as it is, uncopied.
+        record: dict[str, Any] = {"event": event if isinstance(event, dict) else dict(event),
+                                  "sku": sku.document if isinstance(sku.document, dict) else dict(sku.document),
+                                  "consumer_owner": consumer_owner}
         for name in ("cost_ceiling", "interaction", "agreement"):
             if context is not None and context.get(name) is not None:
                 record[name] = context[name]
-        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            data = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)  # ~10x json.dumps; a line each event
+        except TypeError:  # what orjson refuses (a non-string key, a 65-bit integer): as before
+            data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         if self.segment_bytes:
             if self._written is None:
                 self._written = self.path.stat().st_size if self.path.exists() else 0
             if self._written and self._written + len(data) > self.segment_bytes:
                 self._rotate()
-        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+        except FileNotFoundError:  # its directory is not there (yet): made once, not per event
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
         try:
             os.write(fd, data)
         finally:
