@@ -7,14 +7,16 @@ import asyncio
 from pathlib import Path
 from typing import Any, cast
 
+import orjson
 import pytest
 
 from meshnode.agent import AgentSettings
 from meshnode.node.commerce import AgreementGate, AgreementStore, MeterOutbox, UsageLog
 from meshnode.node.runtime import Node, NodeSettings
-from meshnode.protocol import subjects
+from meshnode.protocol import envelope, subjects
 from meshnode.protocol.envelope import decode_envelope
 from meshnode.protocol.nkeys import KeyPair
+from meshnode.services import rating
 from meshnode.services.base import ServiceContext
 from meshnode.services.rating import Ledger, RatingService
 from meshnode.testing import eventually_async
@@ -137,19 +139,35 @@ async def test_close_flushes_then_counts_what_it_could_not_publish(shop: Any) ->
     assert later.stats["dropped"] == 1
 
 
-async def test_rating_catches_up_in_batches(shop: Any) -> None:
+async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     node, seller, buyer, gate, outbox, js = shop
     for i in range(300):
         await _serve(gate, seller, buyer, f"r{i}")
     await eventually_async(lambda: outbox.pending == 0, what="published", timeout=30)
+    tampered = _stored(js)[-1]
+    tampered["payload"]["data"]["quantity"] = 10**6  # the seller's signature no longer covers it
     js.store(subjects.MESH_METERING, b"not an envelope")
+    js.store(subjects.MESH_METERING, orjson.dumps(tampered))
+    verified: list[str] = []
+    real_verify = envelope.verify_envelope
+
+    def counted(env: Any, **kwargs: Any) -> None:
+        verified.append(env["id"])
+        real_verify(env, **kwargs)
+
+    monkeypatch.setattr(envelope, "verify_envelope", counted)  # what decode_envelope calls
+    monkeypatch.setattr(rating, "verify_envelope", counted)  # what the fold calls
     ctx = ServiceContext(connection=cast(Any, node.connection), key=KeyPair.generate(), node_id=node.node_id)
     service = RatingService(ctx)
     js.calls.clear()
     await service.start()
     try:
         assert len(service.ledger.lines) == 600 and service.ledger.stats["refused.garbage"] == 1
-        assert js.calls["message"] == 0 and js.calls["fetch"] == 3  # 601 messages, 256 a round trip
+        # Every event's signature checked, once (decoding checked it too, twice in all).
+        # (The tampered copy has its original's id: 601 checks of 600 ids.)
+        assert len(verified) == 601 and len(set(verified)) == 600
+        assert service.ledger.stats["refused.signature"] == 1
+        assert js.calls["message"] == 0 and js.calls["fetch"] == 3  # 602 messages, 256 a round trip
         assert js.calls["reader.close"] == js.calls["reader"] == 1
         # Nothing new: one stream-info round trip, no reader.
         js.calls.clear()
