@@ -159,6 +159,13 @@ async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(rating, "verify_envelope", counted)  # what the fold calls
     ctx = ServiceContext(connection=cast(Any, node.connection), key=KeyPair.generate(), node_id=node.node_id)
     service = RatingService(ctx)
+    followed = asyncio.Event()
+
+    async def after_first_look(seconds: float) -> None:  # the test makes the later looks itself
+        followed.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(service, "_pause", after_first_look)
     js.calls.clear()
     await service.start()
     try:
@@ -168,18 +175,28 @@ async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.Monke
         assert len(verified) == 601 and len(set(verified)) == 600
         assert service.ledger.stats["refused.signature"] == 1
         assert js.calls["message"] == 0 and js.calls["fetch"] == 3  # 602 messages, 256 a round trip
-        assert js.calls["reader.close"] == js.calls["reader"] == 1
-        # Nothing new: one stream-info round trip, no reader.
+        assert js.calls["reader"] == 1
+        # The follow's first look found nothing new: one stream-info round trip,
+        # and the reader is let go (the broker need not keep an idle consumer).
+        await followed.wait()
+        assert js.calls["stream_state"] == 2 and js.calls["reader.close"] == 1
+
+        async def look_after(request_id: str) -> dict[str, int]:
+            await _serve(gate, seller, buyer, request_id)
+            await eventually_async(lambda: outbox.pending == 0, what="published")
+            js.calls.clear()
+            assert await service.catch_up() == 2
+            return dict(js.calls)
+
+        # New events: a new reader from the cursor on. More events at the next
+        # look: the same reader, no consumer made or deleted for the look.
+        assert await look_after("more") == {"stream_state": 1, "reader": 1, "fetch": 1}
+        assert await look_after("still more") == {"stream_state": 1, "fetch": 1}
+        assert len(service.ledger.lines) == 604
         js.calls.clear()
-        assert await service.catch_up() == 0
-        assert dict(js.calls) == {"stream_state": 1}
-        # New events are read from the cursor on, once.
-        await _serve(gate, seller, buyer, "late")
-        await eventually_async(lambda: outbox.pending == 0, what="published")
-        assert await service.catch_up() == 2
-        assert len(service.ledger.lines) == 602
     finally:
         await service.stop()
+    assert js.calls["reader.close"] == 1  # stopping lets the kept reader go
 
 
 async def test_rating_looks_again_soon_while_events_keep_coming(shop: Any) -> None:

@@ -80,7 +80,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshnode.pages import entries_within
 from meshnode.protocol import subjects
@@ -105,6 +105,9 @@ from meshnode.transport.connection import Message
 from meshnode.transport.errors import NotFound
 
 from .base import Envelope, ServiceBase, ServiceContext
+
+if TYPE_CHECKING:
+    from meshnode.transport.jetstream import StreamReader
 
 __all__ = [
     "A2A_METER",
@@ -488,6 +491,10 @@ class RatingService(ServiceBase):
         #: (a reader paging through it asks the same query once per page).
         self._views: dict[tuple[str | None, ...], LedgerView] = {}
         self._lock = asyncio.Lock()
+        #: The reader kept between looks while events keep coming, and the
+        #: sequence it delivers next (see :meth:`catch_up`).
+        self._reader: StreamReader | None = None
+        self._reader_at = 0
 
     async def start(self) -> None:
         if self.running:
@@ -509,14 +516,22 @@ class RatingService(ServiceBase):
         await self.serve(subjects.RATING_LEDGER, self._query)
         await self.ctx.connection.flush()
 
+    async def stop(self) -> None:
+        await super().stop()
+        await self._close_reader()
+
     async def catch_up(self) -> int:
         """Fold every MESH_METERING message not folded yet, in sequence order;
         returns how many were read. Safe to call concurrently (one reader).
 
         One stream-info round trip says whether anything is new; what is, is
-        read in batches of :data:`_FETCH_BATCH` through a short-lived ordered
-        reader (:meth:`~meshnode.transport.jetstream.JetStream.reader`), so the
-        first fold of a full stream costs one round trip per batch, not per event.
+        read in batches of :data:`_FETCH_BATCH` through an ordered reader
+        (:meth:`~meshnode.transport.jetstream.JetStream.reader`), so the first
+        fold of a full stream costs one round trip per batch, not per event.
+        The reader is kept from one look to the next while events keep coming
+        and closed at the first look that finds none: a busy mesh's looks, ten
+        a second, made and deleted a consumer each (two more round trips each,
+        through a loop busy with the calls that make the events).
         """
         js = self.ctx.connection.jetstream
         read = 0
@@ -530,8 +545,12 @@ class RatingService(ServiceBase):
             last = state.last_seq
             self._follow_horizon(state.first_seq)
             if last < self._next_seq:
+                await self._close_reader()  # idle: the broker need not keep a consumer for it
                 return 0
-            reader = await js.reader(subjects.MESH_METERING, start_seq=self._next_seq)
+            if self._reader is None or self._reader_at != self._next_seq:
+                await self._close_reader()
+                self._reader = await js.reader(subjects.MESH_METERING, start_seq=self._next_seq)
+            reader = self._reader
             try:
                 while self.running and self._next_seq <= last:
                     batch = await reader.fetch(min(_FETCH_BATCH, last - self._next_seq + 1), timeout=_FETCH_TIMEOUT_S)
@@ -552,9 +571,16 @@ class RatingService(ServiceBase):
                             self.ledger.stats["refused.garbage"] += 1
                             continue
                         self.ledger.fold(env, stored.seq)
-            finally:
-                await reader.close()
+            except BaseException:
+                await self._close_reader()  # where it stands is unknown: a new one next time
+                raise
+            self._reader_at = self._next_seq
         return read
+
+    async def _close_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await reader.close()
 
     def _follow_horizon(self, first_seq: int) -> None:
         """Forget the lines whose events the stream no longer holds
