@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from types import SimpleNamespace
+from typing import Any, ClassVar, cast
 
 import pytest
 
 from meshnode.agent import Agent, AgentSettings, Context, offering
 from meshnode.cli import agreements as cli_agreements
 from meshnode.cli import build_parser
+from meshnode.daemon import agreements as agreements_methods
 from meshnode.node import commerce
 from meshnode.node.commerce import (
     AgreementGate,
@@ -361,3 +363,82 @@ def test_a_price_on_an_observed_meter_not_produced_is_warned_at_start(
     with caplog.at_level(logging.WARNING):
         _host(node, "bytes", ByTheByte("bytes", AgentSettings()))
     assert "observed meter 'bytes_out'" in caplog.text and "rate nothing" in caplog.text, caplog.text
+
+
+async def test_a_local_usage_read_rates_the_log_once_for_all_its_pages(
+    setup: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``meshnode usage --source local`` reads its answer in pages, and every
+    page rated the whole log again (a full log: hundreds of pages of ~30 s).
+    Later pages (``as_of`` the first's count) are answered from the first
+    page's view; a new first page, another agreement or a deleted oldest
+    segment rates anew; the view goes once no page asked for it a while."""
+    node, shop, caller, _ = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    gate = AgreementGate(AgreementStore(tmp_path / "a.json"), approval_surface="https://a.example",
+                         gate_free_terms=False, usage=UsageLog(tmp_path / "usage.jsonl"))
+    gate.store.add(make_agreement(node.key, seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+
+    async def serve(request_id: str, at: int) -> None:
+        env = _env(caller, request_id)
+        await gate.check(shop, env, "Summarize.Text", at)
+        await gate.delivered(shop, env, "Summarize.Text", at + 1)
+
+    await serve("r00", NOW + 1)
+    assert gate.usage is not None
+    line = gate.usage.path.stat().st_size  # one line's bytes (the ids keep every line this long)
+    gate.usage.max_bytes, gate.usage.segment_bytes = 160 * line, 20 * line  # 8 segments of 20 lines
+    for i in range(1, 30):
+        await serve(f"r{i:02d}", NOW + 1)
+    rated: list[int] = []
+    rate = UsageLog.rate
+
+    def counted(log: UsageLog, agreements: Any) -> Any:
+        lines = rate(log, agreements)
+        rated.append(len(lines))
+        return lines
+
+    monkeypatch.setattr(UsageLog, "rate", counted)
+    methods = agreements_methods._AgreementMethods(cast(Any, SimpleNamespace(node=SimpleNamespace(commerce=gate))))
+    call = cast(Any, None)
+
+    async def read_all() -> list[dict[str, Any]]:
+        first = await methods.usage({"source": "local", "charges_bytes": 1024}, call)
+        charges, following = list(first["charges"]), first["charges_next"]
+        while following is not None:
+            page = await methods.usage({"source": "local", "charges_bytes": 1024, "charges_offset": following,
+                                        "as_of": first["events"]}, call)
+            charges += page["charges"]
+            following = page["charges_next"]
+        return charges
+
+    charges = await read_all()
+    assert len(charges) == 30 and rated == [30]  # several pages, one rating
+    assert [c["amount_micro"] for c in charges] == [2000] * 30
+    assert await read_all() == charges and rated == [30, 30]  # a new read: rated anew, once
+
+    # The log grows between two pages: the later page answers for the first page's lines, from its view.
+    first = await methods.usage({"source": "local", "charges_bytes": 1024}, call)
+    await serve("r30", NOW + 3)
+    later = await methods.usage({"source": "local", "charges_bytes": 1024, "charges_offset": first["charges_next"],
+                                 "as_of": first["events"]}, call)
+    assert later["events"] == first["events"] == 30 and rated == [30, 30, 30]
+    # Another agreement held: the fold may differ from its first line on, so it is rated anew.
+    gate.store.add(make_agreement(KeyPair.generate(), seller_agent=shop.agent_id, sku=sku, agreed_at_ms=NOW))
+    await methods.usage({"source": "local", "charges_bytes": 1024, "charges_offset": first["charges_next"],
+                         "as_of": first["events"]}, call)
+    assert rated == [30, 30, 30, 31]
+    # The oldest segment deleted (the log past its bound): rated anew as well.
+    first = await methods.usage({"source": "local", "charges_bytes": 1024}, call)
+    oldest = gate.usage.segments()[0]
+    for i in range(31, 180):
+        await serve(f"r{i:02d}", NOW + 5)
+    assert gate.usage.segments()[0] != oldest
+    await methods.usage({"source": "local", "charges_bytes": 1024, "charges_offset": first["charges_next"],
+                         "as_of": first["events"]}, call)
+    assert len(rated) == 6
+    # Nobody asks for a while: the view (every line) is let go.
+    assert methods._local is not None
+    methods._local.expires = 0.0
+    methods._expire_local()
+    assert methods._local is None

@@ -277,7 +277,9 @@ def test_usage_reads_every_page_as_of_its_first(monkeypatch: pytest.MonkeyPatch)
     view.update(lines[:20])
     asked: list[dict[str, Any]] = []
 
-    def admin(args: object, method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def admin(args: object, method: str, params: dict[str, Any], **options: Any) -> tuple[int, dict[str, Any]]:
+        # A page may take long: from the node's own log the first rates it whole.
+        assert options == {"timeout": cli._USAGE_TIMEOUT_S} and cli._USAGE_TIMEOUT_S >= 300
         asked.append(params)
         answer = view.answer(page_request(params), budget=2500)
         view.update(lines[: 20 + 5 * len(asked)])  # rated meanwhile
@@ -307,7 +309,7 @@ def test_usage_starts_over_when_the_ledger_lets_lines_go_between_pages(
         asked = 0
         let_go_at: ClassVar[set[int]] = {3}  # the requests before which it lets ten lines go
 
-    def admin(args: object, method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def admin(args: object, method: str, params: dict[str, Any], **options: Any) -> tuple[int, dict[str, Any]]:
         Service.asked += 1
         if Service.asked in Service.let_go_at:
             Service.first += 10

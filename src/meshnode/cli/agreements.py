@@ -121,6 +121,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 #: Reads of the ledger started over because it let lines go meanwhile, before giving up.
 _USAGE_READS = 5
+#: How long a page of ``Usage.Rated`` may take. The first page from the local
+#: usage log rates it whole: up to some 700,000 lines at the default bound,
+#: ~30 s on the benchmarks' machine, past the admin calls' usual 30 s.
+_USAGE_TIMEOUT_S = 600.0
 
 
 def _usage_pages(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
@@ -147,7 +151,7 @@ def _dropped(answer: dict[str, Any]) -> object:
 
 def _usage_read(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, Any]:
     """One read of every page (:func:`_usage_pages`): (code, None) to start over."""
-    code, first = _admin(args, "Usage.Rated", params)
+    code, first = _admin(args, "Usage.Rated", params, timeout=_USAGE_TIMEOUT_S)
     if code != EX_OK:
         return code, None
     merged = {**first, "charges": list(first["charges"]), "totals": list(first["totals"])}
@@ -160,7 +164,7 @@ def _usage_read(args: argparse.Namespace, params: dict[str, Any]) -> tuple[int, 
             ask["charges"] = False
         else:
             ask["charges_offset"] = following["charges"]
-        code, page = _admin(args, "Usage.Rated", ask)
+        code, page = _admin(args, "Usage.Rated", ask, timeout=_USAGE_TIMEOUT_S)
         if code != EX_OK:
             return code, None
         if _dropped(page) != _dropped(first):
