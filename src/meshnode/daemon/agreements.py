@@ -131,8 +131,10 @@ def register_agreement_methods(daemon: Daemon, methods: MethodRegistry) -> None:
     )
 
 
-#: How long the local usage view of a first page serves the pages that follow it.
-LOCAL_VIEW_TTL_S = 120.0
+#: How long the local usage view of a first page serves the pages that follow it,
+#: after the last page asked. It holds every rated line (~0.5 KB each: ~350 MB for a
+#: full 1 GiB log), so only as long as a reader paging back to back needs.
+LOCAL_VIEW_TTL_S = 30.0
 
 
 @dataclasses.dataclass
