@@ -170,8 +170,9 @@ async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.Monke
     await service.start()
     try:
         assert len(service.ledger.lines) == 600 and service.ledger.stats["refused.garbage"] == 1
-        # Every event's signature checked, once (decoding checked it too, twice in all).
-        # (The tampered copy has its original's id: 601 checks of 600 ids.)
+        # Every event's signature is checked once: by the fold (decoding checked it
+        # as well before, twice in all). The tampered copy has its original's id:
+        # 601 checks of 600 ids.
         assert len(verified) == 601 and len(set(verified)) == 600
         assert service.ledger.stats["refused.signature"] == 1
         assert js.calls["message"] == 0 and js.calls["fetch"] == 3  # 602 messages, 256 a round trip
