@@ -115,6 +115,7 @@ def test_store_pressure_names_the_store_and_headroom_is_what_is_left() -> None:
     # writes and loses its oldest; a bucket (or a mailbox) refuses writes.
     assert reasons[1].endswith("full, it drops its oldest messages")
     assert reasons[2].endswith("full, it refuses writes")
+    assert all(r.count("full, it") <= 1 for r in reasons), reasons  # said once (it was said twice)
     assert usage.headroom == 15 * MIB
     assert StoreUsage(used=1, reserved=0, limit=-1).headroom is None
     assert StoreUsage(used=1, reserved=0, limit=-1).pressure(0.8) == []

@@ -75,8 +75,8 @@ class StoreUsage:
                     )
         for s in self.streams:
             if s.max_bytes > 0 and s.ratio >= threshold:
-                full = DROPS_OLDEST if s.discards_old else "refuses writes"
-                reasons.append(f"stream {s.name}: {s.bytes} of {s.max_bytes} bytes ({s.ratio:.0%}); full, it {full}")
+                full = DROPS_OLDEST if s.discards_old else "full, it refuses writes"
+                reasons.append(f"stream {s.name}: {s.bytes} of {s.max_bytes} bytes ({s.ratio:.0%}); {full}")
         return reasons
 
     def as_dict(self, threshold: float = 1.0) -> dict[str, Any]:
