@@ -280,6 +280,59 @@ async def test_the_usage_log_is_cut_into_segments_and_keeps_within_its_bound(
     assert unbounded.segments() == [unbounded.path] and len(unbounded.read()) == 100
 
 
+async def test_a_read_of_the_usage_log_misses_no_segment_closed_while_it_reads(
+    setup: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``usage --source local`` reads the log in a worker thread while the loop
+    appends. A segment closed meanwhile (``usage.jsonl`` becoming
+    ``usage.jsonl.N``) was left out whole: the read had listed the segments
+    first and then opened the new, near-empty ``usage.jsonl``. A read is now
+    always the log's first lines, in order, whenever the rotation falls."""
+    node, shop, _, _ = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    probe = UsageLog(tmp_path / "probe.jsonl")
+    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
+    size = probe.path.stat().st_size
+
+    def fresh_log(name: str) -> tuple[UsageLog, list[str]]:
+        usage = UsageLog(tmp_path / name, max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
+        written = [f"r{i:03d}" for i in range(10)]  # two closed segments and two lines in the current
+        for envelope_id in written:
+            usage.append({"meter": "requests", "envelope_id": envelope_id}, sku, node.node_id)
+        return usage, written
+
+    def fill_the_current_segment(usage: UsageLog, written: list[str]) -> None:
+        """Appends until the current segment is closed and one line is in the next."""
+        closed = len(usage.segments())
+        while len(usage.segments()) == closed:
+            written.append(f"r{len(written):03d}")
+            usage.append({"meter": "requests", "envelope_id": written[-1]}, sku, node.node_id)
+
+    # The rotation after the read listed the segments, before it opens the current one.
+    usage, written = fresh_log("between.jsonl")
+    reader = usage.records()
+    assert next(reader)["event"]["envelope_id"] == "r000"
+    fill_the_current_segment(usage, written)
+    read = ["r000"] + [r["event"]["envelope_id"] for r in reader]
+    assert read == written
+
+    # The rotation after the current one is open: its lines are read from the file held.
+    usage, written = fresh_log("after.jsonl")
+    opened = Path.open
+
+    def open_then_rotate(self: Path, *args: Any, **kwargs: Any) -> Any:
+        handle = opened(self, *args, **kwargs)
+        if self == usage.path and not rotated:
+            rotated.append(self)
+            fill_the_current_segment(usage, written)
+        return handle
+
+    rotated: list[Path] = []
+    monkeypatch.setattr(Path, "open", open_then_rotate)
+    read = [r["event"]["envelope_id"] for r in usage.records()]
+    assert rotated and read == written[:len(read)] and len(read) >= 10  # a prefix, nothing skipped
+
+
 async def test_the_usage_log_makes_its_directory_once_and_reads_back_what_it_wrote(
     setup: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -342,15 +342,45 @@ class UsageLog:
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Every readable record of the segments kept, in order, one at a time
-        (a torn last line is skipped)."""
-        for segment in self.segments():
-            for line in self._lines(segment):
-                try:
-                    record = json.loads(line)
-                except ValueError:
+        (a torn last line is skipped).
+
+        Safe beside a writer in another thread: what it yields is always the
+        log's first lines, whole segments then the current one up to where it
+        was read, even when a segment is closed meanwhile (``path`` becoming
+        ``path.N`` between a listing and the open of ``path`` would otherwise
+        leave out all of ``path.N``). A segment trimmed before it is read is
+        left out, as trimmed."""
+        read_upto = 0  # the N of the last closed segment read
+        while True:
+            unread = [(n, p) for n, p in self._rotated() if n > read_upto]
+            for n, segment in unread:
+                yield from self._parsed(self._lines(segment))
+                read_upto = n
+            if unread:
+                continue  # one more may have been closed while these were read
+            try:
+                current = self.path.open(encoding="utf-8")
+            except FileNotFoundError:
+                return
+            with current:
+                # Closed between the listing and the open: the file held is a
+                # newer one, and the closed segment's lines come first. (Closed
+                # after the open, it is the file held; read from its name.)
+                if any(n > read_upto for n, _ in self._rotated()):
                     continue
-                if isinstance(record, dict) and isinstance(record.get("event"), dict):
-                    yield record
+                # Read to its end: a rotation meanwhile only stops its growth.
+                yield from self._parsed(current)
+                return
+
+    @staticmethod
+    def _parsed(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("event"), dict):
+                yield record
 
     def read(self) -> list[dict[str, Any]]:
         """Every readable record, in order (:meth:`records` as a list)."""
