@@ -1,7 +1,7 @@
 """Meter events: the seller's outbox into MESH_METERING, and the rating service's fold.
 
 A node serving priced calls hands two meter events a call (the observed
-``requests``, the declared meter) to its :class:`~meshnode.node.commerce.MeterOutbox`,
+``requests``, the declared meter) to its :class:`~meshnode.node.meter_outbox.MeterOutbox`,
 which publishes them JetStream-acked, off the request path. One at a time,
 each waiting for its ack, it published ~240 events a second from a node
 serving ~300 priced calls a second (~600 events), and past the outbox's
@@ -9,7 +9,7 @@ bound (10,000 waiting) the rest were dropped from the mesh's ledger (kept
 only in the node's ``usage.jsonl``). Alone, without the calls, one at a time
 reads faster: the busy node's loop is what each ack waited on. Measured here in one run, on one real nats-server:
 the same signed events through the outbox with a window of 1 (the old way)
-and of :data:`~meshnode.node.commerce.OUTBOX_WINDOW`, events a second, the
+and of :data:`~meshnode.node.meter_outbox.OUTBOX_WINDOW`, events a second, the
 stream holding every one of them once at the end of each.
 
 The rating service then folds every event into its ledger (§19.6): it
@@ -32,7 +32,8 @@ from typing import Any
 
 from nats.js.api import StreamConfig
 
-from meshnode.node.commerce import OUTBOX_WINDOW, MeterOutbox, meter_envelope, rating_context
+from meshnode.node.commerce import rating_context
+from meshnode.node.meter_outbox import OUTBOX_WINDOW, MeterOutbox, meter_envelope
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.protocol.commerce import make_agreement, parse_sku, verify_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
@@ -168,7 +169,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             ("one at a time (before; baseline)", f"{count:,}", f"{result['one_in_flight_events_per_s']:,.0f}", "1.0x"),
         ]
         print_table("meter events published by a seller's node (best of 2 interleaved passes each)", rows)
-        print("a priced call makes two meter events; the outbox drops what is past 10,000 waiting")
+        print("a priced call makes two meter events; past 10,000 waiting the daemon's outbox leaves the rest in "
+              "usage.jsonl and reads them back (this in-process outbox has no journal)")
         result.update(measure_fold(500 if quick else 2000))
         print_table("the rating service's fold of priced meter events (CPU, medians of 5 interleaved passes)", [
             ("fold", "µs an event", "ratio"),

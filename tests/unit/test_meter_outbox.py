@@ -1,9 +1,10 @@
-"""Meter events off the request path (meshnode.node.commerce.MeterOutbox) and the
+"""Meter events off the request path (meshnode.node.meter_outbox.MeterOutbox) and the
 rating service's batched catch-up (meshnode.services.rating.RatingService)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -11,8 +12,10 @@ import orjson
 import pytest
 
 from meshnode.agent import AgentSettings
-from meshnode.node.commerce import AgreementGate, AgreementStore, MeterOutbox, UsageLog
+from meshnode.node.commerce import AgreementGate, AgreementStore
+from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
 from meshnode.node.runtime import Node, NodeSettings
+from meshnode.node.usage_log import LogPosition, UsageLog, rating_context_of
 from meshnode.protocol import envelope, subjects
 from meshnode.protocol.envelope import decode_envelope
 from meshnode.protocol.nkeys import KeyPair
@@ -137,6 +140,151 @@ async def test_close_flushes_then_counts_what_it_could_not_publish(shop: Any) ->
     assert seller.counters["metering.unpublished"] == 2 and later.pending == 0
     assert not later.put(seller, {"id": "late"})  # closed: dropped, counted
     assert later.stats["dropped"] == 1
+
+
+def _journaled(gate: AgreementGate, **kwargs: Any) -> MeterOutbox:
+    """An outbox over the gate's usage log as its journal, as the daemon makes
+    one at each start, and the gate's publisher from now on."""
+    assert gate.usage is not None
+    outbox = MeterOutbox(first_backoff_s=0.01, max_backoff_s=0.05, journal=MeterJournal(gate.usage), **kwargs)
+    gate.publisher = outbox
+    return outbox
+
+
+def _published(js: FakeJetStream) -> list[tuple[str, str]]:
+    return [(e["meter"], e["envelope_id"]) for e in (env["payload"]["data"] for env in _stored(js))]
+
+
+async def test_events_left_at_stop_are_published_after_the_next_start(shop: Any) -> None:
+    """Events JetStream had not acked at stop were lost to the mesh's ledger
+    (only usage.jsonl kept them). The usage log is now the outbox's journal:
+    the next start reads them back from it, once its agents are hosted, and
+    publishes them, signed anew by their agent, with the rating context they
+    went out with."""
+    node, seller, buyer, gate, _, js = shop
+    first = _journaled(gate)
+    first.resume(node.by_id.get)
+    await _serve(gate, seller, buyer, "r1")
+    await eventually_async(lambda: first.pending == 0, what="r1 published")
+    js.down = True
+    await _serve(gate, seller, buyer, "r2")
+    await _serve(gate, seller, buyer, "r3")
+    assert await first.close(timeout=0.1) == 4
+    assert seller.counters["metering.unpublished"] == 0  # not lost: waiting in the log
+    assert _published(js) == [("requests", "r1"), ("tokens_out", "resp-r1")]
+
+    js.down = False
+    second = _journaled(gate)  # the next start
+    assert second.backlog is not None and second.pending == 0  # nothing signed before the agents are hosted
+    second.resume(node.by_id.get)
+    await eventually_async(lambda: len(_stored(js)) == 6, what="the events left at stop, published")
+    assert _published(js)[2:] == [("requests", "r2"), ("tokens_out", "resp-r2"),
+                                  ("requests", "r3"), ("tokens_out", "resp-r3")]
+    assert second.backlog is None and second.stats["read_back"] == 4
+    logged = {(r["event"]["meter"], r["event"]["envelope_id"]): r for r in gate.usage.read()}
+    for env in _stored(js)[2:]:
+        data = env["payload"]["data"]
+        assert env["from"] == seller.agent_id
+        assert data["rating"] == rating_context_of(logged[(data["meter"], data["envelope_id"])])
+        assert data["rating"]["interaction"] in ("r2", "r3") and data["rating"]["agreement"]
+    # The ledger rates them as it rated r1's.
+    ledger = Ledger()
+    charged = [ledger.fold(env) for env in _stored(js)]
+    assert [c.amount_micro for c in charged if c is not None] == [0, 30, 0, 30, 0, 30]
+    await eventually_async(lambda: second.journal is not None and second.journal.load() == gate.usage.end(),
+                           what="the journal's place at the log's end")
+    await second.close(timeout=1.0)
+
+
+async def test_after_a_crash_nothing_is_lost_and_what_goes_out_twice_is_charged_once(shop: Any) -> None:
+    """A kill -9 leaves the queue unpublished and the journal's place up to a
+    second behind: the next start publishes everything after that place. An
+    event published before the crash but after the place goes out twice; the
+    ledger charges it once."""
+    node, seller, buyer, gate, _, js = shop
+    crashed = _journaled(gate)
+    crashed.resume(node.by_id.get)
+    await _serve(gate, seller, buyer, "r1")
+    await eventually_async(lambda: crashed.pending == 0, what="r1 published")
+    assert crashed.journal is not None
+    crashed.journal.save(LogPosition(1, 0))  # the place was not yet saved past r1 when the process died
+    js.down = True
+    await _serve(gate, seller, buyer, "r2")
+    assert crashed._worker is not None
+    crashed._worker.cancel()  # the crash: nothing more happens in that process
+    js.down = False
+
+    restarted = _journaled(gate)
+    restarted.resume(node.by_id.get)
+    await eventually_async(lambda: len(_stored(js)) == 6, what="r1 again and r2")
+    assert _published(js) == [("requests", "r1"), ("tokens_out", "resp-r1")] * 2 + [
+        ("requests", "r2"), ("tokens_out", "resp-r2")]
+    ledger = Ledger()
+    charged = [c for c in (ledger.fold(env) for env in _stored(js)) if c is not None]
+    assert sorted((c.meter, c.envelope_id, c.amount_micro) for c in charged) == [
+        ("requests", "r1", 0), ("requests", "r2", 0), ("tokens_out", "resp-r1", 30), ("tokens_out", "resp-r2", 30)]
+    assert ledger.stats["duplicate"] == 2
+    await restarted.close(timeout=1.0)
+
+
+async def test_a_full_outbox_leaves_events_in_the_log_and_publishes_them_in_order(shop: Any) -> None:
+    """Past ``capacity`` an event was dropped (usage.jsonl kept it, the mesh
+    never saw it). With the journal it waits in the log, unsigned, and is read
+    back once the queue has room: none is dropped, they go out in order, and
+    new events queue again once the log is read to its end."""
+    node, seller, buyer, gate, _, js = shop
+    outbox = _journaled(gate, capacity=3)
+    outbox.resume(node.by_id.get)
+    js.down = True
+    for rid in ("r1", "r2", "r3", "r4"):
+        await _serve(gate, seller, buyer, rid)
+    assert outbox.pending == 3 and outbox.stats["waited_in_log"] == 5 and outbox.stats["dropped"] == 0
+    assert outbox.backlog is not None
+    js.down = False
+    await eventually_async(lambda: len(_stored(js)) == 8, what="all eight published")
+    assert _published(js) == [(m, f"{p}r{i}") for i in range(1, 5) for m, p in (("requests", ""), ("tokens_out", "resp-"))]
+    assert outbox.backlog is None and outbox.stats["read_back"] == 5 and seller.counters["metering.dropped"] == 0
+    await _serve(gate, seller, buyer, "r5")  # live again: queued, not left in the log
+    assert outbox.stats["waited_in_log"] == 5
+    await eventually_async(lambda: len(_stored(js)) == 10, what="r5 published")
+    await outbox.close(timeout=1.0)
+
+
+async def test_events_of_an_agent_no_longer_hosted_are_counted_not_published(
+    shop: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    node, seller, buyer, gate, _, js = shop
+    first = _journaled(gate)
+    first.resume(node.by_id.get)
+    js.down = True
+    await _serve(gate, seller, buyer, "r1")
+    await first.close(timeout=0.05)
+    js.down = False
+    second = _journaled(gate)
+    with caplog.at_level(logging.WARNING, logger="meshnode.commerce"):
+        second.resume(lambda agent_id: None)  # its agent was taken off this node meanwhile
+        await eventually_async(lambda: second.backlog is None, what="the log read")
+    assert second.stats["orphaned"] == 2 and _stored(js) == []
+    assert any(seller.agent_id in r.getMessage() and "no longer hosts" in r.getMessage() for r in caplog.records)
+    await second.close(timeout=0.1)
+
+
+async def test_the_first_start_with_a_journal_publishes_nothing_old(shop: Any, tmp_path: Path) -> None:
+    """A node upgraded with a usage log of months: its first journal starts at
+    the log's end (those events went out, or were given up, before)."""
+    node, seller, buyer, gate, outbox, js = shop
+    js.down = True
+    await _serve(gate, seller, buyer, "old")
+    await outbox.close(timeout=0.05)  # the old outbox: unpublished, counted
+    js.down = False
+    fresh = _journaled(gate)
+    assert fresh.journal is not None and fresh.journal.load() == gate.usage.end()
+    assert fresh.journal.path.stat().st_mode & 0o777 == 0o600
+    fresh.resume(node.by_id.get)
+    await _serve(gate, seller, buyer, "new")
+    await eventually_async(lambda: len(_stored(js)) == 2, what="new published")
+    assert _published(js) == [("requests", "new"), ("tokens_out", "resp-new")]
+    await fresh.close(timeout=1.0)
 
 
 async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,17 +16,17 @@ from meshnode.agent import Agent, AgentSettings, Context, offering
 from meshnode.cli import agreements as cli_agreements
 from meshnode.cli import build_parser
 from meshnode.daemon import agreements as agreements_methods
-from meshnode.node import commerce
+from meshnode.node import usage_log
 from meshnode.node.commerce import (
     AgreementGate,
     AgreementStore,
-    UsageLog,
     declared_skus,
     default_sku_id,
 )
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
+from meshnode.node.usage_log import LogPosition, UsageLog
 from meshnode.protocol.commerce import make_agreement, sku_digest
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
@@ -333,6 +333,40 @@ async def test_a_read_of_the_usage_log_misses_no_segment_closed_while_it_reads(
     assert rotated and read == written[:len(read)] and len(read) >= 10  # a prefix, nothing skipped
 
 
+async def test_a_place_in_the_usage_log_holds_across_rotation_and_a_torn_line(setup: Any, tmp_path: Path) -> None:
+    """The meter outbox reads the log back from a place (segment, offset): the
+    segment being written is numbered as it will be once closed, so a place
+    taken before a rotation still names the same line after it. A line torn by
+    a crash mid-write is ended before the next one is written (before, the
+    next event's line was glued to it and both were unreadable)."""
+    node, shop, _, _ = setup
+    sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    probe = UsageLog(tmp_path / "probe.jsonl")
+    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
+    size = probe.path.stat().st_size
+    usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
+    spans = [usage.append({"meter": "requests", "envelope_id": f"r{i:03d}"}, sku, node.node_id) for i in range(10)]
+    assert [s.start.segment for s in spans] == [1] * 4 + [2] * 4 + [3] * 2 and spans[-1].end == usage.end()
+    assert spans[4].start == LogPosition(2, 0) and spans[5].start == spans[4].end
+
+    def ids_after(position: LogPosition) -> list[str | None]:
+        return [r["event"]["envelope_id"] if r else None for _, r in usage.lines_after(position)]
+
+    assert ids_after(spans[6].start) == ["r006", "r007", "r008", "r009"]
+    assert [span for span, _ in usage.lines_after(spans[8].start)] == spans[8:]
+    assert ids_after(usage.end()) == []
+    assert usage.kept_from() == LogPosition(1, 0)
+
+    # A crash mid-write: a line without its newline. A new process ends it before its first line.
+    with usage.path.open("ab") as handle:
+        handle.write(b'{"event": {"meter": "requ')
+    assert ids_after(spans[9].end) == []  # not a line yet
+    again = UsageLog(usage.path, max_bytes=usage.max_bytes, segments=16)
+    span = again.append({"meter": "requests", "envelope_id": "r010"}, sku, node.node_id)
+    assert span.start.segment == 3 and ids_after(spans[9].end) == [None, "r010"]
+    assert [r["event"]["envelope_id"] for r in again.records()][-2:] == ["r009", "r010"]
+
+
 async def test_the_usage_log_makes_its_directory_once_and_reads_back_what_it_wrote(
     setup: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,7 +403,7 @@ async def test_a_large_deleted_usage_segment_is_counted_off_the_event_loop(
     20-50 ms): on the loop that held every request of the node. Past
     ``_COUNT_INLINE_BYTES`` (here 0) it is counted in the loop's executor; the
     segment is gone at once, the WARNING with its count comes from there."""
-    monkeypatch.setattr(commerce, "_COUNT_INLINE_BYTES", 0)
+    monkeypatch.setattr(usage_log, "_COUNT_INLINE_BYTES", 0)
     node, shop, _, _ = setup
     sku = next(s for s in shop.skus if s.sku == "summarize-text")
     probe = UsageLog(tmp_path / "probe.jsonl")

@@ -15,11 +15,12 @@ import pytest
 from meshnode.a2a.charges import Charge as A2ACharge
 from meshnode.a2a.charges import charge_event
 from meshnode.agent import Agent, AgentSettings, Context, offering
-from meshnode.node.commerce import AgreementGate, AgreementStore, UsageLog
+from meshnode.node.commerce import AgreementGate, AgreementStore
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
+from meshnode.node.usage_log import LogSpan, UsageLog
 from meshnode.protocol.commerce import Charge, ChargeOutcome, ParsedOnce, make_agreement
 from meshnode.protocol.envelope import IdGenerator, build_envelope, sign_envelope
 from meshnode.protocol.errors import ProtocolError
@@ -76,7 +77,8 @@ class Published:
         self.envelopes: list[dict[str, Any]] = []
         self.ids = IdGenerator()
 
-    async def __call__(self, hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage") -> None:
+    async def __call__(self, hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage", *,
+                       span: LogSpan | None = None) -> None:
         env = build_envelope("emit", hosted.agent_id, now_ms=NOW, ids=self.ids,
                              payload={"domain": "metering", "event_type": event_type, "data": dict(data)})
         self.envelopes.append(sign_envelope(env, hosted.key))

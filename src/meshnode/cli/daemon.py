@@ -328,6 +328,10 @@ def _print_status(status: dict[str, Any]) -> None:
     if inbox and not inbox.get("writable", True):
         print(f"inbox     NOT WRITABLE since {_when((inbox.get('fault_since_ms') or 0) // 1000)}: {inbox.get('fault')}"
               " (nothing is acked; mail waits in the broker's buffer)")
+    metering = status.get("metering")
+    if metering and (metering.get("queued") or metering.get("waiting_in_log_from")):
+        waiting = " and more waiting in usage.jsonl" if metering.get("waiting_in_log_from") else ""
+        print(f"metering  {metering['queued']} meter event(s) waiting for JetStream{waiting}")
     storage = status.get("storage")
     if storage:
         print(f"store     {_store_line(storage)}")

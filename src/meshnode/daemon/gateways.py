@@ -17,7 +17,7 @@ from meshnode.config import Config
 from meshnode.config.a2a import listen_fd
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
-from meshnode.node.commerce import MeterOutbox
+from meshnode.node.meter_outbox import MeterOutbox
 from meshnode.node.runtime import Node
 from meshnode.protocol.a2a_extension import IssuerTrust, parse_verify_key
 from meshnode.protocol.nkeys import KeyPair

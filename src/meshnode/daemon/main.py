@@ -57,12 +57,14 @@ from meshnode.daemon.taskdump import dump_tasks
 from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.agreement_lookup import PlatformAgreements
-from meshnode.node.commerce import AgreementGate, AgreementStore, MeterOutbox, UsageLog
+from meshnode.node.commerce import AgreementGate, AgreementStore
 from meshnode.node.inbox import InboxStore
+from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
+from meshnode.node.usage_log import UsageLog
 from meshnode.plugins import PluginLoadError, PluginManager
 from meshnode.protocol.attestations import same_standing_until
 from meshnode.protocol.nkeys import KeyPair
@@ -108,6 +110,7 @@ class Daemon:
         self.platforms: list[PlatformServices] = []
         self.admin: AdminServer | None = None
         self.inbox: InboxStore | None = None
+        self.meter_outbox: MeterOutbox | None = None
         self.gateways = A2AGateways()
         self.methods = CoreMethods(self)
         #: What the status socket answers from while the loop is blocked (#23 item 10).
@@ -437,12 +440,15 @@ class Daemon:
         # §19.5: agreements this node enforces at admission (node-local store).
         c = self.config.commerce
         # §13.5: the meter events also go on the mesh, for the rating service:
-        # queued, published off the request path, retried while JetStream is away.
-        outbox = MeterOutbox() if c.publish_usage else None
+        # queued, published off the request path, retried while JetStream is
+        # away; the usage log is the outbox's journal (what a stop or a crash
+        # left unpublished goes out after the next start, once the agents are hosted).
+        usage = UsageLog(self.data_dir / "usage.jsonl", max_bytes=c.usage_log_max_bytes)
+        outbox = self.meter_outbox = MeterOutbox(journal=MeterJournal(usage)) if c.publish_usage else None
         node.commerce = AgreementGate(
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,
-            usage=UsageLog(self.data_dir / "usage.jsonl", max_bytes=c.usage_log_max_bytes),
+            usage=usage,
             publisher=outbox,
         )
         if outbox is not None:
@@ -483,6 +489,8 @@ class Daemon:
         # Before the agents: an on_start that blocks the loop is seen too.
         node.start_watchdog()
         await hosting.host_roster(self.config)
+        if outbox is not None:
+            outbox.resume(node.by_id.get)
         node.start_heartbeat()
 
     async def _sweep(self, inbox: InboxStore) -> None:

@@ -167,6 +167,8 @@ class CoreMethods:
             "credential": self.d.credential_status(),
             # writable false: disk full or read-only; nothing is acked until it clears.
             "inbox": self.d.inbox.health() if self.d.inbox is not None else None,
+            # Meter events on their way to MESH_METERING (None: [commerce] publish_usage = false).
+            "metering": self.d.meter_outbox.status() if self.d.meter_outbox is not None else None,
             # The mesh's JetStream store (service nodes): use, limit, headroom, low.
             "storage": self.d.store_watch.snapshot() if self.d.store_watch is not None else None,
             "keystore": self.d.keystore.describe() if self.d.keystore else None,
