@@ -249,8 +249,12 @@ class MeterOutbox:
     def _waits_in_log(self, span: LogSpan | None) -> bool:
         """An event the log holds waits there (unsigned, read back later) while
         events before it wait there too or the queue is full."""
-        if span is None or self.journal is None or self._closing.is_set():
+        if span is None or self.journal is None:
             return False
+        if self._closing.is_set():
+            # After stop's flush: past the place kept, so the next start publishes it.
+            self.stats["waited_in_log"] += 1
+            return True
         self._through = span.end
         if self._backlog is None:
             if len(self._queue) < self.capacity:
