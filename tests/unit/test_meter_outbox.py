@@ -11,7 +11,11 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from meshnode.a2a import charges as charges_module
+from meshnode.a2a.charges import Charge, ChargeStore
+from meshnode.a2a.outbound import A2AOutbound
 from meshnode.agent import AgentSettings
+from meshnode.daemon.gateways import A2AGateways
 from meshnode.node.commerce import AgreementGate, AgreementStore
 from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
 from meshnode.node.runtime import Node, NodeSettings
@@ -285,6 +289,74 @@ async def test_the_first_start_with_a_journal_publishes_nothing_old(shop: Any, t
     await eventually_async(lambda: len(_stored(js)) == 2, what="new published")
     assert _published(js) == [("requests", "new"), ("tokens_out", "resp-new")]
     await fresh.close(timeout=1.0)
+
+
+async def test_a2a_charges_left_unpublished_go_out_after_the_next_start(shop: Any, tmp_path: Path) -> None:
+    """An A2A charge is not in usage.jsonl: its record is the charge table.
+    A charge's row is now marked published once JetStream acked its ledger
+    event; what a stop or a crash left unmarked goes out after the next start,
+    and the ledger charges a (peer, task) once."""
+    node, _, buyer, _, outbox, js = shop
+    store = ChargeStore(tmp_path / "a2a-charges.sqlite3")
+    await store.open()
+    gateways = A2AGateways()
+    gateways.charges = store
+    gateways.outbound = A2AOutbound("acme", "agent", {}, store, KeyPair.generate())
+    gateways.publish_charges(node, outbox)
+    charge = Charge(peer="weather", task_key="task:t1", message_id="m1", task_id="t1", agent=buyer.agent_id,
+                    execution_id="e1", mesh=True, report="verified", reported_spend=None, contract_price="0.1",
+                    charged="0.25", currency="USD", charged_at_ms=1)
+    assert await store.record(charge)
+    js.down = True
+    assert gateways.outbound.on_charge is not None
+    await gateways.outbound.on_charge(charge)  # what a charged call does
+    assert await outbox.close(timeout=0.05) == 1  # the stop: not published
+    assert [c.task_key for c in await store.unpublished()] == ["task:t1"]
+
+    js.down = False
+    later = MeterOutbox(first_backoff_s=0.01, max_backoff_s=0.05)  # the next start
+    gateways.publish_charges(node, later)
+    assert await gateways.republish_charges(node) == 1
+
+    async def marked() -> bool:
+        return not await store.unpublished()
+
+    await eventually_async(marked, what="the charge marked published")
+    assert [env["payload"]["event_type"] for env in _stored(js)] == ["a2a_charge"]
+    assert _stored(js)[0]["from"] == buyer.agent_id
+    assert await gateways.republish_charges(node) == 0  # nothing left for a later start
+    ledger = Ledger()
+    lines = [ledger.fold(env) for env in _stored(js) * 2]  # a copy sent again is charged once
+    assert [c.amount_micro for c in lines if c is not None] == [250_000]
+    await later.close(timeout=1.0)
+    await store.close()
+
+
+async def test_charges_recorded_before_the_published_column_count_as_published(tmp_path: Path) -> None:
+    """An upgraded node's charge table gains the column; its old rows are not
+    sent again (their events went out, or were given up, then)."""
+    import sqlite3
+
+    path = tmp_path / "a2a-charges.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(charges_module._SCHEMA)
+    old.execute("INSERT INTO a2a_charges VALUES ('w','task:old','m','old','U','e',1,'verified',NULL,'0.1','0.1','USD',1,NULL)")
+    old.commit()
+    old.close()
+    store = ChargeStore(path)
+    await store.open()
+    try:
+        assert await store.unpublished() == []
+        new = Charge(peer="w", task_key="task:new", message_id="m2", task_id="new", agent="U", execution_id="e",
+                     mesh=True, report="verified", reported_spend=None, contract_price="0.1", charged="0.1",
+                     currency="USD", charged_at_ms=2)
+        assert await store.record(new)
+        assert [c.task_key for c in await store.unpublished()] == ["task:new"]
+        await store.mark_published("w", "task:new")
+        assert await store.unpublished() == []
+        assert {c.task_key for c in await store.recent()} == {"task:old", "task:new"}
+    finally:
+        await store.close()
 
 
 async def test_rating_catches_up_in_batches(shop: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,6 +121,13 @@ class ChargeStore:
         self._db = await aiosqlite.connect(self.path)
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.executescript(_SCHEMA)
+        async with self._db.execute("PRAGMA table_info(a2a_charges)") as cur:
+            columns = {row[1] for row in await cur.fetchall()}
+        if "published" not in columns:
+            # Whether JetStream acked the charge's ledger event (the meter outbox's
+            # journal for charges). Rows from before it count as published: their
+            # events went out, or were given up, then.
+            await self._db.execute("ALTER TABLE a2a_charges ADD COLUMN published INTEGER NOT NULL DEFAULT 1")
         await self._db.commit()
         tighten_side_files(self.path)
 
@@ -143,8 +150,8 @@ class ChargeStore:
         db = self._conn()
         cursor = await db.execute(
             "INSERT OR IGNORE INTO a2a_charges (peer, task_key, message_id, task_id, agent, execution_id,"
-            " mesh, report, reported_spend, contract_price, charged, currency, charged_at_ms, note)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " mesh, report, reported_spend, contract_price, charged, currency, charged_at_ms, note, published)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
             (
                 charge.peer, charge.task_key, charge.message_id, charge.task_id, charge.agent,
                 charge.execution_id, int(charge.mesh), charge.report, charge.reported_spend,
@@ -153,6 +160,25 @@ class ChargeStore:
         )
         await db.commit()
         return cursor.rowcount == 1
+
+    async def unpublished(self, limit: int = 10_000) -> list[Charge]:
+        """Charges whose ledger event JetStream has not acked (oldest first): a
+        stop or a crash left them queued, or the outbox was full."""
+        db = self._conn()
+        sql = (
+            "SELECT peer, task_key, message_id, task_id, agent, execution_id, mesh, report, reported_spend,"
+            " contract_price, charged, currency, charged_at_ms, note FROM a2a_charges WHERE published = 0"
+            " ORDER BY charged_at_ms LIMIT ?"
+        )
+        async with db.execute(sql, (limit,)) as cur:
+            rows = await cur.fetchall()
+        return [_charge_of(r) for r in rows]
+
+    async def mark_published(self, peer: str, task_key: str) -> None:
+        """JetStream acked the charge's ledger event."""
+        db = self._conn()
+        await db.execute("UPDATE a2a_charges SET published = 1 WHERE peer = ? AND task_key = ?", (peer, task_key))
+        await db.commit()
 
     async def get(self, peer: str, task_key: str) -> Charge | None:
         rows = await self._select("WHERE peer = ? AND task_key = ?", (peer, task_key), limit=1)
@@ -192,10 +218,11 @@ class ChargeStore:
         )
         async with db.execute(sql, (*args, limit)) as cur:
             rows = await cur.fetchall()
-        return [
-            Charge(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13])
-            for r in rows
-        ]
+        return [_charge_of(r) for r in rows]
+
+
+def _charge_of(r: Sequence[Any]) -> Charge:
+    return Charge(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13])
 
 
 def now_ms() -> int:

@@ -9,6 +9,7 @@ to install.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from meshnode.config import Config
 from meshnode.config.a2a import listen_fd
 from meshnode.daemon.lifecycle import Shutdown
 from meshnode.node.builtin import BRIDGE_AGENT_NAME
-from meshnode.node.meter_outbox import MeterOutbox
+from meshnode.node.meter_outbox import MeterOutbox, meter_envelope
 from meshnode.node.runtime import Node
 from meshnode.protocol.a2a_extension import IssuerTrust, parse_verify_key
 from meshnode.protocol.nkeys import KeyPair
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 # includes the start).
 
 __all__ = ["A2AGateways"]
+
+log = logging.getLogger("meshnode.a2a")
 
 
 class A2AGateways:
@@ -64,18 +67,50 @@ class A2AGateways:
         """Put every new A2A charge in the mesh's ledger (§19.6): queued on the
         node's meter ``outbox`` (off the call's path) and published as
         ``mesh.event.metering.a2a_charge``, signed by the calling agent, its
-        owner the node (the default owner of its agents, §8.3)."""
-        outbound = self.outbound
-        if outbound is None:
+        owner the node (the default owner of its agents, §8.3). The charge's
+        row is marked published once JetStream acked it: what a stop, a crash
+        or a full outbox left is sent by :meth:`republish_charges`."""
+        outbound, charges = self.outbound, self.charges
+        if outbound is None or charges is None:
             return
 
         async def on_charge(charge: Charge) -> None:
             hosted = node.by_id.get(charge.agent)
             if hosted is None:
                 raise RuntimeError(f"the calling agent {charge.agent} is not hosted here any more")
-            await outbox(hosted, charge_event(charge, node.node_id), "a2a_charge")
+
+            async def acked() -> None:
+                await charges.mark_published(charge.peer, charge.task_key)
+
+            env = meter_envelope(hosted, charge_event(charge, node.node_id), "a2a_charge")
+            if not outbox.put(hosted, env, "a2a_charge", acked=acked):
+                raise RuntimeError("the meter outbox is full or stopped; it goes out after the next start")
 
         outbound.on_charge = on_charge
+
+    async def republish_charges(self, node: Node) -> int:
+        """Queue the charges whose ledger event no run published (a stop, a
+        crash, a full outbox); after the agents are hosted, whose keys sign
+        them. The ledger charges a ``(peer, task_key)`` once, so one that did
+        go out before a crash is harmless. Returns how many were queued."""
+        outbound, charges = self.outbound, self.charges
+        if outbound is None or charges is None or outbound.on_charge is None:
+            return 0
+        queued, refused = 0, 0
+        for charge in await charges.unpublished():
+            try:
+                await outbound.on_charge(charge)
+            except Exception as exc:  # its agent gone, the outbox full: the row stays unpublished
+                refused += 1
+                if refused == 1:
+                    log.warning("A2A charge %s/%s of an earlier run cannot be published now: %s",
+                                charge.peer, charge.task_key, exc)
+            else:
+                queued += 1
+        if queued or refused:
+            log.info("%d A2A charge(s) of an earlier run were not acked by JetStream: %d queued for the ledger, "
+                     "%d left for a later start", queued + refused, queued, refused)
+        return queued
 
     async def start_bridge(
         self, config: Config, node: Node, failed_agents: dict[str, str], data_dir: Path, shutdown: Shutdown

@@ -491,6 +491,7 @@ class Daemon:
         await hosting.host_roster(self.config)
         if outbox is not None:
             outbox.resume(node.by_id.get)
+            await self.gateways.republish_charges(node)
         node.start_heartbeat()
 
     async def _sweep(self, inbox: InboxStore) -> None:

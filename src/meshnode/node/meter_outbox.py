@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -100,6 +100,7 @@ class _Pending:
     data: bytes
     msg_id: str
     span: LogSpan | None  # where the usage log holds it (None: it does not)
+    acked: Callable[[], Awaitable[None]] | None = None  # told once JetStream acked it
 
 
 class MeterJournal:
@@ -267,9 +268,10 @@ class MeterOutbox:
         return True
 
     def put(self, hosted: HostedAgent, env: Mapping[str, Any], event_type: str = "usage", *,
-            span: LogSpan | None = None) -> bool:
+            span: LogSpan | None = None, acked: Callable[[], Awaitable[None]] | None = None) -> bool:
         """Queue one signed metering ``emit`` (``span``: where the usage log
-        holds its event); False when it was dropped (full, or closed)."""
+        holds its event; ``acked``: awaited once JetStream acked it, for a
+        record kept elsewhere); False when it was dropped (full, or closed)."""
         if self._waits_in_log(span):
             return True
         if self._closing.is_set() or len(self._queue) >= self.capacity:
@@ -282,7 +284,7 @@ class MeterOutbox:
             return False
         self._queue.append(_Pending(
             hosted.node, hosted.counters, subjects.event_subject("metering", event_type),
-            encode_envelope(dict(env)), str(env["id"]), span,
+            encode_envelope(dict(env)), str(env["id"]), span, acked,
         ))
         self.stats["queued"] += 1
         self._start()
@@ -412,6 +414,13 @@ class MeterOutbox:
             self._queue.extendleft(reversed([p for p, _ in failed]))  # retried first, in their order
             self.stats["published"] += len(batch) - len(failed)
             self._save_place()
+            for pending, result in zip(batch, results, strict=True):
+                if pending.acked is not None and not isinstance(result, BaseException):
+                    try:
+                        await pending.acked()
+                    except Exception as exc:  # its record then says unpublished: sent again after a restart
+                        log.warning("meter event %s was published, but recording that failed: %s",
+                                    pending.msg_id, exc)
             if failed:  # the transport, a full or leaderless stream: retried
                 self.stats["retried"] += len(failed)
                 first, why = failed[0]
