@@ -290,6 +290,19 @@ async def test_the_first_start_with_a_journal_publishes_nothing_old(shop: Any, t
     assert _published(js) == [("requests", "new"), ("tokens_out", "resp-new")]
     await fresh.close(timeout=1.0)
 
+    # [commerce] publish_usage = false for a while: the place is forgotten, and
+    # what is logged meanwhile is not published once publishing is back.
+    fresh.journal.forget()
+    gate.publisher = None
+    await _serve(gate, seller, buyer, "kept-local")
+    again = _journaled(gate)
+    assert again.backlog is None
+    again.resume(node.by_id.get)
+    await _serve(gate, seller, buyer, "after")
+    await eventually_async(lambda: len(_stored(js)) == 4, what="after published")
+    assert _published(js)[2:] == [("requests", "after"), ("tokens_out", "resp-after")]
+    await again.close(timeout=1.0)
+
 
 async def test_a2a_charges_left_unpublished_go_out_after_the_next_start(shop: Any, tmp_path: Path) -> None:
     """An A2A charge is not in usage.jsonl: its record is the charge table.

@@ -445,6 +445,8 @@ class Daemon:
         # left unpublished goes out after the next start, once the agents are hosted).
         usage = UsageLog(self.data_dir / "usage.jsonl", max_bytes=c.usage_log_max_bytes)
         outbox = self.meter_outbox = MeterOutbox(journal=MeterJournal(usage)) if c.publish_usage else None
+        if outbox is None:
+            MeterJournal(usage).forget()  # what is logged meanwhile stays the node's, even once publishing again
         node.commerce = AgreementGate(
             AgreementStore(self.data_dir / "agreements.json"),
             approval_surface=c.approval_url, gate_free_terms=c.gate_free_terms,

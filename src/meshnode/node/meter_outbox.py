@@ -130,6 +130,13 @@ class MeterJournal:
                         self.path, exc, self.usage.path)
             return None
 
+    def forget(self) -> None:
+        """Drop the place kept (``[commerce] publish_usage = false``): events
+        logged while nothing publishes them are the node's alone, and a later
+        start that publishes again begins at the log's end, not at them."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
     def save(self, position: LogPosition) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
