@@ -273,6 +273,12 @@ class Peer:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def __enter__(self) -> Peer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 class _Executor(AgentExecutor):
     def __init__(self, peer: Peer) -> None:

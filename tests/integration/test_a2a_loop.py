@@ -31,11 +31,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def weather() -> Iterator[Peer]:
-    peer = Peer(Behaviour()).start()
-    try:
+    with Peer(Behaviour()) as peer:
         yield peer
-    finally:
-        peer.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,8 @@ PRICE_PER_TOKEN = 3  # tests/agents/priced.py: generate
 
 @pytest.fixture
 def peer() -> Iterator[Peer]:
-    started = Peer(Behaviour()).start()
-    try:
+    with Peer(Behaviour()) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def _ledger(daemon: DaemonProcess, source: str = "ledger") -> dict[str, Any]:

@@ -31,11 +31,8 @@ PRICE_PER_TOKEN = 3  # tests/agents/priced.py: generate
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
-    started = Peer(Behaviour()).start()
-    try:
+    with Peer(Behaviour()) as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture(scope="module")

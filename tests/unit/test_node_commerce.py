@@ -27,7 +27,7 @@ from meshnode.node.hosted import HostedAgent
 from meshnode.node.manifests import build_manifest
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.usage_log import LogPosition, UsageLog
-from meshnode.protocol.commerce import make_agreement, sku_digest
+from meshnode.protocol.commerce import Sku, make_agreement, sku_digest
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.testing.waiting import eventually_async
@@ -249,6 +249,15 @@ async def test_recorded_usage_rates_deterministically_refusals_at_zero(setup: An
     assert {c.amount_micro for c in usage.rate([])} == {0}
 
 
+def _recorded_sku(setup: Any, tmp_path: Path) -> tuple[Sku, int]:
+    """The SKU the usage-log tests record under, and one record's size in the log."""
+    node, shop, _, _ = setup
+    sku: Sku = next(s for s in shop.skus if s.sku == "summarize-text")
+    probe = UsageLog(tmp_path / "probe.jsonl")
+    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
+    return sku, probe.path.stat().st_size
+
+
 async def test_the_usage_log_is_cut_into_segments_and_keeps_within_its_bound(
     setup: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -256,12 +265,8 @@ async def test_the_usage_log_is_cut_into_segments_and_keeps_within_its_bound(
     second on a busy seller). It is cut into segments of a sixteenth of
     ``[commerce] usage_log_max_bytes``, the oldest deleted past the bound
     (logged); what is kept reads in order, and 0 never deletes."""
-    node, shop, _, _ = setup
-    sku = next(s for s in shop.skus if s.sku == "summarize-text")
-    probe = UsageLog(tmp_path / "probe.jsonl")
-    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
-    size = probe.path.stat().st_size  # one record's bytes
-
+    node, _, _, _ = setup
+    sku, size = _recorded_sku(setup, tmp_path)
     usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
     with caplog.at_level(logging.WARNING, logger="meshnode.commerce"):
         for i in range(100):
@@ -288,11 +293,8 @@ async def test_a_read_of_the_usage_log_misses_no_segment_closed_while_it_reads(
     ``usage.jsonl.N``) was left out whole: the read had listed the segments
     first and then opened the new, near-empty ``usage.jsonl``. A read is now
     always the log's first lines, in order, whenever the rotation falls."""
-    node, shop, _, _ = setup
-    sku = next(s for s in shop.skus if s.sku == "summarize-text")
-    probe = UsageLog(tmp_path / "probe.jsonl")
-    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
-    size = probe.path.stat().st_size
+    node, _, _, _ = setup
+    sku, size = _recorded_sku(setup, tmp_path)
 
     def fresh_log(name: str) -> tuple[UsageLog, list[str]]:
         usage = UsageLog(tmp_path / name, max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
@@ -339,11 +341,8 @@ async def test_a_place_in_the_usage_log_holds_across_rotation_and_a_torn_line(se
     taken before a rotation still names the same line after it. A line torn by
     a crash mid-write is ended before the next one is written (before, the
     next event's line was glued to it and both were unreadable)."""
-    node, shop, _, _ = setup
-    sku = next(s for s in shop.skus if s.sku == "summarize-text")
-    probe = UsageLog(tmp_path / "probe.jsonl")
-    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
-    size = probe.path.stat().st_size
+    node, _, _, _ = setup
+    sku, size = _recorded_sku(setup, tmp_path)
     usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=16 * 4 * size, segments=16)  # 4 records a segment
     spans = [usage.append({"meter": "requests", "envelope_id": f"r{i:03d}"}, sku, node.node_id) for i in range(10)]
     assert [s.start.segment for s in spans] == [1] * 4 + [2] * 4 + [3] * 2 and spans[-1].end == usage.end()
@@ -404,11 +403,8 @@ async def test_a_large_deleted_usage_segment_is_counted_off_the_event_loop(
     ``_COUNT_INLINE_BYTES`` (here 0) it is counted in the loop's executor; the
     segment is gone at once, the WARNING with its count comes from there."""
     monkeypatch.setattr(usage_log, "_COUNT_INLINE_BYTES", 0)
-    node, shop, _, _ = setup
-    sku = next(s for s in shop.skus if s.sku == "summarize-text")
-    probe = UsageLog(tmp_path / "probe.jsonl")
-    probe.append({"meter": "requests", "envelope_id": "r000"}, sku, node.node_id)
-    size = probe.path.stat().st_size
+    node, _, _, _ = setup
+    sku, size = _recorded_sku(setup, tmp_path)
     usage = UsageLog(tmp_path / "usage.jsonl", max_bytes=4 * 3 * size, segments=4)  # 3 records a segment
     with caplog.at_level(logging.WARNING, logger="meshnode.commerce"):
         for i in range(20):
