@@ -365,6 +365,20 @@ async def test_a_place_in_the_usage_log_holds_across_rotation_and_a_torn_line(se
     assert span.start.segment == 3 and ids_after(spans[9].end) == [None, "r010"]
     assert [r["event"]["envelope_id"] for r in again.records()][-2:] == ["r009", "r010"]
 
+    # The segment being written deleted by hand: the next line starts a segment of its own
+    # number, so a place kept in the deleted one names none of its lines.
+    again.path.unlink()
+    span = again.append({"meter": "requests", "envelope_id": "r011"}, sku, node.node_id)
+    assert span.start == LogPosition(4, 0)
+    kept_in_the_deleted = LogPosition(3, span.end.offset - 1)
+    assert [r["event"]["envelope_id"] if r else None for _, r in again.lines_after(kept_in_the_deleted)] == ["r011"]
+    assert [r["event"]["envelope_id"] for r in again.records()][-2:] == ["r007", "r011"]
+    for i in (12, 13, 14):  # segment 4 full: the next line closes it ...
+        again.append({"meter": "requests", "envelope_id": f"r{i:03d}"}, sku, node.node_id)
+    again.path.unlink()  # ... but it is gone by then: nothing to close, no error, a segment of its own
+    span = again.append({"meter": "requests", "envelope_id": "r015"}, sku, node.node_id)
+    assert span.start == LogPosition(5, 0) and not again.path.with_name("usage.jsonl.4").exists()
+
 
 async def test_the_usage_log_makes_its_directory_once_and_reads_back_what_it_wrote(
     setup: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -132,11 +132,15 @@ class UsageLog:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
         try:
+            start = os.fstat(fd).st_size
+            if start < self._written:
+                # Deleted or truncated by hand meanwhile: a new segment, numbered
+                # on, so no place kept in the old one names a line of this one.
+                self._current_no = self.current_number() + 1
             os.write(fd, data)
         finally:
             os.close(fd)
-        start = self._written
-        self._written += len(data)
+        self._written = start + len(data)  # O_APPEND, and this is the one writer
         number = self.current_number()
         return LogSpan(LogPosition(number, start), LogPosition(number, self._written))
 
@@ -233,9 +237,12 @@ class UsageLog:
         rotated = self._rotated()
         number = self.current_number()
         closed = self.path.with_name(f"{self.path.name}.{number}")
-        os.replace(self.path, closed)
         self._written = 0
         self._current_no = number + 1
+        try:
+            os.replace(self.path, closed)
+        except FileNotFoundError:  # deleted by hand meanwhile: nothing to close
+            return
         kept = [p for _, p in rotated] + [closed]
         total = sum(p.stat().st_size for p in kept)
         for oldest in kept[:-1]:
