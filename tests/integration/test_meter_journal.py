@@ -99,5 +99,9 @@ def test_meter_events_of_an_outage_and_a_kill_9_reach_the_ledger_once(
     log = seller.log_text()
     assert "were not acked by JetStream: publishing them" in log
     assert "1 A2A charge(s) of an earlier run were not acked by JetStream: 1 queued" in log
+    runtime = seller.admin("Metrics")["runtime"]
+    assert (runtime["meter_events_read_back"], runtime["meter_events_waiting_in_log"]) == (6, 0), runtime
+    prometheus = seller.admin("Metrics", {"format": "prometheus"})["text"]
+    assert "meshnode_meter_events_read_back 6" in prometheus
     journal = seller.data_dir / "usage.published"
     assert journal.stat().st_mode & 0o777 == 0o600

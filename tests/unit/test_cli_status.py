@@ -25,3 +25,20 @@ def test_status_names_planned_reconnects_only_when_one_went_unbridged(capsys: py
     _print_status(_status({"bridged": 9, "unbridged": 3}))
     out = capsys.readouterr().out
     assert "3 of 12 planned reconnects unbridged" in out and "agents' buffers" in out
+
+
+def test_status_names_meter_events_waiting_or_not_published(capsys: pytest.CaptureFixture[str]) -> None:
+    """The metering line: only while events wait for JetStream, and when some
+    read back from the usage log could not be published (an agent gone, a
+    segment deleted first)."""
+    status = _status({"bridged": 0, "unbridged": 0})
+    status["metering"] = {"queued": 0, "waiting_in_log_from": None, "journal": "/d/usage.published",
+                          "counters": {"published": 40}}
+    _print_status(status)
+    assert "metering" not in capsys.readouterr().out  # all published: nothing to say
+    status["metering"] = {"queued": 256, "waiting_in_log_from": [3, 1024], "journal": "/d/usage.published",
+                          "counters": {"published": 40, "orphaned": 2, "trimmed": 0}}
+    _print_status(status)
+    out = capsys.readouterr().out
+    assert "metering  256 meter event(s) waiting for JetStream and more waiting in usage.jsonl" in out
+    assert "metering  not published: 2 orphaned (see the log's WARNINGs)" in out

@@ -269,6 +269,9 @@ async def test_events_of_an_agent_no_longer_hosted_are_counted_not_published(
         second.resume(lambda agent_id: None)  # its agent was taken off this node meanwhile
         await eventually_async(lambda: second.backlog is None, what="the log read")
     assert second.stats["orphaned"] == 2 and _stored(js) == []
+    assert second.gauges() == {"meter_events_queued": 0, "meter_events_waiting_in_log": 0,
+                               "meter_events_published": 0, "meter_events_read_back": 0, "meter_events_dropped": 0,
+                               "meter_events_orphaned": 2, "meter_events_trimmed": 0, "meter_events_unpublished": 0}
     assert any(seller.agent_id in r.getMessage() and "no longer hosts" in r.getMessage() for r in caplog.records)
     await second.close(timeout=0.1)
 

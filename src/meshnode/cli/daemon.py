@@ -332,6 +332,11 @@ def _print_status(status: dict[str, Any]) -> None:
     if metering and (metering.get("queued") or metering.get("waiting_in_log_from")):
         waiting = " and more waiting in usage.jsonl" if metering.get("waiting_in_log_from") else ""
         print(f"metering  {metering['queued']} meter event(s) waiting for JetStream{waiting}")
+    lost = {k: v for k, v in ((metering or {}).get("counters") or {}).items() if k in ("orphaned", "trimmed") and v}
+    if lost:
+        # Read back from the log but never published (the agent is gone; the segment was deleted first).
+        print("metering  not published: " + ", ".join(f"{v} {k}" for k, v in sorted(lost.items()))
+              + " (see the log's WARNINGs)")
     storage = status.get("storage")
     if storage:
         print(f"store     {_store_line(storage)}")

@@ -301,6 +301,9 @@ class _Operations:
         broker = self.daemon.broker_watch
         if broker is not None:  # issue #23 item 11: a frozen broker shows here too
             runtime = {**runtime, **broker.gauges()}
+        outbox = self.daemon.meter_outbox
+        if outbox is not None:  # meter events on their way to the mesh's ledger
+            runtime = {**runtime, **outbox.gauges()}
         hosted = list(node.agents.values())
         place: dict[str, Any] = {"agents_total": len(hosted), "roster_version": node.roster_version}
         if fmt == "prometheus":

@@ -243,6 +243,16 @@ class MeterOutbox:
             "counters": dict(sorted(self.stats.items())),
         }
 
+    def gauges(self) -> dict[str, int]:
+        """For ``Metrics``: what waits (events queued; 1 while events wait in the
+        log) and the running counts."""
+        return {
+            "meter_events_queued": len(self._queue),
+            "meter_events_waiting_in_log": int(self._backlog is not None),
+            **{f"meter_events_{name}": self.stats[name]
+               for name in ("published", "read_back", "dropped", "orphaned", "trimmed", "unpublished")},
+        }
+
     @property
     def backlog(self) -> LogPosition | None:
         """Where the events waiting in the usage log begin (None: none wait there)."""
