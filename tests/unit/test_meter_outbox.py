@@ -276,6 +276,34 @@ async def test_events_of_an_agent_no_longer_hosted_are_counted_not_published(
     await second.close(timeout=0.1)
 
 
+async def test_a_long_run_of_unpublishable_lines_is_read_in_passes(shop: Any) -> None:
+    """A read-back pass examines a bounded number of lines (16 per event it
+    may queue), so a long run of an absent agent's events does not hold the
+    loop in one pass; the passes go on until the log is read."""
+    node, seller, buyer, gate, _, js = shop
+    first = _journaled(gate)
+    first.resume(node.by_id.get)
+    js.down = True
+    for i in range(20):  # 40 lines
+        await _serve(gate, seller, buyer, f"r{i}")
+    await first.close(timeout=0.05)
+    js.down = False
+    second = _journaled(gate, window=1)  # 16 lines a pass
+    passes = 0
+    read_back = second._read_back
+
+    def counted() -> None:
+        nonlocal passes
+        passes += 1
+        read_back()
+
+    second._read_back = counted  # type: ignore[method-assign]
+    second.resume(lambda agent_id: None)
+    await eventually_async(lambda: second.backlog is None, what="the log read to its end")
+    assert second.stats["orphaned"] == 40 and passes == 3 and _stored(js) == []
+    await second.close(timeout=0.1)
+
+
 async def test_the_first_start_with_a_journal_publishes_nothing_old(shop: Any, tmp_path: Path) -> None:
     """A node upgraded with a usage log of months: its first journal starts at
     the log's end (those events went out, or were given up, before)."""

@@ -68,6 +68,8 @@ OUTBOX_PUBLISH_TIMEOUT_S = 5.0
 #: Events published before waiting for their acks (one round trip for them all);
 #: also the lines read back from the usage log at a time.
 OUTBOX_WINDOW = 256
+#: A read-back pass examines at most this many lines of the log per event it may queue.
+_LINES_PER_EVENT_READ = 16
 #: The journal's place is written at most this often (and at stop): a crash
 #: republishes at most this much already published, which the ledger charges once.
 JOURNAL_SAVE_EVERY_S = 1.0
@@ -333,9 +335,16 @@ class MeterOutbox:
             log.warning("meter events in %s before %s were deleted with their segment (usage_log_max_bytes) "
                         "before JetStream acked them: they are not published", journal.usage.path, tuple(kept))
             position = kept
-        queued, orphans = 0, Counter[str]()
+        queued, examined, orphans = 0, 0, Counter[str]()
         for span, record in journal.usage.lines_after(position):
             position = self._through = span.end
+            examined += 1
+            if examined > self.window * _LINES_PER_EVENT_READ:
+                # A long run of lines that publish nothing (an agent's events, it
+                # gone): the loop gets its turn between such passes.
+                self._backlog = span.start
+                self._through = span.start
+                break
             if record is None:
                 continue
             provider = record["event"].get("provider")
@@ -403,6 +412,9 @@ class MeterOutbox:
                     and not self._closing.is_set():
                 self._read_back()
                 self._save_place()
+                if not self._queue and self._backlog is not None:
+                    await asyncio.sleep(0)  # only lines that publish nothing so far: read on after a turn
+                    continue
             if not self._queue:
                 if self._closing.is_set():
                     return
