@@ -282,8 +282,9 @@ class MeterOutbox:
             self._backlog = span.start
             log.warning("the meter outbox holds %d events waiting for JetStream: the next ones wait in %s "
                         "and are read back from there", len(self._queue), self.journal.usage.path)
+        # No wake: the worker reads the log back by itself once its queue is empty
+        # (and, before resume(), cannot: a wake per event found nothing to do).
         self.stats["waited_in_log"] += 1
-        self._start()
         return True
 
     def put(self, hosted: HostedAgent, env: Mapping[str, Any], event_type: str = "usage", *,
