@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,6 +31,7 @@ from meshnode.aio import wait_for
 from meshnode.node.usage_log import LogPosition, LogSpan, UsageLog, rating_context_of
 from meshnode.protocol import subjects
 from meshnode.protocol.envelope import build_envelope, encode_envelope, sign_envelope
+from meshnode.transport.files import write_private_file
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -140,13 +140,8 @@ class MeterJournal:
             self.path.unlink()
 
     def save(self, position: LogPosition) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, orjson.dumps({"segment": position.segment, "offset": position.offset}))
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        write_private_file(self.path, orjson.dumps({"segment": position.segment, "offset": position.offset}).decode(),
+                           replace=True, sync=False)
 
 
 class MeterOutbox:

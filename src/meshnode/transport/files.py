@@ -18,12 +18,16 @@ __all__ = ["ensure_private_dir", "read_private_file", "write_private_file"]
 log = logging.getLogger("meshnode.transport.embedded")  # the name these messages always had
 
 
-def write_private_file(path: Path, content: str, *, replace: bool) -> None:
+def write_private_file(path: Path, content: str, *, replace: bool, sync: bool = True) -> None:
     """Write ``content`` to ``path`` readable by the owner only, at every instant.
 
     The bytes go to a fresh temporary file created with O_EXCL and mode 0600
     (umask can only narrow that, and fchmod restores it exactly), which is then
     moved into place. Without ``replace`` an existing file wins: FileExistsError.
+    ``sync`` fsyncs the file and its directory; without it the file is whole
+    (the old one or the new one) after a crash of the process, not
+    necessarily after one of the machine, for a file written often from the
+    event loop whose loss costs only repeated work.
     """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
@@ -34,7 +38,8 @@ def write_private_file(path: Path, content: str, *, replace: bool) -> None:
             data = content.encode("utf-8")
             while data:
                 data = data[os.write(fd, data) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         if replace:
@@ -44,6 +49,8 @@ def write_private_file(path: Path, content: str, *, replace: bool) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    if not sync:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
