@@ -257,9 +257,8 @@ class MeterOutbox:
 
     async def __call__(self, hosted: HostedAgent, data: Mapping[str, Any], event_type: str = "usage", *,
                        span: LogSpan | None = None) -> None:
-        if self._waits_in_log(span):
-            return
-        self.put(hosted, meter_envelope(hosted, data, event_type), event_type, span=span)
+        if not self._waits_in_log(span):  # else unsigned: read back and signed later
+            self._enqueue(hosted, meter_envelope(hosted, data, event_type), event_type, span, None)
 
     def _waits_in_log(self, span: LogSpan | None) -> bool:
         """An event the log holds waits there (unsigned, read back later) while
@@ -287,8 +286,10 @@ class MeterOutbox:
         """Queue one signed metering ``emit`` (``span``: where the usage log
         holds its event; ``acked``: awaited once JetStream acked it, for a
         record kept elsewhere); False when it was dropped (full, or closed)."""
-        if self._waits_in_log(span):
-            return True
+        return self._waits_in_log(span) or self._enqueue(hosted, env, event_type, span, acked)
+
+    def _enqueue(self, hosted: HostedAgent, env: Mapping[str, Any], event_type: str, span: LogSpan | None,
+                 acked: Callable[[], Awaitable[None]] | None) -> bool:
         if self._closing.is_set() or len(self._queue) >= self.capacity:
             self.stats["dropped"] += 1
             hosted.counters["metering.dropped"] += 1
