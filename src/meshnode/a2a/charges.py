@@ -164,15 +164,7 @@ class ChargeStore:
     async def unpublished(self, limit: int = 10_000) -> list[Charge]:
         """Charges whose ledger event JetStream has not acked (oldest first): a
         stop or a crash left them queued, or the outbox was full."""
-        db = self._conn()
-        sql = (
-            "SELECT peer, task_key, message_id, task_id, agent, execution_id, mesh, report, reported_spend,"
-            " contract_price, charged, currency, charged_at_ms, note FROM a2a_charges WHERE published = 0"
-            " ORDER BY charged_at_ms LIMIT ?"
-        )
-        async with db.execute(sql, (limit,)) as cur:
-            rows = await cur.fetchall()
-        return [_charge_of(r) for r in rows]
+        return await self._select("WHERE published = 0", (), limit=limit, newest_first=False)
 
     async def mark_published(self, peer: str, task_key: str) -> None:
         """JetStream acked the charge's ledger event."""
@@ -209,20 +201,19 @@ class ChargeStore:
             entry["total"] += Decimal(charged)
         return {p: {"count": e["count"], "total": str(e["total"])} for p, e in out.items()}
 
-    async def _select(self, where: str, args: Sequence[Any], *, limit: int) -> list[Charge]:
+    async def _select(self, where: str, args: Sequence[Any], *, limit: int, newest_first: bool = True) -> list[Charge]:
         db = self._conn()
         sql = (
             "SELECT peer, task_key, message_id, task_id, agent, execution_id, mesh, report, reported_spend,"
             f" contract_price, charged, currency, charged_at_ms, note FROM a2a_charges {where}"
-            " ORDER BY charged_at_ms DESC LIMIT ?"
+            f" ORDER BY charged_at_ms {'DESC' if newest_first else 'ASC'} LIMIT ?"
         )
         async with db.execute(sql, (*args, limit)) as cur:
             rows = await cur.fetchall()
-        return [_charge_of(r) for r in rows]
-
-
-def _charge_of(r: Sequence[Any]) -> Charge:
-    return Charge(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13])
+        return [
+            Charge(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13])
+            for r in rows
+        ]
 
 
 def now_ms() -> int:
