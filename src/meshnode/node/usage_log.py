@@ -67,6 +67,20 @@ def rating_context_of(record: Mapping[str, Any]) -> dict[str, Any]:
     return context
 
 
+def _record_of(line: str | bytes) -> dict[str, Any] | None:
+    """A usage-log line's record, None for a line that is none (torn by a
+    crash, or not an event's). orjson first; what it refuses and ``json``
+    wrote (a 65-bit integer, the writer's fallback) through ``json``."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+    return record if isinstance(record, dict) and isinstance(record.get("event"), dict) else None
+
+
 #: ``[commerce] usage_log_max_bytes``'s default: what the usage log keeps, all segments together.
 USAGE_LOG_MAX_BYTES = 1024**3
 #: The log is cut into this many segments of the bound: the oldest goes whole.
@@ -210,13 +224,7 @@ class UsageLog:
                         return  # being written: the end of the log for now (a closed one was torn)
                     span = LogSpan(LogPosition(number, offset), LogPosition(number, offset + len(raw)))
                     offset += len(raw)
-                    try:
-                        record = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        record = None
-                    if not (isinstance(record, dict) and isinstance(record.get("event"), dict)):
-                        record = None
-                    yield span, record
+                    yield span, _record_of(raw)
 
     def segments(self) -> list[Path]:
         """The segments kept, oldest first: ``path.1``, ``path.2``, ..., then ``path``."""
@@ -324,11 +332,8 @@ class UsageLog:
     @staticmethod
     def _parsed(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("event"), dict):
+            record = _record_of(line)
+            if record is not None:
                 yield record
 
     def read(self) -> list[dict[str, Any]]:
