@@ -316,6 +316,9 @@ class MeterOutbox:
                      self.journal.usage.path if self.journal else "the usage log", tuple(self._backlog))
             self._start()
 
+    def _kept_for_next_start(self, item: _Pending) -> bool:
+        return (self.journal is not None and item.span is not None) or item.acked is not None
+
     def _start(self) -> None:
         self._wake.set()
         if self._worker is None:
@@ -475,9 +478,10 @@ class MeterOutbox:
 
     async def close(self, timeout: float = 3.0) -> int:
         """Publish what is queued within ``timeout`` seconds, then stop; returns
-        how many queued events were left unpublished. With a journal they are
-        published after the next start (as is what waits in the log); without
-        one they are counted (``metering.unpublished``) and logged."""
+        how many queued events were left unpublished. Those the journal's log
+        holds (and what waits in it), and those with an ``acked`` hook (their
+        record is kept elsewhere), are published after the next start; the
+        rest are counted (``metering.unpublished``) and logged."""
         self._closing.set()
         self._wake.set()
         worker = self._worker
@@ -493,18 +497,18 @@ class MeterOutbox:
             self._save_timer = None
         self._save_place(now=True)
         left = len(self._queue)
-        # With a journal, an event the log holds is not lost: the next start publishes it.
-        logged = sum(1 for item in self._queue if item.span is not None) if self.journal is not None else 0
+        # Not lost: an event the journal's log holds, and one whose record elsewhere
+        # learns of its ack (an A2A charge's row): the next start publishes both.
+        kept = sum(1 for item in self._queue if self._kept_for_next_start(item))
         for item in self._queue:
-            if self.journal is None or item.span is None:
+            if not self._kept_for_next_start(item):
                 item.counters["metering.unpublished"] += 1
-        self.stats["unpublished"] += left - logged
-        if left - logged:
-            log.warning("%d meter event(s) not published before stop (not in usage.jsonl: lost to the mesh's "
-                        "ledger)", left - logged)
-        if logged or self._backlog is not None:
-            log.warning("meter events not published before stop (%d queued%s): the next start publishes them "
-                        "from %s", logged, ", and more waiting in the log" if self._backlog is not None else "",
-                        self.journal.usage.path if self.journal else "the usage log")
+        self.stats["unpublished"] += left - kept
+        if left - kept:
+            log.warning("%d meter event(s) not published before stop: the mesh's ledger will not have them",
+                        left - kept)
+        if kept or self._backlog is not None:
+            log.warning("meter events not published before stop (%d queued%s): the next start publishes them",
+                        kept, ", and more waiting in the log" if self._backlog is not None else "")
         self._queue.clear()
         return left
