@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from meshnode.config import Config
-from meshnode.daemon.credentials import CredentialUnavailable, obtain_credential, store_credential
+from meshnode.daemon.credentials import (
+    CREDENTIAL_FILE,
+    CredentialUnavailable,
+    obtain_credential,
+    store_credential,
+)
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.transport.embedded import EmbeddedNatsServer
 
@@ -65,3 +70,12 @@ def test_the_renewal_check_comes_when_the_credential_is_due_even_a_short_one(mes
     day = mesh.mint_node_credential(KeyPair.generate().public_key, [], 86_400)
     assert next_renewal_check(day, decode_jwt(day)[1]["iat"]) == 3600.0  # looked at hourly at most
     assert next_renewal_check("not a jwt", issued) == 60.0
+
+
+def test_the_stored_credential_is_private_and_written_whole(mesh: EmbeddedNatsServer, tmp_path: Path) -> None:
+    node, data_dir = KeyPair.generate(), tmp_path / "node"
+    data_dir.mkdir()
+    for ttl in (3600, 7200):  # written, then replaced
+        store_credential(data_dir, mesh.mint_node_credential(node.public_key, [], ttl), [])
+    assert (data_dir / CREDENTIAL_FILE).stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in data_dir.iterdir()] == [CREDENTIAL_FILE]  # no temporary left beside it

@@ -377,3 +377,10 @@ async def test_declining_a_task_that_is_not_held_is_not_found(env: Env) -> None:
     assert "'t-typo'" in str(info.value) and "held: t1" in str(info.value)
     assert env.keeper.holds[env.hosted.agent_id]  # nothing was declined
     assert await methods.decline({"agent": "worker", "task_id": "t1"}, cast(Any, None)) == {"declined": ["t1"]}
+
+
+def test_a_stored_allowance_is_private_and_written_whole(env: Env) -> None:
+    env.keeper.set(env.hosted, env.document(Ceiling(Scope.TASK, 5000)))
+    stored = env.keeper.directory / f"{env.hosted.agent_id}.json"
+    assert stored.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in env.keeper.directory.iterdir()] == [stored.name]  # no temporary left beside it

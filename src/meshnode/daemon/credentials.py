@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from meshnode.control_plane import (
 )
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.protocol.subjects import agent_inbox
+from meshnode.transport.files import write_private_file
 from meshnode.transport.grants import Grants
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import STARTER_TAG
@@ -102,18 +102,10 @@ def store_credential(
 ) -> None:
     """Write the credential (and the §9.7 attestation issued with it) atomically, mode
     0600 (no window of wider permissions)."""
-    path = data_dir / CREDENTIAL_FILE
-    tmp = data_dir / f".{CREDENTIAL_FILE}.{os.getpid()}.tmp"
     record: dict[str, Any] = {"jwt": jwt, "roster": sorted(roster)}
     if trust_attestation is not None:
         record["trust_attestation"] = trust_attestation
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    try:
-        os.write(fd, json.dumps(record).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private_file(data_dir / CREDENTIAL_FILE, json.dumps(record), replace=True)
 
 
 def stored_trust_attestation(data_dir: Path) -> dict[str, Any] | None:

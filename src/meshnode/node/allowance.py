@@ -59,7 +59,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import sqlite3
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +88,7 @@ from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.metering import is_meter_name
 from meshnode.protocol.protections import sender_body
 from meshnode.protocol.timeutil import format_ts
+from meshnode.transport.files import write_private_file
 
 if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
@@ -259,18 +259,6 @@ class _Held:
     errors: list[str] = field(default_factory=list)
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically, 0600 from the first byte."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def describe_refusal(exc: ProtocolError) -> str:
     """An allowance refusal in one line: the message, the member at fault and
     ``details.reason`` (``bad_signature``, ``wrong_owner``, ...)."""
@@ -396,7 +384,9 @@ class AllowanceKeeper:
             verify_allowance(document, agent=hosted.agent_id, owner=self.required_owner(hosted))
         except ProtocolError as exc:
             raise _with_hint(exc, hosted.name) from None
-        _write_private(self._stored_path(hosted.agent_id), json.dumps(dict(document), indent=2) + "\n")
+        path = self._stored_path(hosted.agent_id)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private_file(path, json.dumps(dict(document), indent=2) + "\n", replace=True)
         self._held.pop(hosted.agent_id, None)
         held = self.held(hosted)
         assert held is not None

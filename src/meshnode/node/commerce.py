@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -49,6 +48,7 @@ from meshnode.protocol.commerce import (
 )
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.metering import MeterClass, meter_event
+from meshnode.transport.files import write_private_file
 
 if TYPE_CHECKING:
     from meshnode.node.agreement_lookup import PlatformAgreements
@@ -154,14 +154,8 @@ class AgreementStore:
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_name(self.path.name + ".tmp")
         data = json.dumps({"agreements": [_record_object(r) for r in self._records.values()]}, indent=2)
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_private_file(self.path, data, replace=True)
 
     def add(self, document: object) -> Agreement:
         """Verify (shape and the owner's signature, §19.5) and keep ``document``.

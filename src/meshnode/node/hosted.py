@@ -602,7 +602,6 @@ class HostedAgent:
         config = (env.get("payload") or {}).get("config") if isinstance(env.get("payload"), Mapping) else None
         wants_stream = isinstance(config, Mapping) and config.get("stream") is True
         started = time.perf_counter()
-        runner = asyncio.current_task()
         try:
             try:
                 # The loop-lag watchdog names this agent if its handler blocks the loop.
@@ -673,7 +672,6 @@ class HostedAgent:
             if ctx.task is not None:
                 self.tasks.pop(ctx.task.task_id, None)
                 self._task_runners.pop(ctx.task.task_id, None)
-            del runner
 
     async def open_task(self, ctx: AgentContext, state: str = "submitted", message: str | None = None) -> ResponderTask:
         """Turn the request being handled into a Task (§7.0): the first task reply."""
