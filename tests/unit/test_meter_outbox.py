@@ -17,7 +17,7 @@ from meshnode.a2a.outbound import A2AOutbound
 from meshnode.agent import AgentSettings
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.node.commerce import AgreementGate, AgreementStore
-from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
+from meshnode.node.meter_outbox import OUTBOX_READ_BACK, MeterJournal, MeterOutbox
 from meshnode.node.runtime import Node, NodeSettings
 from meshnode.node.usage_log import LogPosition, UsageLog, rating_context_of
 from meshnode.protocol import envelope, subjects
@@ -301,6 +301,37 @@ async def test_a_long_run_of_unpublishable_lines_is_read_in_passes(shop: Any) ->
     second.resume(lambda agent_id: None)
     await eventually_async(lambda: second.backlog is None, what="the log read to its end")
     assert second.stats["orphaned"] == 40 and passes == 3 and _stored(js) == []
+    await second.close(timeout=0.1)
+
+
+async def test_a_read_back_pass_signs_a_bounded_number_of_events(shop: Any) -> None:
+    """A pass signs every event it queues on the event loop, so it takes at
+    most OUTBOX_READ_BACK of them (less than the publishing window) and live
+    traffic waits only that long; the passes go on until all are out, in order."""
+    node, seller, buyer, gate, _, js = shop
+    first = _journaled(gate)
+    first.resume(node.by_id.get)
+    js.down = True
+    for i in range(50):  # 100 events
+        await _serve(gate, seller, buyer, f"r{i}")
+    await first.close(timeout=0.05)
+    js.down = False
+    second = _journaled(gate)
+    assert second.window > OUTBOX_READ_BACK
+    queued_per_pass: list[int] = []
+    read_back = second._read_back
+
+    def counted() -> None:
+        before = second.pending
+        read_back()
+        queued_per_pass.append(second.pending - before)
+
+    second._read_back = counted  # type: ignore[method-assign]
+    second.resume(node.by_id.get)
+    await eventually_async(lambda: second.backlog is None and second.pending == 0, what="the log published")
+    assert queued_per_pass == [OUTBOX_READ_BACK, 100 - OUTBOX_READ_BACK]
+    assert _published(js) == [(meter, rid) for i in range(50)
+                              for meter, rid in (("requests", f"r{i}"), ("tokens_out", f"resp-r{i}"))]
     await second.close(timeout=0.1)
 
 
