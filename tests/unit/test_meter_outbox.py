@@ -276,31 +276,44 @@ async def test_events_of_an_agent_no_longer_hosted_are_counted_not_published(
     await second.close(timeout=0.1)
 
 
-async def test_a_long_run_of_unpublishable_lines_is_read_in_passes(shop: Any) -> None:
-    """A read-back pass examines a bounded number of lines (16 per event it
-    may queue), so a long run of an absent agent's events does not hold the
-    loop in one pass; the passes go on until the log is read."""
+async def _left_in_log(shop: Any, *, calls: int) -> None:
+    """``calls`` priced calls served while JetStream is down, under a journaled
+    outbox closed right after: their events wait in the usage log."""
     node, seller, buyer, gate, _, js = shop
     first = _journaled(gate)
     first.resume(node.by_id.get)
     js.down = True
-    for i in range(20):  # 40 lines
+    for i in range(calls):
         await _serve(gate, seller, buyer, f"r{i}")
     await first.close(timeout=0.05)
     js.down = False
-    second = _journaled(gate, window=1)  # 16 lines a pass
-    passes = 0
-    read_back = second._read_back
+
+
+def _queued_per_pass(outbox: MeterOutbox) -> list[int]:
+    """How many events each of ``outbox``'s read-back passes queues, from now on."""
+    queued: list[int] = []
+    read_back = outbox._read_back
 
     def counted() -> None:
-        nonlocal passes
-        passes += 1
+        before = outbox.pending
         read_back()
+        queued.append(outbox.pending - before)
 
-    second._read_back = counted  # type: ignore[method-assign]
+    outbox._read_back = counted  # type: ignore[method-assign]
+    return queued
+
+
+async def test_a_long_run_of_unpublishable_lines_is_read_in_passes(shop: Any) -> None:
+    """A read-back pass examines a bounded number of lines (16 per event it
+    may queue), so a long run of an absent agent's events does not hold the
+    loop in one pass; the passes go on until the log is read."""
+    _, _, _, gate, _, js = shop
+    await _left_in_log(shop, calls=20)  # 40 lines
+    second = _journaled(gate, window=1)  # 16 lines a pass
+    passes = _queued_per_pass(second)
     second.resume(lambda agent_id: None)
     await eventually_async(lambda: second.backlog is None, what="the log read to its end")
-    assert second.stats["orphaned"] == 40 and passes == 3 and _stored(js) == []
+    assert second.stats["orphaned"] == 40 and len(passes) == 3 and _stored(js) == []
     await second.close(timeout=0.1)
 
 
@@ -308,25 +321,11 @@ async def test_a_read_back_pass_signs_a_bounded_number_of_events(shop: Any) -> N
     """A pass signs every event it queues on the event loop, so it takes at
     most OUTBOX_READ_BACK of them (less than the publishing window) and live
     traffic waits only that long; the passes go on until all are out, in order."""
-    node, seller, buyer, gate, _, js = shop
-    first = _journaled(gate)
-    first.resume(node.by_id.get)
-    js.down = True
-    for i in range(50):  # 100 events
-        await _serve(gate, seller, buyer, f"r{i}")
-    await first.close(timeout=0.05)
-    js.down = False
+    node, _, _, gate, _, js = shop
+    await _left_in_log(shop, calls=50)  # 100 events
     second = _journaled(gate)
     assert second.window > OUTBOX_READ_BACK
-    queued_per_pass: list[int] = []
-    read_back = second._read_back
-
-    def counted() -> None:
-        before = second.pending
-        read_back()
-        queued_per_pass.append(second.pending - before)
-
-    second._read_back = counted  # type: ignore[method-assign]
+    queued_per_pass = _queued_per_pass(second)
     second.resume(node.by_id.get)
     await eventually_async(lambda: second.backlog is None and second.pending == 0, what="the log published")
     assert queued_per_pass == [OUTBOX_READ_BACK, 100 - OUTBOX_READ_BACK]
