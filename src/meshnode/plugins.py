@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import site
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,15 +179,62 @@ def module_entry_points(specs: Iterable[str]) -> list[importlib.metadata.EntryPo
     return eps
 
 
-def rescan_installed() -> None:
+def rescan_installed(site_dirs: Iterable[str] | None = None) -> list[str]:
     """Forget what the import system remembers of the installed distributions, so
     the next :func:`load_plugins` sees one pip-installed since the process started.
 
     ``importlib.metadata`` memoizes each ``sys.path`` directory's listing (keyed by
     its mtime, which a coarse clock or an in-place install may leave unchanged), and
     the path finders cache ``sys.path`` entries, including a directory that did not
-    exist yet; :func:`importlib.invalidate_caches` drops both."""
-    importlib.invalidate_caches()
+    exist yet; :func:`importlib.invalidate_caches` drops both.
+
+    An editable install (``pip install -e``) puts no module in site-packages: it
+    writes a ``.pth`` file there, a path to add or an import that installs a
+    finder, and the interpreter reads ``.pth`` files only as it starts. Its entry
+    point was found, and importing it failed (``No module named ...``). So the
+    ``.pth`` files that appeared in the site directories (``site_dirs``, default
+    the interpreter's) since this process first looked are read now, as
+    :mod:`site` reads them at start; each file once. Returns the ones read.
+    """
+    importlib.invalidate_caches()  # a .pth's import line may name a module installed with it
+    added = _read_new_path_files(_site_dirs() if site_dirs is None else site_dirs)
+    if added:
+        importlib.invalidate_caches()  # the paths they added
+    return added
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def _path_files(site_dirs: Iterable[str]) -> set[str]:
+    found: set[str] = set()
+    for directory in site_dirs:
+        try:
+            names = os.listdir(directory)
+        except OSError:  # a site directory that does not exist (yet)
+            continue
+        found.update(os.path.join(directory, name) for name in names if name.endswith(".pth"))
+    return found
+
+
+#: The ``.pth`` files read already: those present when this module was first
+#: imported (the interpreter read them as it started), and those read since.
+_PATH_FILES_READ: set[str] = _path_files(_site_dirs())
+
+
+def _read_new_path_files(site_dirs: Iterable[str]) -> list[str]:
+    added = sorted(_path_files(site_dirs) - _PATH_FILES_READ)
+    for path in added:
+        _PATH_FILES_READ.add(path)
+        directory, name = os.path.split(path)
+        # What site does at start for each .pth: add its paths, run its import lines.
+        site.addpackage(directory, name, None)
+        log.info("read %s (an editable install since the daemon started)", path)
+    return added
 
 
 def installed_versions() -> dict[str, str]:

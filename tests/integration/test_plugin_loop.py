@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,46 @@ def test_new_agent_pip_install_and_reload_host_it(node: DaemonProcess, site: Pat
         cwd=package, env=env, capture_output=True, text=True, timeout=240,
     )
     assert generated.returncode == 0, generated.stdout + generated.stderr
+
+
+def test_an_editable_install_is_hosted_by_reload(tmp_path: Path) -> None:
+    """``pip install -e``, as new-agent's next steps say, puts no module in
+    site-packages but a ``.pth`` file, which an interpreter reads only as it
+    starts: the running daemon found the entry point and failed to import it.
+    reload reads the ``.pth`` files that appeared since. The daemon runs in a
+    virtualenv of its own (over this environment's packages), so the install
+    lands in a real site directory and leaves the test environment alone."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    venv_site = Path(subprocess.run(
+        [python, "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip())
+    # meshnode and its dependencies (editable ones too): this environment's site directory, read as one.
+    here = sysconfig.get_paths()["purelib"]
+    (venv_site / "_meshnode_test_env.pth").write_text(f"import site; site.addsitedir({here!r})\n", encoding="utf-8")
+    daemons = DaemonSet()
+    try:
+        node = daemons.embedded(
+            "editable", agents={"concierge": {"plugin": "concierge", "greeting": "welcome"}}, start=False,
+        )
+        node.start(python=python)
+        run_cli("new-agent", "concierge", "--dir", str(tmp_path))
+        offline = ["--no-build-isolation", "--no-index"] if _can_build_offline() else []
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *offline,
+             "--target", str(venv_site), "-e", str(tmp_path / "concierge")],
+            check=True, capture_output=True, text=True, timeout=240,
+        )
+        assert [p.name for p in venv_site.glob("*concierge*.pth")], "an editable install writes a .pth file"
+        report = json.loads(run_cli("reload", "--json", "--socket", node.socket_path).stdout)
+        assert report["added"] == ["concierge"], report
+        answer = node.call("concierge", "hello", {"name": "Ada"})
+        assert answer["status"] == "completed" and answer["output"] == {"text": "welcome, Ada"}, answer
+        assert "(an editable install since the daemon started)" in node.log_tail()
+    finally:
+        daemons.close()
 
 
 def test_strict_plugins_exits_78_naming_file_and_key(tmp_path: Path) -> None:

@@ -121,10 +121,17 @@ class DaemonProcess:
         return self.process.pid if self.process is not None else None
 
     def start(
-        self, timeout: float = 60.0, *, env_extra: dict[str, str] | None = None, wait: bool = True
+        self,
+        timeout: float = 60.0,
+        *,
+        env_extra: dict[str, str] | None = None,
+        wait: bool = True,
+        python: str | None = None,
     ) -> DaemonProcess:
         """Launch ``meshnode run``; with ``wait`` (the default) return once Status
-        says "serving" (raising if it exits first or ``timeout`` passes)."""
+        says "serving" (raising if it exits first or ``timeout`` passes).
+        ``python`` is the interpreter to run it with (default: this one), e.g.
+        another virtualenv's, whose site directory a test installs into."""
         env = dict(os.environ)
         # Make the repository (test plugin modules) importable in the daemon.
         root = str(Path(__file__).resolve().parents[3])
@@ -136,7 +143,7 @@ class DaemonProcess:
         self._log_start = log.tell()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "meshnode.cli", "run", "--config", str(self.config_path)],
+                [python or sys.executable, "-m", "meshnode.cli", "run", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
