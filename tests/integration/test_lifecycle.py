@@ -77,6 +77,23 @@ def test_a_taken_a2a_port_is_named_and_the_daemon_exits(daemons: DaemonSet) -> N
     assert f"[a2a] listen 127.0.0.1:{port}: the address is in use" in log and 'listen = "fd://N"' in log, log
 
 
+def test_a_second_daemon_on_the_same_data_directory_stops_before_touching_it(
+    daemons: DaemonSet, first: DaemonProcess
+) -> None:
+    """A second ``meshnode run`` on a running node's data directory, with ports of
+    its own (a copied configuration): it started its own nats-server on the
+    running mesh's JetStream store before a taken port stopped it. It now stops
+    at the data directory's lock, exit 75, naming the running daemon."""
+    second = daemons.embedded("same-data-dir", start=False, node={"data_dir": str(first.data_dir)})
+    with pytest.raises(RuntimeError, match="exited with 75 during start-up"):
+        second.start()
+    log = second.log_text()
+    assert (f"another meshnode daemon (pid {first.pid}) is running with data directory {first.data_dir}: "
+            "stop it first, or give this one a data directory of its own ([node] data_dir)") in log, log
+    assert "started nats-server" not in log and "keys held by" not in log, log
+    assert first.call("echo", "echo", "still serving")["output"] == {"ok": "still serving"}
+
+
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
     invite = tmp_path / "laptop.creds"
     assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0

@@ -37,6 +37,7 @@ from meshnode.daemon.allowance import open_allowances, register_allowance_method
 from meshnode.daemon.artifacts import register_artifact_methods
 from meshnode.daemon.broker import broker_watch
 from meshnode.daemon.credentials import CredentialUnavailable
+from meshnode.daemon.datalock import DataDirBusy, DataDirLock
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
 from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed, run_stage
@@ -99,6 +100,8 @@ class Daemon:
         self._config = config
         self.notifier = notifier or Notifier()
         self.data_dir = Path(config.node.data_dir)
+        # Held from the first start stage until the very end of stop (module datalock).
+        self.data_lock: DataDirLock | None = None
         self.state = DaemonState.CREATED
         self.keystore: KeyStore | None = None
         self.hosting: AgentHost | None = None
@@ -286,6 +289,8 @@ class Daemon:
 
     async def _stage_keys(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Before anything in the directory is touched: one daemon per data directory.
+        self.data_lock = DataDirLock.acquire(self.data_dir)
         tighten_data_dir(self.data_dir, self.config)
         self.keystore = await asyncio.to_thread(open_keystore, self.config.keystore.backend, self.data_dir)
         self.hosting = await AgentHost.open(
@@ -763,6 +768,8 @@ class Daemon:
         await self._shutdown.run()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.data_lock is not None:
+            self.data_lock.release()  # last: everything that wrote to the directory has stopped
         if self.state is not DaemonState.FAILED:
             self.state = DaemonState.STOPPED
 
@@ -785,6 +792,9 @@ async def run_daemon(config: Config) -> int:
         # fails to load (plugin_check words them like every config error).
         if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError):
             return EX_CONFIG
+        if isinstance(exc.cause, DataDirBusy):
+            # Temporary: the data directory is free again once the other daemon stops.
+            return EX_TEMPFAIL
         if _disk_full(exc.cause):
             # Temporary by nature (#23.9): nothing is lost, and the start after
             # space returns serves again (systemd's Restart= makes that automatic).
