@@ -30,7 +30,7 @@ import meshnode
 from meshnode.admin.protocol import AdminError, NotReady
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks, SharedRuns, wait_for
-from meshnode.config import AgentConfig, Config, ConfigError
+from meshnode.config import AgentConfig, Config, ConfigError, ConfigProblem
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.allowance import open_allowances, register_allowance_methods
@@ -288,7 +288,15 @@ class Daemon:
         return False
 
     async def _stage_keys(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            # The operator's setting to fix (exit 78), said like every configuration error.
+            source = self.config.source_file
+            raise ConfigError([ConfigProblem(
+                str(source) if source is not None else "the configuration", "node.data_dir",
+                f"cannot create the data directory {self.data_dir}: {exc.strerror or exc}",
+            )], source) from None
         # Before anything in the directory is touched: one daemon per data directory.
         self.data_lock = DataDirLock.acquire(self.data_dir)
         tighten_data_dir(self.data_dir, self.config)

@@ -1,9 +1,12 @@
-"""One daemon per data directory (meshnode.daemon.datalock): the lock a daemon
-takes before it touches anything in its data directory."""
+"""The data directory at start: one daemon per directory (meshnode.daemon.datalock,
+the lock a daemon takes before it touches anything there), and a directory that
+cannot be made is the configuration's error."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,14 @@ def test_the_lock_is_not_inherited_by_child_processes(tmp_path: Path) -> None:
         assert not os.get_inheritable(lock._fd)
     finally:
         lock.release()
+
+
+def test_a_data_directory_that_cannot_be_made_is_named_as_the_configurations(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = tmp_path / "meshnode.toml"
+    config.write_text(f'[node]\ndata_dir = "{blocker}/data"\n[admin]\nsocket = "{tmp_path}/a.sock"\n', encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "meshnode.cli", "run", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 78, proc.stderr  # EX_CONFIG, as for any setting that cannot work here
+    assert f"{config}: node.data_dir: cannot create the data directory {blocker}/data: Not a directory" in proc.stderr
