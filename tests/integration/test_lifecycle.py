@@ -94,6 +94,35 @@ def test_a_second_daemon_on_the_same_data_directory_stops_before_touching_it(
     assert first.call("echo", "echo", "still serving")["output"] == {"ok": "still serving"}
 
 
+def test_an_advertised_host_is_what_invites_and_mesh_info_give_and_what_a_joined_node_dials(
+    daemons: DaemonSet, tmp_path: Path
+) -> None:
+    """A hub bound to every interface advertised 0.0.0.0 in its invites and in
+    ``mesh info``: no other machine can dial that. ``[mesh.embedded]
+    advertise_host`` names what they should dial; here ``localhost`` (the
+    listeners stay on loopback, as every test's), which a node joined by the
+    invite alone then uses for both the control plane and NATS."""
+    hub = daemons.embedded("advertised", agents={"echo": {"plugin": "echo"}},
+                           extra={"mesh.embedded": {"advertise_host": "localhost"}})
+    info = hub.admin("Mesh.Info")
+    [nats_url] = info["nats_urls"]
+    assert re.fullmatch(r"nats://localhost:\d+", nats_url), info
+    assert re.fullmatch(r"http://localhost:\d+", info["control_plane"]), info
+    invite = tmp_path / "by-name.creds"
+    _cli("mesh", "invite", "by-name", "--out", str(invite), "--socket", hub.socket_path).check_returncode()
+    text = invite.read_text(encoding="utf-8")
+    assert f"# meshnode-nats: {nats_url}\n" in text and f"# meshnode-control-plane: {info['control_plane']}\n" in text
+    data_dir = tmp_path / "by-name"
+    _cli("join", str(invite), "--data-dir", str(data_dir), "--agent", "echo2=echo").check_returncode()
+    joined_config = tomllib.loads((data_dir / "meshnode.toml").read_text(encoding="utf-8"))
+    assert joined_config["mesh"] == {"servers": [nats_url], "control_plane": info["control_plane"]}
+    # A node run from those URLs (the helper joins with its own invite and Mesh.Info's URLs).
+    joined = daemons.joined("by-name-run", hub, agents={"echo2": {"plugin": "echo"}})
+    assert joined.config["mesh"]["servers"] == [nats_url] and joined.status()["mesh"]["urls"] == [nats_url]
+    echo_id = hub.agent_id("echo")
+    assert joined.call(echo_id, "echo", "by name")["output"] == {"ok": "by name"}
+
+
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
     invite = tmp_path / "laptop.creds"
     assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0

@@ -164,6 +164,12 @@ class EmbeddedMeshConfig(BaseModel):
     control_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     control_port: Annotated[int, Field(ge=0, le=65535)] = 7422
     """HTTP control plane that issues node credentials; 0 picks a free port."""
+    advertise_host: Annotated[str, Field(min_length=1)] | None = None
+    """The DNS name or address other machines reach this node by. Invites, ``meshnode mesh
+    info`` and the control plane's answers give the NATS and control-plane URLs with it (and
+    the bound ports) instead of ``host``/``control_host``. Unset: those hosts, except that a
+    wildcard (``0.0.0.0``, ``::``), which no other machine can dial, is replaced by this
+    machine's name (logged at start). With TLS, the certificate's names must cover it."""
     max_payload: ByteSize = 1024**2
     jetstream_max_store: ByteSize = 4 * 1024**3
     """The embedded nats-server's JetStream file store (its ``max_file_store``). Every

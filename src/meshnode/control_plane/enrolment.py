@@ -105,8 +105,9 @@ class Enrolment:
     NATS URLs come from the running ``embedded`` broker unless ``nats_urls``
     names the addresses nodes should use (e.g. a public name for a broker bound
     to 0.0.0.0); ``public_url`` likewise overrides the advertised control-plane
-    URL. ``host``, ``port`` and ``ssl`` say where the control plane is reached
-    (the URL invites and renewals carry). ``clock`` (unix seconds) is for tests.
+    URL, and ``advertise_host`` only its host (the bound port kept). ``host``,
+    ``port`` and ``ssl`` say where the control plane is reached (the URL invites
+    and renewals carry). ``clock`` (unix seconds) is for tests.
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class Enrolment:
         invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
         nats_urls: Sequence[str] | None = None,
         public_url: str | None = None,
+        advertise_host: str | None = None,
         ssl: _ssl.SSLContext | None = None,
         max_skew_s: int = DEFAULT_SKEW_S,
         clock: Callable[[], float] = time.time,
@@ -131,6 +133,7 @@ class Enrolment:
         self._embedded = embedded
         self._store = _EnrolmentStore(Path(state_dir).absolute())
         self.host = host
+        self.advertise_host = advertise_host
         self._port = port
         self.credential_ttl_s = credential_ttl_s
         self.invite_ttl_s = invite_ttl_s
@@ -165,7 +168,8 @@ class Enrolment:
         """The control-plane URL nodes should use."""
         if self._public_url is not None:
             return self._public_url
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.advertise_host or self.host
+        host = f"[{host}]" if ":" in host else host
         return f"{'https' if self._ssl else 'http'}://{host}:{self._port}"
 
     def nats_endpoints(self) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -138,8 +139,16 @@ class MeshLink:
         return min(3, size)
 
     def mesh_urls(self) -> list[str]:
+        """The mesh's NATS URLs as other nodes are given them (advertised)."""
         if self.embedded is not None:
             return list(self.embedded.urls)
+        return list(self.config.mesh.servers)
+
+    def _dial_urls(self) -> list[str]:
+        """Where this node's own connections go: its embedded broker's bound
+        address (the advertised name need not resolve here), else the servers."""
+        if self.embedded is not None:
+            return [self.embedded.url]
         return list(self.config.mesh.servers)
 
     def control_plane_url(self) -> str | None:
@@ -172,6 +181,7 @@ class MeshLink:
         embedded = EmbeddedNatsServer(
             self.data_dir,
             host=cfg.host,
+            advertise_host=advertised_host(cfg.host, cfg.advertise_host, "host"),
             port=cfg.port or None,
             max_payload=cfg.max_payload,
             max_store=cfg.jetstream_max_store,
@@ -200,6 +210,7 @@ class MeshLink:
             embedded,
             self.data_dir / "mesh",
             host=cfg.control_host,
+            advertise_host=advertised_host(cfg.control_host, cfg.advertise_host, "control_host"),
             port=cfg.control_port,
             credential_ttl_s=int(cfg.credential_ttl.total_seconds()),
             invite_ttl_s=max(1, int(cfg.invite_ttl.total_seconds())),
@@ -241,7 +252,7 @@ class MeshLink:
         its credential grants (:meth:`_choose_inbox`)."""
         inbox = self._choose_inbox()
         connection = MeshConnection(
-            self.mesh_urls(),
+            self._dial_urls(),
             node_key=self.node_key,
             jwt_source=lambda: self.jwt,
             name=f"meshnode {self.config.node.name}",
@@ -294,7 +305,7 @@ class MeshLink:
         the node starts over."""
         self._tenant_jwts[tenant] = self._mint_tenant_jwt(tenant)
         connection = MeshConnection(
-            self.mesh_urls(),
+            self._dial_urls(),
             node_key=self.node_key,
             jwt_source=lambda: self._tenant_jwts[tenant],
             name=f"meshnode {self.config.node.name} tenant {tenant}",
@@ -480,3 +491,25 @@ def _same_permissions(current: str, candidate: str) -> bool:
         return bool(decode_jwt(current)[1].get("nats") == decode_jwt(candidate)[1].get("nats"))
     except Exception:
         return False
+
+
+#: Bind addresses that mean "every interface": no other machine can dial them.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})
+
+
+def advertised_host(bound: str, configured: str | None, key: str) -> str | None:
+    """The host to give other machines for a listener bound to ``bound``:
+    ``[mesh.embedded] advertise_host`` when set; for a wildcard bind, this
+    machine's name (said once at start, naming the setting); else None (the
+    bound host is what they dial)."""
+    if configured:
+        return configured
+    if bound not in WILDCARD_HOSTS:
+        return None
+    name = socket.getfqdn()
+    log.warning(
+        "[mesh.embedded] %s = %r listens on every interface: invites and `meshnode mesh info` give "
+        "other machines this machine's name, %r; set [mesh.embedded] advertise_host to the name or "
+        "address they reach it by", key, bound, name,
+    )
+    return name

@@ -232,6 +232,7 @@ class EmbeddedNatsServer(AsyncService):
         max_store: int | None = None,
         account_max_store: int | None = None,
         tls: TlsFiles | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         names = [check_tenant_name(t) for t in tenants]
         self.tls = tls
@@ -254,6 +255,9 @@ class EmbeddedNatsServer(AsyncService):
         """Each tenant account's JetStream storage limit (its account JWT); None:
         ``max_store`` split evenly between the accounts (unlimited without ``max_store``)."""
         self.host = host
+        self.advertise_host = advertise_host
+        """The name other machines reach the broker by, in :attr:`urls` and
+        :attr:`websocket_url` (None: ``host``); :attr:`url` stays the bound address."""
         self.server_name = server_name
         self.max_payload = max_payload
         self.max_control_line = max_control_line
@@ -332,15 +336,20 @@ class EmbeddedNatsServer(AsyncService):
 
     @property
     def url(self) -> str:
-        """The client URL (``nats://host:port``, ``tls://`` with TLS) of the running broker."""
-        if self._port is None:
-            raise EmbeddedMeshError("the embedded mesh has not started yet")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'tls' if self.tls is not None else 'nats'}://{host}:{self._port}"
+        """The client URL (``nats://host:port``, ``tls://`` with TLS) of the running
+        broker at its bound address: what this host connects to."""
+        return self._client_url(self.host)
 
     @property
     def urls(self) -> list[str]:
-        return [self.url]
+        """The client URLs to give other nodes (invites, the control plane): at
+        ``advertise_host`` when set, else as :attr:`url`."""
+        return [self._client_url(self.advertise_host or self.host)]
+
+    def _client_url(self, host: str) -> str:
+        if self._port is None:
+            raise EmbeddedMeshError("the embedded mesh has not started yet")
+        return f"{'tls' if self.tls is not None else 'nats'}://{_url_host(host)}:{self._port}"
 
     @property
     def monitor_url(self) -> str | None:
@@ -354,9 +363,8 @@ class EmbeddedNatsServer(AsyncService):
         is None."""
         if self._ports is None or self._ports.websocket is None:
             return None
-        host = f"[{self.host}]" if ":" in self.host else self.host
         scheme = "wss" if self.tls is not None else "ws"
-        return f"{scheme}://{host}:{self._ports.websocket}"
+        return f"{scheme}://{_url_host(self.advertise_host or self.host)}:{self._ports.websocket}"
 
     @property
     def pid(self) -> int | None:
@@ -858,3 +866,8 @@ class EmbeddedNatsServer(AsyncService):
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL's authority wants it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
