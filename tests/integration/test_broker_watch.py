@@ -108,6 +108,14 @@ def test_an_agent_not_ready_is_retried_while_the_others_serve(meshnode_daemons: 
     observed: dict[str, Any] = {}
     done = threading.Event()
 
+    def call_later_early() -> None:
+        # A request to "later" while it is still retrying its start: it must
+        # wait, and its handler run only once on_start has returned.
+        observed["early"] = call_sync(node.socket_path, "Call", {"agent": "later", "offering": "ready",
+                                                                  "timeout": 60}, timeout=70)
+
+    early = threading.Thread(target=call_later_early)
+
     def watch() -> None:
         while not done.is_set() and not gate.exists():
             with contextlib.suppress(Exception):
@@ -115,6 +123,12 @@ def test_an_agent_not_ready_is_retried_while_the_others_serve(meshnode_daemons: 
                 later = next((a for a in status["agents"] if a["name"] == "later"), None)
                 if later is not None and later["state"] == "retrying" and later["not_ready"]["attempts"] >= 2:
                     observed["later"] = later
+                    if not early.is_alive() and "early" not in observed:
+                        early.start()
+                    if later["waiting_for_start"] < 1 and "early" not in observed:
+                        done.wait(0.05)
+                        continue  # until the early request is held (or, wrongly, answered)
+                    observed["waiting_for_start"] = later["waiting_for_start"]
                     answer = call_sync(node.socket_path, "Call", {"agent": "echo", "offering": "echo",
                                                                    "input": "meanwhile", "timeout": 10}, timeout=20)
                     observed["echo"] = answer.get("output")
@@ -128,7 +142,11 @@ def test_an_agent_not_ready_is_retried_while_the_others_serve(meshnode_daemons: 
     finally:
         done.set()
         watcher.join(timeout=30)
+    early.join(timeout=70)
     assert observed.get("echo") == {"ok": "meanwhile"}, (observed, node.log_tail(200))
+    # The early request waited for the start and ran after on_start returned (its third attempt).
+    assert observed.get("waiting_for_start") == 1, observed
+    assert observed["early"]["status"] == "completed" and observed["early"]["output"]["attempts"] >= 3, observed
     assert "waiting for gate" in observed["later"]["not_ready"]["reason"]
     by_name = {a["name"]: a for a in node.status()["agents"]}
     assert by_name["later"]["state"] == "running" and by_name["later"]["not_ready"] is None

@@ -137,6 +137,7 @@ def test_a_hanging_and_a_raising_on_start_fail_only_their_agents(meshnode_daemon
             "bad": {"plugin": "test-crash-on-start"},
             "echo": {"plugin": "echo"},
             "faulty": {"plugin": "test-faulty"},
+            "nocmd": {"plugin": "shell", "command": ["no-such-command-meshnode-test"]},
         },
         node={**TEST_PLUGINS, "agent_start_warn": "200ms", "agent_start_timeout": "1s"},
     )
@@ -146,7 +147,14 @@ def test_a_hanging_and_a_raising_on_start_fail_only_their_agents(meshnode_daemon
     assert by_name["hang"]["state"] == "failed" and "did not return within 1 s" in by_name["hang"]["failure"]
     assert by_name["bad"]["state"] == "failed" and "cannot start" in by_name["bad"]["failure"]
     assert by_name["echo"]["state"] == "running" and by_name["faulty"]["state"] == "running"
+    # The shell agent checks its command at start: a missing one fails it, named, not every request.
+    assert by_name["nocmd"]["state"] == "failed", by_name["nocmd"]
+    assert "command 'no-such-command-meshnode-test' is not an executable found on PATH=" in by_name["nocmd"]["failure"]
     assert node.call("echo", "echo", "still serving")["output"] == {"ok": "still serving"}
+    # A failed agent stays listed, but no handler of it runs (its on_start never returned): refused, retryable.
+    refused = node.call("bad", "anything")
+    assert refused["status"] == "failed" and refused["error"]["code"] == "AGENT_UNAVAILABLE", refused
+    assert refused["error"]["details"] == {"reason": "not_started", "state": "failed"}, refused
     text = node.log_text()
     assert "agent hang: on_start has not returned after 0.2 s" in text
     # The raising on_start is logged with its traceback.

@@ -42,3 +42,15 @@ def test_status_names_meter_events_waiting_or_not_published(capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "metering  256 meter event(s) waiting for JetStream and more waiting in usage.jsonl" in out
     assert "metering  not published: 2 orphaned (see the log's WARNINGs)" in out
+
+
+def test_status_says_why_a_hosted_agent_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    """An agent whose on_start raised is hosted (it has an id) and failed: the line
+    says why, where it said "NOT registered (None)"."""
+    status = _status({"bridged": 0, "unbridged": 0})
+    status["agents"] = [{"name": "sh2", "id": "UAGENT", "plugin": "shell", "state": "failed", "registered": False,
+                         "registration_error": None, "failure": "RuntimeError: command 'x' is not an executable"}]
+    _print_status(status)
+    out = capsys.readouterr().out
+    assert "  sh2              UAGENT  shell        FAILED: RuntimeError: command 'x' is not an executable" in out
+    assert "NOT registered" not in out

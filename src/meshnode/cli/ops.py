@@ -169,6 +169,8 @@ def cmd_agents_list(args: argparse.Namespace) -> int:
             continue
         reg = "registered" if a["registered"] else "unregistered"
         print(f"{a['name']:<16} {a['state']:<8} {reg:<12} {a['plugin']:<14} {a['id']}")
+        if a["state"] == "failed" and a.get("failure"):
+            print(f"{'':<16} FAILED  {a['failure']}")
     return EX_OK
 
 

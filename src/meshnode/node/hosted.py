@@ -138,6 +138,13 @@ class HostedAgent:
         self.state: AgentState = AgentState.STARTING
         #: While on_start raises NotReady: {reason, attempts, next_in_s} (None otherwise).
         self.not_ready: dict[str, Any] | None = None
+        #: Set by the node that starts this agent (Node.host) once its start settled
+        #: (running, failed or stopped). Its inbox is subscribed before on_start (the
+        #: responds to on_start's own requests arrive there), so a request arriving
+        #: meanwhile waits on it: no handler runs before on_start returned. None: an
+        #: agent no node starts (tests build some directly), never held.
+        self.start_settled: asyncio.Event | None = None
+        self._waiting_for_start = 0
         self.counters: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self._signal_logged: dict[str, float] = {}
@@ -215,6 +222,8 @@ class HostedAgent:
             "plugin": self.kind,
             "state": self.state,
             "not_ready": self.not_ready,
+            # Requests held until its start settles (no handler runs before on_start returned).
+            "waiting_for_start": self._waiting_for_start,
             "registered": self.registered,
             "registration_error": self.registration_error,
             "vouch_expires_at": self.vouch.get("expires_at"),
@@ -419,6 +428,12 @@ class HostedAgent:
             # handler runs, no accept is sent (see _on_follow_up).
             await self._on_follow_up(env, payload, offering_id, now_ms, source)
             return "answered"
+        if self.state is not AgentState.RUNNING and self.start_settled is not None:
+            refusal = await self._until_started()
+            if refusal is not None:
+                self.count_refusal(refusal.code)
+                await self._answer(env, status="failed", error=refusal.to_object(), path=source)
+                return "answered"
         try:
             spec, handler_input = self._admit(env, payload, offering_id, now_ms)
             commerce = self.node.commerce
@@ -587,6 +602,32 @@ class HostedAgent:
     def _settle_live(self, env: Mapping[str, Any], inbox: InboxStore | None) -> None:
         if inbox is not None:
             inbox.settle(self.agent_id, env["from"], env["id"], self.node.now_ms())
+
+    async def _until_started(self) -> ProtocolError | None:
+        """Hold a request until this agent's start settled; None once it runs,
+        else the refusal (AGENT_UNAVAILABLE, retryable: §6.4's "not accepting
+        requests"). At most ``max_concurrency`` requests wait; one more is
+        refused at once rather than held without bound."""
+        settled = self.start_settled
+        assert settled is not None
+        if not settled.is_set():
+            if self._waiting_for_start >= self.max_concurrency:
+                return ProtocolError(
+                    "AGENT_UNAVAILABLE",
+                    f"agent {self.name} is starting and already holds {self._waiting_for_start} requests until it runs",
+                    {"reason": "starting"},
+                )
+            self._waiting_for_start += 1
+            try:
+                await settled.wait()
+            finally:
+                self._waiting_for_start -= 1
+        if self.state is AgentState.RUNNING:
+            return None
+        return ProtocolError(
+            "AGENT_UNAVAILABLE", f"agent {self.name} is not running: it is {self.state}",
+            {"reason": "not_started", "state": str(self.state)},
+        )
 
     async def _handle(
         self,

@@ -270,6 +270,7 @@ class Node:
             # read at the agent's first delivery (HostedAgent.load_remembered).
             agent_id, entries = key.public_key, self.settings.dedup_entries
             hosted.remembered = lambda: inbox.read_seen(agent_id, entries)
+        hosted.start_settled = settled = asyncio.Event()  # requests wait on it (HostedAgent._until_started)
         self.agents[name] = hosted
         self.by_id[hosted.agent_id] = hosted
         self.roster_version += 1
@@ -305,8 +306,10 @@ class Node:
             # A cancelled start too (a daemon stopped during start-up): the
             # agent never ran, so nothing of it keeps listening.
             hosted.state = AgentState.FAILED
+            settled.set()
             await self._unsubscribe(hosted)
             raise
+        settled.set()
         await self.register(hosted)
         self._schedule_vouch_renewal(hosted)
         if self.inbox is not None and self._may_drain(hosted):
@@ -367,6 +370,8 @@ class Node:
             except Exception as exc:
                 log.warning("deregistering %s failed: %s", name, exc)
         hosted.state = AgentState.STOPPED
+        if hosted.start_settled is not None:
+            hosted.start_settled.set()  # a request still waiting for its start is refused
         del self.agents[name]
         self.by_id.pop(hosted.agent_id, None)
         self.roster_version += 1

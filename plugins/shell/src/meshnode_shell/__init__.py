@@ -11,13 +11,15 @@ The request's sender text, already wrapped in the §22.6 provenance frame, is
 written to the command's stdin; its stdout is the answer's ``text``. The
 command never sees the envelope, the sender's raw text, or a shell.
 A non-zero exit or a timeout is answered as INTERNAL_ERROR; stderr is logged
-locally and never sent to the caller.
+locally and never sent to the caller. A command not found on the ``PATH`` it
+runs with fails the agent's start, naming it, rather than every request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from typing import Any
 
 from pydantic import Field
@@ -52,11 +54,23 @@ class ShellAgent(Agent):
         input_modes=["text/plain"],
         output_modes=["text/plain"],
     )
+    async def on_start(self, ctx: Context) -> None:
+        settings = self.settings
+        assert isinstance(settings, ShellSettings)
+        program = settings.command[0]
+        path = _environment(settings)["PATH"]
+        if shutil.which(program, path=path) is None:
+            # Said once, at start (and in `meshnode status`), not as INTERNAL_ERROR on every request.
+            raise RuntimeError(
+                f"command {program!r} is not an executable found on PATH={path}: set [agents.{self.name}] "
+                "command to an installed program (or env.PATH to where it is)"
+            )
+
     async def chat(self, ctx: Context, input: Any) -> Any:
         settings = self.settings
         assert isinstance(settings, ShellSettings)
         stdin = (ctx.text or "").encode("utf-8")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", **settings.env}
+        env = _environment(settings)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *settings.command,
@@ -86,3 +100,8 @@ class ShellAgent(Agent):
         if truncated:
             result["truncated"] = True
         return result
+
+
+def _environment(settings: ShellSettings) -> dict[str, str]:
+    """The command's whole environment: a PATH, a UTF-8 locale, and the configured ``env``."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", **settings.env}
