@@ -195,6 +195,10 @@ class OfferingSpec:
 F = TypeVar("F", bound=Callable[..., Awaitable[Any] | AsyncIterator[Any]])
 
 
+#: The methods the node calls itself; none of them is an offering's handler.
+_LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop", "on_event"})
+
+
 def offering(
     id: str,
     *,
@@ -246,6 +250,13 @@ def offering(
     """
 
     def decorate(fn: F) -> F:
+        if fn.__name__ in _LIFECYCLE_HOOKS:
+            # A decorator left above a hook (a method inserted between the two) would
+            # make the hook the handler and leave the real handler undecorated.
+            raise TypeError(
+                f"@offering({id!r}) decorates {fn.__name__}(), the agent's lifecycle hook, not a handler: "
+                "put the decorator on the handler method"
+            )
         fn.__meshnode_offering__ = OfferingSpec(  # type: ignore[attr-defined]
             id=id,
             handler_name=fn.__name__,

@@ -42,18 +42,6 @@ class ShellAgent(Agent):
     Settings = ShellSettings
     public = {"description": "A command-line tool behind a mesh inbox: send text, get its output."}
 
-    @offering(
-        "chat",
-        name="Chat",
-        description="Send {text}; the command's output comes back as {text}.",
-        input_schema={
-            "type": "object",
-            "properties": {"text": {"type": "string"}},
-            "required": ["text"],
-        },
-        input_modes=["text/plain"],
-        output_modes=["text/plain"],
-    )
     async def on_start(self, ctx: Context) -> None:
         settings = self.settings
         assert isinstance(settings, ShellSettings)
@@ -66,6 +54,18 @@ class ShellAgent(Agent):
                 "command to an installed program (or env.PATH to where it is)"
             )
 
+    @offering(
+        "chat",
+        name="Chat",
+        description="Send {text}; the command's output comes back as {text}.",
+        input_schema={
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+        },
+        input_modes=["text/plain"],
+        output_modes=["text/plain"],
+    )
     async def chat(self, ctx: Context, input: Any) -> Any:
         settings = self.settings
         assert isinstance(settings, ShellSettings)
