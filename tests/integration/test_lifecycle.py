@@ -123,6 +123,22 @@ def test_an_advertised_host_is_what_invites_and_mesh_info_give_and_what_a_joined
     assert joined.call(echo_id, "echo", "by name")["output"] == {"ok": "by name"}
 
 
+def test_join_refuses_a_data_directory_a_running_daemon_holds(first: DaemonProcess, tmp_path: Path) -> None:
+    """``join --force`` into a running node's data directory would replace its node
+    key and credential under it: refused, exit 75, nothing written."""
+    invite = tmp_path / "intruder.creds"
+    _cli("mesh", "invite", "intruder", "--out", str(invite), "--socket", first.socket_path).check_returncode()
+    keys_before = {p.name: p.read_bytes() for p in (first.data_dir / "keys").iterdir()}
+    refused = _cli("join", str(invite), "--data-dir", str(first.data_dir), "--force",
+                   "--config-out", str(tmp_path / "intruder.toml"))
+    assert refused.returncode == exitcodes.EX_TEMPFAIL, refused.stderr
+    assert (f"another meshnode daemon (pid {first.pid}) is running with data directory {first.data_dir}: "
+            "stop it first, or join into another --data-dir") in refused.stderr
+    assert {p.name: p.read_bytes() for p in (first.data_dir / "keys").iterdir()} == keys_before
+    assert not (tmp_path / "intruder.toml").exists()
+    assert first.call("echo", "echo", "untouched")["output"] == {"ok": "untouched"}
+
+
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
     invite = tmp_path / "laptop.creds"
     assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0

@@ -14,7 +14,7 @@ from meshnode.config import ConfigError, load_config
 from meshnode.config.values import parse_duration
 
 from .daemon import _admin, _client_args
-from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK, EX_USAGE
+from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_OK, EX_TEMPFAIL, EX_USAGE
 from .output import emit_json, human_time
 
 
@@ -299,14 +299,23 @@ def cmd_join(args: argparse.Namespace) -> int:
         return backup
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(data_dir, 0o700)
+    from meshnode.daemon.credentials import store_credential
+    from meshnode.daemon.datalock import DataDirBusy, DataDirLock
+
+    try:
+        # A daemon running on this directory would have its node key and credential replaced under it.
+        lock = DataDirLock.acquire(data_dir, hint="join into another --data-dir")
+    except DataDirBusy as exc:
+        print(f"meshnode: {exc}", file=sys.stderr)
+        return EX_TEMPFAIL
     try:
         FileKeyStore(data_dir).import_key("node", invite.node_key)
+        store_credential(data_dir, invite.jwt, [])
     except KeyStoreError as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return EX_CANTCREAT
-    from meshnode.daemon.credentials import store_credential
-
-    store_credential(data_dir, invite.jwt, [])
+    finally:
+        lock.release()
     if backup is not None:
         os.replace(config_path, backup)
     config_path.parent.mkdir(parents=True, exist_ok=True)
