@@ -139,6 +139,23 @@ def test_join_refuses_a_data_directory_a_running_daemon_holds(first: DaemonProce
     assert first.call("echo", "echo", "untouched")["output"] == {"ok": "untouched"}
 
 
+def test_a_joined_node_whose_mesh_does_not_answer_at_start_exits_75_naming_it(daemons: DaemonSet) -> None:
+    """The first connection is bounded by [mesh] connect_timeout: the start failed after the
+    connect stage's 30 s budget with "TimeoutError" and exit 1; it now names the servers and
+    the last error, exit 75 (temporary: a supervisor's restart tries again)."""
+    hub = daemons.embedded("gone-hub")
+    node = daemons.joined("left-alone", hub, extra={"mesh": {"connect_timeout": "2s"}})
+    servers = node.config["mesh"]["servers"]
+    node.stop()
+    hub.stop()
+    with pytest.raises(RuntimeError, match="exited with 75 during start-up"):
+        node.start()
+    log = node.log_text()
+    assert (f"cannot reach the mesh at {', '.join(servers)} within 2 s (last error: ConnectionRefusedError"
+            in log), log
+    assert f"([mesh] servers, [mesh] connect_timeout in {node.config_path})" in log, log
+
+
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:
     invite = tmp_path / "laptop.creds"
     assert _cli("mesh", "invite", "laptop-join", "--out", str(invite), "--socket", first.socket_path).returncode == 0

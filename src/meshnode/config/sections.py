@@ -264,6 +264,10 @@ class MeshConfig(BaseModel):
     """PEM CA bundle that verifies the mesh's TLS certificates (``tls://`` NATS URLs and
     an ``https://`` control plane) when they are not signed by a system-trusted CA."""
     embedded: EmbeddedMeshConfig = Field(default_factory=EmbeddedMeshConfig)
+    connect_timeout: Duration = timedelta(seconds=25)
+    """How long the node's first connection to the mesh may take at start. Past it the start
+    fails with exit 75 (temporary), naming the servers and the last connection error; a
+    supervisor's restart tries again. Once connected, a lost connection is retried forever."""
     broker_check_interval: Duration = timedelta(seconds=5)
     """How often the daemon checks that its broker still answers (a PING/PONG on its
     connection; on the embedded mesh also the nats-server process itself)."""

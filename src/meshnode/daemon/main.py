@@ -41,7 +41,7 @@ from meshnode.daemon.datalock import DataDirBusy, DataDirLock
 from meshnode.daemon.gateways import A2AGateways
 from meshnode.daemon.hosting import AgentHost, load_plugin_catalog, ms, node_settings
 from meshnode.daemon.lifecycle import DaemonState, Shutdown, Stage, StageFailed, run_stage
-from meshnode.daemon.mesh import MeshLink, credential_profile
+from meshnode.daemon.mesh import MeshLink, MeshUnreachable, credential_profile
 from meshnode.daemon.methods import CoreMethods, register_core_methods
 from meshnode.daemon.operations import register_operations, reload_config
 from meshnode.daemon.platform import (
@@ -212,7 +212,7 @@ class Daemon:
             Stage("keys", 30.0 + 0.01 * n_agents, self._stage_keys),
             Stage("plugins", 30.0, self._stage_plugins),
             Stage("mesh", 60.0, self._stage_mesh),
-            Stage("connect", 30.0, self._stage_connect),
+            Stage("connect", 5.0 + self.config.mesh.connect_timeout.total_seconds(), self._stage_connect),
             # Joined: a cluster restarted moments ago answers before its streams
             # have leaders; the platform start retries through that (see
             # _start_platform), so the stage allows it the time.
@@ -800,8 +800,9 @@ async def run_daemon(config: Config) -> int:
         # fails to load (plugin_check words them like every config error).
         if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError):
             return EX_CONFIG
-        if isinstance(exc.cause, DataDirBusy):
-            # Temporary: the data directory is free again once the other daemon stops.
+        if isinstance(exc.cause, DataDirBusy | MeshUnreachable):
+            # Temporary: the data directory is free again once the other daemon stops;
+            # the mesh may answer at the next start.
             return EX_TEMPFAIL
         if _disk_full(exc.cause):
             # Temporary by nature (#23.9): nothing is lost, and the start after

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from meshnode.aio import wait_for
 from meshnode.config import Config, ConfigError, ConfigProblem
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.credentials import obtain_credential, stored_trust_attestation
@@ -261,7 +262,15 @@ class MeshLink:
         )
         self.connection = connection
         shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
-        await connection.connect()
+        limit = self.config.mesh.connect_timeout.total_seconds()
+        try:
+            await wait_for(connection.connect(), limit)
+        except TimeoutError:
+            raise MeshUnreachable(
+                f"cannot reach the mesh at {', '.join(connection.servers)} within {limit:g} s "
+                f"(last error: {connection.last_error or 'none'}): is it running, and reachable from here? "
+                f"([mesh] servers, [mesh] connect_timeout in {self._config_file()})"
+            ) from None
         connection.on_lost(on_lost)
         return connection
 
@@ -491,6 +500,11 @@ def _same_permissions(current: str, candidate: str) -> bool:
         return bool(decode_jwt(current)[1].get("nats") == decode_jwt(candidate)[1].get("nats"))
     except Exception:
         return False
+
+
+class MeshUnreachable(RuntimeError):
+    """The node's first connection to the mesh did not succeed within ``[mesh]
+    connect_timeout``: temporary (exit 75), the message names servers and error."""
 
 
 #: Bind addresses that mean "every interface": no other machine can dial them.
