@@ -6,6 +6,7 @@ embedded node keeping its connection through both adds)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -154,6 +155,22 @@ def test_a_joined_node_whose_mesh_does_not_answer_at_start_exits_75_naming_it(da
     assert (f"cannot reach the mesh at {', '.join(servers)} within 2 s (last error: ConnectionRefusedError"
             in log), log
     assert f"([mesh] servers, [mesh] connect_timeout in {node.config_path})" in log, log
+
+
+def test_call_reads_its_input_or_text_from_stdin(first: DaemonProcess) -> None:
+    """``-`` reads the input from stdin: a file piped in (``< report.txt``) rather than
+    pasted into an argument (one argument is capped at 128 KiB, and shows in ps)."""
+    document = "word " * 10_000  # 50 kB, under the recipient's default sender-text cap (64 Ki units)
+    base = [sys.executable, "-m", "meshnode.cli", "call", "echo", "echo"]
+    options = ["--socket", first.socket_path, "--json"]
+    as_json = subprocess.run([*base, "-", *options], input=json.dumps({"doc": document}), capture_output=True,
+                             text=True, timeout=60)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["output"] == {"ok": {"doc": document}}
+    as_text = subprocess.run([*base, "--text", "-", *options], input="from stdin\n", capture_output=True, text=True,
+                             timeout=60)
+    assert as_text.returncode == 0, as_text.stderr
+    assert json.loads(as_text.stdout)["output"] == {"ok": {"text": "from stdin\n"}}
 
 
 def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "ApiMismatch",
     "DaemonNotRunning",
     "ProtocolViolation",
+    "RequestTooLarge",
     "call_listing",
     "call_sync",
     "exit_code_for",
@@ -116,6 +117,19 @@ class ProtocolViolation(AdminClientError):
 
 class AdminTimeout(AdminClientError, TimeoutError):
     """The daemon did not answer in time."""
+
+
+class RequestTooLarge(AdminClientError, ValueError):
+    """A request longer than the admin protocol's line: said before anything is sent."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"the request is {size:,} bytes, over the admin protocol's {limit:,}-byte line; an input "
+            "this large could not reach an agent either (one message is at most the mesh's max_payload, "
+            "1 MiB by default): store it as an artifact (meshnode artifacts put FILE) and send its reference"
+        )
 
 
 class AdminClient:
@@ -285,7 +299,7 @@ class AdminClient:
         assert self._writer is not None
         data = encode(message)
         if len(data) > self._max_line + 1:
-            raise ValueError(f"request larger than the protocol's {self._max_line}-byte line limit")
+            raise RequestTooLarge(len(data) - 1, self._max_line)
         try:
             self._writer.write(data)
             await self._writer.drain()
@@ -386,6 +400,10 @@ def call_sync(
     running event loop.
     """
 
+    size = len(encode(request_message(0, method, params))) - 1  # without its newline
+    if size > MAX_LINE_BYTES:
+        raise RequestTooLarge(size, MAX_LINE_BYTES)  # before connecting: nothing to ask the daemon
+
     async def run() -> Any:
         async with AdminClient(socket_path, timeout=timeout) as client:
             if listing:
@@ -405,6 +423,8 @@ def exit_code_for(exc: BaseException) -> int:
         return EX_API_MISMATCH
     if isinstance(exc, AdminTimeout | NotReady | TimeoutError):
         return EX_TEMPFAIL
+    if isinstance(exc, RequestTooLarge):
+        return EX_DATAERR
     if isinstance(exc, AdminError):
         return _EXIT_BY_ERROR_NAME.get(exc.name, EX_ERROR)
     return EX_ERROR

@@ -62,8 +62,8 @@ def register(commands: Any) -> None:
     call = commands.add_parser("call", help="call an agent's offering as this node's CLI identity")
     call.add_argument("agent", help="a local agent name or any agent id (U...)")
     call.add_argument("offering", help="the offering id, e.g. echo or chat")
-    call.add_argument("input", nargs="?", help="the input as JSON (default: none)")
-    call.add_argument("--text", help="shorthand for the input {\"text\": TEXT}")
+    call.add_argument("input", nargs="?", help="the input as JSON (default: none); - reads it from stdin")
+    call.add_argument("--text", help="shorthand for the input {\"text\": TEXT}; - reads the text from stdin")
     call.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
     call.add_argument("--stream", action="store_true", help="ask for a streamed answer (config.stream)")
     call.add_argument("--no-wait", action="store_true", help="return as soon as a task is opened (prints its id)")
@@ -412,13 +412,16 @@ def cmd_call(args: argparse.Namespace) -> int:
         print("meshnode: give either INPUT or --text, not both", file=sys.stderr)
         return EX_USAGE
     payload_input: Any = None
+    # "-": from stdin, for what a command line cannot carry (the kernel caps one
+    # argument at 128 KiB: "Argument list too long") or should not show (ps).
     if args.text is not None:
-        payload_input = {"text": args.text}
+        payload_input = {"text": sys.stdin.read() if args.text == "-" else args.text}
     elif args.input is not None:
+        source = "stdin" if args.input == "-" else "INPUT"
         try:
-            payload_input = json.loads(args.input)
+            payload_input = json.loads(sys.stdin.read() if args.input == "-" else args.input)
         except json.JSONDecodeError as exc:
-            print(f"meshnode: INPUT is not JSON ({exc}); use --text for plain text", file=sys.stderr)
+            print(f"meshnode: {source} is not JSON ({exc}); use --text for plain text", file=sys.stderr)
             return EX_DATAERR
     params: dict[str, Any] = {"agent": args.agent, "offering": args.offering, "timeout": args.timeout}
     if args.stream:
