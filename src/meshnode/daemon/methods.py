@@ -28,6 +28,7 @@ from meshnode.daemon.paging import AGENTS_PAGE_BYTES, agent_page_params, page_of
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.context import AgentContext
 from meshnode.node.hosted import HostedAgent
+from meshnode.node.inbox import STATES as INBOX_STATES
 from meshnode.node.inbox import InboxRow, InboxStore
 from meshnode.node.states import AgentState
 from meshnode.protocol.a2a_extension import EXTENSION_URI as A2A_URI
@@ -478,6 +479,9 @@ class CoreMethods:
             hosted = self.d.node.agents.get(agent) if self.d.node else None
             agent_id = hosted.agent_id if hosted else agent
         states = params.get("states") or ["held", "interrupted"]
+        if not isinstance(states, list) or not all(isinstance(st, str) and st in INBOX_STATES for st in states):
+            # A hostile or mistyped value was an internal error (found by the admin fuzz test).
+            raise InvalidParameter(f"states must be a list of inbox states: {', '.join(INBOX_STATES)}")
         if params.get("all"):
             states = None
         limit = params.get("limit", 100)
