@@ -19,6 +19,7 @@ from meshnode.transport.errors import EmbeddedMeshError
 from meshnode.transport.jwt import format_creds
 from meshnode.transport.meshkeys import MeshKeys
 from meshnode.transport.permissions import SDK_INBOX_PREFIX, Profile, Role, inbox_prefix_for
+from meshnode.transport.serverconf import url_host
 from meshnode.transport.tenants import DEFAULT_TENANT, check_tenant_name
 
 from .http import _remaining, _utc
@@ -168,9 +169,7 @@ class Enrolment:
         """The control-plane URL nodes should use."""
         if self._public_url is not None:
             return self._public_url
-        host = self.advertise_host or self.host
-        host = f"[{host}]" if ":" in host else host
-        return f"{'https' if self._ssl else 'http'}://{host}:{self._port}"
+        return f"{'https' if self._ssl else 'http'}://{url_host(self.advertise_host or self.host)}:{self._port}"
 
     def nats_endpoints(self) -> list[str]:
         """The mesh's NATS URLs, in preference order. Raises EmbeddedMeshError before

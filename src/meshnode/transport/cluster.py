@@ -50,6 +50,7 @@ from .embedded import (
 from .jwt import ResponsePermission, nats_auth_callbacks
 from .lifecycle import AsyncService
 from .permissions import Profile, Role, node_inbox_prefix
+from .serverconf import url_host
 
 __all__ = ["NatsCluster", "cluster_size_of"]
 
@@ -135,8 +136,7 @@ class NatsCluster(AsyncService):
         ]
 
     def _route_urls(self, ports: Sequence[int]) -> list[str]:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return [f"nats-route://{host}:{port}" for port in ports]
+        return [f"nats-route://{url_host(self.host)}:{port}" for port in ports]
 
     def _ports(
         self, client_ports: Sequence[int] | None, route_ports: Sequence[int] | None
@@ -176,8 +176,7 @@ class NatsCluster(AsyncService):
     @property
     def urls(self) -> list[str]:
         """Every member's client URL, in member order."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return [f"nats://{host}:{m.port}" for m in self.members]
+        return [f"nats://{url_host(self.host)}:{m.port}" for m in self.members]
 
     @property
     def operator_public_key(self) -> str:

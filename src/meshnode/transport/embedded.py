@@ -65,7 +65,7 @@ from .permissions import (
     node_permissions,
     sdk_permissions,
 )
-from .serverconf import BoundPorts, ClusterRoutes, TlsFiles, render_server_config
+from .serverconf import BoundPorts, ClusterRoutes, TlsFiles, render_server_config, url_host
 from .tenants import (
     DEFAULT_TENANT,
     TenantExport,
@@ -349,7 +349,7 @@ class EmbeddedNatsServer(AsyncService):
     def _client_url(self, host: str) -> str:
         if self._port is None:
             raise EmbeddedMeshError("the embedded mesh has not started yet")
-        return f"{'tls' if self.tls is not None else 'nats'}://{_url_host(host)}:{self._port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://{url_host(host)}:{self._port}"
 
     @property
     def monitor_url(self) -> str | None:
@@ -364,7 +364,7 @@ class EmbeddedNatsServer(AsyncService):
         if self._ports is None or self._ports.websocket is None:
             return None
         scheme = "wss" if self.tls is not None else "ws"
-        return f"{scheme}://{_url_host(self.advertise_host or self.host)}:{self._ports.websocket}"
+        return f"{scheme}://{url_host(self.advertise_host or self.host)}:{self._ports.websocket}"
 
     @property
     def pid(self) -> int | None:
@@ -691,8 +691,7 @@ class EmbeddedNatsServer(AsyncService):
         self._port = ports.client
         if ports.monitoring is not None:
             self._monitor_port = ports.monitoring
-            host = f"[{self.host}]" if ":" in self.host else self.host
-            self._monitor_url = f"http://{host}:{ports.monitoring}"
+            self._monitor_url = f"http://{url_host(self.host)}:{ports.monitoring}"
         if self.cluster is not None and ports.cluster is not None:
             self.cluster = replace(self.cluster, port=ports.cluster)
         if self._websocket_port is not None and ports.websocket is not None:
@@ -866,8 +865,3 @@ class EmbeddedNatsServer(AsyncService):
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-
-
-def _url_host(host: str) -> str:
-    """``host`` as a URL's authority wants it (an IPv6 address in brackets)."""
-    return f"[{host}]" if ":" in host else host

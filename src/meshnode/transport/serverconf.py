@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import EmbeddedMeshError
 
-__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "render_server_config"]
+__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "render_server_config", "url_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +156,8 @@ def render_server_config(
     if monitor_port is not None:
         lines.insert(6, f"http: {_conf_string(f'{host}:{_listen_port(monitor_port)}')}")
     return "\n".join(lines) + "\n"
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL's authority wants it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
