@@ -59,12 +59,14 @@ from meshnode.daemon.terminal import register_terminal_methods
 from meshnode.keystore import KeyStore, KeyStoreUnavailable, open_keystore
 from meshnode.node.agreement_lookup import PlatformAgreements
 from meshnode.node.commerce import AgreementGate, AgreementStore
+from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
 from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
 from meshnode.node.observe import ObservabilitySettings, install
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
+from meshnode.node.states import AgentState
 from meshnode.node.usage_log import UsageLog
 from meshnode.plugins import PluginLoadError, PluginManager
 from meshnode.protocol.attestations import same_standing_until
@@ -170,6 +172,15 @@ class Daemon:
     @property
     def failed_agents(self) -> dict[str, str]:
         return self.hosting.failed_agents if self.hosting is not None else self._failed_agents
+
+    def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
+        """A hosted agent for Status, Agents.List and Agents.Show: the node's view,
+        and for one whose start failed, why (the node keeps only the state)."""
+        assert self.node is not None, "a hosted agent has its node"
+        entry = self.node.agent_status(hosted)
+        if hosted.state is AgentState.FAILED:
+            entry["failure"] = self.failed_agents.get(hosted.name)
+        return entry
 
     @property
     def embedded(self) -> EmbeddedNatsServer | None:

@@ -224,12 +224,7 @@ class CoreMethods:
             if index >= len(hosted):
                 name, why = never_hosted[index - len(hosted)]
                 return {"name": name, "state": failed_state.value, "failure": why}
-            agent = hosted[index]
-            assert node is not None  # hosted is empty without a node
-            entry = node.agent_status(agent)
-            if agent.state is failed_state:
-                entry["failure"] = self.d.failed_agents.get(agent.name)
-            return entry
+            return self.d.agent_status(hosted[index])
 
         total = len(hosted) + len(never_hosted)
         entries, following = page_of(total, entry_at, offset, limit, page_bytes)

@@ -30,7 +30,6 @@ from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
 from meshnode.node.metrics import loop_text, merge_exposition, prometheus_text
 from meshnode.node.runtime import Node
-from meshnode.node.states import AgentState
 from meshnode.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -121,12 +120,10 @@ class _Operations:
         hosted = self._hosted(params)
         node = self._node()
         result: dict[str, Any] = {
-            "status": node.agent_status(hosted),
+            "status": self.daemon.agent_status(hosted),
             "latency": hosted.latency.as_dict(),
             "manifest": hosted.manifest,
         }
-        if hosted.state is AgentState.FAILED:
-            result["status"]["failure"] = self.daemon.failed_agents.get(hosted.name)  # as Status says it
         cli = node.agents.get(CLI_AGENT_NAME)
         if cli is not None:
             try:
