@@ -346,12 +346,10 @@ def _print_status(status: dict[str, Any]) -> None:
     print(f"agents    {summary.get('hosted', len(status['agents']))} hosted, {summary.get('registered', '?')} registered, "
           f"{summary.get('failed', '?')} failed")
     for agent in status["agents"]:
-        if agent.get("state") == "failed" and "id" not in agent:
-            print(f"  {agent['name']:<16} FAILED: {agent.get('failure')}")
-            continue
         if agent.get("state") == "failed":
-            # Hosted, but its start failed (on_start raised or timed out): why, not "NOT registered (None)".
-            print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} FAILED: {agent.get('failure')}")
+            # Never hosted, or hosted and its start failed (on_start raised or timed out): why.
+            hosted = f"{agent['id']}  {agent['plugin']:<12} " if "id" in agent else ""
+            print(f"  {agent['name']:<16} {hosted}FAILED: {agent.get('failure')}")
             continue
         reg = "registered" if agent.get("registered") else f"NOT registered ({agent.get('registration_error')})"
         print(f"  {agent['name']:<16} {agent['id']}  {agent['plugin']:<12} {agent['state']:<8} {reg}  vouch until {_when(agent.get('vouch_expires_at'))}")
