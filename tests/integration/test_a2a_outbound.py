@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from meshnode.admin.protocol import Refused
+from meshnode.admin.protocol import NotFound, Refused
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
 from tests.integration.a2a_peer import Behaviour, Peer
 
@@ -287,7 +287,7 @@ def test_cancel_of_the_mesh_work_sends_cancel_task_to_the_peer_once(
         def stream_open() -> bool:  # the handler says so once the bridge knows the peer's task
             try:
                 return "a2a-stream-open" in json.dumps(daemon.admin("Tasks.Show", {"task_id": opened["task_id"]}))
-            except Refused:  # not recorded yet
+            except (NotFound, Refused):  # not recorded yet (Tasks.Show answers NotFound since 4434165)
                 return False
 
         eventually(stream_open)
