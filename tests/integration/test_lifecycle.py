@@ -110,7 +110,11 @@ def test_an_advertised_host_is_what_invites_and_mesh_info_give_and_what_a_joined
     assert re.fullmatch(r"nats://localhost:\d+", nats_url), info
     assert re.fullmatch(r"http://localhost:\d+", info["control_plane"]), info
     invite = tmp_path / "by-name.creds"
-    _cli("mesh", "invite", "by-name", "--out", str(invite), "--socket", hub.socket_path).check_returncode()
+    invited = _cli("mesh", "invite", "by-name", "--out", str(invite), "--socket", hub.socket_path)
+    invited.check_returncode()
+    # The test hub's ports are picked at start and it listens on loopback: the invite says both.
+    assert "note: [mesh.embedded] port and control_port = 0: the port was picked at this start" in invited.stderr
+    assert f"note: the mesh is reachable on loopback only ({nats_url})" in invited.stderr
     text = invite.read_text(encoding="utf-8")
     assert f"# meshnode-nats: {nats_url}\n" in text and f"# meshnode-control-plane: {info['control_plane']}\n" in text
     data_dir = tmp_path / "by-name"

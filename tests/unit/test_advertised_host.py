@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from meshnode.config import EmbeddedMeshConfig
 from meshnode.control_plane import ControlPlaneServer
-from meshnode.daemon.mesh import advertised_host
+from meshnode.daemon.mesh import advertised_host, reach_notes
 from meshnode.transport.embedded import EmbeddedNatsServer
 
 
@@ -39,3 +40,20 @@ def test_the_control_plane_advertises_the_host_with_its_bound_port(tmp_path: Pat
     assert plane.url == "http://hub.example.org:17422"
     v6 = ControlPlaneServer(mesh, tmp_path / "cp6", host="::", port=17422, advertise_host="2001:db8::7")
     assert v6.url == "http://[2001:db8::7]:17422"
+
+
+def test_an_invite_says_when_its_urls_go_stale_or_reach_only_this_machine() -> None:
+    """An invite from a hub on port 0 held URLs its next start would not answer, and
+    one from a loopback hub (the default) works only on the hub's own machine: both
+    were handed out without a word."""
+    loopback = ["nats://127.0.0.1:4222", "http://127.0.0.1:7422"]
+    [only_here] = reach_notes(EmbeddedMeshConfig(), loopback)
+    assert only_here.startswith("the mesh is reachable on loopback only (nats://127.0.0.1:4222)")
+    [stale, _] = reach_notes(EmbeddedMeshConfig(port=0, control_port=0), ["nats://localhost:1", "http://[::1]:2"])
+    assert stale.startswith("[mesh.embedded] port and control_port = 0: the port was picked at this start")
+    [control_only] = reach_notes(EmbeddedMeshConfig(host="0.0.0.0", control_port=0),
+                                 ["nats://hub.example.org:4222", "http://hub.example.org:5000"])
+    assert control_only.startswith("[mesh.embedded] control_port = 0")
+    assert reach_notes(EmbeddedMeshConfig(host="0.0.0.0"), ["nats://hub.example.org:4222"]) == []
+    # One URL beyond loopback is enough for another machine to reach the mesh.
+    assert reach_notes(EmbeddedMeshConfig(), ["nats://127.0.0.1:4222", "nats://192.0.2.7:4222"]) == []

@@ -144,6 +144,7 @@ def cmd_token(args: argparse.Namespace) -> int:
             f"privately. The agent exchanges it at {result.get('control_plane') or '-'}/v1/bootstrap",
             file=sys.stderr,
         )
+        _print_notes(result)
     return EX_OK
 
 
@@ -171,6 +172,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
             "name": result["name"], "node_id": result["node_id"],
             "trust_tier": result.get("trust_tier", args.trust_tier),
             "tenant": result.get("tenant", args.tenant), "file": args.out,
+            "notes": result.get("notes", []),
         }))
     else:
         print(
@@ -179,7 +181,14 @@ def cmd_invite(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.out} (0600) - it holds the node's secret key; hand it over privately")
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
+        _print_notes(result)
     return EX_OK
+
+
+def _print_notes(result: dict[str, Any]) -> None:
+    """The hub's caveats on who can use what it handed out (Mesh.Invite/Token)."""
+    for note in result.get("notes", []):
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _when(epoch_s: int | None) -> str:

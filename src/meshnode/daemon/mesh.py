@@ -10,6 +10,7 @@ re-issued for the current roster (§14.3) and presented by a reconnect.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 import ssl
@@ -17,9 +18,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from meshnode.aio import wait_for
-from meshnode.config import Config, ConfigError, ConfigProblem
+from meshnode.config import Config, ConfigError, ConfigProblem, EmbeddedMeshConfig
 from meshnode.control_plane import ControlPlaneServer
 from meshnode.daemon.credentials import obtain_credential, stored_trust_attestation
 from meshnode.daemon.lifecycle import Shutdown
@@ -156,6 +158,14 @@ class MeshLink:
         if self.control_plane is not None:
             return str(self.control_plane.url)
         return str(self.config.mesh.control_plane) if self.config.mesh.control_plane else None
+
+    def reach_notes(self) -> list[str]:
+        """What limits who can use an invite or an enrolment token this node hands
+        out (:func:`reach_notes`); empty on a joined node."""
+        if self.embedded is None:
+            return []
+        control_plane = self.control_plane_url()
+        return reach_notes(self.config.mesh.embedded, [*self.embedded.urls, *([control_plane] if control_plane else [])])
 
     # -- start -----------------------------------------------------------------
 
@@ -527,3 +537,33 @@ def advertised_host(bound: str, configured: str | None, key: str) -> str | None:
         "address they reach it by", key, bound, name,
     )
     return name
+
+
+def reach_notes(embedded: EmbeddedMeshConfig, urls: list[str]) -> list[str]:
+    """The caveats on URLs an embedded mesh hands out in invites and tokens: a
+    port picked at start (the next start picks another, so they go stale) and a
+    mesh advertised on loopback only (no other machine can dial it)."""
+    notes = []
+    picked = [key for key, port in (("port", embedded.port), ("control_port", embedded.control_port)) if port == 0]
+    if picked:
+        notes.append(
+            f"[mesh.embedded] {' and '.join(picked)} = 0: the port was picked at this start and the "
+            "next start picks another, so these URLs stop working when the node restarts; set a "
+            "fixed port before handing this out"
+        )
+    if urls and all(_is_loopback(urlsplit(url).hostname or "") for url in urls):
+        notes.append(
+            f"the mesh is reachable on loopback only ({urls[0]}): this works on this machine; "
+            "another machine needs [mesh.embedded] host (and advertise_host) beyond loopback "
+            "and TLS, see docs/operations/security.md"
+        )
+    return notes
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -82,10 +82,10 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add(
         "Mesh.Token", ops.mesh_token, level="admin",
         doc="params {name, ttl_s?, trust_tier?, tenant?} -> {token (secret, shown once), name, expires_at, "
-        "trust_tier, tenant, control_plane}: a single-use token an AgentMesh SDK agent exchanges at "
-        "POST /v1/bootstrap",
+        "trust_tier, tenant, control_plane, notes}: a single-use token an AgentMesh SDK agent exchanges at "
+        "POST /v1/bootstrap; notes say what limits its use (a port picked at start, a loopback-only mesh)",
     )
-    methods.add("Mesh.Invite", ops.mesh_invite, level="admin", doc="params {name, trust_tier?, tenant?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials; tenant: an account from [mesh.embedded] tenants, default mesh); returns its invite (secret)")
+    methods.add("Mesh.Invite", ops.mesh_invite, level="admin", doc="params {name, trust_tier?, tenant?} -> enrol a new node (tier standard|verified|sandbox, attested in its credentials; tenant: an account from [mesh.embedded] tenants, default mesh); returns its invite (secret) and notes on what limits its use (a port picked at start, a loopback-only mesh)")
     return ops
 
 
@@ -631,6 +631,7 @@ class CoreMethods:
             "trust_tier": record.trust_tier,
             "tenant": record.tenant,
             "control_plane": self.d.control_plane_url(),
+            "notes": self.d.mesh.reach_notes() if self.d.mesh is not None else [],
         }
 
     async def mesh_invite(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
@@ -659,6 +660,7 @@ class CoreMethods:
             "jwt": bundle.jwt,
             "nats_urls": self.d.mesh_urls(),
             "control_plane": self.d.control_plane_url(),
+            "notes": self.d.mesh.reach_notes() if self.d.mesh is not None else [],
         }
 
 
