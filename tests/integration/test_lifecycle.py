@@ -225,6 +225,39 @@ def _availability(node: DaemonProcess, agent_id: str) -> str | None:
     return found.get(agent_id, "not listed")
 
 
+def test_a_removed_agent_stays_removed_across_reloads_and_save_takes_it_out_of_the_file(
+    first: DaemonProcess,
+) -> None:
+    """``agents remove`` of an agent in the file: a reload for anything else hosted it
+    again, and nothing but editing the file by hand kept it out of the next start."""
+    def hosted() -> set[str]:
+        return {a["name"] for a in first.admin("Agents.List")["agents"]}
+
+    added = _cli("agents", "add", "passer", "--plugin", "echo", "--save", "--socket", first.socket_path)
+    assert added.returncode == 0, added.stderr
+    removed = _cli("agents", "remove", "passer", "--socket", first.socket_path)
+    assert removed.returncode == 0 and "removed passer" in removed.stdout, removed
+    assert (f"[agents.passer] stays in {first.config_path}: the next start hosts it again "
+            "(--save comments it out; a reload leaves it removed)") in removed.stderr
+    report = first.admin("Reload")
+    assert report["kept_removed"] == ["passer"] and "passer" not in report["added"], report
+    assert "passer" not in hosted()
+
+    # Added again, it is an agent like any other: removed with --save, it leaves the file.
+    assert _cli("agents", "add", "passer", "--plugin", "echo", "--socket", first.socket_path).returncode == 0
+    before = first.config_path.read_text(encoding="utf-8")
+    saved = _cli("agents", "remove", "passer", "--save", "--json", "--socket", first.socket_path)
+    assert saved.returncode == 0, saved.stderr
+    assert json.loads(saved.stdout) == {"removed": "passer", "saved": True, "configured": True,
+                                        "config_file": str(first.config_path)}
+    text = first.config_path.read_text(encoding="utf-8")
+    assert "passer" not in tomllib.loads(text)["agents"]
+    assert "# [agents.passer]\n# plugin = \"echo\"" in text and len(text.splitlines()) == len(before.splitlines()) + 1
+    report = first.admin("Reload")
+    assert "kept_removed" not in report and report["added"] == report["removed"] == [], report
+    assert "passer" not in hosted()
+
+
 def test_agents_add_save_survives_a_restart_and_unsaved_is_deregistered(first: DaemonProcess) -> None:
     before = first.config_path.read_text()
     saved = _cli("agents", "add", "kept", "--plugin", "echo", "--save", "--socket", first.socket_path)

@@ -5,6 +5,7 @@ append of ``agents add --save``, and the rate limit on a lost mesh's errors."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from meshnode.cli import main
 from meshnode.cli.exitcodes import EX_CANTCREAT, EX_OK, EX_USAGE
 from meshnode.cli.service import REFERENCE_HEADER, system_unit, user_unit
-from meshnode.config.editing import SaveRefused, append_agent_table
+from meshnode.config.editing import SaveRefused, append_agent_table, comment_out_agent_table
 from meshnode.transport.connection import _RepeatLimiter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +94,54 @@ def test_append_agent_table_refuses_what_it_cannot_do_cleanly(tmp_path: Path) ->
     with pytest.raises(SaveRefused, match="does not parse"):
         append_agent_table(config, "x", {"plugin": "echo"})
     assert config.read_text() == "[node\n"
+
+
+def test_comment_out_agent_table_keeps_every_line_and_the_rest_of_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "meshnode.toml"
+    original = (
+        '# my node\n[node]\nname = "n"\n\n'
+        '[agents.echo2]  # the second echo\nplugin = "echo"\ncommand = [\n  "wc",\n  "-w",\n]\n\n'
+        '# the shell agent\n[agents.shell]\nplugin = "shell"\n\n'
+        '[agents.echo2.extra]\nkey = 1\n'
+        '[agents."echo3"]\nplugin = "echo"\n'
+    )
+    config.write_text(original)
+    config.chmod(0o640)
+    comment_out_agent_table(config, "echo2")
+    text = config.read_text()
+    assert tomllib.loads(text) == {"node": {"name": "n"}, "agents": {"shell": {"plugin": "shell"},
+                                                                     "echo3": {"plugin": "echo"}}}
+    # Nothing deleted: the table's lines (and its sub-table's) are commented out; a comment
+    # just before the next table is that table's and stays.
+    stamp = "# Removed by `meshnode agents remove --save` at DATE (uncomment to restore):\n"
+    assert re.sub(r"at [0-9-]+ [0-9:]+ UTC", "at DATE", text) == (
+        '# my node\n[node]\nname = "n"\n\n'
+        f'{stamp}# [agents.echo2]  # the second echo\n# plugin = "echo"\n# command = [\n#   "wc",\n#   "-w",\n# ]\n\n'
+        '# the shell agent\n[agents.shell]\nplugin = "shell"\n\n'
+        f'{stamp}# [agents.echo2.extra]\n# key = 1\n'
+        '[agents."echo3"]\nplugin = "echo"\n'
+    )
+    assert config.stat().st_mode & 0o777 == 0o640
+    comment_out_agent_table(config, "echo3")  # a quoted key is the same table
+    assert tomllib.loads(text.replace('[agents."echo3"]\nplugin = "echo"\n', ""))["agents"] == \
+        tomllib.loads(config.read_text())["agents"]
+
+
+def test_comment_out_agent_table_refuses_what_it_cannot_do_cleanly(tmp_path: Path) -> None:
+    config = tmp_path / "meshnode.toml"
+    inline = '[agents]\necho = { plugin = "echo" }\n'
+    config.write_text(inline)
+    with pytest.raises(SaveRefused, match="defines agent echo other than as an \\[agents.echo\\] table"):
+        comment_out_agent_table(config, "echo")
+    with pytest.raises(SaveRefused, match=r"has no \[agents.other\]"):
+        comment_out_agent_table(config, "other")
+    assert config.read_text() == inline
+    # A line inside a multi-line string that looks like a header: the edit would change more.
+    tricky = '[agents.echo]\nplugin = "echo"\n[agents.shell]\nplugin = "shell"\nnote = """\n[agents.echo]\n"""\n'
+    config.write_text(tricky)
+    with pytest.raises(SaveRefused, match="remove it by hand"):
+        comment_out_agent_table(config, "echo")
+    assert config.read_text() == tricky
 
 
 def test_a_lost_mesh_is_reported_at_a_doubling_interval() -> None:

@@ -44,12 +44,17 @@ def register(commands: Any) -> None:
     _client_args(p)
     p.set_defaults(handler=cmd_agents_add)
     p = sub.add_parser(
-        "remove", help="stop agents and deregister them",
+        "remove", help="stop agents and deregister them (out of the file too only with --save)",
         description="Stop one or more agents and deregister them (their broker buffers go too). "
-        "Several names are removed with one node credential for them all.",
+        "Several names are removed with one node credential for them all. An agent the "
+        "configuration file has comes back at the next start unless --save, which comments its "
+        "[agents.NAME] table out of the file (uncommenting restores it); a reload leaves it "
+        "removed either way.",
     )
     p.add_argument("names", nargs="+", metavar="NAME", help="the hosted agents to remove")
     p.add_argument("--keep-registration", action="store_true", help="keep their registrations and broker buffers")
+    p.add_argument("--save", action="store_true",
+                   help="also comment their [agents.NAME] tables out of the daemon's configuration file")
     _client_args(p)
     p.set_defaults(handler=cmd_agents_remove)
     p = sub.add_parser("restart", help="stop and start an agent (same key)")
@@ -251,12 +256,17 @@ def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> 
 
 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
-    deregister = not args.keep_registration
+    params: dict[str, Any] = {"deregister": not args.keep_registration, "save": args.save}
     if len(args.names) == 1:
-        return _simple(args, "Agents.Remove", {"name": args.names[0], "deregister": deregister},
-                       timeout=_ROSTER_TIMEOUT_S)
-    code, result = _admin(args, "Agents.Remove", {"names": args.names, "deregister": deregister},
-                          timeout=_ROSTER_TIMEOUT_S)
+        code, result = _admin(args, "Agents.Remove", {"name": args.names[0], **params}, timeout=_ROSTER_TIMEOUT_S)
+        if code != EX_OK:
+            return code
+        if args.json:
+            emit_json(result)
+        else:
+            print(f"removed {result['removed']}")
+        return _report_unsaved(result["removed"], result, quiet=args.json)
+    code, result = _admin(args, "Agents.Remove", {"names": args.names, **params}, timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -264,7 +274,26 @@ def cmd_agents_remove(args: argparse.Namespace) -> int:
     elif result["removed"]:
         print(f"removed {', '.join(result['removed'])}")
     codes = [_failed(name, "removed", wire) for name, wire in result["failed"].items()]
-    return next(iter(codes), EX_OK)
+    codes += [_report_unsaved(name, outcome, quiet=args.json) for name, outcome in result["configuration"].items()]
+    return next((c for c in codes if c != EX_OK), EX_OK)
+
+
+def _report_unsaved(name: str, outcome: dict[str, Any], *, quiet: bool) -> int:
+    """Say what became of a removed agent's table in the file; 73 when --save
+    could not comment it out."""
+    if outcome.get("saved") is False:
+        print(f"meshnode: [agents.{name}] not commented out: {outcome['save_error']}; the next start "
+              "hosts it again unless you remove it from the configuration yourself", file=sys.stderr)
+        return EX_CANTCREAT
+    if quiet or not outcome.get("configured"):
+        return EX_OK
+    where = outcome.get("config_file") or "the configuration"
+    if outcome["saved"]:
+        print(f"commented out [agents.{name}] in {where}")
+    else:
+        print(f"[agents.{name}] stays in {where}: the next start hosts it again (--save comments it out; "
+              "a reload leaves it removed)", file=sys.stderr)
+    return EX_OK
 
 
 def _failed(name: str, what: str, wire: dict[str, Any]) -> int:

@@ -140,6 +140,10 @@ class AgentHost:
     config_file: str = "(built-in defaults)"
     #: Agents an :meth:`add_many` under way is adding (a second add of one is refused).
     adding: set[str] = field(default_factory=set)
+    #: Agents ``agents remove`` stopped whose tables the file still has: a reload
+    #: leaves them removed (it applies what changed in the file) until they are
+    #: added again or their table changes.
+    removed_by_hand: set[str] = field(default_factory=set)
 
     @classmethod
     async def open(cls, config: Config, keystore: KeyStore, *, runs_services: bool, embedded: bool) -> AgentHost:
@@ -406,6 +410,7 @@ class AgentHost:
             if name in self.failed_agents:
                 outcome[name] = InvalidParameter(f"agent {name} failed to start: {self.failed_agents.pop(name)}")
             else:
+                self.removed_by_hand.discard(name)
                 outcome[name] = node.agent_status(node.agents[name])
 
         await asyncio.gather(*(host_one(name, agent_cfg) for name, agent_cfg in wanted.items()))

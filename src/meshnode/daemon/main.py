@@ -173,6 +173,10 @@ class Daemon:
     def failed_agents(self) -> dict[str, str]:
         return self.hosting.failed_agents if self.hosting is not None else self._failed_agents
 
+    def hold_out_of_reloads(self, name: str) -> None:
+        """``agents remove`` of an agent the file still has: reloads leave it removed."""
+        self._hosting().removed_by_hand.add(name)
+
     def agent_status(self, hosted: HostedAgent) -> dict[str, Any]:
         """A hosted agent for Status, Agents.List and Agents.Show: the node's view,
         and for one whose start failed, why (the node keeps only the state)."""

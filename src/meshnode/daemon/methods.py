@@ -21,7 +21,12 @@ from meshnode.admin.protocol import INTERNAL, AdminError, InvalidParameter, NotF
 from meshnode.admin.server import CallContext, MethodRegistry
 from meshnode.agent import RemoteError, RequestQueued
 from meshnode.config import AgentConfig
-from meshnode.config.editing import SaveRefused, agent_table_text, append_agent_table
+from meshnode.config.editing import (
+    SaveRefused,
+    agent_table_text,
+    append_agent_table,
+    comment_out_agent_table,
+)
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
 from meshnode.daemon.operations import process_figures
 from meshnode.daemon.paging import AGENTS_PAGE_BYTES, agent_page_params, page_of
@@ -62,7 +67,7 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
     methods.add("Agents.Add", ops.agents_add, level="admin", doc="params {name | names, config, save?}: host a new agent now (re-mints the credential); save=true also appends its table to the configuration file. name: one agent, its status, its failure the call's. names: several with the same config, one credential for them all -> {agents: [{name, hosted, status... | error}], hosted, failed}, each failing alone")
-    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?}: stop and deregister agents. name -> {removed: name}; names (one credential for them all) -> {removed: [names], failed: {name: error}}")
+    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?, save?}: stop and deregister agents; save=true also comments their tables out of the configuration file. name -> {removed: name, saved, configured, config_file?, save_error?}; names (one credential for them all) -> {removed: [names], failed: {name: error}, configuration: {name: {saved, configured, ...}}}. saved null: the file still has the table (the next start hosts the agent; reloads leave it removed)")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
     methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
     methods.add("Inbox.Reply", ops.inbox_reply, level="operator", doc="answer a held request as its agent")
@@ -397,11 +402,40 @@ class CoreMethods:
     async def agents_remove(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         names = _agent_names(params)
         deregister = bool(params.get("deregister", True))
+        save = params.get("save", False)
+        if not isinstance(save, bool):
+            raise InvalidParameter("save must be a boolean", {"parameter": "save"})
         if "name" in params:
             await self.d.remove_agent(names[0], deregister=deregister)
-            return {"removed": names[0]}
+            return {"removed": names[0], **await self._unsave_agent(names[0], save)}
         removed, failed = await self.d.remove_agents(names, deregister=deregister)
-        return {"removed": removed, "failed": {name: exc.to_wire() for name, exc in failed.items()}}
+        return {"removed": removed, "failed": {name: exc.to_wire() for name, exc in failed.items()},
+                "configuration": {name: await self._unsave_agent(name, save) for name in removed}}
+
+    async def _unsave_agent(self, name: str, save: bool) -> dict[str, Any]:
+        """After ``agents remove``: what becomes of the agent's ``[agents.<name>]``
+        table. ``saved`` True: commented out of the file; None: the file still has
+        it (``config_file``), so the next start hosts the agent again; False: it
+        could not be edited (``save_error``). An agent the file has and that stays
+        there is held out of reloads until it is added again or its table changes:
+        a reload for something else brought it back."""
+        source = self.d.config.source_file
+        if name not in self.d.config.agents:
+            return {"saved": True if save else None, "configured": False}
+        if save and source is not None:
+            try:
+                await asyncio.to_thread(comment_out_agent_table, source, name)
+            except SaveRefused as exc:
+                self.d.hold_out_of_reloads(name)
+                return {"saved": False, "save_error": str(exc), "configured": True, "config_file": str(source)}
+            # The running configuration matches the file again: a reload sees nothing new.
+            del self.d.config.agents[name]
+            log.info("agent %s commented out of %s", name, source)
+            return {"saved": True, "configured": True, "config_file": str(source)}
+        self.d.hold_out_of_reloads(name)
+        if save:
+            return {"saved": False, "save_error": "the daemon runs without a configuration file", "configured": True}
+        return {"saved": None, "configured": True, "config_file": str(source) if source else None}
 
     async def a2a_charges(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
         if self.d.gateways.charges is None:

@@ -362,7 +362,9 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
     unusable, the new credential was not presented) is listed under ``failed``
     (name -> why), shown failed by Status and tried again by the next reload,
     and the rest applies; an upgraded plugin that agents run is listed under
-    ``requires_restart`` (its old module stays imported). Every agent's
+    ``requires_restart`` (its old module stays imported). An agent ``agents
+    remove`` stopped whose table has not changed stays removed (``kept_removed``).
+    Every agent's
     allowance is read again (``allowances``: name -> {source, valid,
     errors}); a change of only ``allowance_file`` / ``allowance_any_owner``
     restarts no agent.
@@ -391,9 +393,16 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
             if name in running:
                 await daemon.remove_agent(name, deregister=True, reconnect=False)
             hosting.failed_agents.pop(name, None)
+            hosting.removed_by_hand.discard(name)
             report["removed"].append(name)
+        # A reload applies what changed in the file: an agent `agents remove`
+        # stopped stays stopped while its table is what it was.
+        held_out = sorted(n for n in hosting.removed_by_hand
+                          if n in old_agents and n in new_agents and old_agents[n] == new_agents[n])
+        if held_out:
+            report["kept_removed"] = held_out
         # New tables, and tables not hosted until now (their plugin was missing).
-        to_add = sorted(n for n in new_agents if n not in old_agents or n not in running)
+        to_add = sorted(n for n in new_agents if n not in held_out and (n not in old_agents or n not in running))
         # All at once: one credential (and one reconnect) for every addition.
         added = await daemon.add_agents({name: _table_to_add(new_agents[name]) for name in to_add}) if to_add else {}
         for name in to_add:
