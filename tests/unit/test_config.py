@@ -342,8 +342,10 @@ def test_unknown_key_names_file_and_key(short_tmp_path: Path) -> None:
     lines = problems_of(short_tmp_path, "[node]\nnmae = 'x'\n")
     assert len(lines) == 1
     file = str(short_tmp_path / "meshnode.toml")
-    assert lines[0].startswith(f"{file}: node.nmae: unknown key")
-    assert "name" in lines[0]
+    assert lines[0].startswith(f"{file}: node.nmae: unknown key (did you mean 'name'? expected one of: name, ")
+    # A close spelling is named; a key like none of them only lists what is valid.
+    [far] = problems_of(short_tmp_path, "[node]\nquux = 'x'\n")
+    assert "did you mean" not in far and "expected one of: name, data_dir" in far
 
 
 @pytest.mark.parametrize(

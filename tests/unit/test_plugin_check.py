@@ -41,12 +41,13 @@ def test_unknown_plugin_is_refused_with_file_key_and_did_you_mean(tmp_path: Path
 
 
 def test_bad_plugin_setting_names_file_and_key(tmp_path: Path) -> None:
-    path = _write(tmp_path, '[agents.sh]\nplugin = "shell"\ncommand = ["wc"]\ntimeout = "soon"\ncolour = 1\n')
+    path = _write(tmp_path, '[agents.sh]\nplugin = "shell"\ncommand = ["wc"]\ntimeout = "soon"\ncolour = 1\ncomand = 2\n')
     proc = _check(path)
     assert proc.returncode == 78, proc.stderr
     assert f"{path}: agents.sh.timeout: expected a valid number" in proc.stderr
     assert "got 'soon'" in proc.stderr
     assert f"{path}: agents.sh.colour: unknown key (expected one of: plugin, enabled, interaction, max_concurrency, allowance_file, allowance_any_owner, command," in proc.stderr
+    assert f"{path}: agents.sh.comand: unknown key (did you mean 'command'? expected one of: plugin," in proc.stderr
     assert "ValidationError" not in proc.stderr and "pydantic" not in proc.stderr
 
 

@@ -4,6 +4,7 @@ its problems as :class:`ConfigError` lines, and :func:`describe_sources`."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -171,7 +172,9 @@ def _problems_from(
             parent = _model_at(inner[:-1], root)
             fields = [*(also_allowed if len(inner) == 1 else ()), *(parent.model_fields if parent else ())]
             allowed = ", ".join(fields)
-            message = f"unknown key (expected one of: {allowed})" if allowed else "unknown key"
+            close = difflib.get_close_matches(str(inner[-1]), fields, n=1, cutoff=0.75) if inner else []
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            message = f"unknown key ({hint}expected one of: {allowed})" if allowed else "unknown key"
         elif kind == "missing":
             message = "required key is missing"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
