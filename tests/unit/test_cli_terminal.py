@@ -24,7 +24,7 @@ from meshnode.admin.protocol import (
     PermissionDenied,
     Refused,
 )
-from meshnode.cli import build_parser, exitcodes
+from meshnode.cli import build_parser, exitcodes, main
 from meshnode.cli.artifacts import _Progress, looks_binary
 from meshnode.cli.completion import GENERATORS, command_tree
 from meshnode.cli.output import human_duration, human_size, human_time, rfc3339_fields
@@ -77,6 +77,20 @@ def test_usage_errors_exit_64() -> None:
     with pytest.raises(SystemExit) as raised:
         build_parser().parse_args(["call"])
     assert raised.value.code == exitcodes.EX_USAGE == 64
+
+
+def test_an_unknown_option_is_refused_by_its_command_naming_the_close_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was refused by ``meshnode`` itself, with the top-level usage and no hint."""
+    with pytest.raises(SystemExit) as raised:
+        main(["discover", "--capabilities", "x", "--offering-id=echo", "--json"])
+    assert raised.value.code == exitcodes.EX_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: meshnode discover ")
+    assert ("meshnode discover: error: unrecognized arguments: --capabilities x --offering-id=echo "
+            "(--capabilities: did you mean --capability?; --offering-id: did you mean --offering?)") in err
+    with pytest.raises(SystemExit):
+        main(["agents", "list", "--frobnicate"])
+    assert "meshnode agents list: error: unrecognized arguments: --frobnicate\n" in capsys.readouterr().err
     with pytest.raises(SystemExit) as raised:
         build_parser().parse_args(["no-such-command"])
     assert raised.value.code == 64

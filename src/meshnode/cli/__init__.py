@@ -11,6 +11,7 @@ this parser.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -100,8 +101,29 @@ class Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost parser that was left words over is the command they were
+        # given to: it, not ``meshnode``, reports them (with its own usage).
+        if extras and not hasattr(parsed, "_unrecognized_by"):
+            parsed._unrecognized_by = self
+        return parsed, extras
 
-def build_parser() -> argparse.ArgumentParser:
+    def unrecognized(self, extras: list[str]) -> NoReturn:
+        """Refuse words this command does not take, naming a close option."""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        hints = []
+        for word in extras:
+            close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.7) \
+                if word.startswith("--") else []
+            if close:
+                hints.append(f"{word.split('=', 1)[0]}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def build_parser() -> Parser:
     # Imported here, not at the top, so that importing ``meshnode.cli`` (or one of
     # its modules) alone does not pull in every command module.
     from . import (
@@ -193,7 +215,10 @@ def _plugin_commands(commands: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        leaf: Parser = getattr(args, "_unrecognized_by", parser)
+        leaf.unrecognized(extras)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
