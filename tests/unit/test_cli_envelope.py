@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ def seed_file(tmp_path: Path) -> tuple[Path, KeyPair]:
     key = KeyPair.generate()
     path = tmp_path / "agent.seed"
     path.write_text(key.seed)
+    path.chmod(0o600)
     return path, key
 
 
@@ -75,3 +77,41 @@ def test_sign_refuses_foreign_from(seed_file: tuple[Path, KeyPair]) -> None:
 def test_sign_with_unreadable_seed_file(tmp_path: Path) -> None:
     out = run("sign", "--seed-file", str(tmp_path / "missing"), stdin="{}")
     assert out.returncode == 66
+
+
+def test_keygen_out_writes_a_private_file_that_sign_takes(tmp_path: Path) -> None:
+    """keygen's example was ``keygen > agent.json``: the seed in a file of the umask's
+    mode (0644), and one sign could not read (it wanted the bare seed)."""
+    path = tmp_path / "agent.json"
+    made = run("keygen", "--out", str(path))
+    assert made.returncode == 0, made.stderr
+    written = json.loads(path.read_text())
+    assert made.stdout == written["public_key"] + "\n" and written["seed"].startswith("SU")
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = run("keygen", "--out", str(path))
+    assert again.returncode == 73 and f"{path} exists; not replacing a key" in again.stderr
+    assert json.loads(path.read_text()) == written
+    signed = run("sign", "--seed-file", str(path), stdin='{"type":"emit","payload":{"n":1}}')
+    assert signed.returncode == 0 and signed.stderr == "", signed.stderr
+    assert json.loads(signed.stdout)["from"] == written["public_key"]
+
+
+def test_a_seed_readable_by_others_is_warned_about(tmp_path: Path, seed_file: tuple[Path, KeyPair]) -> None:
+    path, key = seed_file
+    path.chmod(0o644)
+    signed = run("sign", "--seed-file", str(path), stdin='{"type":"emit","payload":{"n":1}}')
+    assert signed.returncode == 0
+    assert (f"warning: seed file {path} is readable by others (mode 0644): it holds a secret key; "
+            f"chmod 600 {path}") in signed.stderr
+    redirected = tmp_path / "redirected.json"
+    fd = os.open(redirected, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.fchmod(fd, 0o644)
+    with os.fdopen(fd, "w") as out:
+        made = subprocess.run([sys.executable, "-m", "meshnode.cli", "envelope", "keygen"], stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    assert made.returncode == 0 and "seed" in json.loads(redirected.read_text())
+    assert "the seed went to a file that is readable by others (mode 0644)" in made.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"public_key": "U"}')
+    refused = run("sign", "--seed-file", str(bad), stdin="{}")
+    assert refused.returncode == 65 and 'JSON without a "seed" string' in refused.stderr

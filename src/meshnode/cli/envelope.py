@@ -4,17 +4,21 @@ integrating other AgentMesh implementations.
   meshnode envelope canonical < value.json      canonical JSON bytes of any value
   meshnode envelope verify [--json] < env.json  which check failed, or ok
   meshnode envelope sign --seed-file F < e.json sign (filling v/id/ts/trace if absent)
-  meshnode envelope keygen                      a fresh agent key (seed + public key)
+  meshnode envelope keygen [--out F]            a fresh agent key (seed + public key)
 
-Exit codes: 0 ok, 1 verification failed, 65 invalid input, 66 unreadable file.
+Exit codes: 0 ok, 1 verification failed, 65 invalid input, 66 unreadable file,
+73 --out exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from meshnode.protocol.canonical import CanonicalJSONError, canonicalize, parse_json
@@ -29,8 +33,9 @@ from meshnode.protocol.envelope import (
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, NkeyError
 from meshnode.protocol.timeutil import format_ts
+from meshnode.transport.files import write_private_file
 
-from .exitcodes import EX_CHECK_FAILED, EX_DATAERR, EX_NOINPUT, EX_OK
+from .exitcodes import EX_CANTCREAT, EX_CHECK_FAILED, EX_DATAERR, EX_NOINPUT, EX_OK
 
 
 def register(commands: Any) -> None:
@@ -51,13 +56,17 @@ def register(commands: Any) -> None:
     verify.set_defaults(handler=cmd_verify)
 
     sign = sub.add_parser("sign", help="stdin envelope -> signed envelope")
-    sign.add_argument("--seed-file", required=True, help="file holding the signer's nkey seed (SU...)")
+    sign.add_argument("--seed-file", required=True,
+                      help="file holding the signer's nkey seed (SU...), or keygen's JSON ({\"seed\": ...})")
     sign.add_argument("--no-fill", action="store_true", help="sign exactly what is given")
     sign.add_argument("--pretty", action="store_true", help="indent the output")
     sign.add_argument("--json", action="store_true", help="(the output is JSON already: the signed envelope)")
     sign.set_defaults(handler=cmd_sign)
 
-    keygen = sub.add_parser("keygen", help="print a fresh agent key pair as JSON")
+    keygen = sub.add_parser("keygen", help="a fresh agent key pair as JSON ({public_key, seed})")
+    keygen.add_argument("--out", metavar="FILE",
+                        help="write it to FILE, readable by you only (0600; never replaced), and print "
+                        "the public key")
     keygen.add_argument("--json", action="store_true", help="(the output is JSON already)")
     keygen.set_defaults(handler=cmd_keygen)
 
@@ -112,11 +121,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_sign(args: argparse.Namespace) -> int:
     try:
         with open(args.seed_file, encoding="ascii") as fh:
-            key = KeyPair.from_seed(fh.read().strip())
+            mode = os.fstat(fh.fileno()).st_mode
+            key = KeyPair.from_seed(_seed_in(fh.read()))
     except OSError as exc:
         return _fail(f"cannot read seed file {args.seed_file}: {exc.strerror}", EX_NOINPUT)
     except (NkeyError, UnicodeDecodeError) as exc:
         return _fail(f"seed file {args.seed_file} does not hold an nkey seed: {exc}", EX_DATAERR)
+    if mode & 0o077:
+        _warn_readable(f"seed file {args.seed_file}", mode, f"chmod 600 {args.seed_file}")
     try:
         env = _read_stdin_json()
     except ValueError as exc:
@@ -144,5 +156,40 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     key = KeyPair.generate()
-    print(json.dumps({"public_key": key.public_key, "seed": key.seed}))
+    text = json.dumps({"public_key": key.public_key, "seed": key.seed})
+    if args.out:
+        try:
+            write_private_file(Path(args.out), text + "\n", replace=False)
+        except FileExistsError:
+            return _fail(f"{args.out} exists; not replacing a key", EX_CANTCREAT)
+        except OSError as exc:
+            return _fail(f"cannot write {args.out}: {exc.strerror}", EX_CANTCREAT)
+        print(key.public_key)
+        return EX_OK
+    print(text)
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError):  # no real file behind stdout (a test's capture)
+        return EX_OK
+    if stat.S_ISREG(mode) and mode & 0o077:
+        _warn_readable("the seed went to a file that", mode, "chmod 600 it, or use --out FILE next time")
     return EX_OK
+
+
+def _seed_in(text: str) -> str:
+    """The seed in a seed file: the seed itself, or keygen's JSON holding it."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            value = json.loads(stripped)
+        except ValueError:
+            raise NkeyError("the file looks like JSON but does not parse") from None
+        if not isinstance(value, dict) or not isinstance(value.get("seed"), str):
+            raise NkeyError('JSON without a "seed" string')
+        return str(value["seed"])
+    return stripped
+
+
+def _warn_readable(what: str, mode: int, remedy: str) -> None:
+    print(f"meshnode envelope: warning: {what} is readable by others (mode {stat.S_IMODE(mode):04o}): "
+          f"it holds a secret key; {remedy}", file=sys.stderr)
