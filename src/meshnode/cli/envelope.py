@@ -33,7 +33,6 @@ from meshnode.protocol.envelope import (
 from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair, NkeyError
 from meshnode.protocol.timeutil import format_ts
-from meshnode.transport.files import write_private_file
 
 from .exitcodes import EX_CANTCREAT, EX_CHECK_FAILED, EX_DATAERR, EX_NOINPUT, EX_OK
 
@@ -158,6 +157,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     key = KeyPair.generate()
     text = json.dumps({"public_key": key.public_key, "seed": key.seed})
     if args.out:
+        # Imported per command: meshnode.transport pulls in NATS (CLI start-up time).
+        from meshnode.transport.files import write_private_file
+
         try:
             write_private_file(Path(args.out), text + "\n", replace=False)
         except FileExistsError:
