@@ -322,6 +322,7 @@ class FakeNode:
 
     observability: Any = None
     inbox: Any = None
+    open_tasks: Any = None
     trust: Any = None
     a2a: Any = None
     commerce: Any = None

@@ -129,3 +129,71 @@ def test_kill_9_during_a_stream_tells_the_requester_and_never_reruns_it(meshnode
     assert drains and drains[0]["dispatched"] == 0, drains
     consistently(lambda: len(runs.read_text().split()) == 1, during=1.0, what="no second run of the handler")
     assert len(runs.read_text().split()) == 1, "the handler ran again after the restart"
+
+
+def _call_in_background(node: Any, target: str, offering: str, input: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        outcome["result"] = node.call(target, offering, input, timeout=90)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    return caller, outcome
+
+
+def test_requesters_are_told_when_the_responder_stops_or_crashes_mid_work(
+    meshnode_daemons: DaemonSet, tmp_path: Any
+) -> None:
+    """A handler still running when its node stopped left the requester waiting on a
+    Task that stayed ``working`` for ever (and a plain request until its timeout). A
+    graceful stop now tells it (AGENT_UNAVAILABLE, reason agent_stopped); after a
+    kill -9 the next start ends every Task the journal holds as open (INTERNAL_ERROR,
+    reason interrupted). Neither is run again."""
+    plugins = {"plugin_modules": ["tests.agents:tasks_plugin", "tests.agents:plugin"]}
+    a = meshnode_daemons.embedded("a", agents={}, node=plugins)
+    b = meshnode_daemons.joined("b", via=a, agents={"worker": {"plugin": "test-tasks"},
+                                                     "sleeper": {"plugin": "test-faulty"}}, node=plugins)
+    worker, sleeper = b.agent_id("worker"), b.agent_id("sleeper")
+    never = {"gate": str(tmp_path / "never-opened")}
+
+    def running_here(count: int) -> bool:
+        return len(b.admin("Tasks.List")["tasks"]) >= count
+
+    # A graceful stop: a Task and a plain request, both running.
+    task_call, task_outcome = _call_in_background(a, worker, "gated_task", never)
+    plain_call, plain_outcome = _call_in_background(a, sleeper, "sleep", 600)
+    eventually(lambda: running_here(1) and b.status()["agents"] and any(
+        ag["name"] == "sleeper" and ag["in_flight"] == 1 for ag in b.status()["agents"]),
+        what="both handlers running on b")
+    assert b.stop() == 0
+    for caller in (task_call, plain_call):
+        caller.join(timeout=60)
+        assert not caller.is_alive(), "a requester still waits on a stopped node"
+    for outcome in (task_outcome, plain_outcome):
+        result = outcome["result"]
+        assert result["status"] == "failed" and result["error"]["code"] == "AGENT_UNAVAILABLE", result
+        assert result["error"]["details"] == {"reason": "agent_stopped"}, result
+    stopped_task = task_outcome["result"]["task_id"]
+    assert stopped_task
+
+    # A crash: the Task is ended by the next start, as its agent.
+    b.start()
+    crash_call, crash_outcome = _call_in_background(a, worker, "gated_task", never)
+    eventually(lambda: running_here(1), what="the task running on b")
+    b.kill()
+    b.start()
+    crash_call.join(timeout=60)
+    assert not crash_call.is_alive(), "the requester still waits on a task its crashed node left open"
+    result = crash_outcome["result"]
+    assert result["status"] == "failed" and result["error"]["code"] == "INTERNAL_ERROR", result
+    assert result["error"]["details"] == {"reason": "interrupted"}, result
+    assert "1 task(s) were left open when the node last stopped; 1 ended" in b.log_text()
+    record = a.admin("Tasks.Show", {"task_id": result["task_id"]})
+    assert record["state"] == "failed", record
+
+    # What the stop told is settled: only the crashed request is kept as interrupted.
+    kept = eventually(lambda: b.admin("Inbox.List", {"states": ["interrupted"]})["messages"] or None,
+                      what="the crashed request kept as interrupted")
+    assert [m["agent"] for m in kept] == ["worker"], kept
+    assert "left open" not in b.log_text().split("1 task(s) were left open")[1], "a task ended twice"

@@ -63,6 +63,7 @@ from meshnode.node.hosted import HostedAgent
 from meshnode.node.inbox import InboxStore
 from meshnode.node.meter_outbox import MeterJournal, MeterOutbox
 from meshnode.node.observe import ObservabilitySettings, install
+from meshnode.node.open_tasks import OpenTask, OpenTaskJournal, end_left_open
 from meshnode.node.periodic import PeriodicJob
 from meshnode.node.pipeline import RefusalCounter
 from meshnode.node.runtime import Node
@@ -122,6 +123,8 @@ class Daemon:
         self.status_board = StatusBoard(lambda: self.node.watchdog if self.node is not None else None)
         self._shutdown = Shutdown()
         self._failed_agents: dict[str, str] = {}
+        #: Tasks the last process left open (read at the inbox stage), ended after the agents start.
+        self._tasks_left_open: list[OpenTask] = []
         self._watchdog: asyncio.Task[None] | None = None
         #: Is the broker still answering (issue #23 item 11); from the connect stage on.
         self.broker_watch: BrokerWatch | None = None
@@ -446,6 +449,9 @@ class Daemon:
         recovered = await inbox.recover_interrupted(time.time_ns() // 1_000_000)
         if recovered:
             log.warning("%d inbox message(s) were being handled when the node last stopped; kept as interrupted", recovered)
+        # Before any agent runs: every task in the journal now is one the last
+        # process left open; they are ended once their agents are back.
+        self._tasks_left_open = OpenTaskJournal(inbox).left_open()
 
     async def _stage_agents(self) -> None:
         mesh, hosting = self._mesh(), self._hosting()
@@ -519,6 +525,11 @@ class Daemon:
         # Before the agents: an on_start that blocks the loop is seen too.
         node.start_watchdog()
         await hosting.host_roster(self.config)
+        if self._tasks_left_open and node.open_tasks is not None:
+            left, self._tasks_left_open = self._tasks_left_open, []
+            ended = await end_left_open(left, node.by_id, node.open_tasks)
+            log.warning("%d task(s) were left open when the node last stopped; %d ended, their requesters told",
+                        len(left), ended)
         if outbox is not None:
             outbox.resume(node.by_id.get)
             await self.gateways.republish_charges(node)

@@ -84,6 +84,9 @@ class _Slot:
             self.hosted.in_flight -= 1
 
 
+#: How long a stopping agent's cancelled handler may take to tell its requester.
+_TELL_STOPPED_S = 2.0
+
 class HostedAgent:
     """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
 
@@ -163,6 +166,9 @@ class HostedAgent:
         # running each handler so a cancel can stop it.
         self.tasks: dict[str, ResponderTask] = {}
         self._task_runners: dict[str, asyncio.Task[Any]] = {}
+        #: Set when the agent stops (the node stopping, the agent removed or
+        #: restarted): a handler cancelled then tells its requester so.
+        self.stopping = False
         #: Requests admitted and not finished (their handlers, running or about
         #: to), against the limit past which a request is refused busy (#23).
         self.in_flight = 0
@@ -246,6 +252,9 @@ class HostedAgent:
         return len(self._tasks)
 
     async def cancel_tasks(self, grace: float) -> None:
+        """The agent stops: its handlers get ``grace`` seconds to finish, then are
+        cancelled, each telling its requester the work stopped (:meth:`_tell_stopped`)."""
+        self.stopping = True
         if not self._tasks:
             return
         _, pending = await asyncio.wait(list(self._tasks), timeout=grace)
@@ -570,8 +579,9 @@ class HostedAgent:
         slot: _Slot | None = None,
     ) -> None:
         """Run the handler and answer; then the live pair is settled (done) in
-        the node inbox. A handler cancelled by a stopping node is not settled:
-        after a restart its buffered copy is kept as ``interrupted``, not run."""
+        the node inbox. A handler cancelled by a stopping node is settled only
+        when its requester was told (:meth:`_tell_stopped`): otherwise, after a
+        restart its buffered copy is kept as ``interrupted``, not run."""
         inbox = self.node.inbox if source is Path.LIVE else None
         if inbox is not None:
             # Committed right before the handler starts, inline (with whatever
@@ -667,6 +677,8 @@ class HostedAgent:
         except asyncio.CancelledError:
             if ctx.task is not None and ctx.task.state == "canceled":
                 return  # stopped by a cancel; its update is already out
+            if self.stopping:
+                await self._tell_stopped(ctx, env, source)
             raise
         except Exception as exc:
             self.counters["failed"] += 1
@@ -713,6 +725,37 @@ class HostedAgent:
             if ctx.task is not None:
                 self.tasks.pop(ctx.task.task_id, None)
                 self._task_runners.pop(ctx.task.task_id, None)
+
+    async def _tell_stopped(self, ctx: AgentContext, env: Mapping[str, Any], source: Path) -> None:
+        """A handler cancelled because its agent stops: the requester is told
+        rather than left waiting on a Task that stays ``working`` for ever (or,
+        without one, until its own timeout). A working Task fails
+        AGENT_UNAVAILABLE (retryable), a paused or just-opened one is canceled
+        (reason ``policy``: it cannot fail, §7.3), a plain request gets the failed
+        respond. Best effort, bounded: the stop must not wait on the mesh."""
+        self.counters["stopped"] += 1
+        error = error_object(
+            "AGENT_UNAVAILABLE",
+            "the agent stopped before it finished this request (its node is stopping, or the agent was "
+            "restarted or removed); the work did not complete",
+            {"reason": "agent_stopped"},
+        )
+        try:
+            async with asyncio.timeout(_TELL_STOPPED_S):
+                task = ctx.task
+                if task is None:
+                    await self._answer(env, status="failed", error=error, path=source)
+                elif task.state == "working":
+                    await self._finish_task(task, "failed", error=error)
+                elif task.state not in TERMINAL_STATES:
+                    await task._send("canceled", extra={"reason": "policy", "note": error["message"]})
+        except Exception as exc:  # the mesh already gone: the requester's deadline is its answer
+            self.agent.log.warning("could not tell %s that its request stopped: %s: %s",
+                                   env.get("from"), type(exc).__name__, exc)
+            return
+        # Answered: settled like any answered request, so the next start does not
+        # keep its buffered copy as interrupted.
+        self._settle_live(env, self.node.inbox if source is Path.LIVE else None)
 
     async def open_task(self, ctx: AgentContext, state: str = "submitted", message: str | None = None) -> ResponderTask:
         """Turn the request being handled into a Task (§7.0): the first task reply."""

@@ -116,6 +116,14 @@ CREATE TABLE IF NOT EXISTS seen (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS seen_by_age ON seen (agent, seen_ms);
 CREATE TABLE IF NOT EXISTS probe (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS open_tasks (
+    agent      TEXT NOT NULL,
+    task_id    TEXT NOT NULL,
+    state      TEXT NOT NULL,
+    request    BLOB NOT NULL,
+    opened_ms  INTEGER NOT NULL,
+    PRIMARY KEY (agent, task_id)
+) WITHOUT ROWID;
 """
 
 
@@ -360,6 +368,11 @@ class InboxStore:
         if self._db is None:
             raise RuntimeError("inbox store is not open")
         return self._db
+
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One inline write transaction on this file, for the other tables it
+        holds (:mod:`meshnode.node.open_tasks`); failures as :meth:`_write`'s."""
+        return self._write()
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

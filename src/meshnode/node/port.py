@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.inbox import InboxStore
     from meshnode.node.observe import Observability
+    from meshnode.node.open_tasks import OpenTaskJournal
     from meshnode.node.pipeline import RefusalCounter
     from meshnode.node.pubsub import PubSub
     from meshnode.node.runtime import NodeSettings
@@ -67,6 +68,9 @@ class NodePort(Protocol):
         """The hosted agents by agent id (a local recipient, §4.7)."""
     @property
     def inbox(self) -> InboxStore | None: ...
+    @property
+    def open_tasks(self) -> OpenTaskJournal | None:
+        """The journal of this node's open Tasks (:mod:`meshnode.node.open_tasks`)."""
     @property
     def trust(self) -> VouchMemo | None: ...
     @property

@@ -35,6 +35,7 @@ from meshnode.node.inbox import InboxStore
 from meshnode.node.looplag import LoopWatchdog, running_for
 from meshnode.node.manifests import build_manifest
 from meshnode.node.observe import Observability
+from meshnode.node.open_tasks import OpenTaskJournal
 from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
@@ -143,6 +144,8 @@ class Node:
         # (requester, whether the target has a buffer), under one subscription.
         self.watch = DeliveryWatch(connection, self.pending)
         self.inbox: InboxStore | None = inbox
+        #: Tasks open here, so a crash can be told to their requesters at the next start.
+        self.open_tasks: OpenTaskJournal | None = OpenTaskJournal(inbox) if inbox is not None else None
         if inbox is not None:
             # A live request is settled only once its answer reached the broker
             # (one PING/PONG per batch of settles): a pair settled while the answer

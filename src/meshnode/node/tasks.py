@@ -149,12 +149,20 @@ class ResponderTask:
             ids=node.ids,
         )
         sign_envelope(env, self.hosted.key)
+        moved = first or state != self.state
         self.state = state
+        journal = node.open_tasks
+        if journal is not None and moved:
+            # Recorded before the update goes out, so a crash from here on is told
+            # to the requester at the next start (meshnode.node.open_tasks).
+            journal.moved(self.hosted.agent_id, self.task_id, state, self.request, node.now_ms())
         if first or reply_to is not None:
             # The Task-creating reply, and the answer to a follow-up, go where
             # every direct respond goes (§6.5).
             await node.deliver(self.hosted, env, self.requester)
         await node.publish_task(subjects.task_update(self.task_id), env)
+        if journal is not None and state in TERMINAL_STATES:
+            journal.ended(self.hosted.agent_id, self.task_id)
         return env
 
     async def progress(
