@@ -27,6 +27,7 @@ from meshnode.admin.protocol import (
 from meshnode.cli import build_parser, exitcodes, main
 from meshnode.cli.artifacts import _Progress, looks_binary
 from meshnode.cli.completion import GENERATORS, command_tree
+from meshnode.cli.daemon import _store_line
 from meshnode.cli.output import human_duration, human_size, human_time, rfc3339_fields
 
 #: Commands that print nothing a script would parse, so they take no --json.
@@ -173,3 +174,11 @@ def test_binary_is_told_from_text() -> None:
     assert looks_binary(bytes(range(128, 256)))
     assert not looks_binary("héllo wörld\n".encode())
     assert not looks_binary("é".encode()[:1])  # a character cut at the end of the sample
+
+
+def test_the_store_line_gives_measured_sizes_in_human_units() -> None:
+    """It printed 'ok: 293366B stored, 880MiB reserved of 4GiB, 3216MiB headroom'
+    (the configuration's spelling, exact only when a unit divides the count)."""
+    line = _store_line({"state": "ok", "used_bytes": 293_366, "reserved_bytes": 880 * 2**20,
+                        "limit_bytes": 4 * 2**30, "headroom_bytes": 3_372_220_416})
+    assert line == "ok: 286.5 KiB stored, 880.0 MiB reserved of 4.0 GiB, 3.1 GiB headroom"

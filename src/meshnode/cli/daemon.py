@@ -22,7 +22,7 @@ from meshnode.admin.client import (
 )
 from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
-from meshnode.config import Config, ConfigError, describe_sources, format_size, load_config
+from meshnode.config import Config, ConfigError, describe_sources, load_config
 
 from .exitcodes import (
     EX_CHECK_FAILED,
@@ -34,7 +34,7 @@ from .exitcodes import (
     EX_OK,
     EX_USAGE,
 )
-from .output import emit_json, emit_json_line, human_time
+from .output import emit_json, emit_json_line, human_size, human_time
 
 
 def register(commands: Any) -> None:
@@ -392,10 +392,11 @@ def _store_line(storage: dict[str, Any]) -> str:
     if storage.get("state") == "unknown":
         return f"unknown ({storage.get('error') or 'not read yet'})"
     limit = storage.get("limit_bytes", -1)
-    text = (f"{storage['state']}: {format_size(storage['used_bytes'])} stored, "
-            f"{format_size(storage['reserved_bytes'])} reserved")
+    # Measured figures, in human units (format_size spells a configured size: "293366B").
+    text = (f"{storage['state']}: {human_size(storage['used_bytes'])} stored, "
+            f"{human_size(storage['reserved_bytes'])} reserved")
     if limit is not None and limit >= 0:
-        text += f" of {format_size(limit)}, {format_size(storage.get('headroom_bytes') or 0)} headroom"
+        text += f" of {human_size(limit)}, {human_size(storage.get('headroom_bytes') or 0)} headroom"
     else:
         text += " (the account has no storage limit)"
     return text
