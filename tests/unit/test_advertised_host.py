@@ -46,14 +46,24 @@ def test_an_invite_says_when_its_urls_go_stale_or_reach_only_this_machine() -> N
     """An invite from a hub on port 0 held URLs its next start would not answer, and
     one from a loopback hub (the default) works only on the hub's own machine: both
     were handed out without a word."""
-    loopback = ["nats://127.0.0.1:4222", "http://127.0.0.1:7422"]
-    [only_here] = reach_notes(EmbeddedMeshConfig(), loopback)
+    [only_here] = reach_notes(EmbeddedMeshConfig(), ["nats://127.0.0.1:4222"], "http://127.0.0.1:7422")
     assert only_here.startswith("the mesh is reachable on loopback only (nats://127.0.0.1:4222)")
-    [stale, _] = reach_notes(EmbeddedMeshConfig(port=0, control_port=0), ["nats://localhost:1", "http://[::1]:2"])
+    assert "[mesh.embedded] host and control_host beyond loopback" in only_here
+    [stale, _] = reach_notes(EmbeddedMeshConfig(port=0, control_port=0), ["nats://localhost:1"], "http://[::1]:2")
     assert stale.startswith("[mesh.embedded] port and control_port = 0: the port was picked at this start")
     [control_only] = reach_notes(EmbeddedMeshConfig(host="0.0.0.0", control_port=0),
-                                 ["nats://hub.example.org:4222", "http://hub.example.org:5000"])
+                                 ["nats://hub.example.org:4222"], "http://hub.example.org:5000")
     assert control_only.startswith("[mesh.embedded] control_port = 0")
-    assert reach_notes(EmbeddedMeshConfig(host="0.0.0.0"), ["nats://hub.example.org:4222"]) == []
-    # One URL beyond loopback is enough for another machine to reach the mesh.
-    assert reach_notes(EmbeddedMeshConfig(), ["nats://127.0.0.1:4222", "nats://192.0.2.7:4222"]) == []
+    assert reach_notes(EmbeddedMeshConfig(host="0.0.0.0"), ["nats://hub.example.org:4222"],
+                       "http://hub.example.org:7422") == []
+    # One NATS URL beyond loopback is enough for another machine to connect ...
+    assert reach_notes(EmbeddedMeshConfig(), ["nats://127.0.0.1:4222", "nats://192.0.2.7:4222"],
+                       "http://192.0.2.7:7422") == []
+    # ... but it needs the control plane first (the documented host = "0.0.0.0" alone left it on loopback).
+    [no_credential] = reach_notes(EmbeddedMeshConfig(host="0.0.0.0"), ["nats://hub.example.org:4222"],
+                                  "http://127.0.0.1:7422")
+    assert no_credential.startswith("the control plane is reachable on loopback only (http://127.0.0.1:7422): "
+                                    "a node on another machine cannot trade its invite for a credential")
+    [no_connection] = reach_notes(EmbeddedMeshConfig(control_host="0.0.0.0"), ["nats://127.0.0.1:4222"],
+                                  "http://hub.example.org:7422")
+    assert no_connection.startswith("the mesh's NATS listener is reachable on loopback only")

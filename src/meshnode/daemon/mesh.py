@@ -164,8 +164,7 @@ class MeshLink:
         out (:func:`reach_notes`); empty on a joined node."""
         if self.embedded is None:
             return []
-        control_plane = self.control_plane_url()
-        return reach_notes(self.config.mesh.embedded, [*self.embedded.urls, *([control_plane] if control_plane else [])])
+        return reach_notes(self.config.mesh.embedded, list(self.embedded.urls), self.control_plane_url())
 
     # -- start -----------------------------------------------------------------
 
@@ -204,10 +203,18 @@ class MeshLink:
             tls=TlsFiles(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
         )
         self.embedded = embedded
-        if embedded.tls is None and not (cfg.host in ("localhost", "::1") or cfg.host.startswith("127.")):
+        if embedded.tls is None and not _is_loopback(cfg.host):
             log.warning(
                 "the embedded NATS listener is bound to %s without TLS: set [mesh.embedded] "
                 "tls_cert and tls_key before exposing it beyond loopback", cfg.host,
+            )
+        if not _is_loopback(cfg.host) and _is_loopback(cfg.control_host):
+            # A node on another machine trades its invite for a credential there
+            # first: NATS alone beyond loopback lets it reach nothing.
+            log.warning(
+                "[mesh.embedded] host = %r, but control_host = %r: nodes on other machines cannot reach the "
+                "control plane to get their credentials (nor SDK agents to enrol); set control_host too",
+                cfg.host, cfg.control_host,
             )
         shutdown.push("stop-mesh-server", embedded.stop)
         try:
@@ -539,10 +546,11 @@ def advertised_host(bound: str, configured: str | None, key: str) -> str | None:
     return name
 
 
-def reach_notes(embedded: EmbeddedMeshConfig, urls: list[str]) -> list[str]:
+def reach_notes(embedded: EmbeddedMeshConfig, nats_urls: list[str], control_plane: str | None) -> list[str]:
     """The caveats on URLs an embedded mesh hands out in invites and tokens: a
-    port picked at start (the next start picks another, so they go stale) and a
-    mesh advertised on loopback only (no other machine can dial it)."""
+    port picked at start (the next start picks another, so they go stale), and
+    a listener advertised on loopback only (no other machine can dial it; a
+    joining node needs both: the control plane for its credential, then NATS)."""
     notes = []
     picked = [key for key, port in (("port", embedded.port), ("control_port", embedded.control_port)) if port == 0]
     if picked:
@@ -551,11 +559,25 @@ def reach_notes(embedded: EmbeddedMeshConfig, urls: list[str]) -> list[str]:
             "next start picks another, so these URLs stop working when the node restarts; set a "
             "fixed port before handing this out"
         )
-    if urls and all(_is_loopback(urlsplit(url).hostname or "") for url in urls):
+    nats_here = bool(nats_urls) and all(_is_loopback(urlsplit(url).hostname or "") for url in nats_urls)
+    control_here = control_plane is not None and _is_loopback(urlsplit(control_plane).hostname or "")
+    beyond = "see docs/operations/security.md for TLS"
+    if nats_here and (control_here or control_plane is None):
         notes.append(
-            f"the mesh is reachable on loopback only ({urls[0]}): this works on this machine; "
-            "another machine needs [mesh.embedded] host (and advertise_host) beyond loopback "
-            "and TLS, see docs/operations/security.md"
+            f"the mesh is reachable on loopback only ({nats_urls[0]}): this works on this machine; "
+            "another machine needs [mesh.embedded] host and control_host beyond loopback (and "
+            f"advertise_host), {beyond}"
+        )
+    elif nats_here:
+        notes.append(
+            f"the mesh's NATS listener is reachable on loopback only ({nats_urls[0]}): a node on another "
+            f"machine gets its credential but cannot connect; set [mesh.embedded] host (and advertise_host), {beyond}"
+        )
+    elif control_here:
+        notes.append(
+            f"the control plane is reachable on loopback only ({control_plane}): a node on another machine "
+            "cannot trade its invite for a credential, nor an SDK agent its token; set "
+            f"[mesh.embedded] control_host (and advertise_host), {beyond}"
         )
     return notes
 
