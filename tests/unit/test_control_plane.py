@@ -465,6 +465,23 @@ def test_retire_message_when_nothing_is_valid_any_more(
     assert "no credential issued to it is still valid" in message
 
 
+def test_a_node_is_retired_by_the_name_it_was_invited_under(
+    control: ControlPlaneServer, clock: ManualClock
+) -> None:
+    """``mesh nodes`` shows names; ``mesh retire --node laptop`` said "node laptop is not enrolled"."""
+    node_id = control.invite("laptop").node_id
+    assert control.retire_node("laptop").startswith(f"node laptop ({node_id}) retired")
+    # The name is the active node's: the retired one that had it before is not meant.
+    again = control.invite("laptop").node_id
+    assert control.retire_node("laptop").startswith(f"node laptop ({again}) retired")
+    # Both retired: the name no longer says which.
+    with pytest.raises(LookupError, match=r"2 nodes were invited as 'laptop' \(.*\): name the one to retire by its id"):
+        control.retire_node("laptop")
+    assert control.retire_node(node_id).startswith(f"node laptop ({node_id}) retired")  # by id, as always
+    with pytest.raises(LookupError, match=r"no node with the id or name 'nobody' is enrolled"):
+        control.retire_node("nobody")
+
+
 def test_state_is_shared_through_the_file(
     tmp_path: Path, control: ControlPlaneServer, mesh_keys_only: EmbeddedNatsServer
 ) -> None:

@@ -67,7 +67,7 @@ def register(commands: Any) -> None:
     retire = sub.add_parser("retire", help="refuse a node's (or an agent's) next credential: revocation by refusal")
     who = retire.add_mutually_exclusive_group(required=True)
     who.add_argument("--token", help="the name of a pending SDK enrolment token to revoke")
-    who.add_argument("--node", help="the node id (U...) to retire")
+    who.add_argument("--node", help="the node to retire: its id (U...), or the name it was invited under")
     who.add_argument("--agent", help="the agent id (U...) to retire")
     _client_args(retire)
     retire.set_defaults(handler=cmd_retire)

@@ -306,18 +306,30 @@ class Enrolment:
         return InviteBundle(name, key.seed, jwt)
 
     def retire_node(self, node_id: str) -> str:
-        """Refuse every further renewal for ``node_id``; idempotent.
+        """Refuse every further renewal for ``node_id`` (its id, or the name it
+        was invited under when that names one node); idempotent.
 
         Returns a plain sentence stating how long the node's last credential
         stays usable, because refusal is all this mesh can do (§4.8): the
         broker keeps honouring an issued credential until it expires. Raises
-        LookupError for a node that was never enrolled.
+        LookupError for a node that was never enrolled, or a name several share.
         """
         now = int(self._clock())
         with self._store.update() as state:
             node = state.nodes.get(node_id)
             if node is None:
-                raise LookupError(f"node {node_id} is not enrolled")
+                named = sorted(key for key, n in state.nodes.items() if n.name == node_id)
+                # A name is unique among active nodes; a retired one may share it.
+                active = [key for key in named if state.nodes[key].retired_at is None]
+                named = active or named
+                if len(named) > 1:
+                    raise LookupError(f"{len(named)} nodes were invited as {node_id!r} ({', '.join(named)}): "
+                                      "name the one to retire by its id")
+                if not named:
+                    raise LookupError(f"no node with the id or name {node_id!r} is enrolled "
+                                      "(meshnode mesh nodes lists them)")
+                node_id = named[0]
+                node = state.nodes[node_id]
             if node.retired_at is None:
                 node = dataclasses.replace(node, retired_at=now)
                 state.nodes[node_id] = node
