@@ -361,6 +361,7 @@ class FakeNode:
         self.pubsub: Any = None
         self.directory: Any = None
         self.responds: list[dict[str, Any]] = []
+        self.queued: list[tuple[str, str, str]] = []
         self.chunks: list[dict[str, Any]] = []
         self.canceled: list[tuple[str, str, str]] = []
         self.emitted: list[tuple[str, str, Any]] = []
@@ -392,6 +393,9 @@ class FakeNode:
 
     async def reply_plain(self, reply_subject: str, obj: Any) -> None:
         await self.connection.publish(reply_subject, orjson.dumps(obj))
+
+    def queued_locally(self, requester: str, request_id: str, inbox_id: str) -> None:
+        self.queued.append((requester, request_id, inbox_id))
 
     def on_respond(self, hosted: Any, env: Mapping[str, Any]) -> bool:
         self.responds.append(dict(env))

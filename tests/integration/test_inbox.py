@@ -106,3 +106,9 @@ def test_interactive_agent_queued_ack_and_cli_reply(meshnode_daemons: DaemonSet)
     second = eventually(lambda: held(b, "desk"))
     run_cli("inbox", "ack", str(second[0]["id"]), "--socket", b.socket_path)
     assert held(b, "desk") == []
+
+    # From its own node (the local path has no transport reply subject): queued at
+    # once too. The caller waited out its whole timeout, then the admin call's.
+    local = b.call("desk", "chat", {"text": "from next door"}, timeout=30)
+    assert local["status"] == "queued" and local["inbox_id"], local
+    assert [m["id"] for m in held(b, "desk")] == [int(local["inbox_id"])]

@@ -87,6 +87,7 @@ class _Slot:
 #: How long a stopping agent's cancelled handler may take to tell its requester.
 _TELL_STOPPED_S = 2.0
 
+
 class HostedAgent:
     """One agent hosted by this node: its key, manifest, guard, counters and tasks."""
 
@@ -429,6 +430,10 @@ class HostedAgent:
                     return "refused"
             if reply:
                 await self.node.reply_plain(reply, build_queued_ack(str(inbox_id)))
+            elif source is Path.LOCAL:
+                # The local path has no transport reply subject (§4.7): the same
+                # signal in process, or a local caller waited out its timeout.
+                self.node.queued_locally(env["from"], env["id"], str(inbox_id))
             self.counters["held"] += 1
             return "held"
         if env.get("task_id") is not None:

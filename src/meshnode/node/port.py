@@ -122,6 +122,10 @@ class NodePort(Protocol):
     def on_respond(self, hosted: HostedAgent, env: Mapping[str, Any]) -> bool:
         """Route a checked respond to the request waiting for it."""
 
+    def queued_locally(self, requester: str, request_id: str, inbox_id: str) -> None:
+        """A request delivered locally was held for a person (§8.3a): the queued
+        ack a transport reply would carry, given to the local requester's wait."""
+
     async def send_request(
         self,
         hosted: HostedAgent,

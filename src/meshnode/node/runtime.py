@@ -635,6 +635,9 @@ class Node:
         check_envelope_size(len(data), self.connection.max_payload)
         await self.connection.publish(subjects.agent_inbox(to_agent), data)
 
+    def queued_locally(self, requester: str, request_id: str, inbox_id: str) -> None:
+        self.pending.mark_queued(requester, request_id, inbox_id, acked=True)
+
     async def reply_plain(self, reply_subject: str, obj: Any) -> None:
         """Node-level delivery-status signal on a transport reply subject (§18.7)."""
         await self.connection.publish(reply_subject, orjson.dumps(obj))
