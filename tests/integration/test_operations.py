@@ -58,6 +58,13 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
 
     drained = ok_json(node, "drain", "--agent", "echo")["drained"]
     assert drained[0]["agent"] == "echo" and drained[0]["passes"] >= 1
+    assert drained[0]["pass"] == {"fetched": 0, "committed": 0, "duplicates": 0, "dispatched": 0, "deferred": 0}
+    # Each `meshnode drain` reads the broker: it was a "quiet skip" (no broker call,
+    # counted as no pass) whenever the live path had seen no mail since the last pass.
+    again = ok_json(node, "drain", "--agent", "echo")["drained"][0]
+    assert again["passes"] == drained[0]["passes"] + 1 and again["quiet_skips"] == drained[0]["quiet_skips"]
+    said = cli(node, "drain", "--agent", "echo")
+    assert said.returncode == 0 and said.stdout == "echo: its buffer held nothing new\n", said
     before = node.status()["agents"][1]["vouch_expires_at"]
     # Vouch expiries have one-second resolution: renew until the clock has moved on
     # (at once on a second boundary, else within a second) instead of sleeping past one.

@@ -28,6 +28,7 @@ from meshnode.cli import build_parser, exitcodes, main
 from meshnode.cli.artifacts import _Progress, looks_binary
 from meshnode.cli.completion import GENERATORS, command_tree
 from meshnode.cli.daemon import _store_line
+from meshnode.cli.ops import _drain_line
 from meshnode.cli.output import human_duration, human_size, human_time, rfc3339_fields
 
 #: Commands that print nothing a script would parse, so they take no --json.
@@ -182,3 +183,15 @@ def test_the_store_line_gives_measured_sizes_in_human_units() -> None:
     line = _store_line({"state": "ok", "used_bytes": 293_366, "reserved_bytes": 880 * 2**20,
                         "limit_bytes": 4 * 2**30, "headroom_bytes": 3_372_220_416})
     assert line == "ok: 286.5 KiB stored, 880.0 MiB reserved of 4.0 GiB, 3.1 GiB headroom"
+
+
+def test_a_drain_pass_is_said_in_words() -> None:
+    """`meshnode drain` printed each agent's cumulative counters (passes, idle_skips, ...)."""
+    nothing = {"agent": "echo", "failing": False, "pass": {"fetched": 0, "dispatched": 0}}
+    assert _drain_line(nothing) is None
+    busy = {"agent": "echo", "failing": False,
+            "pass": {"fetched": 5, "committed": 3, "duplicates": 2, "dispatched": 3, "deferred": 1}}
+    assert _drain_line(busy) == ("echo: fetched 5, 3 new, 2 already handled, 1 left while their live handlers "
+                                 "run; 3 handed to their handlers")
+    failing = {"agent": "echo", "failing": True, "last_error": "TimeoutError: no answer", "pass": {}}
+    assert _drain_line(failing) == "echo: FAILING: TimeoutError: no answer"

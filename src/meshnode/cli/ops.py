@@ -335,7 +335,41 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    return _simple(args, "Drain.Now", {"agent": args.agent} if args.agent else {})
+    code, result = _admin(args, "Drain.Now", {"agent": args.agent} if args.agent else {})
+    if code != EX_OK:
+        return code
+    if args.json:
+        emit_json(result)
+        return EX_OK
+    quiet = 0
+    for entry in result["drained"]:
+        line = _drain_line(entry)
+        if line is None:
+            quiet += 1
+        else:
+            print(line)
+    total = result["drained_total"]
+    if quiet:
+        print(f"{quiet} of {total} agents' buffers held nothing new" if total > 1 else
+              f"{result['drained'][0]['agent']}: its buffer held nothing new")
+    if result.get("not_shown"):
+        print(f"{result['not_shown']} more drained; their results are in meshnode status --json")
+    return EX_OK
+
+
+def _drain_line(entry: dict[str, Any]) -> str | None:
+    """One agent's drain pass in words; None when it found nothing and failed not."""
+    done = entry.get("pass") or {}
+    name = entry["agent"]
+    if entry.get("failing"):
+        return f"{name}: FAILING: {entry.get('last_error') or 'unknown error'}"
+    if not done.get("fetched") and not done.get("dispatched"):
+        return None
+    parts = [f"fetched {done.get('fetched', 0)}", f"{done.get('committed', 0)} new",
+             f"{done.get('duplicates', 0)} already handled"]
+    if done.get("deferred"):
+        parts.append(f"{done['deferred']} left while their live handlers run")
+    return f"{name}: {', '.join(parts)}; {done.get('dispatched', 0)} handed to their handlers"
 
 
 def cmd_renew(args: argparse.Namespace) -> int:

@@ -51,8 +51,9 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Agents.Restart", ops.agents_restart, level="admin",
                 doc="params {name} -> status after the agent was stopped and started again (same key)")
     methods.add("Drain.Now", ops.drain_now, level="operator",
-                doc="params {agent?} -> {drained: [{agent, ...its drain's status}], drained_total, not_shown} "
-                "after one drain pass per agent (as many entries as fit a reply; not_shown: the rest)")
+                doc="params {agent?} -> {drained: [{agent, ...its drain's status, pass: {fetched, committed, "
+                "duplicates, dispatched, deferred} of this pass}], drained_total, not_shown} after one drain pass "
+                "per agent that reads the broker (as many entries as fit a reply; not_shown: the rest)")
     methods.add("Renew.Now", ops.renew_now, level="admin",
                 doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
     methods.add("Reload", ops.reload, level="admin",
@@ -89,6 +90,9 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
 MEMORY_WINDOW_S = (0.1, 600.0)
 MEMORY_FRAMES = (1, 100)
 
+
+#: The drain counters ``Drain.Now`` reports for its own pass (``pass``).
+_PASS_COUNTS = ("fetched", "committed", "duplicates", "dispatched", "deferred")
 
 class _Operations:
     def __init__(self, daemon: Daemon) -> None:
@@ -154,8 +158,12 @@ class _Operations:
             drain = node.drains.get(name)
             if drain is None:
                 raise NotFound(f"agent {name!r} has no drain (not hosted, or no inbox)")
-            await drain.job.run_once()
-            drained.append({"agent": name, **(node.drain_status(name) or {})})
+            before = drain.status()
+            await drain.run_now()
+            after = drain.status()
+            # What this pass did, beside the agent's running totals.
+            this_pass = {key: after[key] - before[key] for key in _PASS_COUNTS}
+            drained.append({"agent": name, **after, "pass": this_pass})
         # Every agent's passes (10,000 of them) do not fit a reply: as many as
         # fit, and how many were left out (each is in Status's agent list).
         shown, _ = page_of(len(drained), drained.__getitem__, 0)

@@ -288,6 +288,12 @@ class InboxDrain:
         self._maybe_new = True
         self.job.trigger()
 
+    async def run_now(self) -> None:
+        """A pass now that reads the broker (``meshnode drain``): never the quiet
+        skip, which takes the live path's word that nothing arrived."""
+        self._maybe_new = True
+        await self.job.run_once()
+
     def _full_every(self) -> int:
         """How many periodic passes apart the unconditional checks are: at least
         ``full_every``, and further apart on a node with so many agents that
