@@ -45,7 +45,7 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
     assert node.call("echo2", "echo", 1)["output"] == {"ok": 1}
     restarted = ok_json(node, "agents", "restart", "echo2")
     assert restarted["id"] == added["id"] and restarted["state"] == "running"
-    assert ok_json(node, "agents", "remove", "echo2") == {"removed": "echo2"}
+    assert ok_json(node, "agents", "remove", "echo2") == {"removed": "echo2", "configured": False}
     gone = cli(node, "agents", "show", "echo2")
     assert gone.returncode != 0 and "NotFound" in gone.stderr
 

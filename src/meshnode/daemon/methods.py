@@ -67,7 +67,7 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
     methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
     methods.add("Agents.Add", ops.agents_add, level="admin", doc="params {name | names, config, save?}: host a new agent now (re-mints the credential); save=true also appends its table to the configuration file. name: one agent, its status, its failure the call's. names: several with the same config, one credential for them all -> {agents: [{name, hosted, status... | error}], hosted, failed}, each failing alone")
-    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?, save?}: stop and deregister agents; save=true also comments their tables out of the configuration file. name -> {removed: name, saved, configured, config_file?, save_error?}; names (one credential for them all) -> {removed: [names], failed: {name: error}, configuration: {name: {saved, configured, ...}}}. saved null: the file still has the table (the next start hosts the agent; reloads leave it removed)")
+    methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?, save?}: stop and deregister agents; save=true also comments their tables out of the configuration file. name -> {removed: name, configured, saved?, config_file?, save_error?}; names (one credential for them all) -> {removed: [names], failed: {name: error}, configuration: {name: {saved, configured, ...}}}. saved null: the file still has the table (the next start hosts the agent; reloads leave it removed)")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
     methods.add("Inbox.Show", ops.inbox_show, level="operator", doc="one inbox message in full")
     methods.add("Inbox.Reply", ops.inbox_reply, level="operator", doc="answer a held request as its agent")
@@ -421,7 +421,7 @@ class CoreMethods:
         a reload for something else brought it back."""
         source = self.d.config.source_file
         if name not in self.d.config.agents:
-            return {"saved": True if save else None, "configured": False}
+            return {"configured": False}  # added at runtime: the file never had it
         if save and source is not None:
             try:
                 await asyncio.to_thread(comment_out_agent_table, source, name)
