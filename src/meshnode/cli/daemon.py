@@ -60,11 +60,13 @@ def register(commands: Any) -> None:
     status.set_defaults(handler=cmd_status)
 
     call = commands.add_parser("call", help="call an agent's offering as this node's CLI identity")
-    call.add_argument("agent", help="a local agent name or any agent id (U...)")
+    call.add_argument("agent", help="a local agent's name, a name the registry lists, or an agent id (U...)")
     call.add_argument("offering", help="the offering id, e.g. echo or chat")
     call.add_argument("input", nargs="?", help="the input as JSON (default: none); - reads it from stdin")
     call.add_argument("--text", help="shorthand for the input {\"text\": TEXT}; - reads the text from stdin")
-    call.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    call.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds to wait for the answer, or for a task's next update: a task that keeps "
+                      "reporting progress is followed until it ends (default 30)")
     call.add_argument("--stream", action="store_true", help="ask for a streamed answer (config.stream)")
     call.add_argument("--no-wait", action="store_true", help="return as soon as a task is opened (prints its id)")
     call.add_argument("--task-id", help="answer this task, paused in input_required/auth_required, with INPUT")
