@@ -54,6 +54,10 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
     assert ok_json(node, "presence", "--agent", shown["status"]["id"])["availability"] == "online"
     found = ok_json(node, "discover", "--capability", "echo")
     assert [a["name"] for a in found["agents"]] == ["echo"]
+    assert found["agents"][0]["hosted_here"] is True  # names repeat across nodes: which is this one's
+    listed = cli(node, "discover", "--capability", "echo").stdout.splitlines()
+    assert listed[0].split() == ["NAME", "STATE", "AGENT", "NODE", "OFFERINGS"], listed
+    assert listed[1].split()[:2] == ["echo", "online"] and "this node" in listed[1], listed
     assert ok_json(node, "discover", "--capability", "nope")["agents"] == []
 
     drained = ok_json(node, "drain", "--agent", "echo")["drained"]

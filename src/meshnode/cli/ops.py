@@ -327,9 +327,15 @@ def cmd_discover(args: argparse.Namespace) -> int:
     if args.json:
         _print(args, result)
         return EX_OK
-    for m in result.get("agents", []):
+    found = result.get("agents", [])
+    if found:
+        print(f"{'NAME':<20} {'STATE':<8} {'AGENT':<56}  {'NODE':<13} OFFERINGS")
+    for m in found:
         offerings = ",".join(o.get("id", "?") for o in m.get("offerings", []))
-        print(f"{m.get('name', '?'):<20} {m.get('availability', '-'):<8} {m['id']}  [{offerings}]")
+        node = m.get("node") if isinstance(m.get("node"), dict) else {}
+        # Names repeat across nodes (each node's "echo"): the node tells them apart.
+        where = "this node" if m.get("hosted_here") else (str(node.get("id") or "-")[:12] + "…")
+        print(f"{m.get('name', '?'):<20} {m.get('availability', '-'):<8} {m['id']:<56}  {where:<13} [{offerings}]")
     print(f"{result.get('total', 0)} agent(s)")
     return EX_OK
 

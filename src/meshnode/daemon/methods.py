@@ -567,7 +567,15 @@ class CoreMethods:
         return await self._service(call, "mesh.presence.get", "request", query)
 
     async def discover(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        return await self._service(call, "mesh.registry.discover", "discover", dict(params))
+        found = await self._service(call, "mesh.registry.discover", "discover", dict(params))
+        node = self.d.node
+        agents = found.get("agents")
+        if node is not None and isinstance(agents, list):
+            # Which of them this node hosts: names repeat across nodes (every node's "echo").
+            for manifest in agents:
+                if isinstance(manifest, dict):
+                    manifest["hosted_here"] = manifest.get("id") in node.by_id
+        return found
 
     async def _service(self, call: CallContext, subject: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         if self.d.node is None:
