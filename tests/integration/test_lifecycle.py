@@ -161,6 +161,30 @@ def test_a_joined_node_whose_mesh_does_not_answer_at_start_exits_75_naming_it(da
     assert f"([mesh] servers, [mesh] connect_timeout in {node.config_path})" in log, log
 
 
+def test_a_node_started_after_its_invite_expired_is_refused_for_good(daemons: DaemonSet, tmp_path: Path) -> None:
+    """An invite holds the node's key and enrolled whoever held it at any later time; now
+    its first start must come within [mesh.embedded] invite_valid_for. Refused, the node
+    says why and exits 78, which systemd does not restart (a retired node did the same
+    with exit 1, restarted every 5 s for ever)."""
+    hub = daemons.embedded("short-invites", extra={"mesh.embedded": {"invite_valid_for": "1s"}})
+    invite = tmp_path / "stale.creds"
+    _cli("mesh", "invite", "stale", "--out", str(invite), "--socket", hub.socket_path).check_returncode()
+
+    def state() -> str:
+        [node] = [n for n in hub.admin("Mesh.Nodes")["nodes"] if n["name"] == "stale"]
+        return str(node["state"])
+
+    assert state() == "invited"
+    eventually(lambda: state() == "expired", timeout=30, what="the invite past its validity")
+    data_dir = tmp_path / "stale"
+    _cli("join", str(invite), "--data-dir", str(data_dir), "--agent", "e=echo").check_returncode()
+    started = _cli("run", "--config", str(data_dir / "meshnode.toml"))
+    assert started.returncode == exitcodes.EX_CONFIG, started.stderr[-2000:]
+    assert ("the control plane refused a credential (403 invite_expired): the invite of node stale expired "
+            "unused at ") in started.stderr
+    assert "(meshnode mesh invite stale)" in started.stderr
+
+
 def test_call_reads_its_input_or_text_from_stdin(first: DaemonProcess) -> None:
     """``-`` reads the input from stdin: a file piped in (``< report.txt``) rather than
     pasted into an argument (one argument is capped at 128 KiB, and shows in ps)."""

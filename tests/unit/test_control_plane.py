@@ -465,6 +465,47 @@ def test_retire_message_when_nothing_is_valid_any_more(
     assert "no credential issued to it is still valid" in message
 
 
+def test_an_invite_not_used_within_its_validity_expires(
+    control: ControlPlaneServer, clock: ManualClock, agents: list[KeyPair]
+) -> None:
+    """An invite holds the node's key: unused, it enrolled whoever held the file at
+    any later time. Its first credential must now come within invite_valid_s (7 days)."""
+    late = control.invite("late")
+    late_key = KeyPair.from_seed(late.node_seed)
+    on_time = control.invite("on-time")
+    on_time_key = KeyPair.from_seed(on_time.node_seed)
+    [listed] = [n for n in control.list_nodes() if n.name == "late"]
+    assert listed.invite_expires_at == NOW + 7 * 86400
+    clock.now = NOW + 86400
+    control.issue_credential(node_credential_request(on_time_key, agents[:1], clock.now))  # within: used
+    clock.now = NOW + 7 * 86400 + 1
+    with pytest.raises(CredentialRequestError) as refused:
+        control.issue_credential(node_credential_request(late_key, agents[:1], clock.now))
+    assert (refused.value.status, refused.value.code) == (403, "invite_expired")
+    assert "the invite of node late expired unused at " in refused.value.error
+    assert "(meshnode mesh invite late)" in refused.value.error
+    # The node that started in time renews as usual; its invite no longer matters.
+    control.issue_credential(node_credential_request(on_time_key, agents[:1], clock.now))
+    assert [n.invite_expires_at for n in control.list_nodes() if n.name == "on-time"] == [None]
+
+
+def test_invites_that_never_expire_and_state_from_before_they_did(
+    tmp_path: Path, mesh_keys_only: EmbeddedNatsServer, clock: ManualClock, agents: list[KeyPair]
+) -> None:
+    forever = ControlPlaneServer(mesh_keys_only, tmp_path / "forever", port=0, nats_urls=[NATS_URL],
+                                 clock=clock, invite_valid_s=None)
+    key = KeyPair.from_seed(forever.invite("patient").node_seed)
+    clock.now = NOW + 365 * 86400
+    forever.issue_credential(node_credential_request(key, agents[:1], clock.now))
+    # A nodes.json written before invites expired has no invite_expires_at: no deadline.
+    state = tmp_path / "forever" / "nodes.json"
+    data = json.loads(state.read_text())
+    for record in data["nodes"].values():
+        record.pop("invite_expires_at")
+    state.write_text(json.dumps(data))
+    assert [n.invite_expires_at for n in forever.list_nodes()] == [None]
+
+
 def test_a_node_is_retired_by_the_name_it_was_invited_under(
     control: ControlPlaneServer, clock: ManualClock
 ) -> None:

@@ -18,7 +18,9 @@ One table, from sysexits(3), used by every command::
     75    EX_TEMPFAIL       try again later: the daemon is not ready, or did not answer in time
     76    EX_API_MISMATCH   the daemon speaks another admin API version (or the method is unknown)
     77    EX_NOPERM         not allowed: cannot open the admin socket, or the call needs a higher level
-    78    EX_CONFIG         the configuration is invalid (systemd: RestartPreventExitStatus=78)
+    78    EX_CONFIG         the configuration is invalid, or the mesh refuses this node for good
+                            (retired, unknown to it, its invite expired): a restart changes
+                            nothing (systemd: RestartPreventExitStatus=78)
     79    EX_LOOP_BLOCKED   meshnode's own, past sysexits: the daemon runs but its event loop is
                             blocked now (a handler that does not yield); ``status`` printed the
                             last snapshot and who blocks, from the status socket

@@ -208,8 +208,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return EX_OK
     print(f"{'NAME':<20} {'PROFILE':<7} {'TIER':<9} {'TENANT':<12} {'STATE':<8} {'CREDENTIAL EXPIRES':<21} NODE")
     for n in result["nodes"]:
-        state = "retired" if n["retired_at"] is not None else "active"
+        state = n.get("state") or ("retired" if n["retired_at"] is not None else "active")
         agent = f" (agent {n['agent_id']})" if n.get("agent_id") else ""
+        if state in ("invited", "expired"):
+            agent += f" (invite {'expired' if state == 'expired' else 'valid until'} {_when(n['invite_expires_at'])})"
         print(
             f"{n['name']:<20} {n.get('profile', 'node'):<7} {n['trust_tier']:<9} {n.get('tenant', 'mesh'):<12} "
             f"{state:<8} {_when(n['credential_expires_at']):<21} {n['node_id']}{agent}"

@@ -183,6 +183,11 @@ class EmbeddedMeshConfig(BaseModel):
     """Lifetime of the starter credential in an invite. It grants nothing on the mesh
     (the node's first start exchanges the invite's key for its real credential over the
     control plane), so the invite's key, not this credential, is what to protect."""
+    invite_valid_for: Duration = timedelta(days=7)
+    """How long an invite can be used: the invited node's first start must come within
+    it, else the control plane refuses its credential (``invite_expired``) and the operator
+    makes a new invite. An invite holds the node's key, so an unused one would otherwise
+    enrol whoever holds the file at any later time. \"0s\" never expires invites."""
     tls_cert: OptionalFilePath = None
     """PEM certificate (chain) for TLS on the NATS listener and the control plane; with
     ``tls_key``. Needed before exposing either beyond loopback."""

@@ -29,6 +29,7 @@ from .wire import (
     _HTTP_SCHEMES,
     _NATS_SCHEMES,
     DEFAULT_INVITE_TTL_S,
+    DEFAULT_INVITE_VALID_S,
     DEFAULT_PORT,
     DEFAULT_SKEW_S,
     PROTOCOL_VERSION,
@@ -122,6 +123,7 @@ class Enrolment:
         mesh_name: str = "meshnode-local",
         role_of: Callable[[str], Role] = participant,
         invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
+        invite_valid_s: int | None = DEFAULT_INVITE_VALID_S,
         nats_urls: Sequence[str] | None = None,
         public_url: str | None = None,
         advertise_host: str | None = None,
@@ -138,6 +140,8 @@ class Enrolment:
         self._port = port
         self.credential_ttl_s = credential_ttl_s
         self.invite_ttl_s = invite_ttl_s
+        #: How long an invite can be used for a first start (None: for ever).
+        self.invite_valid_s = invite_valid_s if invite_valid_s else None
         self.mesh_name = mesh_name
         self._role_of = role_of
         self._nats_urls = (
@@ -299,6 +303,12 @@ class Enrolment:
         with self._store.update() as state:
             # Recorded like any credential, so a retirement states its bound too.
             self._record_issue(state, key.public_key, [], now, now + self.invite_ttl_s)
+            if self.invite_valid_s is not None:
+                # The invite holds the node's key: unused, it would enrol whoever
+                # holds the file for ever. The first start must come before this.
+                state.nodes[key.public_key] = dataclasses.replace(
+                    state.nodes[key.public_key], invite_expires_at=now + self.invite_valid_s
+                )
         log.info(
             "control plane: invited node %s as %s (starter credential, no grants, expires %s)",
             key.public_key, name, _utc(now + self.invite_ttl_s),
@@ -434,7 +444,7 @@ class Enrolment:
                 503, "the mesh has not started yet", "mesh_unavailable", retry_after_ms=1000
             ) from None
         with self._store.update() as state:
-            refusal = self._refusal(state, node_id, agent_ids)
+            refusal = self._refusal(state, node_id, agent_ids, now)
             if refusal is not None:
                 log.warning(
                     "control plane: refused a credential to node %s (%d agents) from %s: %s (%s)",
@@ -465,6 +475,8 @@ class Enrolment:
                 ) from None
             expires_at = now + self.credential_ttl_s
             self._record_issue(state, node_id, agent_ids, now, expires_at)
+            if state.nodes[node_id].invite_expires_at is not None:
+                state.nodes[node_id] = dataclasses.replace(state.nodes[node_id], invite_expires_at=None)  # used
         log.info(
             "control plane: issued a %s credential to node %s (%s) for %d agent(s), "
             "expires %s, requested from %s",
@@ -673,13 +685,21 @@ class Enrolment:
 
     @staticmethod
     def _refusal(
-        state: _State, node_id: str, agent_ids: Sequence[str]
+        state: _State, node_id: str, agent_ids: Sequence[str], now: int
     ) -> CredentialRequestError | None:
         node = state.nodes.get(node_id)
         if node is None:
             return CredentialRequestError(403, "node is not enrolled in this mesh", "node_unknown")
         if node.retired:
             return CredentialRequestError(403, "node was retired", "node_retired")
+        if node.invite_expires_at is not None and now > node.invite_expires_at:
+            return CredentialRequestError(
+                403,
+                f"the invite of node {node.name} expired unused at {_utc(node.invite_expires_at)} "
+                f"([mesh.embedded] invite_valid_for on the mesh's first node): ask its operator for a new "
+                f"one (meshnode mesh invite {node.name})",
+                "invite_expired",
+            )
         return Enrolment._refusal_for_agents(state, agent_ids)
 
 

@@ -22,6 +22,7 @@ from .enrolment import CredentialIssuer, Enrolment, participant
 from .http import _is_loopback, _json_body, _linger, _read_request, _Request, _response_bytes
 from .wire import (
     DEFAULT_INVITE_TTL_S,
+    DEFAULT_INVITE_VALID_S,
     DEFAULT_PORT,
     DEFAULT_SKEW_S,
     MAX_REQUEST_HEAD,
@@ -70,6 +71,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
         mesh_name: str = "meshnode-local",
         role_of: Callable[[str], Role] = participant,
         invite_ttl_s: int = DEFAULT_INVITE_TTL_S,
+        invite_valid_s: int | None = DEFAULT_INVITE_VALID_S,
         nats_urls: Sequence[str] | None = None,
         public_url: str | None = None,
         advertise_host: str | None = None,
@@ -92,6 +94,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
             mesh_name=mesh_name,
             role_of=role_of,
             invite_ttl_s=invite_ttl_s,
+            invite_valid_s=invite_valid_s,
             nats_urls=nats_urls,
             public_url=public_url,
             advertise_host=advertise_host,

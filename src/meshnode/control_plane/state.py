@@ -53,6 +53,9 @@ class EnrolledNode:
     """``node`` (a meshnode node) or ``sdk`` (one SDK agent, enrolled by a token)."""
     agent_id: str | None = None
     """The one agent of an ``sdk`` enrolment; None for a ``node`` enrolment."""
+    invite_expires_at: int | None = None
+    """An invited node not yet started: its first credential is refused after this
+    (``invite_expired``); None once it got one, or when invites do not expire."""
 
     @property
     def retired(self) -> bool:
@@ -120,6 +123,7 @@ class _State:
                         "retired_at": n.retired_at,
                         "credential_expires_at": n.credential_expires_at,
                         "last_issued_at": n.last_issued_at,
+                        "invite_expires_at": n.invite_expires_at,
                         "trust_tier": n.trust_tier,
                         "tenant": n.tenant,
                         "profile": n.profile,
@@ -197,6 +201,8 @@ class _State:
                 tenant,
                 profile,
                 agent if profile == "sdk" else None,
+                # Absent in state written before invites expired: no deadline.
+                opt_int(record, "invite_expires_at"),
             )
         tokens = data.get("tokens", {})
         if not isinstance(tokens, dict):

@@ -27,7 +27,7 @@ broker refuses a CONNECT line beyond its ``max_control_line`` (1 MiB embedded)."
 
 REVOCATION_CODES = frozenset(
     {"node_retired", "node_unknown", "agent_paused", "agent_terminated", "agent_unnamed",
-     "tenant_unknown"}
+     "tenant_unknown", "invite_expired"}
 )
 """Refusal codes that mean "do not retry with this roster": revocation reaching a node."""
 
@@ -35,6 +35,8 @@ DEFAULT_SKEW_S = 300
 DEFAULT_INVITE_TTL_S = 3600
 """An invite's starter credential lives an hour: it grants nothing, and the node's first
 start exchanges the invite's key for a real credential over HTTP."""
+DEFAULT_INVITE_VALID_S = 7 * 86400
+"""An invite not used for a first start within a week expires: it holds the node's key."""
 _STATE_FILE = "nodes.json"
 _LOCK_FILE = ".nodes.json.lock"
 _STATE_VERSION = 1

@@ -183,7 +183,7 @@ async def obtain_credential(
                 if exc.status == 429 else ""
             )
             raise CredentialUnavailable(
-                f"the control plane refused a credential ({exc.status} {exc.code or exc.error}){advice}"
+                f"the control plane refused a credential ({exc.status} {exc.code or 'refused'}): {exc.error}{advice}"
             ) from exc
         except ControlPlaneUnreachable as exc:
             log.warning("control plane unreachable (%s); trying the stored credential", exc)

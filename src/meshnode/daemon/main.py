@@ -31,7 +31,7 @@ from meshnode.admin.protocol import AdminError, NotReady
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks, SharedRuns, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError, ConfigProblem
-from meshnode.control_plane import ControlPlaneServer
+from meshnode.control_plane import ControlPlaneServer, CredentialRefused
 from meshnode.daemon.agreements import register_agreement_methods
 from meshnode.daemon.allowance import open_allowances, register_allowance_methods
 from meshnode.daemon.artifacts import register_artifact_methods
@@ -825,6 +825,12 @@ async def run_daemon(config: Config) -> int:
         # installed plugin provides, settings its plugin refuses, a plugin that
         # fails to load (plugin_check words them like every config error).
         if isinstance(exc.cause, KeyStoreUnavailable | ConfigError | PluginLoadError):
+            return EX_CONFIG
+        refused = exc.cause.__cause__ if isinstance(exc.cause, CredentialUnavailable) else None
+        if isinstance(refused, CredentialRefused) and refused.revoked:
+            # The mesh refuses this node for good (retired, unknown to it, its invite
+            # expired): a restart changes nothing, so not a temporary failure for
+            # systemd's Restart= to repeat every few seconds (RestartPreventExitStatus=78).
             return EX_CONFIG
         if isinstance(exc.cause, DataDirBusy | MeshUnreachable):
             # Temporary: the data directory is free again once the other daemon stops;

@@ -232,6 +232,7 @@ class MeshLink:
             port=cfg.control_port,
             credential_ttl_s=int(cfg.credential_ttl.total_seconds()),
             invite_ttl_s=max(1, int(cfg.invite_ttl.total_seconds())),
+            invite_valid_s=int(cfg.invite_valid_for.total_seconds()) or None,
             mesh_name=self.config.node.name,
             ssl=server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
             rate_limit=limits.rate_limit,
