@@ -100,7 +100,8 @@ WantedBy=multi-user.target
 
 _USER_UNIT = """\
 # meshnode as a user service (a laptop); written by `meshnode install-service --user`.
-# Keys in your keyring or ~/.local/share/meshnode; the configuration at {config}.
+# The configuration at {config}; keys and data where it says (by default your
+# keyring or ~/.local/share/meshnode).
 # Then: systemctl --user daemon-reload && systemctl --user enable --now meshnode
 #       loginctl enable-linger "$USER"   # keep it running while you are logged out
 [Unit]
