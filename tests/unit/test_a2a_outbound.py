@@ -163,6 +163,19 @@ def test_send_failures_are_classified() -> None:
     with pytest.raises(ProtocolError) as refused:
         classify(wrapped(httpx.HTTPStatusError("401", request=request, response=response)))
     assert refused.value.code == "UNAUTHORIZED" and refused.value.details["code"] == "mesh.audience-mismatch"
+    # Any other failure: the peer's words, bounded (they said only "InvalidParamsError").
+    class InvalidParamsError(Exception):
+        pass
+
+    with pytest.raises(ProtocolError) as failed:
+        classify(InvalidParamsError("metadata.skill names no skill of this agent: 'nope'\n" + "x" * 1000))
+    assert failed.value.code == "DEPENDENCY_FAILED"
+    assert str(failed.value.message).startswith(
+        "the A2A call failed: InvalidParamsError: metadata.skill names no skill of this agent: 'nope' xxx")
+    assert len(failed.value.details["peer_message"]) == 300
+    with pytest.raises(ProtocolError) as silent:
+        classify(InvalidParamsError())
+    assert silent.value.message == "the A2A call failed: InvalidParamsError" and "peer_message" not in silent.value.details
 
 
 def test_config_names_the_peer_key_at_fault(tmp_path: Path) -> None:

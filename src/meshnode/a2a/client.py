@@ -202,5 +202,12 @@ def classify(exc: BaseException) -> NoReturn:
             raise ProtocolError(mapped, f"the A2A peer refused the call (HTTP {status})", details) from exc
         if isinstance(cause, (httpx.TimeoutException, httpx.TransportError)):
             raise Ambiguous() from exc
-    raise ProtocolError("DEPENDENCY_FAILED", f"the A2A call failed: {type(exc).__name__}",
-                        {"a2a_error": type(exc).__name__}) from exc
+    # What the peer said, when it said something (bounded: it is the peer's text).
+    said = " ".join(str(exc).split())[:_PEER_TEXT_MAX]
+    shown = f": {said}" if said and said != type(exc).__name__ else ""
+    raise ProtocolError("DEPENDENCY_FAILED", f"the A2A call failed: {type(exc).__name__}{shown}",
+                        {"a2a_error": type(exc).__name__, **({"peer_message": said} if shown else {})}) from exc
+
+
+#: The most of a peer's error text a refusal repeats.
+_PEER_TEXT_MAX = 300
