@@ -28,7 +28,7 @@ from meshnode.cli import build_parser, exitcodes, main
 from meshnode.cli.artifacts import _Progress, looks_binary
 from meshnode.cli.completion import GENERATORS, command_tree
 from meshnode.cli.daemon import _store_line
-from meshnode.cli.ops import _drain_line
+from meshnode.cli.ops import _drain_line, _report_unregistered
 from meshnode.cli.output import human_duration, human_size, human_time, rfc3339_fields
 
 #: Commands that print nothing a script would parse, so they take no --json.
@@ -195,3 +195,16 @@ def test_a_drain_pass_is_said_in_words() -> None:
                                  "run; 3 handed to their handlers")
     failing = {"agent": "echo", "failing": True, "last_error": "TimeoutError: no answer", "pass": {}}
     assert _drain_line(failing) == "echo: FAILING: TimeoutError: no answer"
+
+
+def test_agents_add_says_which_hosted_agents_the_registry_did_not_take(capsys: pytest.CaptureFixture[str]) -> None:
+    """`agents add` printed 'hosting w411 (...), running' for agents the registry had refused
+    (the store full at ~400 mailboxes): hosted, yet undiscoverable, with no broker buffer."""
+    error = "QUOTA_EXCEEDED: registry: the mesh's JetStream store refused the write"
+    hosted = [{"name": f"w{i}", "registered": i < 3, "registration_error": None if i < 3 else error}
+              for i in range(10)]
+    _report_unregistered(hosted)
+    assert capsys.readouterr().err == (
+        f"meshnode: warning: 7 hosted agent(s) not registered (w3, w4, w5, w6, w7, ...): {error}\n")
+    _report_unregistered(hosted[:3])
+    assert capsys.readouterr().err == ""

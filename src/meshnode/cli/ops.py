@@ -207,9 +207,22 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
         emit_json(result)
         return EX_CANTCREAT if result.get("saved") is False else EX_OK
     print(f"hosting {result.get('name', name)} ({result.get('id', '?')}), {result.get('state', '?')}")
+    _report_unregistered([result])
     if not args.save:
         print("not saved to the configuration: gone after a restart (use --save to keep it)", file=sys.stderr)
     return _report_saved(name, result)
+
+
+def _report_unregistered(hosted: list[dict[str, Any]]) -> None:
+    """Say which hosted agents the registry did not take (hosted, yet not
+    discoverable and with no broker buffer): one line for them all, with the
+    first reason; ``meshnode status`` shows each."""
+    refused = [a for a in hosted if a.get("registered") is False and a.get("registration_error")]
+    if not refused:
+        return
+    names = ", ".join(str(a.get("name")) for a in refused[:5]) + (", ..." if len(refused) > 5 else "")
+    print(f"meshnode: warning: {len(refused)} hosted agent(s) not registered ({names}): "
+          f"{refused[0]['registration_error']}", file=sys.stderr)
 
 
 def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int:
@@ -231,6 +244,7 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
             print(f"hosting {name} ({agent.get('id', '?')}), {agent.get('state', '?')}")
         if _report_saved(name, agent, quiet=args.json) != EX_OK:
             codes.append(EX_CANTCREAT)
+    _report_unregistered([a for a in result["agents"] if a["hosted"]])
     if not args.save and not args.json and result["hosted"]:
         print("not saved to the configuration: gone after a restart (use --save to keep them)", file=sys.stderr)
     return next(iter(codes), EX_OK)
