@@ -27,7 +27,7 @@ from meshnode.admin.protocol import (
 from meshnode.cli import build_parser, exitcodes, main
 from meshnode.cli.artifacts import _Progress, looks_binary
 from meshnode.cli.completion import GENERATORS, command_tree
-from meshnode.cli.daemon import _store_line
+from meshnode.cli.daemon import _next_step, _store_line
 from meshnode.cli.ops import _drain_line, _report_unregistered
 from meshnode.cli.output import human_duration, human_size, human_time, rfc3339_fields
 
@@ -208,3 +208,16 @@ def test_agents_add_says_which_hosted_agents_the_registry_did_not_take(capsys: p
         f"meshnode: warning: 7 hosted agent(s) not registered (w3, w4, w5, w6, w7, ...): {error}\n")
     _report_unregistered(hosted[:3])
     assert capsys.readouterr().err == ""
+
+
+def test_a_refusal_that_says_how_to_get_past_it_is_followed_by_the_step() -> None:
+    refused = {"code": "AGREEMENT_REQUIRED", "details": {"sku": "summarize", "approval_url": "https://b.example/a"}}
+    assert _next_step("summarizer", refused) == (
+        "  approve its terms at https://b.example/a, or agree as this node's owner: "
+        "meshnode agreements sign summarizer --sku summarize")
+    assert _next_step("U1", {"code": "AGREEMENT_REQUIRED", "details": {"sku": "s"}}) == (
+        "  agree as this node's owner: meshnode agreements sign U1 --sku s")
+    short = {"code": "BUDGET_INSUFFICIENT", "details": {"estimate": {"amount_micro": 5000, "currency": "USD"}}}
+    assert _next_step("x", short) == ("  the responder estimates 5000 micro-USD: send a budget whose cost_ceiling "
+                                      "covers it")
+    assert _next_step("x", {"code": "INTERNAL_ERROR"}) is None

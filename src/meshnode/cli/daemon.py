@@ -389,6 +389,22 @@ def _print_status(status: dict[str, Any]) -> None:
         print(f"          run reports signed by {a2a['report_key']}")
 
 
+def _next_step(agent: str, error: dict[str, Any]) -> str | None:
+    """What a caller can do about a refusal that says how to get past it (§19.3, §19.5)."""
+    raw = error.get("details")
+    details: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    if error.get("code") == "AGREEMENT_REQUIRED" and details.get("sku"):
+        agree = f"agree as this node's owner: meshnode agreements sign {agent} --sku {details['sku']}"
+        if details.get("approval_url"):
+            return f"  approve its terms at {details['approval_url']}, or {agree}"
+        return f"  {agree}"
+    estimate = details.get("estimate")
+    if error.get("code") == "BUDGET_INSUFFICIENT" and isinstance(estimate, dict):
+        return (f"  the responder estimates {estimate.get('amount_micro')} micro-{estimate.get('currency')}: "
+                "send a budget whose cost_ceiling covers it")
+    return None
+
+
 def _store_line(storage: dict[str, Any]) -> str:
     """The mesh's JetStream store in one line: use, reservations, limit, headroom."""
     if storage.get("state") == "unknown":
@@ -472,6 +488,9 @@ def cmd_call(args: argparse.Namespace) -> int:
     elif result.get("status") == "failed":
         error = result.get("error") or {}
         print(f"failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
+        hint = _next_step(args.agent, error)
+        if hint:
+            print(hint, file=sys.stderr)
     elif result.get("status") in ("input_required", "auth_required"):
         # Paused for the caller (§6.5): say what is asked and how to answer.
         print(f"{result['status']}: task {result.get('task_id')}"
