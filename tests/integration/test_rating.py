@@ -184,6 +184,10 @@ def test_a_ledger_larger_than_one_message_is_read_in_pages(meshnode_daemons: Dae
     assert (brief["events"], brief["charges"], brief["charges_next"]) == (len(lines), [], None)
     human = run_cli("usage", "--source", "ledger", *socket)
     assert f"{calls * 10 * PRICE_PER_TOKEN} micro-USD" in human.stdout, human.stdout
+    # Each charge in micro-units too: it printed "30 USD" for 30 micro-USD.
+    charged = [line for line in run_cli("usage", "--source", "ledger", "--charges", *socket).stdout.splitlines()
+               if " charged " in line]
+    assert charged and all(f" {10 * PRICE_PER_TOKEN} micro-USD  charged " in line for line in charged), charged
 
 
 def test_the_ledger_holds_what_the_mesh_keeps_and_says_what_it_misses(meshnode_daemons: DaemonSet) -> None:

@@ -111,8 +111,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
     print(f"from {where}:")
     if args.charges:
         for c in result["charges"]:
-            print(f"{c['ts']}  {c['sku']:<16} {c['meter']:<10} {c['quantity']:>6}  {c['amount_micro']:>10} "
-                  f"{c.get('currency', '')}  {c['outcome']:<13} owner {c.get('consumer_owner', '?')}")
+            # Micro-units, like the totals below ("2000 USD" read as two thousand dollars).
+            amount = f"{c['amount_micro']} micro-{c.get('currency', '?')}"
+            print(f"{c['ts']}  {c['sku']:<16} {c['meter']:<10} {c['quantity']:>6}  {amount:>16}  "
+                  f"{c['outcome']:<13} owner {c.get('consumer_owner', '?')}")
     for t in result["totals"]:
         print(f"{t['period']}  owner {t['consumer_owner']}  seller {t['seller_agent']}  "
               f"{t['amount_micro']} micro-{t['currency']}")
