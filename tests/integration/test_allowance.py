@@ -96,6 +96,10 @@ def test_refused_with_the_estimate_and_stopped_past_the_ceiling(home: DaemonProc
     day = _cli(home, "show", "spender")["allowances"][0]
     assert day["spend"]["today_micro"] == 6000
     assert [c["remaining_micro"] for c in day["ceilings"] if c["scope"] == "day"] == [94000]
+    # The human view names the unit of its figures (they were bare numbers).
+    human = run_cli("allowance", "show", "spender", "--socket", home.socket_path).stdout
+    assert "spent today" in human and ": 6000 micro-USD" in human, human
+    assert "of       100000 micro-USD spent, 94000 remaining" in human, human
 
 
 def test_ask_owner_holds_until_the_owner_raises_the_allowance(home: DaemonProcess) -> None:

@@ -89,15 +89,17 @@ def _print(a: dict[str, Any]) -> None:
     for error in a.get("errors", []):
         print(f"  warning: {error}")
     doc = a.get("document")
+    unit = "micro"  # every figure below is in micro-units of the cost model's currency
     if doc is not None:
         cm = doc["cost_model"]
-        print(f"  cost model: {cm['per_1k_tokens_micro']} micro-{cm['currency']} per 1000 tokens")
+        unit = f"micro-{cm['currency']}"
+        print(f"  cost model: {cm['per_1k_tokens_micro']} {unit} per 1000 tokens")
     for c in a.get("ceilings", []):
         which = c.get("day") or c.get("task_id") or c.get("context_id") or "each (largest so far)"
-        print(f"  {c['scope']:<8} {which:<28} {c['spent_micro']:>12} of {c['amount_micro']:>12} spent,"
+        print(f"  {c['scope']:<8} {which:<28} {c['spent_micro']:>12} of {c['amount_micro']:>12} {unit} spent,"
               f" {c['remaining_micro']} remaining")
     spend = a["spend"]
-    print(f"  spent today ({spend['day']}): {spend['today_micro']}")
+    print(f"  spent today ({spend['day']}): {spend['today_micro']} {unit}")
     for h in a.get("held", []):
         print(f"  held: task {h['task_id']} ({h['stage']}, since {h['since']}): raise the allowance or "
               f"`meshnode allowance decline {a['agent']} --task {h['task_id']}`")
