@@ -51,6 +51,19 @@ def test_bad_plugin_setting_names_file_and_key(tmp_path: Path) -> None:
     assert "ValidationError" not in proc.stderr and "pydantic" not in proc.stderr
 
 
+def test_a_file_wrong_elsewhere_says_its_agent_tables_are_checked_in_a_second_round(tmp_path: Path) -> None:
+    """The plugin checks need the rest of the file valid: a file wrong in both places
+    listed only the first kind, and its second run surprised with more."""
+    path = _write(tmp_path, '[node]\nnmae = "x"\n[agents.sh]\nplugin = "shell"\ncomand = 2\n')
+    proc = _check(path)
+    assert proc.returncode == 78 and f"{path}: node.nmae: unknown key" in proc.stderr, proc.stderr
+    assert "agents.sh.comand" not in proc.stderr
+    assert proc.stderr.rstrip().endswith(
+        "(the [agents.*] tables are checked against their plugins once the rest is valid)")
+    without_agents = _write(tmp_path, '[node]\nnmae = "x"\n')
+    assert "are checked against their plugins" not in _check(without_agents).stderr
+
+
 def test_good_plugins_pass_and_are_listed(tmp_path: Path) -> None:
     path = _write(tmp_path, '[agents.sh]\nplugin = "shell"\ncommand = ["wc", "-w"]\n')
     proc = _check(path)

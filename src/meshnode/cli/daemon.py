@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import sys
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from meshnode.admin.client import (
@@ -156,9 +158,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     )
 
     kinds: list[str] | None = None
+    checked_plugins = False
     try:
         config = load_config(args.config)
         raise_if_problems(config, {}, server_problems(config))
+        checked_plugins = not args.no_plugins
         if not args.no_plugins:
             # Like Caddy's validate: load the plugins the daemon would load, and
             # check every [agents.X] table against them (kind known, Settings valid).
@@ -176,6 +180,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             print(json.dumps({"ok": False, "problems": problems}))
         else:
             print(f"configuration error:\n{exc}", file=sys.stderr)
+            if not checked_plugins and not args.no_plugins and "agents" in _toml_tables(exc.path):
+                # The plugin checks need the rest valid first: a second round may find more.
+                print("(the [agents.*] tables are checked against their plugins once the rest is valid)",
+                      file=sys.stderr)
         return EX_CONFIG
     if args.json:
         print(json.dumps({"ok": True, "config": config.to_toml_dict(), "plugins": kinds}, default=str))
@@ -387,6 +395,17 @@ def _print_status(status: dict[str, Any]) -> None:
     if a2a:
         print(f"a2a       {a2a['url']}  exposing {', '.join(a2a['expose']) or 'nothing'} as {a2a['application']!r}")
         print(f"          run reports signed by {a2a['report_key']}")
+
+
+def _toml_tables(path: Path | None) -> set[str]:
+    """The top-level tables of the TOML file at ``path`` (empty when it does not parse)."""
+    if path is None:
+        return set()
+    try:
+        with open(path, "rb") as handle:
+            return set(tomllib.load(handle))
+    except (OSError, tomllib.TOMLDecodeError):
+        return set()
 
 
 def _next_step(agent: str, error: dict[str, Any]) -> str | None:
