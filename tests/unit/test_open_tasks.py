@@ -60,3 +60,14 @@ async def test_an_unreadable_row_is_forgotten_and_a_failing_write_never_raises(
         assert [t.task_id for t in journal.left_open()] == ["t3"]
     finally:
         await store.close()
+
+
+async def test_a_journal_write_after_the_file_closed_does_not_raise(tmp_path: Path) -> None:
+    """A Task's update after the inbox closed (late in a stop) must still go out: the
+    journal only skips its write."""
+    store = InboxStore(tmp_path / "inbox.sqlite3")
+    await store.open()
+    journal = OpenTaskJournal(store)
+    await store.close()
+    journal.moved("A", "t1", "working", REQUEST, NOW)
+    journal.ended("A", "t1")

@@ -108,7 +108,7 @@ class OpenTaskJournal:
         try:
             with self._store.transaction() as db:
                 db.execute(sql, params)
-        except InboxUnwritable as exc:
+        except (InboxUnwritable, RuntimeError) as exc:  # RuntimeError: the file already closed (a stop)
             if not self._failing:
                 log.warning("the open-task journal cannot be written (%s): a crash now leaves the "
                             "requesters of the tasks open meanwhile untold", exc)
