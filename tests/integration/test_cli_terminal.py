@@ -95,6 +95,10 @@ def test_call_stream_prints_chunks_before_the_stream_ends(node: DaemonProcess, t
     assert [i["data"] for i in items if i["kind"] == "chunk"] == ["first ", "last"]
     assert items[-1]["kind"] == "result" and items[-1]["status"] == "completed"
 
+    # Asked without --stream, the joined text prints as text (it printed "\"first last\"").
+    joined = _cli("call", "tasks", "gated", json.dumps({"gate": str(gate2)}), "--socket", a.socket_path)
+    assert joined.stdout == "first last\n", joined
+
 
 def test_a_long_task_shows_its_progress_live_on_a_terminal(node: DaemonProcess, tmp_path: Path) -> None:
     a = node

@@ -523,8 +523,10 @@ def cmd_call(args: argparse.Namespace) -> int:
         print()  # the chunks were the output; end their line
     else:
         output = result.get("output")
-        if isinstance(output, dict) and set(output) <= {"text", "truncated"} and isinstance(output.get("text"), str):
-            print(output["text"], end="" if output["text"].endswith("\n") else "\n")
+        text = output["text"] if (isinstance(output, dict) and set(output) <= {"text", "truncated"}) else output
+        if isinstance(text, str):
+            # Text as text (a streamed handler's joined words printed as "\"a b c \""); --json keeps JSON.
+            print(text, end="" if text.endswith("\n") else "\n")
         else:
             print(json.dumps(output, indent=2, ensure_ascii=False))
     return EX_CHECK_FAILED if result.get("status") == "failed" else EX_OK
