@@ -52,6 +52,10 @@ def test_every_operations_command(meshnode_daemons: DaemonSet) -> None:
     presence = ok_json(node, "presence")
     assert any(n["availability"] == "online" for n in presence["nodes"])
     assert ok_json(node, "presence", "--agent", shown["status"]["id"])["availability"] == "online"
+    # By name too, as `call` takes one (it was refused: "agent: must be an agent key").
+    assert ok_json(node, "presence", "--agent", "echo")["agent"] == shown["status"]["id"]
+    unknown = cli(node, "presence", "--agent", "nobody")
+    assert unknown.returncode == 65 and "no agent named 'nobody'" in unknown.stderr, unknown
     found = ok_json(node, "discover", "--capability", "echo")
     assert [a["name"] for a in found["agents"]] == ["echo"]
     assert found["agents"][0]["hosted_here"] is True  # names repeat across nodes: which is this one's

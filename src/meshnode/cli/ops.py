@@ -64,8 +64,8 @@ def register(commands: Any) -> None:
 
     p = commands.add_parser("presence", help="presence of a node or agent (default: all nodes)")
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--node")
-    target.add_argument("--agent")
+    target.add_argument("--node", help="a node id (U...)")
+    target.add_argument("--agent", help="an agent: a local name, a name the registry lists, or an id (U...)")
     _client_args(p)
     p.set_defaults(handler=cmd_presence)
 

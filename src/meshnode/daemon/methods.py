@@ -42,6 +42,7 @@ from meshnode.protocol.canonical import parse_json
 from meshnode.protocol.envelope import new_root_trace
 from meshnode.protocol.errors import ProtocolError, error_object
 from meshnode.protocol.fencing import FrameProvenance, frame_payload
+from meshnode.protocol.nkeys import Prefix, is_valid_public
 from meshnode.protocol.protections import sender_body
 from meshnode.transport.permissions import node_inbox_prefix
 
@@ -565,6 +566,14 @@ class CoreMethods:
         if self.d.node is None:
             raise NotFound("the node is not running")
         query = {k: v for k, v in params.items() if k in ("node", "agent") and isinstance(v, str)}
+        agent = query.get("agent")
+        if agent is not None and not is_valid_public(agent, Prefix.USER):
+            # A name, as `meshnode call` takes one: this node's agent, else the registry's.
+            cli = self.d.node.agents[CLI_AGENT_NAME]
+            try:
+                query["agent"] = (await self.d.node.directory.resolve(cli, agent)).id
+            except ProtocolError as exc:
+                raise NotFound(exc.message) from None
         return await self._service(call, "mesh.presence.get", "request", query)
 
     async def discover(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
