@@ -296,6 +296,9 @@ def test_cli_streams_a_large_file_both_ways_with_progress(meshnode_daemons: Daem
     piped = _cli_process(a, "put", "-", "--name", "piped.txt", "--quiet", stdin=b"from stdin")
     assert piped.returncode == 0
     assert _cli_process(a, "get", piped.stdout.decode().strip()).stdout == b"from stdin"
+    # `--out -` is stdout too, as `put -` is stdin (it wrote a file named "-" in the cwd).
+    dashed = _cli_process(a, "get", piped.stdout.decode().strip(), "--out", "-")
+    assert dashed.returncode == 0 and dashed.stdout == b"from stdin", dashed
     assert _cli_process(a, "get", "mesh:artifacts:AAAAAAAAAAAAAAAAAAAAAA").returncode == 1
     assert _cli_process(a, "put", str(tmp_path / "missing")).returncode == 66
 

@@ -53,7 +53,7 @@ def register(commands: Any) -> None:
 
     get = sub.add_parser("get", help="fetch a ref, verified against its digest")
     get.add_argument("ref")
-    get.add_argument("--out", "-o", help="write here (default: stdout)")
+    get.add_argument("--out", "-o", help="write here (default, or -: stdout)")
     get.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     _client_args(get)
     get.set_defaults(handler=cmd_get)
@@ -258,7 +258,8 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    out_path = Path(args.out) if args.out else None
+    # "-" is stdout, as `put -` reads stdin (it created a file named "-").
+    out_path = Path(args.out) if args.out and args.out != "-" else None
     target_dir = out_path.resolve().parent if out_path else None
     try:
         # Received bytes wait here until the whole object is verified.
