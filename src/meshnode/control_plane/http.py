@@ -161,10 +161,6 @@ def _remaining(expires_at: int | None, now: int) -> str | None:
 
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     # After answering a request whose body we did not read, half-close and
     # swallow what the client is still sending: closing with unread data makes

@@ -17,9 +17,10 @@ from meshnode.protocol.ratelimit import SlidingWindowLimiter
 from meshnode.transport.errors import EmbeddedMeshError
 from meshnode.transport.lifecycle import AsyncService
 from meshnode.transport.permissions import Role
+from meshnode.transport.serverconf import is_loopback_host
 
 from .enrolment import CredentialIssuer, Enrolment, participant
-from .http import _is_loopback, _json_body, _linger, _read_request, _Request, _response_bytes
+from .http import _json_body, _linger, _read_request, _Request, _response_bytes
 from .wire import (
     DEFAULT_INVITE_TTL_S,
     DEFAULT_INVITE_VALID_S,
@@ -129,7 +130,7 @@ class ControlPlaneServer(Enrolment, AsyncService):
             ssl_handshake_timeout=self._head_timeout_s if self._ssl is not None else None,
         )
         self._port = self._server.sockets[0].getsockname()[1]
-        if self._ssl is None and not _is_loopback(self.host):
+        if self._ssl is None and not is_loopback_host(self.host):
             log.warning(
                 "control plane serves plain HTTP on %s: rosters travel in clear text "
                 "(credentials still need the node key to be used); prefer TLS", self.host,

@@ -10,7 +10,6 @@ re-issued for the current roster (§14.3) and presented by a reconnect.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import socket
 import ssl
@@ -34,7 +33,7 @@ from meshnode.transport.errors import PortInUse
 from meshnode.transport.grants import Grants, InboxChoice, choose_inbox_prefix
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix
-from meshnode.transport.serverconf import TlsFiles
+from meshnode.transport.serverconf import TlsFiles, is_loopback_host
 from meshnode.transport.tls import client_context, pinned_context, server_context
 
 __all__ = ["MeshLink", "credential_profile"]
@@ -203,12 +202,12 @@ class MeshLink:
             tls=TlsFiles(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None,
         )
         self.embedded = embedded
-        if embedded.tls is None and not _is_loopback(cfg.host):
+        if embedded.tls is None and not is_loopback_host(cfg.host):
             log.warning(
                 "the embedded NATS listener is bound to %s without TLS: set [mesh.embedded] "
                 "tls_cert and tls_key before exposing it beyond loopback", cfg.host,
             )
-        if not _is_loopback(cfg.host) and _is_loopback(cfg.control_host):
+        if not is_loopback_host(cfg.host) and is_loopback_host(cfg.control_host):
             # A node on another machine trades its invite for a credential there
             # first: NATS alone beyond loopback lets it reach nothing.
             log.warning(
@@ -560,8 +559,8 @@ def reach_notes(embedded: EmbeddedMeshConfig, nats_urls: list[str], control_plan
             "next start picks another, so these URLs stop working when the node restarts; set a "
             "fixed port before handing this out"
         )
-    nats_here = bool(nats_urls) and all(_is_loopback(urlsplit(url).hostname or "") for url in nats_urls)
-    control_here = control_plane is not None and _is_loopback(urlsplit(control_plane).hostname or "")
+    nats_here = bool(nats_urls) and all(is_loopback_host(urlsplit(url).hostname or "") for url in nats_urls)
+    control_here = control_plane is not None and is_loopback_host(urlsplit(control_plane).hostname or "")
     beyond = "see docs/operations/security.md for TLS"
     if nats_here and (control_here or control_plane is None):
         notes.append(
@@ -581,12 +580,3 @@ def reach_notes(embedded: EmbeddedMeshConfig, nats_urls: list[str], control_plan
             f"[mesh.embedded] control_host (and advertise_host), {beyond}"
         )
     return notes
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import EmbeddedMeshError
 
-__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "render_server_config", "url_host"]
+__all__ = ["BoundPorts", "ClusterRoutes", "TlsFiles", "is_loopback_host", "render_server_config", "url_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +162,14 @@ def render_server_config(
 def url_host(host: str) -> str:
     """``host`` as a URL's authority wants it: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host else host
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1): only
+    this machine can dial a listener there."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
