@@ -692,10 +692,10 @@ class Enrolment:
             return CredentialRequestError(403, "node is not enrolled in this mesh", "node_unknown")
         if node.retired:
             return CredentialRequestError(403, "node was retired", "node_retired")
-        if node.invite_expires_at is not None and now > node.invite_expires_at:
+        if node.invite_expired(now):
             return CredentialRequestError(
                 403,
-                f"the invite of node {node.name} expired unused at {_utc(node.invite_expires_at)} "
+                f"the invite of node {node.name} expired unused at {_utc(node.invite_expires_at or now)} "
                 f"([mesh.embedded] invite_valid_for on the mesh's first node): ask its operator for a new "
                 f"one (meshnode mesh invite {node.name})",
                 "invite_expired",

@@ -61,6 +61,19 @@ class EnrolledNode:
     def retired(self) -> bool:
         return self.retired_at is not None
 
+    def invite_expired(self, now: int) -> bool:
+        """Invited, never started, and past the invite's validity."""
+        return self.invite_expires_at is not None and now > self.invite_expires_at
+
+    def state(self, now: int) -> str:
+        """``retired``, ``expired`` (its invite was not used in time), ``invited``
+        (not started yet) or ``active``."""
+        if self.retired:
+            return "retired"
+        if self.invite_expires_at is not None:
+            return "expired" if self.invite_expired(now) else "invited"
+        return "active"
+
 
 @dataclass(frozen=True, slots=True)
 class EnrolmentToken:

@@ -28,7 +28,6 @@ from meshnode.config.editing import (
     comment_out_agent_table,
 )
 from meshnode.control_plane.enrolment import DEFAULT_TOKEN_TTL_S, INBOX_PREFIXES
-from meshnode.control_plane.state import EnrolledNode
 from meshnode.daemon.operations import process_figures
 from meshnode.daemon.paging import AGENTS_PAGE_BYTES, agent_page_params, page_of
 from meshnode.node.builtin import CLI_AGENT_NAME
@@ -614,7 +613,7 @@ class CoreMethods:
                     "agent_id": n.agent_id,
                     # Invited, not started yet: the first start must come before this.
                     "invite_expires_at": n.invite_expires_at,
-                    "state": _node_state(n, now),
+                    "state": n.state(now),
                 }
                 for n in nodes
             ],
@@ -717,16 +716,6 @@ class CoreMethods:
             "control_plane": self.d.control_plane_url(),
             "notes": self.d.mesh.reach_notes() if self.d.mesh is not None else [],
         }
-
-
-def _node_state(node: EnrolledNode, now: int) -> str:
-    """``active``, ``retired``, ``invited`` (not started yet) or ``expired`` (its
-    invite was not used in time)."""
-    if node.retired_at is not None:
-        return "retired"
-    if node.invite_expires_at is not None:
-        return "expired" if now > node.invite_expires_at else "invited"
-    return "active"
 
 
 #: The most agents one ``Agents.Add`` / ``Agents.Remove`` names (``names``).
