@@ -19,6 +19,7 @@ from typing import Any
 import nats.errors
 import pytest
 
+from meshnode.admin.protocol import Refused
 from meshnode.daemon.platform import PlatformServices, start_platform_services
 from meshnode.protocol.attestations import verify_trust_attestation
 from meshnode.protocol.nkeys import KeyPair, Prefix
@@ -258,18 +259,25 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
         "a", agents={"echo": {"plugin": "echo"}},
         extra={"mesh.embedded": {"tenants": ["family"], **ports}},
     )
-    f = meshnode_daemons.joined("f", via=a, invite_args=("--tenant", "family"))
-    echo, f_cli = a.agent_id("echo"), f.agent_id("cli")
+    f = meshnode_daemons.joined(
+        "f", via=a, agents={"finder": {"plugin": "finder"}},
+        node={"plugin_modules": ["tests.agents.finder:plugin"]}, invite_args=("--tenant", "family"),
+    )
+    echo, f_cli, finder = a.agent_id("echo"), f.agent_id("cli"), f.agent_id("finder")
     before = f.call(echo, "echo", "hi", timeout=5)
     assert before["status"] == "failed", before  # not exported: not even resolvable
     assert before["error"]["code"] == "NOT_FOUND", before
+    # Nor is the mesh tenant's discovery: the refusal names the export that opens it.
+    with pytest.raises(Refused, match=r'from = "mesh", to = this tenant, discover = true'):
+        f.admin("Discover", {"exported_by": "mesh"})
 
-    # The operator exports a's echo to family and f's caller back to mesh (an
-    # answer travels to the requester's inbox), then restarts the mesh node.
+    # The operator exports a's echo and its discovery to family and f's agents
+    # back to mesh (an answer travels to the requester's inbox), then restarts
+    # the mesh node.
     a.stop()
     a.config["mesh.embedded"]["exports"] = [
-        {"from": "mesh", "to": "family", "agents": [echo]},
-        {"from": "family", "to": "mesh", "agents": [f_cli]},
+        {"from": "mesh", "to": "family", "agents": [echo], "discover": True},
+        {"from": "family", "to": "mesh", "agents": [f_cli, finder]},
     ]
     a.config_path.write_text(render_toml(a.config), encoding="utf-8")
     a.start()
@@ -284,3 +292,12 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     eventually(answered, timeout=60, interval=0.5, what="f's call across the export answered")
     assert answer["status"] == "completed", answer
     assert answer["from"] == echo and "hi" in str(answer["output"]), answer
+
+    # Discovery across the export (§15.2): family asks the mesh tenant's registry,
+    # from the CLI and from a handler, and what it finds answers a call.
+    assert echo in {m["id"] for m in f.admin("Discover", {"exported_by": "mesh"})["agents"]}
+    assert echo not in {m["id"] for m in f.admin("Discover", {})["agents"]}  # its own registry: own agents
+    found = f.call("finder", "discover", {"exported_by": "mesh", "offering": "echo"})
+    assert found["status"] == "completed", found
+    assert [(m["id"], m["local"]) for m in found["output"]] == [(echo, False)]
+    assert f.call("finder", "ask", {"name": echo, "offering": "echo", "input": "via discovery"})["status"] == "completed"

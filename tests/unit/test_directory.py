@@ -11,8 +11,9 @@ import pytest
 
 from meshnode.agent import AgentNotFound, AmbiguousAgent
 from meshnode.node.directory import AgentDirectory
-from meshnode.node.resolver import ManifestCache
+from meshnode.node.resolver import NO_RESPONDERS, ManifestCache
 from meshnode.protocol import subjects
+from meshnode.protocol.errors import ProtocolError
 from meshnode.protocol.nkeys import KeyPair
 from meshnode.services.query import parse_discover_query
 from tests.fakes import FakeNode
@@ -111,3 +112,35 @@ async def test_discover_passes_section_9_3_filters() -> None:
 def test_registry_name_filter() -> None:
     query = parse_discover_query({"name": "echo"})
     assert query.matches({"id": "U1", "name": "echo"}) and not query.matches({"id": "U2", "name": "other"})
+
+
+async def test_exported_by_asks_the_other_tenants_discovery_and_says_what_opens_it() -> None:
+    theirs = _manifest("echo")
+    node, directory, me, queries = _setup([_manifest("echo")])
+    asked: list[dict[str, Any]] = []
+
+    async def family(payload: Any) -> dict[str, Any]:
+        asked.append(dict(payload))
+        return {"agents": [theirs], "total": 1}
+
+    node.service_answers[subjects.external_discover("family")] = family
+    found = await directory.discover(me, offering="echo", exported_by="family")  # type: ignore[arg-type]
+    assert [f.id for f in found] == [theirs["id"]] and queries == []  # not this tenant's registry
+    assert asked == [{"offering_id": "echo", "limit": 50}]
+    # Cached apart from the same query to this tenant's own registry.
+    assert [f.id for f in await directory.discover(me, offering="echo")] != [theirs["id"]]  # type: ignore[arg-type]
+    assert len(asked) == 1 and len(queries) == 1
+
+    async def nobody(payload: Any) -> dict[str, Any]:  # what the node raises on no responders
+        raise ProtocolError("AGENT_UNAVAILABLE", "no service answers", {"reason": NO_RESPONDERS})
+
+    node.service_answers[subjects.external_discover("work")] = nobody
+    with pytest.raises(ProtocolError) as refused:
+        await directory.discover(me, exported_by="work")  # type: ignore[arg-type]
+    assert refused.value.code == "AGENT_UNAVAILABLE"
+    assert 'from = "work", to = this tenant, discover = true' in refused.value.message
+    assert refused.value.details["subject"] == "mesh.external.work.discover"
+    with pytest.raises(ProtocolError) as bad:
+        await directory.discover(me, exported_by="a.b")  # type: ignore[arg-type]
+    assert bad.value.code == "INVALID_QUERY" and bad.value.details == {"field": "exported_by"}
+    await directory.close()

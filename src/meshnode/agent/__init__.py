@@ -370,6 +370,7 @@ class Context(Protocol):
         tags: Sequence[str] | None = None,
         availability: str | None = None,
         limit: int = 50,
+        exported_by: str | None = None,
         **filters: Any,
     ) -> list[AgentInfo]:
         """Agents the registry lists matching every filter given (§6.3, §9.3, AND):
@@ -378,6 +379,12 @@ class Context(Protocol):
         ...), and any other §9.3 filter as a keyword (``node=``, ``owner=``,
         ``version=``, ``trust_tier=``). Cached like :meth:`resolve`; the
         manifests found are cached too, so a request to one needs no look-up.
+
+        ``exported_by="family"`` asks tenant ``family``'s registry instead of
+        this node's tenant's, where ``family`` exported its discovery here
+        (§15.2; ``[[mesh.embedded.exports]]`` ``discover = true``); it lists
+        ``family``'s agents, of which only the exported ones can be called.
+        Without that export: :class:`ProtocolError` ``AGENT_UNAVAILABLE``.
         """
 
     async def request(

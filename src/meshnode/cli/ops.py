@@ -70,16 +70,24 @@ def register(commands: Any) -> None:
     p.set_defaults(handler=cmd_presence)
 
     p = commands.add_parser("discover", help="query the registry (§9.3 filters, AND)")
-    p.add_argument("--capability", action="append", dest="capabilities", default=[])
-    p.add_argument("--offering", dest="offering_id")
-    p.add_argument("--tag", action="append", dest="tags", default=[])
-    p.add_argument("--availability", choices=["online", "busy", "degraded", "offline"])
-    p.add_argument("--node")
+    p.add_argument(
+        "--capability", action="append", dest="capabilities", default=[],
+        help="agents with this capability (repeat: all of them)",
+    )
+    p.add_argument("--offering", dest="offering_id", help="agents with an offering of this id")
+    p.add_argument("--tag", action="append", dest="tags", default=[], help="an offering tag (repeat: any of them)")
+    p.add_argument("--availability", choices=["online", "busy", "degraded", "offline"], help="current presence")
+    p.add_argument("--node", help="agents hosted by this node id (U...)")
     p.add_argument(
         "--trust-tier", dest="trust_tier", choices=["sandbox", "standard", "verified"],
         help="hosts whose operator-attested tier is at least this",
     )
-    p.add_argument("--limit", type=int)
+    p.add_argument("--limit", type=int, help="at most this many agents")
+    p.add_argument(
+        "--exported-by", dest="exported_by", metavar="TENANT",
+        help="ask TENANT's registry instead of this node's tenant's: TENANT exported its discovery "
+        "here ([[mesh.embedded.exports]] discover = true, §15.2); of its agents, only exported ones answer calls",
+    )
     _client_args(p)
     p.set_defaults(handler=cmd_discover)
 
@@ -332,7 +340,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
     for key in ("capabilities", "tags"):
         if getattr(args, key):
             query[key] = getattr(args, key)
-    for key in ("offering_id", "availability", "node", "trust_tier", "limit"):
+    for key in ("offering_id", "availability", "node", "trust_tier", "limit", "exported_by"):
         if getattr(args, key) is not None:
             query[key] = getattr(args, key)
     code, result = _admin(args, "Discover", query)

@@ -66,7 +66,7 @@ def register_core_methods(daemon: Daemon, methods: MethodRegistry) -> CoreMethod
     )
     methods.add("Call", ops.call, level="operator", doc="params {agent, offering, input?, timeout?, config?, budget?, wait_task?, task_id?, context_id?} -> the answer; a task paused for input comes back with status input_required/auth_required, task_id and problems: answer it with task_id")
     methods.add("Presence", ops.presence, level="operator", doc="presence of a node or agent (or all nodes)")
-    methods.add("Discover", ops.discover, level="operator", doc="query the registry (§9.3 filters)")
+    methods.add("Discover", ops.discover, level="operator", doc="params {§9.3 filters..., exported_by?}: query the registry; exported_by: another tenant whose discovery was exported to this node's (§15.2) answers instead")
     methods.add("Agents.Add", ops.agents_add, level="admin", doc="params {name | names, config, save?}: host a new agent now (re-mints the credential); save=true also appends its table to the configuration file. name: one agent, its status, its failure the call's. names: several with the same config, one credential for them all -> {agents: [{name, hosted, status... | error}], hosted, failed}, each failing alone")
     methods.add("Agents.Remove", ops.agents_remove, level="admin", doc="params {name | names, deregister?, save?}: stop and deregister agents; save=true also comments their tables out of the configuration file. name -> {removed: name, configured, saved?, config_file?, save_error?}; names (one credential for them all) -> {removed: [names], failed: {name: error}, configuration: {name: {saved, configured, ...}}}. saved null: the file still has the table (the next start hosts the agent; reloads leave it removed)")
     methods.add("Inbox.List", ops.inbox_list, level="operator", doc="held, interrupted and recent inbox messages")
@@ -576,10 +576,14 @@ class CoreMethods:
         return await self._service(call, "mesh.presence.get", "request", query)
 
     async def discover(self, params: dict[str, Any], call: CallContext) -> dict[str, Any]:
-        found = await self._service(call, "mesh.registry.discover", "discover", dict(params))
         node = self.d.node
+        if node is None:
+            raise NotFound("the node is not running")
+        query = dict(params)
+        exported_by = query.pop("exported_by", None)
+        found = await node.directory.query(node.agents[CLI_AGENT_NAME], query, exported_by=exported_by)
         agents = found.get("agents")
-        if node is not None and isinstance(agents, list):
+        if isinstance(agents, list):
             # Which of them this node hosts: names repeat across nodes (every node's "echo").
             for manifest in agents:
                 if isinstance(manifest, dict):

@@ -172,11 +172,12 @@ class AgentContext:
         tags: Sequence[str] | None = None,
         availability: str | None = None,
         limit: int = 50,
+        exported_by: str | None = None,
         **filters: Any,
     ) -> list[AgentInfo]:
         return await self._hosted.node.directory.discover(
             self._hosted, capability=capability, offering=offering, name=name, tags=tags,
-            availability=availability, limit=limit, **filters,
+            availability=availability, limit=limit, exported_by=exported_by, **filters,
         )
 
     async def a2a_task(self, target: str, task_id: str, *, timeout: float = 30.0) -> Any:

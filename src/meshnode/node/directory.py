@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshnode.agent import AgentInfo, AgentNotFound, AmbiguousAgent
+from meshnode.node.resolver import NO_RESPONDERS
 from meshnode.node.singleflight import SingleFlightCache
 from meshnode.protocol import subjects
 from meshnode.protocol.errors import ProtocolError
@@ -94,6 +95,7 @@ class AgentDirectory:
         tags: Sequence[str] | None = None,
         availability: str | None = None,
         limit: int = 50,
+        exported_by: str | None = None,
         **filters: Any,
     ) -> list[AgentInfo]:
         """Agents matching every filter given (§9.3, AND), as the registry answers.
@@ -103,6 +105,8 @@ class AgentDirectory:
         value (``online``...); further §9.3 filters (``node``, ``owner``,
         ``version``, ``trust_tier``...) pass as keywords. This node's own
         agents are listed like any other (the registry knows them too).
+        ``exported_by`` names another tenant whose discovery was exported to
+        this node's (§15.2): its registry answers instead of this tenant's.
         """
         query: dict[str, Any] = {k: v for k, v in filters.items() if v is not None}
         if capability is not None:
@@ -117,20 +121,58 @@ class AgentDirectory:
             query["availability"] = availability
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ProtocolError("INVALID_QUERY", "limit: must be a positive integer", {"field": "limit"})
-        manifests = await self._search(requester, query, limit)
+        manifests = await self._search(requester, query, limit, exported_by)
         return [agent_info(m, local=m.get("id") in self.node.by_id) for m in manifests]
 
-    async def _search(self, requester: HostedAgent, query: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    async def query(
+        self, requester: HostedAgent, query: dict[str, Any], *, exported_by: str | None = None
+    ) -> dict[str, Any]:
+        """One §6.3 discover query as sent (a page: ``agents`` and ``cursor``), by
+        this tenant's registry or, with ``exported_by``, by that tenant's exported
+        discovery (§15.2). Not cached: for a person asking (``meshnode discover``).
+
+        Raises ProtocolError ``INVALID_QUERY`` for a malformed tenant name, and
+        ``AGENT_UNAVAILABLE`` naming the export to configure when no registry
+        answers on the tenant's subject (its discovery is not exported here).
+        """
+        if exported_by is None:
+            return await self.node.service_call(requester, subjects.REGISTRY_DISCOVER, "discover", query)
+        try:
+            subject = subjects.external_discover(exported_by)
+        except subjects.SubjectError:
+            raise ProtocolError(
+                "INVALID_QUERY", f"exported_by: {exported_by!r} cannot name a tenant", {"field": "exported_by"}
+            ) from None
+        try:
+            return await self.node.service_call(requester, subject, "discover", query)
+        except ProtocolError as exc:
+            if exc.code != "AGENT_UNAVAILABLE" or (exc.details or {}).get("reason") != NO_RESPONDERS:
+                raise
+            # No responders: the subject leads nowhere in this account. Say what
+            # opens it rather than "no service answers on mesh.external...".
+            raise ProtocolError(
+                "AGENT_UNAVAILABLE",
+                f"tenant {exported_by!r} has not exported its discovery to this node's tenant"
+                f" (nothing answers on {subject}): the mesh's operator adds [[mesh.embedded.exports]]"
+                f' from = "{exported_by}", to = this tenant, discover = true, and restarts the mesh node',
+                {"reason": NO_RESPONDERS, "exported_by": exported_by, "subject": subject},
+            ) from None
+
+    async def _search(
+        self, requester: HostedAgent, query: dict[str, Any], limit: int, exported_by: str | None = None
+    ) -> list[dict[str, Any]]:
         # Per asking agent: what the registry lists depends on who asks (private
         # agents are listed to their own owner only, §8.6).
-        key = json.dumps([requester.agent_id, query, limit], sort_keys=True, default=str)
+        key = json.dumps([requester.agent_id, query, limit, exported_by], sort_keys=True, default=str)
 
         async def load() -> tuple[list[dict[str, Any]], float]:
-            return await self._pages(requester, query, limit), self.node.settings.resolve_ttl_s
+            return await self._pages(requester, query, limit, exported_by), self.node.settings.resolve_ttl_s
 
         return list(await self._queries.get(key, load))
 
-    async def _pages(self, requester: HostedAgent, query: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    async def _pages(
+        self, requester: HostedAgent, query: dict[str, Any], limit: int, exported_by: str | None
+    ) -> list[dict[str, Any]]:
         """Up to ``limit`` matches, paged; a ``name`` filter is applied here too."""
         name = query.get("name")
         found: list[dict[str, Any]] = []
@@ -140,7 +182,7 @@ class AgentDirectory:
             if cursor is not None:
                 page_query["cursor"] = cursor
             self.queries += 1
-            answer = await self.node.service_call(requester, subjects.REGISTRY_DISCOVER, "discover", page_query)
+            answer = await self.query(requester, page_query, exported_by=exported_by)
             agents = answer.get("agents")
             for manifest in agents if isinstance(agents, list) else ():
                 if not isinstance(manifest, dict) or not is_valid_public(manifest.get("id")):

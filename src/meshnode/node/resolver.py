@@ -33,11 +33,14 @@ if TYPE_CHECKING:
     from meshnode.node.hosted import HostedAgent
     from meshnode.node.port import NodePort
 
-__all__ = ["NOT_GRANTED", "ManifestCache", "discover_one"]
+__all__ = ["NOT_GRANTED", "NO_RESPONDERS", "ManifestCache", "discover_one"]
 
 #: ``details.reason`` of the AGENT_UNAVAILABLE a node raises for a service subject
 #: its own credential does not grant (nothing was sent).
 NOT_GRANTED = "not_granted"
+#: ``details.reason`` of the AGENT_UNAVAILABLE a node raises when nothing listens
+#: on a service subject (the broker said so at once: no responders).
+NO_RESPONDERS = "no_responders"
 
 
 def not_granted(exc: ProtocolError) -> bool:

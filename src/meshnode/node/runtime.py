@@ -40,7 +40,7 @@ from meshnode.node.pending import DeliveryWatch, PendingRequests, SendPacer
 from meshnode.node.periodic import FailureDigest, PeriodicJob
 from meshnode.node.pipeline import Path, RefusalCounter, receive_service_reply
 from meshnode.node.pubsub import PubSub
-from meshnode.node.resolver import NOT_GRANTED, ManifestCache
+from meshnode.node.resolver import NO_RESPONDERS, NOT_GRANTED, ManifestCache
 from meshnode.node.settings import NodeSettings, wall_clock_ms
 from meshnode.node.states import AgentState
 from meshnode.node.supervise import supervise_retrying
@@ -518,7 +518,10 @@ class Node:
                     subject, encode_envelope(env), timeout=timeout or self.settings.registry_timeout_s
                 )
             except NoResponders:
-                raise ProtocolError("AGENT_UNAVAILABLE", f"no service answers on {subject}") from None
+                raise ProtocolError(
+                    "AGENT_UNAVAILABLE", f"no service answers on {subject}",
+                    {"reason": NO_RESPONDERS, "subject": subject},
+                ) from None
             except TransportTimeout:
                 # An answer sent while the connection was down is lost with it:
                 # a planned reconnect (a roster change) falls inside a look-up

@@ -183,6 +183,13 @@ REGISTRY_EVAL_PUT = "mesh.registry.eval.put"
 PRESENCE_GET = "mesh.presence.get"
 
 
+def external_discover(tenant: str) -> str:
+    """``mesh.external.{tenant}.discover``: where another tenant's discovery answers
+    in an account that imported it (§15.2 step 2's remapped subject, meshnode's
+    naming; the embedded mesh makes the import from ``[[mesh.embedded.exports]]``)."""
+    return f"mesh.external.{_checked(tenant, is_valid_id_token, 'tenant', 'must be an id-shaped token')}.discover"
+
+
 CONSUMERS_ENSURE = "mesh.consumers.ensure"
 CONSUMERS_DELETE = "mesh.consumers.delete"
 

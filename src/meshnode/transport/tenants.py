@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from meshnode.protocol import subjects
 from meshnode.protocol.nkeys import Prefix, is_valid_public
 
 from .jwt import (
@@ -15,7 +16,6 @@ from .jwt import (
 from .permissions import (
     AGENT_INBOX,
     DISCOVER,
-    EXTERNAL_DISCOVER,
     EXTERNAL_GET,
     REGISTRY_GET,
 )
@@ -49,7 +49,7 @@ def check_tenant_name(name: object) -> str:
 
 def external_discover_subject(tenant: str) -> str:
     """Where an importing tenant reaches ``tenant``'s exported discovery (§15.2 step 2)."""
-    return EXTERNAL_DISCOVER.replace("*", check_tenant_name(tenant))
+    return subjects.external_discover(check_tenant_name(tenant))
 
 
 def external_get_subject(tenant: str, agent_id: str) -> str:
