@@ -185,6 +185,15 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
                # Failed once under CI load with nothing to read: the agents seen and the daemon's log.
                detail=lambda: f"agents: {[(a['name'], a['state']) for a in node.status()['agents']]}\n{node.log_tail()}")
     assert {a["name"] for a in node.status()["agents"]} == {"cli", "echo", "old"}
+    assert cli(node, "reload").stdout == "nothing to apply: the file is what runs\n"
+    # A section only a restart applies is reported by every reload until then,
+    # not only by the first (which used to take it as applied).
+    node.config_path.write_text(text + '\n[protections]\nlive_max_age = "9m"\n')
+    for _ in range(2):
+        again = cli(node, "reload")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == "not applied until the daemon restarts: [protections] changed\n", again.stdout
+    assert ok_json(node, "reload")["requires_restart"] == ["protections"]
 
 
 

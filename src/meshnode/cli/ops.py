@@ -405,7 +405,42 @@ def cmd_renew(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    return _simple(args, "Reload")
+    code, result = _admin(args, "Reload")
+    if code != EX_OK:
+        return code
+    if args.json:
+        _print(args, result)
+        return EX_OK
+    for line in reload_lines(result):
+        print(line)
+    return EX_OK
+
+
+def reload_lines(report: dict[str, Any]) -> list[str]:
+    """A reload's report as a person reads it: what changed, what did not and why."""
+    lines = [
+        f"{what}: {', '.join(report[key])}"
+        for key, what in (("added", "hosted"), ("removed", "removed"), ("restarted", "restarted"))
+        if report.get(key)
+    ]
+    if report.get("kept_removed"):
+        lines.append(f"still removed (meshnode agents remove; `agents add` hosts them again): "
+                     f"{', '.join(report['kept_removed'])}")
+    for name, why in sorted((report.get("failed") or {}).items()):
+        lines.append(f"FAILED {name}: {why}")
+    for name, allowance in sorted((report.get("allowances") or {}).items()):
+        if isinstance(allowance, dict) and allowance.get("valid") is False:
+            lines.append(f"allowance of {name} does not hold ({allowance.get('source')}): "
+                         f"{'; '.join(map(str, allowance.get('errors') or []))}")
+    waiting = report.get("requires_restart") or []
+    sections = [w for w in waiting if not w.startswith("plugin ")]
+    if sections:
+        lines.append(f"not applied until the daemon restarts: {', '.join(f'[{s}]' for s in sections)} changed")
+    lines.extend(f"not applied until the daemon restarts: {w}" for w in waiting if w.startswith("plugin "))
+    if not lines:
+        reread = f"; {len(report['allowances'])} allowance(s) read again" if report.get("allowances") else ""
+        lines.append(f"nothing to apply: the file is what runs{reread}")
+    return lines
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

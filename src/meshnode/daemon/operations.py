@@ -57,8 +57,9 @@ def register_operations(daemon: Daemon, methods: MethodRegistry) -> None:
     methods.add("Renew.Now", ops.renew_now, level="admin",
                 doc="params {} -> {credential, vouches} after re-vouching, re-registering and renewing the credential")
     methods.add("Reload", ops.reload, level="admin",
-                doc="params {} -> {added, removed, restarted, requires_restart, failed?}; plugins re-scanned first;"
-                " a bad file or [agents.X] table is refused (Refused) and nothing changes")
+                doc="params {} -> {added, removed, restarted, requires_restart, allowances, kept_removed?, failed?};"
+                " plugins re-scanned first; a bad file or [agents.X] table is refused (Refused) and nothing changes;"
+                " requires_restart: the sections (and upgraded plugins) that differ from what runs, until a restart")
     methods.add("Logs.Tail", ops.logs_tail, level="operator",
                 doc="params {lines?=100, level?} -> {records: [{ts, level, logger, message}]}")
     methods.add("Logs.Follow", ops.logs_follow, level="operator", streaming=True,
@@ -446,16 +447,22 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         # EXT-8: every allowance_file read again (changed, removed, now invalid:
         # in force at once, failing closed as at start); no agent restarts for it.
         report["allowances"] = reload_allowances(daemon, new)
-        for section in ("node", "mesh", "registry", "services", "admin", "protections", "inbox", "keystore", "a2a"):
-            if getattr(old, section) != getattr(new, section):
-                report["requires_restart"].append(section)
+        pending = [s for s in _RESTART_SECTIONS if getattr(old, s) != getattr(new, s)]
+        report["requires_restart"].extend(pending)
         if old.logging != new.logging:
             logging.getLogger().setLevel(new.logging.level.upper())
-        daemon.config = new
+        # The running configuration keeps the sections only a restart applies:
+        # the next reload compares the file with what runs, so it still says
+        # they wait for a restart (it said nothing once they were swapped in).
+        daemon.config = new.model_copy(update={s: getattr(old, s) for s in pending})
     finally:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
     return report
+
+
+#: Configuration sections a reload cannot apply to a running daemon.
+_RESTART_SECTIONS = ("node", "mesh", "registry", "services", "admin", "protections", "inbox", "keystore", "a2a")
 
 
 def _task_refusal(exc: ProtocolError) -> AdminError:
