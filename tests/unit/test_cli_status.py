@@ -54,3 +54,31 @@ def test_status_says_why_a_hosted_agent_failed(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "  sh2              UAGENT  shell        FAILED: RuntimeError: command 'x' is not an executable" in out
     assert "NOT registered" not in out
+
+
+def test_no_daemon_at_the_default_socket_says_how_to_name_the_one_that_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`meshnode status` in a shell without MESHNODE_CONFIG looked at the default
+    socket and said only that nothing served it, with a daemon started from
+    `--config FILE` running all along."""
+    from meshnode.cli import main
+
+    for name in ("MESHNODE_CONFIG", "CONFIGURATION_DIRECTORY", "STATE_DIRECTORY", "RUNTIME_DIRECTORY",
+                 "INVOCATION_ID"):
+        monkeypatch.delenv(name, raising=False)
+    # A user's defaults under tmp_path, even where the tests run as root (whose
+    # default is /etc/meshnode, which a machine may well have).
+    monkeypatch.setattr("meshnode.config.values._geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    assert main(["status"]) == 69
+    err = capsys.readouterr().err
+    assert "is not running" in err and "neither --config nor $MESHNODE_CONFIG names a file" in err
+    assert "MESHNODE_CONFIG=FILE" in err
+    # Named explicitly, the socket is the one meant: no hint.
+    config = tmp_path / "mn.toml"
+    config.write_text(f'[node]\ndata_dir = "{tmp_path / "d"}"\n', encoding="utf-8")
+    assert main(["status", "--config", str(config)]) == 69
+    assert "neither --config" not in capsys.readouterr().err

@@ -26,7 +26,7 @@ from meshnode.admin.client import AdminClient, AdminClientError, exit_code_for
 from meshnode.admin.protocol import AdminError, Refused
 from meshnode.config import ConfigError, parse_duration
 
-from .daemon import _client_args, _socket
+from .daemon import _client_args, _socket, admin_failure
 from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_NOINPUT, EX_OK, EX_USAGE
 from .output import emit_json, human_duration, human_rate, human_size, human_time, rfc3339_fields
 
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, work: Any) -> tuple[int, Any]:
     except Refused as exc:
         return _refused(exc), None
     except (AdminClientError, AdminError) as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc), None
 
 

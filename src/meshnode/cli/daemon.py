@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from meshnode.admin.client import (
     AdminClient,
     AdminClientError,
+    DaemonNotRunning,
     call_listing,
     call_sync,
     exit_code_for,
@@ -24,7 +25,14 @@ from meshnode.admin.client import (
 )
 from meshnode.admin.offloop import read_status_socket
 from meshnode.admin.protocol import AdminError
-from meshnode.config import Config, ConfigError, describe_sources, load_config
+from meshnode.config import (
+    CONFIG_ENV,
+    Config,
+    ConfigError,
+    describe_sources,
+    load_config,
+    resolve_config_path,
+)
 
 from .exitcodes import (
     EX_CHECK_FAILED,
@@ -204,6 +212,21 @@ def _socket(args: argparse.Namespace) -> str | None:
     return str(config.admin.socket) if config is not None else None
 
 
+def admin_failure(args: argparse.Namespace, exc: Exception) -> str:
+    """The line a failed admin call prints: the error, and for no daemon at a
+    socket the CLI found by default, how to name the daemon that does run."""
+    line = f"meshnode: {exc}"
+    if isinstance(exc, DaemonNotRunning) and not getattr(args, "socket", None):
+        path, _origin, explicit = resolve_config_path(getattr(args, "config", None))
+        if not explicit:
+            found = f"the socket {path} names" if path.exists() else f"the default socket (there is no {path})"
+            line += (
+                f"\n  ({found}, as neither --config nor ${CONFIG_ENV} names a file; reach a daemon"
+                f" started with `meshnode run --config FILE` with --config FILE or {CONFIG_ENV}=FILE)"
+            )
+    return line
+
+
 def _admin(
     args: argparse.Namespace,
     method: str,
@@ -223,7 +246,7 @@ def _admin(
         _warn_if_roster_changed(result)
         return EX_OK, result
     except (AdminClientError, AdminError) as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc), None
 
 
@@ -267,7 +290,7 @@ def _status_or_blocked(args: argparse.Namespace, params: dict[str, Any] | None) 
     try:
         return asyncio.run(ask())
     except (AdminClientError, AdminError) as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc), None
 
 
@@ -578,7 +601,7 @@ def _follow_task(args: argparse.Namespace, opened: dict[str, Any]) -> tuple[int,
         return EX_INTERRUPTED, {}, False
     except (AdminClientError, AdminError) as exc:
         progress.clear()
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc), {}, False
     return EX_OK, state["result"], state["chunks"] > 0
 

@@ -21,7 +21,7 @@ from typing import Any
 from meshnode.admin.client import AdminClient, AdminClientError, exit_code_for
 from meshnode.admin.protocol import AdminError
 
-from .daemon import _admin, _client_args, _socket
+from .daemon import _admin, _client_args, _socket, admin_failure
 from .exitcodes import EX_CONFIG, EX_DATAERR, EX_OK, EX_USAGE
 from .output import emit_json, emit_json_line, human_time
 
@@ -120,6 +120,6 @@ def cmd_sub(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EX_OK
     except (AdminClientError, AdminError) as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc)
     return EX_OK

@@ -11,7 +11,7 @@ from meshnode.admin.client import AdminClientError, exit_code_for, merge_pages
 from meshnode.admin.protocol import AdminError
 from meshnode.config import ConfigError, parse_duration
 
-from .daemon import _admin, _client_args, _socket
+from .daemon import _admin, _client_args, _socket, admin_failure
 from .exitcodes import EX_CANTCREAT, EX_CONFIG, EX_DATAERR, EX_OK, EX_USAGE
 from .output import emit_json, human_size, human_time, render
 
@@ -468,7 +468,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EX_OK
     except (AdminClientError, AdminError) as exc:
-        print(f"meshnode: {exc}", file=sys.stderr)
+        print(admin_failure(args, exc), file=sys.stderr)
         return exit_code_for(exc)
     return EX_OK
 
