@@ -52,6 +52,8 @@ discover = true
         ('[[mesh.embedded.exports]]\nfrom = "nobody"\nto = "mesh"\ndiscover = true', "'nobody'"),
         ('tenants = ["f"]\n[[mesh.embedded.exports]]\nfrom = "f"\nto = "f"\ndiscover = true', "itself"),
         ('tenants = ["f"]\n[[mesh.embedded.exports]]\nfrom = "f"\nto = "mesh"', "names agents"),
+        ('tenants = ["f"]\n[[mesh.embedded.exports]]\nfrom = "f"\nto = "mesh"\nagents = ["echo"]',
+         r"exports\[0\]\.agents: 'echo' is not an agent id: an export names agents by id"),
     ],
 )
 def test_bad_tenancy_configuration_names_the_problem(short_tmp_path: Path, text: str, fragment: str) -> None:

@@ -3,6 +3,7 @@ and ``[agents.<name>]`` (see :mod:`meshnode.config`)."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -105,6 +106,9 @@ class NodeConfig(BaseModel):
     ``"package.module:AgentClass"``): for developing a plugin without packaging it."""
 
 
+_AGENT_ID = re.compile(r"U[A-Z2-7]{55}")
+
+
 class TenantExportConfig(BaseModel):
     """``[[mesh.embedded.exports]]``: what one tenant makes reachable from another (§15.2).
 
@@ -118,8 +122,21 @@ class TenantExportConfig(BaseModel):
 
     from_: Annotated[str, Field(alias="from", pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
     to: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
-    agents: list[Annotated[str, Field(pattern=r"^U[A-Z2-7]{55}$")]] = Field(default_factory=list)
+    agents: list[str] = Field(default_factory=list)
     discover: bool = False
+
+    @field_validator("agents")
+    @classmethod
+    def _agent_ids(cls, agents: list[str]) -> list[str]:
+        for agent in agents:
+            if not _AGENT_ID.fullmatch(agent):
+                # Names are a node's own and repeat across nodes; the broker's
+                # import names one inbox subject, so an export names the id.
+                raise ValueError(
+                    f"{agent!r} is not an agent id: an export names agents by id (U..., 56 characters,"
+                    " as `meshnode status` or `meshnode discover` shows), not by name"
+                )
+        return agents
 
     @model_validator(mode="after")
     def _two_tenants(self) -> TenantExportConfig:
