@@ -96,6 +96,27 @@ def test_renewal_after_a_lapse_heals_on_start(meshnode_daemons: DaemonSet) -> No
     assert b.call(a.agent_id("echo"), "echo", "awake")["output"] == {"ok": "awake"}
 
 
+def test_a_credential_stored_by_an_earlier_version_is_renewed_at_start(meshnode_daemons: DaemonSet) -> None:
+    """An upgrade that changed the grants meshnode mints: the joined node's stored
+    credential (fresh for hours yet) is renewed at its first start, not used on
+    the old grants until due; the next start keeps the renewed one."""
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    path = b.data_dir / "credential.json"
+    stored = json.loads(path.read_text())
+    assert b.stop() == 0
+    del stored["grants"]  # the file an earlier version wrote
+    path.write_text(json.dumps(stored))
+    b.start()
+    renewed = json.loads(path.read_text())
+    assert renewed["jwt"] != stored["jwt"] and "grants" in renewed
+    assert "predates this version's grants: renewing it now" in b.log_text()
+    assert b.call(a.agent_id("echo"), "echo", "upgraded")["output"] == {"ok": "upgraded"}
+    assert b.stop() == 0
+    b.start()
+    assert json.loads(path.read_text())["jwt"] == renewed["jwt"]
+
+
 def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet) -> None:
     a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})

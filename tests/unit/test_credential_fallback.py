@@ -79,3 +79,45 @@ def test_the_stored_credential_is_private_and_written_whole(mesh: EmbeddedNatsSe
         store_credential(data_dir, mesh.mint_node_credential(node.public_key, [], ttl), [])
     assert (data_dir / CREDENTIAL_FILE).stat().st_mode & 0o777 == 0o600
     assert [p.name for p in data_dir.iterdir()] == [CREDENTIAL_FILE]  # no temporary left beside it
+
+
+async def test_a_credential_stored_under_other_grants_is_renewed_at_start(
+    mesh: EmbeddedNatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After an upgrade that changed the grants meshnode mints (a purge grant on
+    the mailboxes, say), the stored credential ran until it was due on the old
+    ones, the broker refusing what the new code did. Stored under another
+    revision (or none: an older version's file), it is renewed at start; with
+    the control plane away it still stands in."""
+    import json
+
+    from meshnode.transport.permissions import grants_revision
+
+    node, agent = KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node.public_key, [agent.public_key], 3600)
+    store_credential(tmp_path, jwt, [agent.public_key])
+    stored = json.loads((tmp_path / CREDENTIAL_FILE).read_text())
+    assert stored["grants"] == grants_revision()
+    with caplog.at_level("INFO", logger="meshnode"):
+        assert await obtain_credential(AWAY, tmp_path, node, [agent]) == jwt
+    assert "control plane unreachable" not in caplog.text  # this version's: used as it is
+    del stored["grants"]  # what an earlier version wrote
+    (tmp_path / CREDENTIAL_FILE).write_text(json.dumps(stored))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="meshnode"):
+        assert await obtain_credential(AWAY, tmp_path, node, [agent]) == jwt  # the fallback
+    assert "predates this version's grants: renewing it now" in caplog.text
+    assert "control plane unreachable" in caplog.text  # it was asked
+
+
+def test_the_grants_revision_follows_the_grants(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshnode.transport import permissions
+
+    before = permissions.grants_revision()
+    assert len(before) == 16 and before == permissions.grants_revision()
+    permissions.grants_revision.cache_clear()
+    monkeypatch.setattr(permissions, "node_denials", lambda role="participant": ["$JS.API.EXTRA"])
+    try:
+        assert permissions.grants_revision() != before
+    finally:
+        permissions.grants_revision.cache_clear()

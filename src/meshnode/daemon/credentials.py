@@ -30,7 +30,7 @@ from meshnode.protocol.subjects import agent_inbox
 from meshnode.transport.files import write_private_file
 from meshnode.transport.grants import Grants
 from meshnode.transport.jwt import decode_jwt, renew_at
-from meshnode.transport.permissions import STARTER_TAG
+from meshnode.transport.permissions import STARTER_TAG, grants_revision
 from meshnode.transport.tls import client_context
 
 __all__ = [
@@ -102,7 +102,8 @@ def store_credential(
 ) -> None:
     """Write the credential (and the §9.7 attestation issued with it) atomically, mode
     0600 (no window of wider permissions)."""
-    record: dict[str, Any] = {"jwt": jwt, "roster": sorted(roster)}
+    # Which grants this version mints: a later version renews what an earlier stored.
+    record: dict[str, Any] = {"jwt": jwt, "roster": sorted(roster), "grants": grants_revision()}
     if trust_attestation is not None:
         record["trust_attestation"] = trust_attestation
     write_private_file(data_dir / CREDENTIAL_FILE, json.dumps(record), replace=True)
@@ -141,9 +142,10 @@ def _claims(jwt: str) -> dict[str, Any] | None:
 async def obtain_credential(
     config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair], *, covering: bool = False
 ) -> str:
-    """The JWT to connect with: the stored one while it is fresh and covers the
-    roster, else a renewed one from the control plane, else (when the control
-    plane cannot be reached) the stored one as long as it has not expired.
+    """The JWT to connect with: the stored one while it is fresh, covers the
+    roster and was stored under this version's grants (:func:`grants_revision`),
+    else a renewed one from the control plane, else (when the control plane
+    cannot be reached) the stored one as long as it has not expired.
 
     ``covering`` is for a roster change: the stored credential stands in only
     if its grants cover every agent of the roster. An agent added while the control
@@ -166,7 +168,12 @@ async def obtain_credential(
         and not _is_starter(stored_claims)
     )
     if fresh and stored is not None:
-        return str(stored["jwt"])
+        if stored.get("grants") == grants_revision():
+            return str(stored["jwt"])
+        # Stored by a version that minted other grants (an upgrade): renewed
+        # now, or (control plane away) used as it is until it lapses.
+        if config.mesh.control_plane:
+            log.info("the stored node credential predates this version's grants: renewing it now")
     if config.mesh.control_plane:
         ca_file = config.mesh.ca_file
         client = ControlPlaneClient(

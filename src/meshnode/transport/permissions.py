@@ -79,10 +79,13 @@ The subject patterns live here as module constants so they can move to
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from meshnode.protocol.nkeys import Prefix, is_valid_public
+from meshnode.protocol.nkeys import KeyPair, Prefix, is_valid_public
 
 __all__ = [
     "LEGACY_INBOX_PREFIX",
@@ -94,6 +97,7 @@ __all__ = [
     "Profile",
     "Role",
     "SDK_INBOX_PREFIX",
+    "grants_revision",
     "inbox_prefix_for",
     "node_denials",
     "node_inbox_prefix",
@@ -547,3 +551,26 @@ def sdk_permissions(node_id: str, agent_id: str) -> NodePermissions:
         f"{SDK_INBOX_PREFIX}.>",
     ]
     return NodePermissions(_unique(pub), _unique(sub))
+
+
+@functools.cache
+def grants_revision() -> str:
+    """A short digest of every grant this version of meshnode mints (both node
+    roles, their denials, the ``sdk`` profile), for fixed placeholder keys.
+
+    A node stores it beside its credential; a credential stored under another
+    revision is renewed at the next start rather than used until it is due.
+    After an upgrade that added a grant (``$JS.API.STREAM.PURGE`` on the
+    mailboxes, say), the node otherwise ran up to two thirds of a credential's
+    life on the old grants, the broker refusing what the new code does.
+    Computed, so a change to the grants changes it with no constant to bump.
+    """
+    node = KeyPair.from_raw_seed(bytes(32)).public_key
+    agent = KeyPair.from_raw_seed(bytes([1]) * 32).public_key
+    roles: tuple[Role, ...] = ("participant", "service")
+    grants = [
+        *(list(node_permissions(node, [agent], role=role)) for role in roles),
+        *(node_denials(role) for role in roles),
+        list(sdk_permissions(node, agent)),
+    ]
+    return hashlib.sha256(json.dumps(grants, sort_keys=True).encode()).hexdigest()[:16]
