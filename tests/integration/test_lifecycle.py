@@ -6,6 +6,7 @@ embedded node keeping its connection through both adds)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 
 from meshnode.cli import exitcodes
 from meshnode.testing import DaemonProcess, DaemonSet, eventually
+
+from .cli_here import cli_here
 
 pytestmark = pytest.mark.integration
 
@@ -321,3 +324,32 @@ def test_agents_add_save_survives_a_restart_and_unsaved_is_deregistered(first: D
     assert "deregistered passing" in first.log_text()
     # Configured but not running: still registered (its buffer kept), shown offline.
     eventually(lambda: _availability(first, flaky_id) == "offline", timeout=30)
+
+
+def test_an_invite_that_cannot_be_written_enrols_nobody(
+    first: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mesh invite --out FILE` with FILE already there refused to write, after the
+    invite was made: a node key nobody holds was enrolled and its name taken
+    ("already named") until someone retired it."""
+    taken = tmp_path / "taken.creds"
+    taken.write_text("someone else's invite", encoding="utf-8")
+    refused = _cli("mesh", "invite", "unwritten", "--out", str(taken), "--socket", first.socket_path)
+    assert refused.returncode == exitcodes.EX_CANTCREAT and "nothing was invited" in refused.stderr, refused.stderr
+    assert taken.read_text(encoding="utf-8") == "someone else's invite"
+    assert "unwritten" not in {n["name"] for n in first.admin("Mesh.Nodes")["nodes"]}
+
+    # A write that fails once the invite is made (a full disk, a race) withdraws it.
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("meshnode.control_plane.write_invite", disk_full)
+    failed = cli_here("mesh", "invite", "unwritten", "--out", str(tmp_path / "new.creds"),
+                      "--socket", first.socket_path)
+    assert failed.returncode == exitcodes.EX_CANTCREAT, failed.stderr
+    assert "No space left on device" in failed.stderr and "was withdrawn (retired)" in failed.stderr, failed.stderr
+    assert [n["state"] for n in first.admin("Mesh.Nodes")["nodes"] if n["name"] == "unwritten"] == ["retired"]
+    monkeypatch.undo()
+    # The name is free for the invite that works.
+    done = _cli("mesh", "invite", "unwritten", "--out", str(tmp_path / "ok.creds"), "--socket", first.socket_path)
+    assert done.returncode == 0, done.stderr

@@ -153,6 +153,12 @@ def cmd_invite(args: argparse.Namespace) -> int:
     # command needs before it runs (CLI start-up time).
     from meshnode.control_plane import InviteBundle, write_invite
 
+    # Checked before inviting: an invite whose file cannot be written enrols a
+    # node key nobody holds, and its name is taken until it is retired.
+    unwritable = _unwritable_invite_path(Path(args.out))
+    if unwritable is not None:
+        print(f"meshnode: {unwritable}; nothing was invited", file=sys.stderr)
+        return EX_CANTCREAT
     code, result = _admin(
         args, "Mesh.Invite", {"name": args.name, "trust_tier": args.trust_tier, "tenant": args.tenant}
     )
@@ -161,11 +167,15 @@ def cmd_invite(args: argparse.Namespace) -> int:
     bundle = InviteBundle(result["name"], result["node_seed"], result["jwt"])
     try:
         write_invite(args.out, bundle, result["nats_urls"], result.get("control_plane"))
-    except FileExistsError:
-        print(f"meshnode: {args.out} exists; not overwriting an invite", file=sys.stderr)
-        return EX_CANTCREAT
     except OSError as exc:
-        print(f"meshnode: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        # Lost a race with another writer, or the disk: undo the invite.
+        why = "it exists (not overwriting an invite)" if isinstance(exc, FileExistsError) else exc.strerror
+        undo, _ = _admin(args, "Mesh.Retire", {"node_id": result["node_id"]})
+        undone = (
+            f"the invite of {result['name']} was withdrawn (retired)" if undo == EX_OK else
+            f"retire the invite with meshnode mesh retire --node {result['node_id']} before inviting {result['name']} again"
+        )
+        print(f"meshnode: cannot write {args.out}: {why}; {undone}", file=sys.stderr)
         return EX_CANTCREAT
     if args.json:
         print(json.dumps({
@@ -183,6 +193,19 @@ def cmd_invite(args: argparse.Namespace) -> int:
         print(f"on the new node: meshnode join {args.out} --data-dir DIR")
         _print_notes(result)
     return EX_OK
+
+
+def _unwritable_invite_path(path: Path) -> str | None:
+    """Why an invite cannot be written at ``path`` (None when it can, as far as
+    can be told before writing)."""
+    if path.exists() or path.is_symlink():
+        return f"{path} exists; not overwriting an invite (remove it, or pick another --out)"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"cannot write {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write {path}: the directory {parent} is not writable"
+    return None
 
 
 def _print_notes(result: dict[str, Any]) -> None:

@@ -244,7 +244,10 @@ class Enrolment:
                     )
                 return existing
             if any(n.name == name and not n.retired for n in state.nodes.values()):
-                raise ValueError(f"an active node is already named {name}")
+                raise ValueError(
+                    f"a node is already named {name} (meshnode mesh nodes lists it; "
+                    f"meshnode mesh retire --node {name} frees the name)"
+                )
             record = EnrolledNode(node_id, name, now, trust_tier=trust_tier, tenant=tenant)
             state.nodes[node_id] = record
         log.info("control plane: enrolled node %s as %s (tenant %s)", node_id, name, tenant)
@@ -530,7 +533,10 @@ class Enrolment:
         record = EnrolmentToken(token_digest(token), name, now, now + ttl_s, trust_tier, tenant)
         with self._store.update() as state:
             if any(n.name == name and not n.retired for n in state.nodes.values()):
-                raise ValueError(f"an active node is already named {name}")
+                raise ValueError(
+                    f"a node is already named {name} (meshnode mesh nodes lists it; "
+                    f"meshnode mesh retire --node {name} frees the name)"
+                )
             if any(t.name == name and t.state(now) == "pending" for t in state.tokens.values()):
                 raise ValueError(f"a pending token is already named {name}; revoke it first")
             state.tokens[record.digest] = record
