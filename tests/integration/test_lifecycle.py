@@ -227,6 +227,18 @@ def test_join_does_not_overwrite_an_edited_config(first: DaemonProcess, tmp_path
     assert "[agents.mine]" not in config.read_text()
     tomllib.loads(config.read_text())
 
+    # Another invite into the same directory: a data dir is one node, whose key
+    # is never replaced, not even with --force; the refusal comes first, naming it.
+    other = tmp_path / "other.creds"
+    assert _cli("mesh", "invite", "other-join", "--out", str(other), "--socket", first.socket_path).returncode == 0
+    before = config.read_text()
+    held = (data_dir / "keys" / "node.seed").read_text()
+    for extra in ((), ("--force",)):
+        again = _cli("join", str(other), "--data-dir", str(data_dir), *extra)
+        assert again.returncode == exitcodes.EX_CANTCREAT, again.stderr
+        assert "already holds another node's key" in again.stderr and "fresh --data-dir" in again.stderr
+    assert config.read_text() == before and (data_dir / "keys" / "node.seed").read_text() == held
+
 
 def _presence(node: DaemonProcess, node_id: str) -> str:
     return str(node.admin("Presence", {"node": node_id})["availability"])

@@ -326,30 +326,44 @@ def cmd_join(args: argparse.Namespace) -> int:
         lines += ["", f"[agents.{agent_name}]", f"plugin = {_toml_str(plugin)}"]
     config_path = Path(args.config_out) if args.config_out else data_dir / "meshnode.toml"
     text = "\n".join(lines) + "\n"
-    # Decided before anything is written: a refused join leaves key, credential
-    # and configuration as they were.
-    backup = _existing_config(config_path, text, force=args.force)
-    if isinstance(backup, int):
-        return backup
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(data_dir, 0o700)
     from meshnode.daemon.credentials import store_credential
     from meshnode.daemon.datalock import DataDirBusy, DataDirLock
 
+    # Decided before anything is written: a refused join leaves key, credential
+    # and configuration as they were. First whether a daemon runs there (its
+    # node key and credential would be replaced under it), then whose key the
+    # directory holds, then the configuration file.
+    lock: DataDirLock | None = None
     try:
-        # A daemon running on this directory would have its node key and credential replaced under it.
-        lock = DataDirLock.acquire(data_dir, hint="join into another --data-dir")
+        if data_dir.is_dir():
+            lock = DataDirLock.acquire(data_dir, hint="join into another --data-dir")
+        other = _other_node_key(data_dir, invite.node_key.public_key)
+        if other is not None:
+            # A data dir is one node: its key is its identity, never replaced (not even --force).
+            print(
+                f"meshnode: {data_dir} already holds another node's key ({other}); a data directory is "
+                "one node. Join into a fresh --data-dir (or remove this one if that node is gone for "
+                "good; its key cannot be recovered)", file=sys.stderr,
+            )
+            return EX_CANTCREAT
+        backup = _existing_config(config_path, text, force=args.force)
+        if isinstance(backup, int):
+            return backup
+        if lock is None:
+            data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock = DataDirLock.acquire(data_dir, hint="join into another --data-dir")
+        os.chmod(data_dir, 0o700)
+        FileKeyStore(data_dir).import_key("node", invite.node_key)
+        store_credential(data_dir, invite.jwt, [])
     except DataDirBusy as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return EX_TEMPFAIL
-    try:
-        FileKeyStore(data_dir).import_key("node", invite.node_key)
-        store_credential(data_dir, invite.jwt, [])
     except KeyStoreError as exc:
         print(f"meshnode: {exc}", file=sys.stderr)
         return EX_CANTCREAT
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     if backup is not None:
         os.replace(config_path, backup)
     config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +385,19 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"the previous configuration is kept as {backup}")
         print(f"start it with: meshnode run --config {config_path}")
     return EX_OK
+
+
+def _other_node_key(data_dir: Path, joining: str) -> str | None:
+    """The public key of a node key ``data_dir`` holds other than ``joining``'s."""
+    from meshnode.keystore import FileKeyStore, KeyStoreError
+
+    if not (data_dir / "keys").is_dir():
+        return None
+    try:
+        held = FileKeyStore(data_dir).get("node")
+    except KeyStoreError:
+        return None  # unreadable: import_key says why
+    return held.public_key if held is not None and held.public_key != joining else None
 
 
 def _existing_config(path: Path, text: str, *, force: bool) -> Path | int | None:
