@@ -15,7 +15,7 @@ import pytest
 
 from meshnode.admin.protocol import InvalidParameter
 from meshnode.protocol.nkeys import KeyPair
-from meshnode.testing import DaemonProcess, DaemonSet, eventually
+from meshnode.testing import DaemonProcess, DaemonSet, eventually, render_toml
 from tests.integration.cli_here import cli_here
 
 pytestmark = pytest.mark.integration
@@ -194,6 +194,13 @@ def test_reload_good_and_bad_configuration(meshnode_daemons: DaemonSet) -> None:
         assert again.returncode == 0, again.stderr
         assert again.stdout == "not applied until the daemon restarts: [protections] changed\n", again.stdout
     assert ok_json(node, "reload")["requires_restart"] == ["protections"]
+    # [node] plugin_modules is applied by the reload itself (the plugins are scanned
+    # again): an agent of the new module is hosted, and nothing waits for a restart.
+    node.config["node"]["plugin_modules"] = ["tests.agents.finder:plugin"]
+    node.config["agents"] = {**node.config.get("agents", {}), "finder": {"plugin": "finder"}}
+    node.config_path.write_text(render_toml(node.config), encoding="utf-8")
+    report = ok_json(node, "reload")
+    assert report["added"] == ["finder"] and report["requires_restart"] == [], report
 
 
 

@@ -447,14 +447,18 @@ async def reload_config(daemon: Daemon) -> dict[str, Any]:
         # EXT-8: every allowance_file read again (changed, removed, now invalid:
         # in force at once, failing closed as at start); no agent restarts for it.
         report["allowances"] = reload_allowances(daemon, new)
-        pending = [s for s in _RESTART_SECTIONS if getattr(old, s) != getattr(new, s)]
+        # [node] plugin_modules is applied: the rescan above loaded the new list.
+        running_now = old.model_copy(
+            update={"node": old.node.model_copy(update={"plugin_modules": new.node.plugin_modules})}
+        )
+        pending = [s for s in _RESTART_SECTIONS if getattr(running_now, s) != getattr(new, s)]
         report["requires_restart"].extend(pending)
         if old.logging != new.logging:
             logging.getLogger().setLevel(new.logging.level.upper())
         # The running configuration keeps the sections only a restart applies:
         # the next reload compares the file with what runs, so it still says
         # they wait for a restart (it said nothing once they were swapped in).
-        daemon.config = new.model_copy(update={s: getattr(old, s) for s in pending})
+        daemon.config = new.model_copy(update={s: getattr(running_now, s) for s in pending})
     finally:
         daemon.notifier.ready("reloaded")
     log.info("configuration reloaded: %s", report)
