@@ -232,7 +232,7 @@ def _admin(
     method: str,
     params: dict[str, Any] | None = None,
     *,
-    timeout: float = 30.0,
+    timeout: float | None = 30.0,
     listing: bool = False,
     combine: Callable[[list[dict[str, Any]]], dict[str, Any]] = merge_pages,
 ) -> tuple[int, Any]:
@@ -500,7 +500,11 @@ def cmd_call(args: argparse.Namespace) -> int:
         # Open the task, then follow it: chunks and progress as they arrive
         # (one Call waits for the end and answers everything at once).
         params["wait_task"] = False
-    code, result = _admin(args, "Call", params)
+    # The daemon answers a request within --timeout (plus its look-ups), but
+    # follows a task it waits for as long as it keeps reporting: the admin call
+    # must not give up first (at its own 30 s it cut every longer call short).
+    waits_for_task = bool(params.get("wait_task", True))
+    code, result = _admin(args, "Call", params, timeout=None if waits_for_task else args.timeout + 15)
     if code != EX_OK:
         return code
     streamed = False

@@ -258,10 +258,12 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
     return next(iter(codes), EX_OK)
 
 
-#: ``agents add`` / ``remove``: longer than a call's usual 30 s. A joined node
-#: whose control plane rate-limits it waits up to RATE_LIMIT_PATIENCE_S (75 s)
-#: for the credential, and thousands of agents take a while to host; the CLI
-#: gave up at 30 s while the daemon went on adding.
+#: ``agents add`` / ``remove`` / ``restart``, ``reload``, ``renew``, ``drain``:
+#: longer than a call's usual 30 s. A joined node whose control plane
+#: rate-limits it waits up to RATE_LIMIT_PATIENCE_S (75 s) for the credential,
+#: thousands of agents take a while to host, an agent's stop and start have
+#: their own grace periods, and a full buffer takes a while to drain; the CLI
+#: gave up at 30 s while the daemon went on.
 _ROSTER_TIMEOUT_S = 600.0
 
 
@@ -327,7 +329,7 @@ def _failed(name: str, what: str, wire: dict[str, Any]) -> int:
 
 
 def cmd_agents_restart(args: argparse.Namespace) -> int:
-    return _simple(args, "Agents.Restart", {"name": args.name})
+    return _simple(args, "Agents.Restart", {"name": args.name}, timeout=_ROSTER_TIMEOUT_S)
 
 
 def cmd_presence(args: argparse.Namespace) -> int:
@@ -363,7 +365,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Drain.Now", {"agent": args.agent} if args.agent else {})
+    code, result = _admin(args, "Drain.Now", {"agent": args.agent} if args.agent else {}, timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -401,11 +403,11 @@ def _drain_line(entry: dict[str, Any]) -> str | None:
 
 
 def cmd_renew(args: argparse.Namespace) -> int:
-    return _simple(args, "Renew.Now")
+    return _simple(args, "Renew.Now", timeout=_ROSTER_TIMEOUT_S)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Reload")
+    code, result = _admin(args, "Reload", timeout=_ROSTER_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
