@@ -256,7 +256,7 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     # can take while it is down (a port-0 one could be).
     ports = {"port": meshnode_daemons.port_for_restarts(), "control_port": meshnode_daemons.port_for_restarts()}
     a = meshnode_daemons.embedded(
-        "a", agents={"echo": {"plugin": "echo"}},
+        "a", agents={"echo": {"plugin": "echo"}, "hidden": {"plugin": "echo"}},
         extra={"mesh.embedded": {"tenants": ["family"], **ports}},
     )
     f = meshnode_daemons.joined(
@@ -299,5 +299,11 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     assert echo not in {m["id"] for m in f.admin("Discover", {})["agents"]}  # its own registry: own agents
     found = f.call("finder", "discover", {"exported_by": "mesh", "offering": "echo"})
     assert found["status"] == "completed", found
-    assert [(m["id"], m["local"]) for m in found["output"]] == [(echo, False)]
+    hidden = a.agent_id("hidden")
+    assert sorted((m["id"], m["local"]) for m in found["output"]) == sorted([(echo, False), (hidden, False)])
     assert f.call("finder", "ask", {"name": echo, "offering": "echo", "input": "via discovery"})["status"] == "completed"
+    # Listed by the exported discovery, but its inbox is not exported: refused at
+    # once by family's registry, not a request left to time out with no route.
+    refused = f.call("finder", "ask", {"name": hidden, "offering": "echo", "input": "x"})
+    assert refused["status"] == "failed" and refused["error"]["code"] == "NOT_FOUND", refused
+    assert "not exported to this one" in refused["error"]["message"], refused

@@ -127,6 +127,14 @@ async def test_exported_by_asks_the_other_tenants_discovery_and_says_what_opens_
     found = await directory.discover(me, offering="echo", exported_by="family")  # type: ignore[arg-type]
     assert [f.id for f in found] == [theirs["id"]] and queries == []  # not this tenant's registry
     assert asked == [{"offering_id": "echo", "limit": 50}]
+    # Not remembered as a manifest: this tenant's registry resolves a request to
+    # it (only an exported agent has a route; the rest are NOT_FOUND at once).
+    async def not_exported(payload: Any) -> dict[str, Any]:
+        raise ProtocolError("NOT_FOUND", "no such agent")
+
+    node.service_answers[subjects.registry_get(theirs["id"])] = not_exported
+    with pytest.raises(ProtocolError, match="no such agent"):
+        await directory.manifests.resolve(me, theirs["id"])  # type: ignore[arg-type]
     # Cached apart from the same query to this tenant's own registry.
     assert [f.id for f in await directory.discover(me, offering="echo")] != [theirs["id"]]  # type: ignore[arg-type]
     assert len(asked) == 1 and len(queries) == 1

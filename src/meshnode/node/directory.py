@@ -190,7 +190,11 @@ class AgentDirectory:
                 if name is not None and manifest.get("name") != name:
                     continue
                 # Known now: the request that follows needs no second look-up.
-                self.manifests.remember(manifest)
+                # Not another tenant's: of those only the exported answer, and
+                # this tenant's registry says which (a request to the rest
+                # would wait out its whole timeout: no route, no answer).
+                if exported_by is None:
+                    self.manifests.remember(manifest)
                 found.append(manifest)
             next_cursor = answer.get("cursor")
             if len(found) >= limit or not isinstance(next_cursor, str) or not next_cursor:

@@ -626,7 +626,12 @@ class RegistryService(ServiceBase):
         if manifest is None and token in self._imported:
             return await self._get_imported(token, env)
         if manifest is None:
-            raise ProtocolError("NOT_FOUND", "no such agent", {"agent_id": token})
+            raise ProtocolError(
+                "NOT_FOUND",
+                "no such agent: this registry holds none by that id (never registered, deregistered,"
+                " or an agent of another tenant that is not exported to this one)",
+                {"agent_id": token},
+            )
         if manifest.get("visibility") == "private" and manifest.get("owner") not in self._caller_owners(env["from"]):
             # A private agent is never listed and its description stays with its
             # owner, but whoever it wrote to must be able to answer it and to
