@@ -9,6 +9,7 @@ its roster, so every refusal below is the broker's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,9 @@ from meshnode.transport.embedded import (
 from meshnode.transport.jwt import decode_jwt
 
 from .conftest import connect
+from .sdk_client import SdkClient
 from .test_services import Participant, call, signed
+from .wire_client import UserKey, WireAgent
 
 pytestmark = pytest.mark.integration
 
@@ -307,3 +310,39 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
     refused = f.call("finder", "ask", {"name": hidden, "offering": "echo", "input": "x"})
     assert refused["status"] == "failed" and refused["error"]["code"] == "NOT_FOUND", refused
     assert "not exported to this one" in refused["error"]["message"], refused
+
+
+def _twice(input: Any, request: Any) -> Any:
+    return {"twice": input}
+
+
+async def test_an_sdk_agent_enrolled_into_a_tenant_lives_there(meshnode_daemons: DaemonSet) -> None:
+    """`mesh token NAME --tenant family`: the SDK agent's credential is family's, it
+    registers with family's registry, family's nodes find and call it, and the
+    mesh's own tenant neither lists nor reaches it."""
+    hub = await asyncio.to_thread(
+        meshnode_daemons.embedded, "hub", agents={"echo": {"plugin": "echo"}},
+        extra={"mesh.embedded": {"tenants": ["family"]}},
+    )
+    f = await asyncio.to_thread(
+        meshnode_daemons.joined, "f", via=hub, agents={"fecho": {"plugin": "echo"}},
+        invite_args=("--tenant", "family"),
+    )
+    token = await asyncio.to_thread(hub.admin, "Mesh.Token", {"name": "bot", "tenant": "family"})
+    assert token["tenant"] == "family"
+    control_plane = (await asyncio.to_thread(hub.admin, "Mesh.Info"))["control_plane"]
+    bot = SdkClient(control_plane, WireAgent(UserKey.generate(), "bot", offerings={"twice": _twice}))
+    await bot.start(token["token"])
+    try:
+        bot_id = bot.agent.id
+        assert "agentmesh:tenant:family" in decode_jwt(bot.jwt)[1]["nats"]["tags"]
+        assert {m["name"] for m in await bot.discover({})} >= {"bot", "fecho"}
+        assert "echo" not in {m["name"] for m in await bot.discover({})}
+        nodes = {n["name"]: n for n in (await asyncio.to_thread(hub.admin, "Mesh.Nodes"))["nodes"]}
+        assert (nodes["bot"]["tenant"], nodes["bot"]["profile"]) == ("family", "sdk")
+        answer = await asyncio.to_thread(f.call, bot_id, "twice", {"x": 1}, 10)
+        assert answer["status"] == "completed" and answer["output"] == {"twice": {"x": 1}}, answer
+        refused = await asyncio.to_thread(hub.call, bot_id, "twice", {"x": 1}, 10)
+        assert refused["status"] == "failed" and refused["error"]["code"] == "NOT_FOUND", refused
+    finally:
+        await bot.disconnect()
