@@ -291,6 +291,13 @@ def test_agents_exported_both_ways_converse_across_tenants(meshnode_daemons: Dae
         answer.update(f.call(echo, "echo", "hi", timeout=5))
         return answer.get("status") == "completed"
 
+    info = a.admin("Mesh.Info")  # what runs: the exports the account JWTs were minted with
+    assert info["tenants"] == ["mesh", "family"]
+    assert info["exports"] == [
+        {"from": "mesh", "to": "family", "agents": [echo], "discover": True},
+        {"from": "family", "to": "mesh", "agents": [f_cli, finder], "discover": False},
+    ]
+
     # f reconnects and re-registers on its own schedule.
     eventually(answered, timeout=60, interval=0.5, what="f's call across the export answered")
     assert answer["status"] == "completed", answer

@@ -119,6 +119,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         prefixes = info.get("inbox_prefixes") or {}
         if prefixes:
             print("reply prefix   " + ", ".join(f"{k}: {v}" for k, v in prefixes.items()))
+        tenants = info.get("tenants") or []
+        if len(tenants) > 1:
+            print(f"tenants        {tenants[0]} (own), {', '.join(tenants[1:])}")
+        for export in info.get("exports") or []:
+            opened = [f"{len(export['agents'])} agent inbox(es)"] if export["agents"] else []
+            opened += ["discovery"] if export["discover"] else []
+            print(f"export         {export['from']} -> {export['to']}: {' and '.join(opened)}")
+            for agent in export["agents"]:
+                print(f"                 {agent}")
     return EX_OK
 
 

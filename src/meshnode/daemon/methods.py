@@ -44,6 +44,7 @@ from meshnode.protocol.fencing import FrameProvenance, frame_payload
 from meshnode.protocol.nkeys import Prefix, is_valid_public
 from meshnode.protocol.protections import sender_body
 from meshnode.transport.permissions import node_inbox_prefix
+from meshnode.transport.tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from meshnode.daemon.main import Daemon
@@ -652,6 +653,21 @@ class CoreMethods:
             # (nats.connect(inbox_prefix=...)), and this node's own.
             "inbox_prefixes": dict(INBOX_PREFIXES),
             "inbox_prefix": self._own_inbox_prefix(),
+            **self._tenancy(),
+        }
+
+    def _tenancy(self) -> dict[str, Any]:
+        """The tenants and exports the running embedded mesh was started with
+        (account JWTs are minted at start: a file changed since waits for a restart)."""
+        embedded = self.d.config.mesh.embedded if self.d.embedded_mode else None
+        if embedded is None:
+            return {"tenants": None, "exports": []}
+        return {
+            "tenants": [DEFAULT_TENANT, *embedded.tenants],
+            "exports": [
+                {"from": e.from_, "to": e.to, "agents": list(e.agents), "discover": e.discover}
+                for e in embedded.exports
+            ],
         }
 
     def _own_inbox_prefix(self) -> str | None:
