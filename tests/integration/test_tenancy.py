@@ -233,6 +233,11 @@ def test_a_node_invited_into_a_tenant_lives_in_that_tenant_only(meshnode_daemons
     assert credential["role"] == "participant"
     assert {n["name"]: n["tenant"] for n in a.admin("Mesh.Nodes")["nodes"]} == {"f": "family"}
     assert a.status()["mesh"]["tenants"] == ["family"]
+    # Family's account has a store of its own, watched and reported beside the mesh's.
+    eventually(lambda: a.status()["tenant_storage"]["family"]["state"] == "ok", what="family's store read")
+    assert a.status()["tenant_storage"]["family"]["limit_bytes"] > 0
+    prometheus = a.admin("Metrics", {"format": "prometheus"})["text"]
+    assert 'meshnode_tenant_jetstream_store_limit_bytes{tenant="family"}' in prometheus
 
     # Each registers with its own tenant's registry and finds only its own tenant.
     assert all(agent.get("registered") for agent in f.status()["agents"])

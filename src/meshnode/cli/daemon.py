@@ -375,6 +375,10 @@ def _print_status(status: dict[str, Any]) -> None:
         print(f"store     {_store_line(storage)}")
         for reason in storage.get("low") or []:
             print(f"  LOW     {reason}")
+    for tenant, tenant_storage in sorted((status.get("tenant_storage") or {}).items()):
+        print(f"store     tenant {tenant}: {_store_line(tenant_storage)}")
+        for reason in tenant_storage.get("low") or []:
+            print(f"  LOW     {reason}")
     summary = status.get("agent_summary") or {}
     print(f"agents    {summary.get('hosted', len(status['agents']))} hosted, {summary.get('registered', '?')} registered, "
           f"{summary.get('failed', '?')} failed")

@@ -134,6 +134,8 @@ class Daemon:
         self._credential_refreshes = SharedRuns(self._refresh_credential_now)
         #: The store reading of a service node (None elsewhere), issue #22.3.
         self.store_watch: StoreWatch | None = None
+        #: One per tenant beside the mesh's own (each is an account with its own store).
+        self.tenant_store_watches: dict[str, StoreWatch] = {}
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
         self._force = 0
@@ -371,6 +373,15 @@ class Daemon:
         for tenant in mesh.embedded.tenants if mesh.embedded is not None else ():
             connection = await mesh.connect_tenant(tenant, self._shutdown, self._on_connection_lost)
             await self._start_platform(connection, limiter, tenant, hosting)
+            # Its store fills apart from the mesh's (its agents' mailboxes, its
+            # tasks): watched and reported the same way, under its name.
+            watch = StoreWatch(
+                connection.jetstream, threshold=s.low_store_warning,
+                interval_s=s.check_interval.total_seconds(), label=f"tenant {tenant}",
+            )
+            watch.start()
+            self._shutdown.push("stop-intake", watch.stop)
+            self.tenant_store_watches[tenant] = watch
             log.info("platform services serve tenant %s", tenant)
 
     async def _start_platform(

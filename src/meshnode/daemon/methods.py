@@ -179,6 +179,8 @@ class CoreMethods:
             "metering": self.d.meter_outbox.status() if self.d.meter_outbox is not None else None,
             # The mesh's JetStream store (service nodes): use, limit, headroom, low.
             "storage": self.d.store_watch.snapshot() if self.d.store_watch is not None else None,
+            # Each tenant's account store (its own limit: the mesh's is split among them).
+            "tenant_storage": {name: w.snapshot() for name, w in self.d.tenant_store_watches.items()},
             "keystore": self.d.keystore.describe() if self.d.keystore else None,
             "agents": agents,
             **page,

@@ -25,6 +25,7 @@ from meshnode.daemon.hosting import rescan_catalog
 from meshnode.daemon.logs import BUFFER, level_number
 from meshnode.daemon.paging import agent_page_params, page_of
 from meshnode.daemon.plugin_check import agent_problems, raise_if_problems
+from meshnode.daemon.storewatch import tenant_gauges_text
 from meshnode.node import memsample
 from meshnode.node.builtin import CLI_AGENT_NAME
 from meshnode.node.hosted import HostedAgent
@@ -331,7 +332,7 @@ class _Operations:
                     node.watchdog.status(), {}
                 ) + "".join(
                     f"# TYPE meshnode_{k} gauge\nmeshnode_{k} {v}\n" for k, v in runtime.items() if v is not None
-                ))
+                ) + tenant_gauges_text(self.daemon.tenant_store_watches))
             return {"content_type": "text/plain; version=0.0.4", "text": merge_exposition(parts), **place}
 
         def agent_figures(index: int) -> dict[str, Any]:
@@ -345,6 +346,8 @@ class _Operations:
         entries, place["agents_next"] = page_of(len(hosted), agent_figures, offset, limit)
         return {
             "runtime": runtime,
+            # Each tenant's store (tenant name -> the jetstream_store_* gauges).
+            "tenants": {name: w.gauges() for name, w in self.daemon.tenant_store_watches.items()},
             "node": dict(node.counters),
             "refusals": node.refusals.as_dict(),
             "agents": {e.pop("name"): e for e in entries},

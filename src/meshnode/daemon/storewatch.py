@@ -18,7 +18,7 @@ from meshnode.node.periodic import PeriodicJob
 from meshnode.transport.jetstream import JetStream
 from meshnode.transport.storeusage import DROPS_OLDEST, StoreUsage, read_store_usage
 
-__all__ = ["StoreWatch"]
+__all__ = ["StoreWatch", "tenant_gauges_text"]
 
 log = logging.getLogger("meshnode.storage")
 
@@ -26,8 +26,10 @@ log = logging.getLogger("meshnode.storage")
 class StoreWatch:
     """The last store reading of one account and its low-store warnings."""
 
-    def __init__(self, jetstream: JetStream, *, threshold: float, interval_s: float) -> None:
+    def __init__(self, jetstream: JetStream, *, threshold: float, interval_s: float, label: str = "") -> None:
         self._js = jetstream
+        #: Whose store, in log lines ("tenant family"); empty for the mesh's own.
+        self.label = label
         self.threshold = threshold
         self.usage: StoreUsage | None = None
         self.error: str | None = None
@@ -64,12 +66,15 @@ class StoreWatch:
                     "A full store refuses writes (QUOTA_EXCEEDED); free space or raise [storage] / "
                     "[mesh.embedded] jetstream_max_store"
                 )
-                log.warning("JetStream store low: %s; past %.0f%% ([storage] low_store_warning). %s",
-                            reason, self.threshold * 100, advice)
+                log.warning("JetStream store%s low: %s; past %.0f%% ([storage] low_store_warning). %s",
+                            self._whose(), reason, self.threshold * 100, advice)
         for store in self._warned - now_low.keys():
-            log.info("JetStream store no longer low: %s", store)
+            log.info("JetStream store%s no longer low: %s", self._whose(), store)
         self._warned = set(now_low)
         return usage
+
+    def _whose(self) -> str:
+        return f" of {self.label}" if self.label else ""
 
     def snapshot(self) -> dict[str, Any]:
         """The ``storage`` member of Status."""
@@ -98,3 +103,13 @@ class StoreWatch:
         if usage.headroom is not None:
             out["jetstream_store_headroom_bytes"] = usage.headroom
         return out
+
+
+def tenant_gauges_text(watches: dict[str, StoreWatch]) -> str:
+    """Each tenant's store gauges in the Prometheus text format: one family per
+    gauge (``meshnode_tenant_jetstream_store_used_bytes``...), a series per tenant."""
+    series: dict[str, list[str]] = {}
+    for tenant, watch in sorted(watches.items()):
+        for name, value in watch.gauges().items():
+            series.setdefault(name, []).append(f'meshnode_tenant_{name}{{tenant="{tenant}"}} {value}\n')
+    return "".join(f"# TYPE meshnode_tenant_{name} gauge\n" + "".join(lines) for name, lines in series.items())
