@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from meshnode.admin.client import DaemonNotRunning
-from meshnode.admin.protocol import NotReady
+from meshnode.admin.protocol import NotReady, Refused
 from meshnode.testing import DaemonProcess, DaemonSet, eventually, render_toml, run_cli
 from meshnode.transport.jwt import decode_jwt
 
@@ -115,6 +115,26 @@ def test_a_credential_stored_by_an_earlier_version_is_renewed_at_start(meshnode_
     assert b.stop() == 0
     b.start()
     assert json.loads(path.read_text())["jwt"] == renewed["jwt"]
+
+
+def test_meshnode_renew_asks_the_control_plane_for_a_new_credential(meshnode_daemons: DaemonSet) -> None:
+    """`meshnode renew` on a joined node with a fresh credential got that same
+    credential presented again; it gets a new one from the control plane, and
+    with the control plane gone it says the credential was not renewed."""
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    path = b.data_dir / "credential.json"
+    before = json.loads(path.read_text())["jwt"]
+    eventually(lambda: decode_jwt(before)[1]["iat"] < time.time() - 1, what="a second past the first issue")
+    result = b.admin("Renew.Now")
+    after = json.loads(path.read_text())["jwt"]
+    assert after != before and decode_jwt(after)[1]["iat"] > decode_jwt(before)[1]["iat"]
+    assert result["credential"]["expires_at"] == decode_jwt(after)[1]["exp"]
+    assert b.call(a.agent_id("echo"), "echo", "renewed")["output"] == {"ok": "renewed"}
+    assert a.stop() == 0
+    with pytest.raises(Refused, match="the node credential was not renewed: the control plane did not answer"):
+        b.admin("Renew.Now")
+    assert json.loads(path.read_text())["jwt"] == after
 
 
 def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet) -> None:

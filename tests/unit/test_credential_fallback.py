@@ -121,3 +121,17 @@ def test_the_grants_revision_follows_the_grants(monkeypatch: pytest.MonkeyPatch)
         assert permissions.grants_revision() != before
     finally:
         permissions.grants_revision.cache_clear()
+
+
+async def test_an_operators_renewal_asks_the_control_plane_and_says_when_it_cannot(
+    mesh: EmbeddedNatsServer, tmp_path: Path
+) -> None:
+    """`meshnode renew` on a joined node re-presented the fresh stored credential
+    without asking the control plane: a credential minted under older grants
+    stayed until due, though the drain's warning said renewing fixes it."""
+    node, agent = KeyPair.generate(), KeyPair.generate()
+    jwt = mesh.mint_node_credential(node.public_key, [agent.public_key], 3600)
+    store_credential(tmp_path, jwt, [agent.public_key])
+    assert await obtain_credential(AWAY, tmp_path, node, [agent]) == jwt  # fresh: no control plane asked
+    with pytest.raises(CredentialUnavailable, match="the control plane did not answer .*in force stays"):
+        await obtain_credential(AWAY, tmp_path, node, [agent], covering=True, renew=True)

@@ -140,7 +140,8 @@ def _claims(jwt: str) -> dict[str, Any] | None:
 
 
 async def obtain_credential(
-    config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair], *, covering: bool = False
+    config: Config, data_dir: Path, node_key: KeyPair, agent_keys: list[KeyPair], *, covering: bool = False,
+    renew: bool = False,
 ) -> str:
     """The JWT to connect with: the stored one while it is fresh, covers the
     roster and was stored under this version's grants (:func:`grants_revision`),
@@ -153,6 +154,11 @@ async def obtain_credential(
     credential that does not name it: the broker refused its subscriptions and
     it heard nothing. It raises :class:`CredentialUnavailable` instead, and the
     change is refused with a "try again".
+
+    ``renew`` is an operator's ``meshnode renew``: a new credential from the
+    control plane even while the stored one is fresh (its grants may predate
+    the mesh's), and CredentialUnavailable rather than the stored one when
+    the control plane does not answer (nothing was renewed: say so).
     """
     roster = sorted(k.public_key for k in agent_keys)
     unreachable: ControlPlaneUnreachable | None = None
@@ -167,7 +173,7 @@ async def obtain_credential(
         and now < renew_at(stored_claims)
         and not _is_starter(stored_claims)
     )
-    if fresh and stored is not None:
+    if fresh and stored is not None and not renew:
         if stored.get("grants") == grants_revision():
             return str(stored["jwt"])
         # Stored by a version that minted other grants (an upgrade): renewed
@@ -193,6 +199,11 @@ async def obtain_credential(
                 f"the control plane refused a credential ({exc.status} {exc.code or 'refused'}): {exc.error}{advice}"
             ) from exc
         except ControlPlaneUnreachable as exc:
+            if renew:
+                raise CredentialUnavailable(
+                    f"the control plane did not answer ({exc}); the node credential in force stays "
+                    "until it is due (check [mesh] control_plane)"
+                ) from exc
             log.warning("control plane unreachable (%s); trying the stored credential", exc)
             unreachable = exc
         else:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import meshnode
-from meshnode.admin.protocol import AdminError, NotReady
+from meshnode.admin.protocol import AdminError, NotReady, Refused
 from meshnode.admin.server import AdminServer, MethodRegistry
 from meshnode.aio import BackgroundTasks, SharedRuns, wait_for
 from meshnode.config import AgentConfig, Config, ConfigError, ConfigProblem
@@ -722,7 +722,15 @@ class Daemon:
     async def renew_now(self) -> dict[str, Any]:
         """Re-vouch and re-register every agent and renew the node credential now."""
         vouches = await self._hosting().revouch_all()
-        await self._refresh_credential(force=True)
+        try:
+            await self._refresh_credential(force=True)
+        except CredentialUnavailable as exc:
+            raise Refused(f"the agents were re-vouched, but the node credential was not renewed: {exc}") from None
+        except ConnectionError as exc:
+            raise NotReady(
+                "the agents were re-vouched and a new node credential is held, but the mesh connection is "
+                f"not up to present it ({exc}); it is presented when the connection is back"
+            ) from None
         return {"credential": self.credential_status(), "vouches": vouches}
 
     async def reload(self) -> dict[str, Any]:

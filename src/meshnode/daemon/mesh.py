@@ -363,10 +363,13 @@ class MeshLink:
             self.node_key.public_key, [], ttl, role="service", tenant=tenant
         )
 
-    async def _obtain_joined_jwt(self, *, covering: bool = False) -> str:
-        """Renew before connecting when due or lapsed (§4.8); fall back to the stored
-        one (for a roster change, ``covering``, only if it names every agent)."""
-        return await obtain_credential(self.config, self.data_dir, self.node_key, self._roster(), covering=covering)
+    async def _obtain_joined_jwt(self, *, covering: bool = False, renew: bool = False) -> str:
+        """Renew before connecting when due or lapsed (§4.8), or now (``renew``); fall
+        back to the stored one (for a roster change, ``covering``, only if it names
+        every agent; for ``renew`` never)."""
+        return await obtain_credential(
+            self.config, self.data_dir, self.node_key, self._roster(), covering=covering, renew=renew
+        )
 
     def credential_span_ms(self) -> tuple[int, int] | None:
         """When the current credential was issued and when it expires (ms since
@@ -408,9 +411,16 @@ class MeshLink:
         them as they were; its reconnect only opened a gap in every live
         subscription, and each agent's drain then looked into its mailbox for
         what the gap missed: at 10,000 agents one roster change cost 10,025
-        JetStream calls and 4.4 s of the daemon's CPU.
+        JetStream calls and 4.4 s of the daemon's CPU. With ``force`` (an
+        operator's ``meshnode renew``) a joined node asks its control plane
+        even while the stored credential is fresh.
         """
-        jwt = self._mint_own_jwt() if self.embedded is not None else await self._obtain_joined_jwt(covering=True)
+        # ``force`` is an operator's renewal: a joined node asks the control
+        # plane even while its stored credential is fresh.
+        jwt = (
+            self._mint_own_jwt() if self.embedded is not None
+            else await self._obtain_joined_jwt(covering=True, renew=force)
+        )
         if not force and _same_permissions(self.jwt, jwt):
             return False
         self._adopt(jwt)
