@@ -6,6 +6,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,47 @@ def test_meshnode_renew_asks_the_control_plane_for_a_new_credential(meshnode_dae
     with pytest.raises(Refused, match="the node credential was not renewed: the control plane did not answer"):
         b.admin("Renew.Now")
     assert json.loads(path.read_text())["jwt"] == after
+
+
+def test_a_node_the_rebuilt_mesh_refuses_gets_a_new_credential_or_stops_saying_why(
+    meshnode_daemons: DaemonSet,
+) -> None:
+    """The broker refusing a joined node's credential that is valid by its own
+    dates: nats-py retried "Authorization Violation" for ever. Here the mesh node
+    comes back under new operator and account keys (its enrolments kept): the
+    joined node asks its control plane and carries on. Then the mesh forgets it
+    as well (a mesh rebuilt from scratch): it stops with exit 78 and the reason."""
+    ports = {"port": meshnode_daemons.port_for_restarts(), "control_port": meshnode_daemons.port_for_restarts()}
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra={"mesh.embedded": ports})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    keys = [a.data_dir / "mesh" / f"{k}.nk" for k in ("operator", "system-account", "mesh-account")]
+
+    def rebuilt(*, forget_nodes: bool) -> None:
+        assert a.stop() == 0
+        for path in keys + ([a.data_dir / "mesh" / "nodes.json"] if forget_nodes else []):
+            path.unlink()
+        a.start()
+
+    rebuilt(forget_nodes=False)
+    echo = a.agent_id("echo")
+
+    last: dict[str, Any] = {}
+
+    def b_answered() -> bool:
+        last.clear()
+        last.update(b.call(echo, "echo", "again", timeout=5))
+        return last.get("status") == "completed"
+
+    eventually(b_answered, timeout=90, interval=0.5, retry_on=(Exception,), what="b back on the rebuilt mesh",
+               detail=lambda: f"{last}\n{b.log_tail(30)}")
+    assert "the next attempt presents a new one from the control plane" in b.log_text()
+
+    rebuilt(forget_nodes=True)
+    assert b.process is not None
+    eventually(lambda: b.process is not None and b.process.poll() is not None, timeout=90, interval=0.5,
+               what="b stopping once the mesh forgot it", detail=lambda: b.log_tail(30))
+    assert b.process.returncode == 78
+    assert "refuses a new one for good" in b.log_text() and "node_unknown" in b.log_text()
 
 
 def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet) -> None:

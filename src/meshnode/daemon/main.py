@@ -138,6 +138,9 @@ class Daemon:
         self.tenant_store_watches: dict[str, StoreWatch] = {}
         #: Set when the connection was lost for good: the process re-executes itself.
         self.relaunch = False
+        #: Set when the mesh refused this node for good while it ran: the exit status.
+        self.exit_code: int | None = None
+        self._reauthorize_not_before = 0.0
         self._force = 0
         #: The start-up stage in flight (None outside start-up).
         self.stage: str | None = None
@@ -338,6 +341,9 @@ class Daemon:
     async def _stage_connect(self) -> None:
         mesh = self._mesh()
         connection = await mesh.connect(self._shutdown, self._on_connection_lost)
+        if not mesh.embedded_mode and self.config.mesh.control_plane:
+            connection.on_error(self._on_mesh_error)
+            connection.on_reconnect(self._on_mesh_back)
         job = mesh.renewal_job(self._renew_credential)
         job.start()
         self._shutdown.push("close-connection", job.stop)
@@ -795,6 +801,61 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _on_mesh_error(self, message: str) -> None:
+        """The broker refusing the node credential while it is valid by its own
+        dates (the mesh was rebuilt under a new operator, the node's tenant was
+        removed): nats-py retries that for ever, logging "Authorization
+        Violation". Ask the control plane instead (at most every
+        REAUTHORIZE_EVERY_S): a new credential is presented by the next
+        attempt; a refusal for good stops the node with exit 78, saying why."""
+        if "authorization violation" not in message.lower():
+            return
+        connection = self.connection
+        now = time.monotonic()
+        if (connection is not None and connection.is_connected) or now < self._reauthorize_not_before:
+            return
+        self._reauthorize_not_before = now + REAUTHORIZE_EVERY_S
+        self._signal_tasks.spawn(self._reauthorize(), name="reauthorize")
+
+    async def _on_mesh_back(self) -> None:
+        # Connected again: a later refusal is a new episode, asked about at once.
+        self._reauthorize_not_before = 0.0
+
+    async def _reauthorize(self) -> None:
+        mesh = self._mesh()
+        try:
+            async with self._credential_refreshes.alone():
+                jwt = await mesh.obtain_renewed_jwt()
+        except CredentialUnavailable as exc:
+            refused = exc.__cause__
+            if isinstance(refused, CredentialRefused) and refused.revoked:
+                log.error(
+                    "the mesh's broker refuses this node's credential, and its control plane refuses a new one "
+                    "for good: %s. Stopping (exit 78): a restart changes nothing; join the mesh again with a "
+                    "new invite (meshnode mesh invite on its node, meshnode join here)", exc,
+                )
+                self.exit_code = EX_CONFIG
+                self.request_stop()
+                return
+            log.warning("the mesh's broker refuses this node's credential and no new one could be had (%s); "
+                        "trying again in %g s", exc, REAUTHORIZE_EVERY_S)
+            return
+        mesh.adopt(jwt)
+        log.warning("the mesh's broker refused this node's credential; the next attempt presents a new one "
+                    "from the control plane")
+        connection = self.connection
+        if connection is None or not await connection.wait_connected(REAUTHORIZE_EVERY_S):
+            log.warning("the mesh connection was not back within %g s of the new credential", REAUTHORIZE_EVERY_S)
+            return
+        # A broker that refused a valid credential is most likely a rebuilt mesh
+        # (new operator and account keys): the attestation issued with the new
+        # credential is the new operator's, and its registry may know none of
+        # this node's agents. Take the attestation and register every agent again.
+        await self._follow_credential(mesh)
+        if self.node is not None:
+            await self._hosting().revouch_all()
+        log.info("back on the mesh with the new credential; every agent registered again")
+
     def _on_connection_lost(self) -> None:
         # Start over in a fresh process image: start-up renews the credential
         # before connecting (§4.8), which is exactly what a lapsed one needs.
@@ -879,8 +940,11 @@ async def run_daemon(config: Config) -> int:
         await daemon.stop()
     if daemon.relaunch:
         return RELAUNCH
-    return 0
+    return daemon.exit_code or 0
 
+
+#: How often a node the broker refuses asks its control plane for a new credential.
+REAUTHORIZE_EVERY_S = 60.0
 
 #: How long a start-up cancelled by a stop may take to unwind before shutdown goes on.
 START_CANCEL_GRACE_S = 3.0

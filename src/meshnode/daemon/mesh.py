@@ -426,6 +426,15 @@ class MeshLink:
         self._adopt(jwt)
         return True
 
+    async def obtain_renewed_jwt(self) -> str:
+        """A new credential for the current roster from the control plane, now
+        (stored); CredentialUnavailable when it does not answer or refuses."""
+        return await self._obtain_joined_jwt(covering=True, renew=True)
+
+    def adopt(self, jwt: str) -> None:
+        """Hold ``jwt`` from now on: the next (re)connect presents it."""
+        self._adopt(jwt)
+
     def _adopt(self, jwt: str) -> None:
         """Hold ``jwt`` as the node credential, and what it grants with it.
 
