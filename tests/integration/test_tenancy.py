@@ -358,3 +358,16 @@ async def test_an_sdk_agent_enrolled_into_a_tenant_lives_there(meshnode_daemons:
         assert refused["status"] == "failed" and refused["error"]["code"] == "NOT_FOUND", refused
     finally:
         await bot.disconnect()
+
+
+def test_nodes_of_a_removed_tenant_are_named_at_start(meshnode_daemons: DaemonSet) -> None:
+    """A tenant taken out of [mesh.embedded] tenants strands the nodes enrolled in
+    it (no account: they can neither connect nor renew); the mesh node says so."""
+    a = meshnode_daemons.embedded("a", extra={"mesh.embedded": {"tenants": ["family"]}})
+    a.admin("Mesh.Invite", {"name": "grandma", "tenant": "family"})
+    assert a.stop() == 0
+    a.config["mesh.embedded"]["tenants"] = []
+    a.config_path.write_text(render_toml(a.config), encoding="utf-8")
+    a.start()
+    assert "1 enrolled node(s) belong to tenants no longer in [mesh.embedded] tenants: grandma (family)" in (
+        a.log_text())

@@ -34,6 +34,7 @@ from meshnode.transport.grants import Grants, InboxChoice, choose_inbox_prefix
 from meshnode.transport.jwt import decode_jwt, renew_at
 from meshnode.transport.permissions import Role, node_inbox_prefix
 from meshnode.transport.serverconf import TlsFiles, is_loopback_host
+from meshnode.transport.tenants import DEFAULT_TENANT
 from meshnode.transport.tls import client_context, pinned_context, server_context
 
 __all__ = ["MeshLink", "credential_profile"]
@@ -242,6 +243,7 @@ class MeshLink:
             request_timeout_s=limits.request_timeout.total_seconds(),
         )
         self.control_plane = plane
+        self._warn_of_nodes_without_tenant(plane, cfg.tenants)
         shutdown.push("stop-services", plane.stop)
         try:
             await plane.start()
@@ -252,6 +254,20 @@ class MeshLink:
                 cfg.control_port, "control",
                 f"set [mesh.embedded] control_port in {self._config_file()}",
             ) from None
+
+    def _warn_of_nodes_without_tenant(self, plane: ControlPlaneServer, tenants: list[str]) -> None:
+        """Nodes enrolled in a tenant since removed from [mesh.embedded] tenants
+        can neither connect nor renew (tenant_unknown): say so once, at start."""
+        served = {DEFAULT_TENANT, *tenants}
+        stranded = [n for n in plane.list_nodes() if not n.retired and n.tenant not in served]
+        if stranded:
+            names = ", ".join(f"{n.name} ({n.tenant})" for n in stranded[:5])
+            more = f" and {len(stranded) - 5} more" if len(stranded) > 5 else ""
+            log.warning(
+                "%d enrolled node(s) belong to tenants no longer in [mesh.embedded] tenants: %s%s. They cannot "
+                "connect or renew (tenant_unknown): add the tenant back, or meshnode mesh retire --node NAME",
+                len(stranded), names, more,
+            )
 
     def _config_file(self) -> str:
         source = self.config.source_file
