@@ -179,6 +179,33 @@ def test_a_node_the_rebuilt_mesh_refuses_gets_a_new_credential_or_stops_saying_w
     assert "refuses a new one for good" in b.log_text() and "node_unknown" in b.log_text()
 
 
+def test_a_mesh_node_back_without_its_store_gets_every_registration_again(meshnode_daemons: DaemonSet) -> None:
+    """The mesh node restarted with its JetStream directory gone (wiped, lost):
+    its registry knew none of the joined node's agents, which could not be found
+    and whose requests were refused as unvouched, until each vouch's renewal (up
+    to two days). The joined node asks on reconnecting and registers them again."""
+    import shutil
+
+    ports = {"port": meshnode_daemons.port_for_restarts(), "control_port": meshnode_daemons.port_for_restarts()}
+    a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}}, extra={"mesh.embedded": ports})
+    b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})
+    echo_b = b.agent_id("echo_b")
+    assert a.stop() == 0
+    shutil.rmtree(a.data_dir / "mesh" / "jetstream")
+    a.start()
+    echo = a.agent_id("echo")
+    last: dict[str, Any] = {}
+
+    def both_ways() -> bool:
+        last.clear()
+        last.update(b.call(echo, "echo", "from b", timeout=5))
+        return last.get("status") == "completed" and a.call(echo_b, "echo", "to b", timeout=5)["status"] == "completed"
+
+    eventually(both_ways, timeout=90, interval=0.5, retry_on=(Exception,), what="b's agents known to the registry again",
+               detail=lambda: f"{last}\n{b.log_tail(30)}")
+    assert "the registry no longer knows this node's agents" in b.log_text()
+
+
 def test_retired_node_is_refused_renewal_and_says_so(meshnode_daemons: DaemonSet) -> None:
     a = meshnode_daemons.embedded("a", agents={"echo": {"plugin": "echo"}})
     b = meshnode_daemons.joined("b", via=a, agents={"echo_b": {"plugin": "echo"}})

@@ -551,6 +551,7 @@ class Daemon:
             outbox.resume(node.by_id.get)
             await self.gateways.republish_charges(node)
         node.start_heartbeat()
+        node.start_registration_check()
 
     async def _sweep(self, inbox: InboxStore) -> None:
         result = await inbox.sweep(time.time_ns() // 1_000_000)

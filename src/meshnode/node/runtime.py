@@ -80,6 +80,10 @@ log = logging.getLogger("meshnode.node")
 _RESENDABLE_KINDS = frozenset({"discover", "register"})
 
 
+#: How often a node checks that the registry still holds its registrations.
+REGISTRATION_CHECK_S = 60.0
+
+
 class Node:
     """One node: its key, its connection, and the agents it hosts."""
 
@@ -194,6 +198,11 @@ class Node:
         # nothing dispatched: drain now (§16.4), each agent's pass as it can.
         for drain in self.drains.values():
             drain.trigger()
+        # The broker came back: perhaps a mesh node that restarted without its
+        # store. Whether the registry still knows this node's agents is asked now.
+        job = self._jobs.get("registration-check")
+        if job is not None:
+            job.trigger()
 
     def _on_connection_error(self, message: str) -> None:
         if "slow consumer" in message:
@@ -947,6 +956,50 @@ class Node:
         job = PeriodicJob("heartbeat", self.heartbeat, self.settings.heartbeat_interval_s, first_delay=0.0)
         self._jobs[job.name] = job
         job.start()
+
+    def start_registration_check(self) -> None:
+        """Check every REGISTRATION_CHECK_S that the registry still holds this
+        node's registrations (:meth:`check_registrations`)."""
+        async def check() -> None:
+            await self.check_registrations()
+
+        job = PeriodicJob("registration-check", check, REGISTRATION_CHECK_S, jitter=0.1)
+        self._jobs[job.name] = job
+        job.start()
+
+    async def check_registrations(self) -> bool:
+        """Ask the registry for one registered agent of this node; when it answers
+        NOT_FOUND, its store was lost or reset (a mesh node whose JetStream
+        directory was wiped, a rebuilt cluster): register every agent again, and
+        return True. Without this the mesh knew none of this node's agents (they
+        could not be found, and their requests were refused as unvouched) until
+        each vouch's renewal, up to two days later. One look-up a minute per node."""
+        probe = next((h for h in self.agents.values() if h.registered and h.manifest), None)
+        if probe is None:
+            return False
+        subject = subjects.registry_get(probe.agent_id)
+        if not self.grants.can_publish(subject):
+            return False  # a mesh built elsewhere may grant no look-up: nothing to ask with
+        try:
+            await self.service_call(probe, subject, "discover", {"agent_id": probe.agent_id})
+        except RemoteError as exc:
+            if exc.code != "NOT_FOUND":
+                return False
+        except ProtocolError:
+            return False  # the registry away or slow: not the question asked here
+        else:
+            return False
+        log.warning(
+            "the registry no longer knows this node's agents (%s: NOT_FOUND): its store was lost or reset; "
+            "registering every agent again", probe.name,
+        )
+
+        async def again(hosted: HostedAgent) -> None:
+            if hosted.manifest:
+                await self.register(hosted)
+
+        await self.each_agent(again)
+        return True
 
     async def stop_jobs(self) -> None:
         for job in list(self._jobs.values()):
