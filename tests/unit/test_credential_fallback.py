@@ -108,6 +108,13 @@ async def test_a_credential_stored_under_other_grants_is_renewed_at_start(
         assert await obtain_credential(AWAY, tmp_path, node, [agent]) == jwt  # the fallback
     assert "predates this version's grants: renewing it now" in caplog.text
     assert "control plane unreachable" in caplog.text  # it was asked
+    # A node with no control plane (a mesh built elsewhere) has nothing to renew
+    # from: its stored credential is used as it is, without a word at every start.
+    caplog.clear()
+    no_plane = Config.model_validate({"mesh": {"servers": ["nats://127.0.0.1:4222"]}})
+    with caplog.at_level("INFO", logger="meshnode"):
+        assert await obtain_credential(no_plane, tmp_path, node, [agent]) == jwt
+    assert caplog.text == ""
 
 
 def test_the_grants_revision_follows_the_grants(monkeypatch: pytest.MonkeyPatch) -> None:

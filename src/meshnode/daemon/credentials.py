@@ -174,12 +174,12 @@ async def obtain_credential(
         and not _is_starter(stored_claims)
     )
     if fresh and stored is not None and not renew:
-        if stored.get("grants") == grants_revision():
-            return str(stored["jwt"])
         # Stored by a version that minted other grants (an upgrade): renewed
-        # now, or (control plane away) used as it is until it lapses.
-        if config.mesh.control_plane:
-            log.info("the stored node credential predates this version's grants: renewing it now")
+        # now, or (control plane away) used as it is until it lapses. Without
+        # a control plane there is nothing to renew from: used as it is.
+        if stored.get("grants") == grants_revision() or not config.mesh.control_plane:
+            return str(stored["jwt"])
+        log.info("the stored node credential predates this version's grants: renewing it now")
     if config.mesh.control_plane:
         ca_file = config.mesh.ca_file
         client = ControlPlaneClient(
