@@ -171,6 +171,13 @@ def test_a_node_the_rebuilt_mesh_refuses_gets_a_new_credential_or_stops_saying_w
                detail=lambda: f"{last}\n{b.log_tail(30)}")
     assert "the next attempt presents a new one from the control plane" in b.log_text()
 
+    # Off while its mesh node was rebuilt: refused at its next start, it asks
+    # there too (it exited 75 after connect_timeout, every start).
+    assert b.stop() == 0
+    rebuilt(forget_nodes=False)
+    b.start()
+    assert b.call(a.agent_id("echo"), "echo", "started")["status"] == "completed"
+
     rebuilt(forget_nodes=True)
     assert b.process is not None
     eventually(lambda: b.process is not None and b.process.poll() is not None, timeout=90, interval=0.5,

@@ -340,10 +340,16 @@ class Daemon:
 
     async def _stage_connect(self) -> None:
         mesh = self._mesh()
-        connection = await mesh.connect(self._shutdown, self._on_connection_lost)
-        if not mesh.embedded_mode and self.config.mesh.control_plane:
-            connection.on_error(self._on_mesh_error)
+        # A joined node the broker refuses asks its control plane (_on_mesh_error),
+        # from the first attempt on: a node that was off while its mesh node was
+        # rebuilt is refused at start.
+        joined = not mesh.embedded_mode and bool(self.config.mesh.control_plane)
+        connection = await mesh.connect(
+            self._shutdown, self._on_connection_lost, self._on_mesh_error if joined else None
+        )
+        if joined:
             connection.on_reconnect(self._on_mesh_back)
+            self._reauthorize_not_before = 0.0  # connected: a later refusal is asked about at once
         job = mesh.renewal_job(self._renew_credential)
         job.start()
         self._shutdown.push("close-connection", job.stop)

@@ -281,9 +281,13 @@ class MeshLink:
             return pinned_context(embedded.tls_cert) if embedded.tls_cert else None
         return client_context(self.config.mesh.ca_file) if self.config.mesh.ca_file else None
 
-    async def connect(self, shutdown: Shutdown, on_lost: Callable[[], None]) -> MeshConnection:
+    async def connect(
+        self, shutdown: Shutdown, on_lost: Callable[[], None], on_error: Callable[[str], None] | None = None,
+    ) -> MeshConnection:
         """The ``connect`` stage: the node's one connection, with the reply prefix
-        its credential grants (:meth:`_choose_inbox`)."""
+        its credential grants (:meth:`_choose_inbox`). ``on_error`` hears the
+        client's errors from the first attempt on (a broker refusing the
+        credential at start is one)."""
         inbox = self._choose_inbox()
         connection = MeshConnection(
             self._dial_urls(),
@@ -294,11 +298,19 @@ class MeshLink:
             tls=self.nats_tls(),
         )
         self.connection = connection
+        if on_error is not None:
+            connection.on_error(on_error)
         shutdown.push("close-connection", lambda: connection.close(drain_timeout=3.0))
         limit = self.config.mesh.connect_timeout.total_seconds()
         try:
             await wait_for(connection.connect(), limit)
         except TimeoutError:
+            if "authorization violation" in (connection.last_error or "").lower():
+                raise MeshUnreachable(
+                    f"the mesh at {', '.join(connection.servers)} refuses this node's credential (Authorization "
+                    f"Violation) and no new one came from the control plane within {limit:g} s (the log says "
+                    "why); a mesh node rebuilt under new keys needs this node joined again with a new invite"
+                ) from None
             raise MeshUnreachable(
                 f"cannot reach the mesh at {', '.join(connection.servers)} within {limit:g} s "
                 f"(last error: {connection.last_error or 'none'}): is it running, and reachable from here? "
