@@ -171,6 +171,24 @@ def test_a_node_the_rebuilt_mesh_refuses_gets_a_new_credential_or_stops_saying_w
                detail=lambda: f"{last}\n{b.log_tail(30)}")
     assert "the next attempt presents a new one from the control plane" in b.log_text()
 
+    # Rebuilt again, its control plane on another port for a while (away, or not
+    # listening yet beside a broker that came back first): asked again soon,
+    # backing off, and back once the control plane answers where b knows it.
+    def restart_a(control_port: int, *, new_keys: bool) -> None:
+        assert a.stop() == 0
+        for path in keys if new_keys else []:
+            path.unlink()
+        a.config["mesh.embedded"]["control_port"] = control_port
+        a.config_path.write_text(render_toml(a.config), encoding="utf-8")
+        a.start()
+
+    restart_a(meshnode_daemons.port_for_restarts(), new_keys=True)
+    eventually(lambda: "no new one could be had" in b.log_text() and "asking again in 5 s" in b.log_text(),
+               timeout=60, interval=0.5, what="b told the control plane is away", detail=lambda: b.log_tail(20))
+    restart_a(ports["control_port"], new_keys=False)
+    eventually(b_answered, timeout=120, interval=0.5, retry_on=(Exception,), what="b back once it answers",
+               detail=lambda: f"{last}\n{b.log_tail(30)}")
+
     # Off while its mesh node was rebuilt: refused at its next start, it asks
     # there too (it exited 75 after connect_timeout, every start).
     assert b.stop() == 0

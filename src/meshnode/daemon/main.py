@@ -141,6 +141,7 @@ class Daemon:
         #: Set when the mesh refused this node for good while it ran: the exit status.
         self.exit_code: int | None = None
         self._reauthorize_not_before = 0.0
+        self._reauthorize_backoff_s = REAUTHORIZE_FIRST_RETRY_S
         self._force = 0
         #: The start-up stage in flight (None outside start-up).
         self.stage: str | None = None
@@ -349,7 +350,8 @@ class Daemon:
         )
         if joined:
             connection.on_reconnect(self._on_mesh_back)
-            self._reauthorize_not_before = 0.0  # connected: a later refusal is asked about at once
+            # Connected: a later refusal is asked about at once.
+            self._reauthorize_not_before, self._reauthorize_backoff_s = 0.0, REAUTHORIZE_FIRST_RETRY_S
         job = mesh.renewal_job(self._renew_credential)
         job.start()
         self._shutdown.push("close-connection", job.stop)
@@ -827,6 +829,7 @@ class Daemon:
     async def _on_mesh_back(self) -> None:
         # Connected again: a later refusal is a new episode, asked about at once.
         self._reauthorize_not_before = 0.0
+        self._reauthorize_backoff_s = REAUTHORIZE_FIRST_RETRY_S
 
     async def _reauthorize(self) -> None:
         mesh = self._mesh()
@@ -844,8 +847,13 @@ class Daemon:
                 self.exit_code = EX_CONFIG
                 self.request_stop()
                 return
+            # Temporary (the control plane away, or still starting beside a
+            # broker that came back first): asked again soon, backing off.
+            wait_s = self._reauthorize_backoff_s
+            self._reauthorize_backoff_s = min(REAUTHORIZE_EVERY_S, wait_s * 2)
+            self._reauthorize_not_before = time.monotonic() + wait_s
             log.warning("the mesh's broker refuses this node's credential and no new one could be had (%s); "
-                        "trying again in %g s", exc, REAUTHORIZE_EVERY_S)
+                        "asking again in %g s", exc, wait_s)
             return
         mesh.adopt(jwt)
         log.warning("the mesh's broker refused this node's credential; the next attempt presents a new one "
@@ -952,6 +960,8 @@ async def run_daemon(config: Config) -> int:
 
 #: How often a node the broker refuses asks its control plane for a new credential.
 REAUTHORIZE_EVERY_S = 60.0
+#: After a temporary failure to get one, the first wait (doubling up to REAUTHORIZE_EVERY_S).
+REAUTHORIZE_FIRST_RETRY_S = 5.0
 
 #: How long a start-up cancelled by a stop may take to unwind before shutdown goes on.
 START_CANCEL_GRACE_S = 3.0
