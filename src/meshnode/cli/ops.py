@@ -208,7 +208,7 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
         return _agents_add_several(args, config)
     (name,) = args.names
     code, result = _admin(args, "Agents.Add", {"name": name, "config": config, "save": args.save},
-                          timeout=_ROSTER_TIMEOUT_S)
+                          timeout=_LONG_CALL_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -237,7 +237,7 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
     """``agents add A B C``: one ``Agents.Add`` naming them all (one credential);
     the exit code is the first failure's, else 73 if a table was not saved."""
     code, result = _admin(args, "Agents.Add", {"names": args.names, "config": config, "save": args.save},
-                          timeout=_ROSTER_TIMEOUT_S)
+                          timeout=_LONG_CALL_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -264,7 +264,7 @@ def _agents_add_several(args: argparse.Namespace, config: dict[str, Any]) -> int
 #: thousands of agents take a while to host, an agent's stop and start have
 #: their own grace periods, and a full buffer takes a while to drain; the CLI
 #: gave up at 30 s while the daemon went on.
-_ROSTER_TIMEOUT_S = 600.0
+_LONG_CALL_TIMEOUT_S = 600.0
 
 
 def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> int:
@@ -282,7 +282,7 @@ def _report_saved(name: str, result: dict[str, Any], *, quiet: bool = False) -> 
 def cmd_agents_remove(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"deregister": not args.keep_registration, "save": args.save}
     if len(args.names) == 1:
-        code, result = _admin(args, "Agents.Remove", {"name": args.names[0], **params}, timeout=_ROSTER_TIMEOUT_S)
+        code, result = _admin(args, "Agents.Remove", {"name": args.names[0], **params}, timeout=_LONG_CALL_TIMEOUT_S)
         if code != EX_OK:
             return code
         if args.json:
@@ -290,7 +290,7 @@ def cmd_agents_remove(args: argparse.Namespace) -> int:
         else:
             print(f"removed {result['removed']}")
         return _report_unsaved(result["removed"], result, quiet=args.json)
-    code, result = _admin(args, "Agents.Remove", {"names": args.names, **params}, timeout=_ROSTER_TIMEOUT_S)
+    code, result = _admin(args, "Agents.Remove", {"names": args.names, **params}, timeout=_LONG_CALL_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -329,7 +329,7 @@ def _failed(name: str, what: str, wire: dict[str, Any]) -> int:
 
 
 def cmd_agents_restart(args: argparse.Namespace) -> int:
-    return _simple(args, "Agents.Restart", {"name": args.name}, timeout=_ROSTER_TIMEOUT_S)
+    return _simple(args, "Agents.Restart", {"name": args.name}, timeout=_LONG_CALL_TIMEOUT_S)
 
 
 def cmd_presence(args: argparse.Namespace) -> int:
@@ -365,7 +365,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Drain.Now", {"agent": args.agent} if args.agent else {}, timeout=_ROSTER_TIMEOUT_S)
+    code, result = _admin(args, "Drain.Now", {"agent": args.agent} if args.agent else {}, timeout=_LONG_CALL_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:
@@ -403,11 +403,11 @@ def _drain_line(entry: dict[str, Any]) -> str | None:
 
 
 def cmd_renew(args: argparse.Namespace) -> int:
-    return _simple(args, "Renew.Now", timeout=_ROSTER_TIMEOUT_S)
+    return _simple(args, "Renew.Now", timeout=_LONG_CALL_TIMEOUT_S)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    code, result = _admin(args, "Reload", timeout=_ROSTER_TIMEOUT_S)
+    code, result = _admin(args, "Reload", timeout=_LONG_CALL_TIMEOUT_S)
     if code != EX_OK:
         return code
     if args.json:

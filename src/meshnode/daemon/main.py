@@ -350,8 +350,7 @@ class Daemon:
         )
         if joined:
             connection.on_reconnect(self._on_mesh_back)
-            # Connected: a later refusal is asked about at once.
-            self._reauthorize_not_before, self._reauthorize_backoff_s = 0.0, REAUTHORIZE_FIRST_RETRY_S
+            self._reauthorize_reset()
         job = mesh.renewal_job(self._renew_credential)
         job.start()
         self._shutdown.push("close-connection", job.stop)
@@ -372,14 +371,7 @@ class Daemon:
         self._node_limiter = SlidingWindowLimiter(registry.node_rate_limit, window_ms, max_keys=10_000)
         self._unvouched_limiter = SlidingWindowLimiter(registry.unvouched_rate_limit, window_ms)
         await self._start_platform(mesh.connection, limiter, "mesh", hosting)
-        s = self.config.storage
-        self.store_watch = StoreWatch(
-            mesh.connection.jetstream,
-            threshold=s.low_store_warning,
-            interval_s=s.check_interval.total_seconds(),
-        )
-        self.store_watch.start()
-        self._shutdown.push("stop-intake", self.store_watch.stop)  # before the connection closes
+        self.store_watch = self._watch_store(mesh.connection)
         # §15: every tenant is its own account, so its own registry, presence,
         # task records, feeds and artifacts (streams and KV are account-scoped).
         # The services keep the same keys in every tenant: one platform, whose
@@ -389,14 +381,20 @@ class Daemon:
             await self._start_platform(connection, limiter, tenant, hosting)
             # Its store fills apart from the mesh's (its agents' mailboxes, its
             # tasks): watched and reported the same way, under its name.
-            watch = StoreWatch(
-                connection.jetstream, threshold=s.low_store_warning,
-                interval_s=s.check_interval.total_seconds(), label=f"tenant {tenant}",
-            )
-            watch.start()
-            self._shutdown.push("stop-intake", watch.stop)
-            self.tenant_store_watches[tenant] = watch
+            self.tenant_store_watches[tenant] = self._watch_store(connection, label=f"tenant {tenant}")
             log.info("platform services serve tenant %s", tenant)
+
+    def _watch_store(self, connection: MeshConnection, label: str = "") -> StoreWatch:
+        """Watch one account's JetStream store, from now until the intake stops
+        (before the connection closes)."""
+        s = self.config.storage
+        watch = StoreWatch(
+            connection.jetstream, threshold=s.low_store_warning,
+            interval_s=s.check_interval.total_seconds(), label=label,
+        )
+        watch.start()
+        self._shutdown.push("stop-intake", watch.stop)
+        return watch
 
     async def _start_platform(
         self, connection: MeshConnection, limiter: SlidingWindowLimiter, tenant: str, hosting: AgentHost
@@ -827,7 +825,10 @@ class Daemon:
         self._signal_tasks.spawn(self._reauthorize(), name="reauthorize")
 
     async def _on_mesh_back(self) -> None:
-        # Connected again: a later refusal is a new episode, asked about at once.
+        self._reauthorize_reset()
+
+    def _reauthorize_reset(self) -> None:
+        # Connected (again): a later refusal is a new episode, asked about at once.
         self._reauthorize_not_before = 0.0
         self._reauthorize_backoff_s = REAUTHORIZE_FIRST_RETRY_S
 
@@ -835,7 +836,8 @@ class Daemon:
         mesh = self._mesh()
         try:
             async with self._credential_refreshes.alone():
-                jwt = await mesh.obtain_renewed_jwt()
+                # Held from now on: nats-py's next attempt presents it.
+                await mesh.reissue(force=True)
         except CredentialUnavailable as exc:
             refused = exc.__cause__
             if isinstance(refused, CredentialRefused) and refused.revoked:
@@ -855,7 +857,6 @@ class Daemon:
             log.warning("the mesh's broker refuses this node's credential and no new one could be had (%s); "
                         "asking again in %g s", exc, wait_s)
             return
-        mesh.adopt(jwt)
         log.warning("the mesh's broker refused this node's credential; the next attempt presents a new one "
                     "from the control plane")
         connection = self.connection
@@ -864,12 +865,10 @@ class Daemon:
             return
         # A broker that refused a valid credential is most likely a rebuilt mesh
         # (new operator and account keys): the attestation issued with the new
-        # credential is the new operator's, and its registry may know none of
-        # this node's agents. Take the attestation and register every agent again.
+        # credential is the new operator's, which re-registers every agent. A
+        # registry that lost them otherwise is the reconnect's registration check's.
         await self._follow_credential(mesh)
-        if self.node is not None:
-            await self._hosting().revouch_all()
-        log.info("back on the mesh with the new credential; every agent registered again")
+        log.info("back on the mesh with the new credential")
 
     def _on_connection_lost(self) -> None:
         # Start over in a fresh process image: start-up renews the credential

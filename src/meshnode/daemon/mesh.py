@@ -443,8 +443,6 @@ class MeshLink:
         operator's ``meshnode renew``) a joined node asks its control plane
         even while the stored credential is fresh.
         """
-        # ``force`` is an operator's renewal: a joined node asks the control
-        # plane even while its stored credential is fresh.
         jwt = (
             self._mint_own_jwt() if self.embedded is not None
             else await self._obtain_joined_jwt(covering=True, renew=force)
@@ -453,15 +451,6 @@ class MeshLink:
             return False
         self._adopt(jwt)
         return True
-
-    async def obtain_renewed_jwt(self) -> str:
-        """A new credential for the current roster from the control plane, now
-        (stored); CredentialUnavailable when it does not answer or refuses."""
-        return await self._obtain_joined_jwt(covering=True, renew=True)
-
-    def adopt(self, jwt: str) -> None:
-        """Hold ``jwt`` from now on: the next (re)connect presents it."""
-        self._adopt(jwt)
 
     def _adopt(self, jwt: str) -> None:
         """Hold ``jwt`` as the node credential, and what it grants with it.

@@ -960,35 +960,32 @@ class Node:
     def start_registration_check(self) -> None:
         """Check every REGISTRATION_CHECK_S that the registry still holds this
         node's registrations (:meth:`check_registrations`)."""
-        async def check() -> None:
-            await self.check_registrations()
-
-        job = PeriodicJob("registration-check", check, REGISTRATION_CHECK_S, jitter=0.1)
+        job = PeriodicJob("registration-check", self.check_registrations, REGISTRATION_CHECK_S, jitter=0.1)
         self._jobs[job.name] = job
         job.start()
 
-    async def check_registrations(self) -> bool:
+    async def check_registrations(self) -> None:
         """Ask the registry for one registered agent of this node; when it answers
         NOT_FOUND, its store was lost or reset (a mesh node whose JetStream
-        directory was wiped, a rebuilt cluster): register every agent again, and
-        return True. Without this the mesh knew none of this node's agents (they
+        directory was wiped, a rebuilt cluster): register every agent again.
+        Without this the mesh knew none of this node's agents (they
         could not be found, and their requests were refused as unvouched) until
         each vouch's renewal, up to two days later. One look-up a minute per node."""
         probe = next((h for h in self.agents.values() if h.registered and h.manifest), None)
         if probe is None:
-            return False
+            return
         subject = subjects.registry_get(probe.agent_id)
         if not self.grants.can_publish(subject):
-            return False  # a mesh built elsewhere may grant no look-up: nothing to ask with
+            return  # a mesh built elsewhere may grant no look-up: nothing to ask with
         try:
             await self.service_call(probe, subject, "discover", {"agent_id": probe.agent_id})
         except RemoteError as exc:
             if exc.code != "NOT_FOUND":
-                return False
+                return
         except ProtocolError:
-            return False  # the registry away or slow: not the question asked here
+            return  # the registry away or slow: not the question asked here
         else:
-            return False
+            return
         log.warning(
             "the registry no longer knows this node's agents (%s: NOT_FOUND): its store was lost or reset; "
             "registering every agent again", probe.name,
@@ -999,7 +996,6 @@ class Node:
                 await self.register(hosted)
 
         await self.each_agent(again)
-        return True
 
     async def stop_jobs(self) -> None:
         for job in list(self._jobs.values()):
